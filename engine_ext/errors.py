@@ -1,0 +1,53 @@
+"""Errors with a reason callers can map to an HTTP status or an exit message."""
+
+
+class DeltaError(Exception):
+    """Base class. ``reason`` is a short machine-readable label (metrics, JSON answers)."""
+
+    reason = "error"
+    http_status = 500
+
+
+class SourceError(DeltaError):
+    """The store could not be read (missing object, network failure, refused source)."""
+
+    reason = "fetch"
+    http_status = 502
+
+
+class NotFoundError(SourceError):
+    reason = "not_found"
+    http_status = 404
+
+
+class ForbiddenSourceError(SourceError):
+    reason = "forbidden_source"
+    http_status = 403
+
+
+class ManifestError(DeltaError):
+    """The manifest is malformed, of an unknown format version, or exceeds limits."""
+
+    reason = "bad_manifest"
+    http_status = 400
+
+
+class IntegrityError(DeltaError):
+    """A blob's size or SHA-256 does not match, or its content does not decode cleanly."""
+
+    reason = "integrity"
+    http_status = 422
+
+
+class BaseMismatchError(DeltaError):
+    """The delta applies to another version/fingerprint than the one held."""
+
+    reason = "base_mismatch"
+    http_status = 409
+
+
+class VerifyError(DeltaError):
+    """The result of an apply does not have the fingerprint the manifest promises."""
+
+    reason = "verify"
+    http_status = 500
