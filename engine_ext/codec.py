@@ -1,0 +1,170 @@
+"""Encode and decode one tensor's changed positions and values (lossless, bounded).
+
+Positions are gaps ``p[k] - p[k-1] - 1`` (``p[-1] = -1``) of the sorted flat indices;
+values are either the new raw bits (``abs``) or ordered-space steps (``rel``). Both
+are integer sequences that pcodec (``pco``) codes within a few percent of their
+first-order entropy, faster than zstd decodes its larger output (see
+docs/benchmarks.md). ``zstd`` (with byte planes split for values) is kept for tiny
+segments where pco's header dominates. Decoding never allocates more than the
+manifest-declared count, which the caller bounds before fetching.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pcodec
+import torch
+import zstandard
+
+from .dtypes import DType, step_between
+from .errors import IntegrityError
+
+ZSTD_LEVEL = 3
+SMALL = 4096  # below this many changes also try zstd and keep the smaller
+_NP_INT = {8: np.int8, 16: np.int16, 32: np.int32, 64: np.int64}
+_PCO = pcodec.ChunkConfig()
+
+
+@dataclass
+class Encoded:
+    pos_coder: str
+    pos: bytes
+    mode: str
+    val_coder: str
+    val: bytes
+
+
+def _gap_dtype(numel: int):
+    return np.uint32 if numel <= 1 << 32 else np.uint64
+
+
+def _pco(arr: np.ndarray) -> bytes:
+    return pcodec.standalone.simple_compress(np.ascontiguousarray(arr), _PCO)
+
+
+def _planes(arr: np.ndarray) -> bytes:
+    """Bytes of ``arr`` with byte k of every element stored together (zstd likes it)."""
+    b = arr.view(np.uint8).reshape(-1, arr.itemsize)
+    return np.ascontiguousarray(b.T).tobytes()
+
+
+def _unplanes(data: bytes, dtype, n: int) -> np.ndarray:
+    size = np.dtype(dtype).itemsize
+    b = np.frombuffer(data, np.uint8).reshape(size, n)
+    return np.ascontiguousarray(b.T).view(dtype).reshape(n)
+
+
+def _zstd(data: bytes) -> bytes:
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(data)
+
+
+def _for_pco(bits: np.ndarray) -> np.ndarray:
+    return bits.astype(np.int16) if bits.itemsize == 1 else bits
+
+
+def encode_positions(pos: np.ndarray, numel: int) -> tuple[str, bytes]:
+    if pos.size == numel:
+        return "all", b""
+    gaps = np.diff(pos, prepend=np.int64(-1)) - 1
+    gaps = gaps.astype(_gap_dtype(numel))
+    best = ("pco", _pco(gaps))
+    if pos.size < SMALL:
+        z = ("zstd", _zstd(gaps.tobytes()))
+        best = min(best, z, key=lambda c: len(c[1]))
+    return best
+
+
+def encode_values(values: np.ndarray) -> tuple[str, bytes]:
+    best = ("pco", _pco(_for_pco(values)))
+    if values.size < SMALL:
+        best = min(best, ("zstd", _zstd(_planes(values))), key=lambda c: len(c[1]))
+    return best
+
+
+def encode(dtype: DType, numel: int, positions: torch.Tensor, new_bits: torch.Tensor,
+           old_bits: torch.Tensor | None, mode: str | None = None) -> Encoded:
+    """Encode changes at ``positions`` (sorted int64) to ``new_bits``.
+
+    With ``old_bits`` (the base bits at the same positions) both value modes are
+    tried and the smaller kept, unless ``mode`` forces one. Tensors on any device.
+    """
+    pos = positions.detach().cpu().numpy().astype(np.int64, copy=False)
+    pos_coder, pos_bytes = encode_positions(pos, numel)
+    candidates = []
+    if mode in (None, "abs") or old_bits is None:
+        candidates.append(("abs", *encode_values(new_bits.detach().cpu().numpy())))
+    if old_bits is not None and mode in (None, "rel"):
+        steps = step_between(old_bits, new_bits, dtype.is_float)
+        candidates.append(("rel", *encode_values(steps.detach().cpu().numpy())))
+    m, val_coder, val_bytes = min(candidates, key=lambda c: len(c[2]))
+    return Encoded(pos_coder, pos_bytes, m, val_coder, val_bytes)
+
+
+def decode_positions(coder: str, data: bytes, nnz: int, numel: int) -> torch.Tensor | None:
+    """Sorted unique int64 positions in [0, numel); None for 'all'. Raises IntegrityError."""
+    if coder == "all":
+        if nnz != numel or data:
+            raise IntegrityError("'all' positions with a count other than numel")
+        return None
+    gdt = _gap_dtype(numel)
+    if coder == "pco":
+        gaps = _pco_decode(data, gdt, nnz, "positions")
+    elif coder == "zstd":
+        gaps = np.frombuffer(_zstd_decode(data, nnz * np.dtype(gdt).itemsize, "positions"), gdt)
+    else:
+        raise IntegrityError(f"unknown positions coder {coder!r}")
+    if nnz and int(gaps.max()) >= numel:
+        raise IntegrityError("position gap beyond the tensor")
+    pos = np.cumsum(gaps.astype(np.int64) + 1) - 1
+    if nnz and pos[-1] >= numel:
+        raise IntegrityError(f"position {int(pos[-1])} beyond the tensor's {numel} elements")
+    return torch.from_numpy(pos)
+
+
+def decode_values(coder: str, data: bytes, nnz: int, dtype: DType) -> torch.Tensor:
+    np_int = _NP_INT[dtype.bits]
+    if coder == "raw":
+        if len(data) != nnz * dtype.itemsize:
+            raise IntegrityError("raw values of the wrong length")
+        vals = np.frombuffer(data, np_int).copy()
+    elif coder == "pco":
+        wide = _pco_decode(data, np.int16 if dtype.bits == 8 else np_int, nnz, "values")
+        if dtype.bits == 8:
+            if nnz and (wide.min() < -128 or wide.max() > 127):
+                raise IntegrityError("8-bit values out of range")
+            wide = wide.astype(np.int8)
+        vals = wide
+    elif coder == "zstd":
+        raw = _zstd_decode(data, nnz * dtype.itemsize, "values")
+        vals = _unplanes(raw, np_int, nnz)
+    else:
+        raise IntegrityError(f"unknown values coder {coder!r}")
+    return torch.from_numpy(vals)
+
+
+def _pco_decode(data: bytes, dtype, n: int, what: str) -> np.ndarray:
+    out = np.empty(n, dtype=dtype)
+    try:
+        progress = pcodec.standalone.simple_decompress_into(data, out)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise IntegrityError(f"{what}: corrupt pco stream ({e})") from None
+    if progress.n_processed != n or not progress.finished:
+        raise IntegrityError(f"{what}: pco stream holds a different count than the manifest's {n}")
+    return out
+
+
+def _zstd_decode(data: bytes, expected: int, what: str) -> bytes:
+    try:
+        params = zstandard.get_frame_parameters(data)
+    except zstandard.ZstdError as e:
+        raise IntegrityError(f"{what}: corrupt zstd frame ({e})") from None
+    if params.content_size != expected:
+        raise IntegrityError(f"{what}: zstd frame declares {params.content_size} bytes, expected {expected}")
+    try:
+        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=expected)
+    except zstandard.ZstdError as e:
+        raise IntegrityError(f"{what}: corrupt zstd frame ({e})") from None
+    if len(out) != expected:
+        raise IntegrityError(f"{what}: zstd frame decoded to {len(out)} bytes, expected {expected}")
+    return out

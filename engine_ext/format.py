@@ -1,0 +1,249 @@
+"""The manifest of a published version (format version 1; spec in docs/FORMAT.md).
+
+A manifest is small JSON naming the versions, fingerprints, blobs and, per tensor,
+where its encoded positions and values lie. Parsing validates everything a hostile
+manifest could abuse (sizes, counts, offsets, names) before any blob is fetched.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+
+from . import fingerprint as fpr
+from .dtypes import dtype_by_name
+from .errors import ManifestError
+
+FORMAT = "engine-ext-delta"
+FORMAT_VERSION = 1
+DELTA, ANCHOR = "delta", "anchor"
+POSITION_CODERS = {"none", "all", "pco", "zstd"}
+VALUE_CODERS = {"none", "raw", "pco", "zstd"}
+MODES = {"abs", "rel"}
+
+# Limits that bound the work a hostile manifest can cause.
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_TENSORS = 1_000_000
+MAX_NUMEL = 1 << 40
+MAX_NDIM = 8
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+_KEY_RE = re.compile(r"^[A-Za-z0-9._-]+$")  # blob keys are plain names next to the manifest
+
+
+def manifest_key(version: int, kind: str = DELTA) -> str:
+    return f"v{version:08d}.json" if kind == DELTA else f"v{version:08d}.anchor.json"
+
+
+LATEST_KEY = "LATEST"
+
+
+@dataclass
+class Blob:
+    key: str
+    size: int
+    sha256: str
+
+
+@dataclass
+class Segment:
+    coder: str
+    length: int
+    mode: str | None = None  # values only
+
+
+@dataclass
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: list[int]
+    nnz: int
+    fingerprint: str
+    base_fingerprint: str | None = None
+    blob: int | None = None
+    offset: int = 0  # positions bytes first, values right after
+    sha256: str | None = None  # of the tensor's bytes [offset, offset + positions + values)
+    positions: Segment = field(default_factory=lambda: Segment("none", 0))
+    values: Segment = field(default_factory=lambda: Segment("none", 0))
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def length(self) -> int:
+        return self.positions.length + self.values.length
+
+
+@dataclass
+class Manifest:
+    kind: str
+    model: str
+    version: int
+    fingerprint: str
+    base_version: int | None = None
+    base_fingerprint: str | None = None
+    anchor_version: int | None = None  # newest anchor at or before this version
+    created_unix: float = 0.0
+    blobs: list[Blob] = field(default_factory=list)
+    tensors: list[TensorEntry] = field(default_factory=list)
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(b.size for b in self.blobs)
+
+    def to_json(self) -> bytes:
+        d = asdict(self)
+        return json.dumps(d, indent=1, sort_keys=False).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "Manifest":
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
+        try:
+            d = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"manifest is not valid JSON: {e}") from None
+        try:
+            m = _parse(d)
+        except ManifestError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ManifestError(f"malformed manifest: {type(e).__name__}: {e}") from None
+        m.validate()
+        return m
+
+    def validate(self) -> None:
+        """Raise ManifestError unless every field is consistent and within limits."""
+        def bad(msg):
+            raise ManifestError(msg)
+
+        if self.format != FORMAT or self.format_version != FORMAT_VERSION:
+            bad(f"unknown format {self.format!r} version {self.format_version!r} (this reader: {FORMAT} {FORMAT_VERSION})")
+        if self.kind not in (DELTA, ANCHOR):
+            bad(f"unknown kind {self.kind!r}")
+        if not _is_int(self.version) or self.version < 0:
+            bad(f"bad version {self.version!r}")
+        if self.kind == DELTA and (not _is_int(self.base_version) or not 0 <= self.base_version < self.version):
+            bad(f"a delta needs a base_version below its version, got {self.base_version!r} -> {self.version}")
+        fpr.parse(self.fingerprint)
+        if self.kind == DELTA:
+            fpr.parse(self.base_fingerprint)
+        if len(self.tensors) > MAX_TENSORS:
+            bad(f"{len(self.tensors)} tensors, over the {MAX_TENSORS} limit")
+        for b in self.blobs:
+            if not _KEY_RE.match(b.key) or b.key.startswith("."):
+                bad(f"bad blob key {b.key!r}")
+            if not _is_int(b.size) or b.size < 0 or not _SHA_RE.match(b.sha256):
+                bad(f"bad blob entry {b.key!r}")
+        names = set()
+        per_blob = [[] for _ in self.blobs]
+        tensor_fps = []
+        for t in self.tensors:
+            where = f"tensor {t.name!r}"
+            if not isinstance(t.name, str) or not t.name or t.name in names:
+                bad(f"bad or duplicate tensor name {t.name!r}")
+            names.add(t.name)
+            dtype_by_name_checked(t.dtype, where)
+            if not isinstance(t.shape, list) or len(t.shape) > MAX_NDIM or not all(_is_int(s) and s >= 0 for s in t.shape):
+                bad(f"{where}: bad shape {t.shape!r}")
+            if t.numel > MAX_NUMEL:
+                bad(f"{where}: {t.numel} elements, over the {MAX_NUMEL} limit")
+            if not _is_int(t.nnz) or not 0 <= t.nnz <= t.numel:
+                bad(f"{where}: nnz {t.nnz!r} outside [0, {t.numel}]")
+            fpr.parse(t.fingerprint)
+            if self.kind == DELTA:
+                fpr.parse(t.base_fingerprint)
+            tensor_fps.append((t.name, fpr.parse(t.fingerprint)))
+            p, v = t.positions, t.values
+            if p.coder not in POSITION_CODERS or v.coder not in VALUE_CODERS:
+                bad(f"{where}: unknown coder {p.coder!r}/{v.coder!r}")
+            if not (_is_int(p.length) and _is_int(v.length) and p.length >= 0 and v.length >= 0):
+                bad(f"{where}: bad segment lengths")
+            if t.nnz == 0:
+                if p.coder != "none" or v.coder != "none" or t.length:
+                    bad(f"{where}: an unchanged tensor carries no bytes")
+                if self.kind == DELTA and t.fingerprint != t.base_fingerprint:
+                    bad(f"{where}: unchanged but fingerprints differ")
+                continue
+            if v.mode not in MODES:
+                bad(f"{where}: unknown value mode {v.mode!r}")
+            if self.kind == ANCHOR and (v.mode != "abs" or p.coder != "all"):
+                bad(f"{where}: anchors hold every element as absolute bits")
+            if (p.coder == "all") != (t.nnz == t.numel) or (p.coder == "all" and p.length):
+                bad(f"{where}: positions coder 'all' iff every element changes, with no bytes")
+            if p.coder == "none" or v.coder == "none":
+                bad(f"{where}: changed elements need positions and values")
+            if v.coder == "raw" and v.length != t.nnz * dtype_by_name(t.dtype).itemsize:
+                bad(f"{where}: raw values must be nnz * itemsize bytes")
+            if not _is_int(t.blob) or not 0 <= t.blob < len(self.blobs):
+                bad(f"{where}: bad blob index {t.blob!r}")
+            if not _is_int(t.offset) or t.offset < 0 or t.offset + t.length > self.blobs[t.blob].size:
+                bad(f"{where}: byte range beyond its blob")
+            if t.sha256 is None or not _SHA_RE.match(t.sha256):
+                bad(f"{where}: missing or bad sha256")
+            per_blob[t.blob].append((t.offset, t.offset + t.length, t.name))
+        for ranges in per_blob:
+            ranges.sort()
+            for (_, end, a), (start, _, b) in zip(ranges, ranges[1:]):
+                if start < end:
+                    bad(f"tensors {a!r} and {b!r} overlap in their blob")
+        if fpr.fmt(fpr.model_fingerprint(tensor_fps)) != self.fingerprint:
+            bad("model fingerprint does not match the tensors' fingerprints")
+        if self.kind == DELTA:
+            base = fpr.model_fingerprint((t.name, fpr.parse(t.base_fingerprint)) for t in self.tensors)
+            if fpr.fmt(base) != self.base_fingerprint:
+                bad("base model fingerprint does not match the tensors' base fingerprints")
+
+
+def dtype_by_name_checked(name, where):
+    try:
+        return dtype_by_name(name)
+    except (ValueError, TypeError):
+        raise ManifestError(f"{where}: unsupported dtype {name!r}") from None
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _parse(d: dict) -> Manifest:
+    if not isinstance(d, dict):
+        raise ManifestError("manifest must be a JSON object")
+    tensors = []
+    for t in d["tensors"]:
+        t = dict(t)
+        t["positions"] = Segment(**t.get("positions", {"coder": "none", "length": 0}))
+        t["values"] = Segment(**t.get("values", {"coder": "none", "length": 0}))
+        tensors.append(TensorEntry(**t))
+    blobs = [Blob(**b) for b in d.get("blobs", [])]
+    rest = {k: v for k, v in d.items() if k not in ("tensors", "blobs")}
+    return Manifest(blobs=blobs, tensors=tensors, **rest)
+
+
+@dataclass
+class Latest:
+    """The LATEST pointer: the newest complete version and the newest anchor."""
+
+    version: int
+    manifest: str
+    fingerprint: str
+    anchor_version: int | None = None
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "Latest":
+        try:
+            d = json.loads(data)
+            lt = cls(**d)
+        except (ValueError, TypeError, UnicodeDecodeError) as e:
+            raise ManifestError(f"bad LATEST pointer: {e}") from None
+        if not _is_int(lt.version) or not isinstance(lt.manifest, str) or not _KEY_RE.match(lt.manifest):
+            raise ManifestError(f"bad LATEST pointer: {d!r}")
+        return lt
