@@ -52,7 +52,7 @@ def _planes(arr: np.ndarray) -> bytes:
 def _unplanes(data: bytes, dtype, n: int) -> np.ndarray:
     size = np.dtype(dtype).itemsize
     b = np.frombuffer(data, np.uint8).reshape(size, n)
-    return np.ascontiguousarray(b.T).view(dtype).reshape(n)
+    return np.array(b.T, order="C").view(dtype).reshape(n)
 
 
 def _zstd(data: bytes) -> bytes:

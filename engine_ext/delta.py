@@ -94,3 +94,49 @@ def apply_tensor(base: torch.Tensor | None, td: TensorDelta, check: bool = True)
         if got != td.fingerprint:
             raise ValueError(f"{td.name}: result fingerprint {fpr.fmt(got)} != expected {fpr.fmt(td.fingerprint)}")
     return out
+
+
+def compose(chain: list[TensorDelta]) -> list[TensorDelta]:
+    """Fold successive deltas of one tensor into one apply (last writer wins).
+
+    Relative steps add up (mod 2^width) in ordered bit space; an absolute value
+    followed by steps stays absolute. Returns one delta per mode present (an
+    absolute part and a relative part on disjoint positions); elements whose steps
+    sum to zero are dropped. The parts carry the first base and the last result
+    fingerprint.
+    """
+    first, last = chain[0], chain[-1]
+    empty = torch.empty(0, dtype=torch.int64)
+    abs_pos, abs_val = empty, torch.empty(0, dtype=first.dtype.int_view)
+    rel_pos, rel_val = empty, torch.empty(0, dtype=first.dtype.int_view)
+    for d in chain:
+        if (d.name, d.shape, d.dtype) != (first.name, first.shape, first.dtype):
+            raise ValueError(f"cannot compose deltas of different tensors: {d.name} {d.shape} vs {first.name} {first.shape}")
+        pos = d.index()
+        if d.mode == ABS:
+            keep = ~torch.isin(rel_pos, pos)
+            rel_pos, rel_val = rel_pos[keep], rel_val[keep]
+            keep = ~torch.isin(abs_pos, pos)
+            abs_pos, order = torch.sort(torch.cat([abs_pos[keep], pos]))
+            abs_val = torch.cat([abs_val[keep], d.values])[order]
+        else:
+            in_abs = torch.isin(pos, abs_pos)
+            at = torch.searchsorted(abs_pos, pos[in_abs])
+            abs_val[at] = apply_step(abs_val[at], d.values[in_abs], d.dtype.is_float)
+            pos, steps = pos[~in_abs], d.values[~in_abs]
+            in_rel = torch.isin(pos, rel_pos)
+            at = torch.searchsorted(rel_pos, pos[in_rel])
+            rel_val[at] = rel_val[at] + steps[in_rel]
+            rel_pos, order = torch.sort(torch.cat([rel_pos, pos[~in_rel]]))
+            rel_val = torch.cat([rel_val, steps[~in_rel]])[order]
+            nonzero = rel_val != 0
+            rel_pos, rel_val = rel_pos[nonzero], rel_val[nonzero]
+    out = []
+    common = dict(name=first.name, dtype=first.dtype, shape=first.shape,
+                  base_fingerprint=first.base_fingerprint, fingerprint=last.fingerprint)
+    if abs_pos.numel():
+        dense = abs_pos.numel() == first.numel
+        out.append(TensorDelta(mode=ABS, positions=None if dense else abs_pos, values=abs_val, **common))
+    if rel_pos.numel():
+        out.append(TensorDelta(mode=REL, positions=rel_pos, values=rel_val, **common))
+    return out

@@ -1,0 +1,202 @@
+"""Trainer side: publish each new weight version as a delta against the previous one.
+
+``DeltaPublisher.publish`` compares the new bits with the bits it kept from the
+previous version on the tensors' own device (GPU on a GPU trainer), so only the
+changed positions and values ever leave the device; fingerprints are updated in
+O(changed). Encoding (all cores) and upload run on a background thread behind a
+bounded queue: ``publish`` returns the manifest URI at once and blocks only when the
+queue is full (backpressure); ``wait()`` drains it and re-raises upload errors.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from . import codec
+from . import fingerprint as fpr
+from .builder import VersionBuilder
+from .dtypes import as_bits, dtype_of
+from .format import ANCHOR, DELTA, manifest_key
+from .store import Store, open_store
+
+WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def clean_state_dict(model_or_sd) -> dict[str, torch.Tensor]:
+    """A flat {checkpoint name: tensor} from an nn.Module or state dict, wrapper prefixes stripped."""
+    sd = model_or_sd.state_dict() if isinstance(model_or_sd, torch.nn.Module) else dict(model_or_sd)
+    out = {}
+    for name, t in sd.items():
+        for p in WRAPPER_PREFIXES:
+            name = name.replace(p, "")
+        if not isinstance(t, torch.Tensor):
+            continue
+        if name in out and out[name].data_ptr() != t.data_ptr():
+            raise ValueError(f"two tensors map to the checkpoint name {name!r}")
+        out[name] = t
+    return out
+
+
+@dataclass
+class _Change:
+    name: str
+    dtype: object
+    shape: tuple
+    positions: torch.Tensor  # CPU int64
+    new_bits: torch.Tensor  # CPU
+    old_bits: torch.Tensor  # CPU
+    base_fp: int
+    fp: int
+
+
+class DeltaPublisher:
+    """Publish versions of a model's weights to a store as deltas (plus periodic anchors).
+
+    Args:
+        store: a Store or a root URI (local path, file://, http(s)://, s3://, hf://).
+        model: model identity written into manifests.
+        anchor_every: write a full anchor every K versions (0: only the first).
+        keep_on_cpu: keep the previous bits in CPU memory instead of on the device.
+        mode: None (smaller of abs/rel per tensor), "abs" or "rel".
+        queue_size: versions that may wait for upload before publish() blocks.
+    """
+
+    def __init__(self, store: Store | str, model: str = "model", *, anchor_every: int = 50,
+                 keep_on_cpu: bool = False, mode: str | None = None, queue_size: int = 2,
+                 workers: int | None = None, start_version: int = 0, blob_target: int | None = None):
+        self.store = open_store(store) if isinstance(store, (str, os.PathLike)) else store
+        self.model, self.anchor_every, self.keep_on_cpu, self.mode = model, anchor_every, keep_on_cpu, mode
+        self.workers = workers or os.cpu_count() or 1
+        self.blob_target = blob_target
+        self.version: int | None = None
+        self.next_version = start_version
+        self.anchor_version: int | None = None
+        self._prev: dict[str, torch.Tensor] = {}  # raw bits of the last published version
+        self._fps: dict[str, int] = {}
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._error: BaseException | None = None
+        self._pool = ThreadPoolExecutor(self.workers)
+        self._thread = threading.Thread(target=self._upload_loop, name="engine-ext-publisher", daemon=True)
+        self._thread.start()
+
+    # -- trainer-facing -------------------------------------------------------
+    def publish(self, model_or_state_dict, version: int | None = None) -> str:
+        """Snapshot the changes since the last version and queue them; returns the manifest URI."""
+        self._raise_pending()
+        sd = clean_state_dict(model_or_state_dict)
+        version = self.next_version if version is None else version
+        if self.version is not None and version <= self.version:
+            raise ValueError(f"version {version} must be above the last published {self.version}")
+        jobs = []
+        first = self.version is None
+        if first or (self.anchor_every and version % self.anchor_every == 0):
+            jobs.append(self._snapshot_anchor(sd, version, first))
+        if not first:
+            jobs.append(self._snapshot_delta(sd, version))
+        self._remember(sd)
+        self.version, self.next_version = version, version + 1
+        for job in jobs:
+            self._queue.put(job)  # blocks when uploads fall behind: backpressure
+        return self.store.key_uri(manifest_key(version, ANCHOR if first else DELTA))
+
+    def wait(self) -> None:
+        """Block until every queued version is published; re-raise the first failure."""
+        self._queue.join()
+        self._raise_pending()
+
+    def close(self) -> None:
+        self.wait()
+        self._queue.put(None)
+        self._thread.join()
+        self._pool.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- snapshots (on the training thread, on the tensors' device) -------------
+    def _snapshot_delta(self, sd, version):
+        if set(sd) != set(self._prev):
+            raise ValueError(f"tensor names changed since version {self.version}: "
+                             f"added {sorted(set(sd) - set(self._prev))[:5]}, removed {sorted(set(self._prev) - set(sd))[:5]}")
+        changes = []
+        for name, t in sd.items():
+            new = as_bits(t.detach()).reshape(-1)
+            old = self._prev[name]
+            if old.device != new.device:
+                old = old.to(new.device, non_blocking=True)
+            if old.shape != new.shape or old.dtype != new.dtype:
+                raise ValueError(f"{name}: shape or dtype changed since the last version")
+            pos = torch.nonzero(old != new).reshape(-1)
+            nb, ob = new[pos], old[pos]
+            fp = fpr.update_fingerprint(self._fps[name], pos, ob, nb)
+            changes.append(_Change(name, dtype_of(t), tuple(t.shape), pos.cpu(), nb.cpu(), ob.cpu(), self._fps[name], fp))
+            self._fps[name] = fp
+        return ("delta", version, self.version, self.anchor_version, changes)
+
+    def _snapshot_anchor(self, sd, version, first):
+        if first:
+            self._fps = {n: fpr.tensor_fingerprint(t) for n, t in sd.items()}
+        self.anchor_version = version
+        cpu = {n: t.detach().to("cpu", copy=True) for n, t in sd.items()}
+        fps = {n: fpr.tensor_fingerprint(t) for n, t in cpu.items()} if not first else dict(self._fps)
+        return ("anchor", version, None, version, (cpu, fps))
+
+    def _remember(self, sd):
+        for name, t in sd.items():
+            bits = as_bits(t.detach()).reshape(-1)
+            dev = "cpu" if self.keep_on_cpu else bits.device
+            prev = self._prev.get(name)
+            if prev is not None and prev.device == torch.device(dev) and prev.shape == bits.shape:
+                prev.copy_(bits)  # reuse the buffer
+            else:
+                self._prev[name] = bits.to(dev, copy=True)
+
+    # -- background encode + upload --------------------------------------------
+    def _upload_loop(self):
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                if self._error is None:
+                    self._build(*job)
+            except BaseException as e:  # surfaced by publish()/wait()
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+    def _build(self, kind, version, base_version, anchor_version, payload):
+        opts = {} if self.blob_target is None else {"blob_target": self.blob_target}
+        b = VersionBuilder(kind, self.model, version, base_version, anchor_version, **opts)
+        if kind == "anchor":
+            tensors, fps = payload
+            for shard in b.anchor_shards([(n, dtype_of(t), tuple(t.shape)) for n, t in tensors.items()]):
+                w = b.open_anchor_shard(shard)
+                for name, _, _ in shard:
+                    b.add_anchor_tensor(w, name, tensors[name], fps[name])
+                w.close()
+        else:
+            def enc(c: _Change):
+                if c.positions.numel() == 0:
+                    return None
+                return codec.encode(c.dtype, int(torch.Size(c.shape).numel()), c.positions, c.new_bits, c.old_bits, self.mode)
+
+            for c, e in zip(payload, self._pool.map(enc, payload)):
+                if e is None:
+                    b.add_unchanged(c.name, c.dtype, c.shape, c.fp)
+                else:
+                    b.add_delta(c.name, c.dtype, c.shape, c.positions.numel(), e, c.base_fp, c.fp)
+        b.publish(self.store)
+
+    def _raise_pending(self):
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise RuntimeError(f"publishing failed: {e}") from e
