@@ -1,0 +1,37 @@
+"""Shared fixtures. Server fixtures start real loopback servers once per module
+(helpers in tests/servers.py)."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # `import servers` from any test module
+
+from servers import serve_http, serve_s3  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def http_server(tmp_path_factory):
+    """Static HTTP server (Range, optional PUT/auth/failures) over a fresh temp dir.
+    Module-scoped: call ``http_server.reset()`` to clear switches set by an earlier test."""
+    with serve_http(tmp_path_factory.mktemp("http_root")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """moto_server on loopback; dummy AWS credentials and ENGINE_EXT_S3_ENDPOINT are set
+    in os.environ while the module runs (``s3_server.env`` has them for subprocesses)."""
+    with pytest.MonkeyPatch.context() as mp, serve_s3() as srv:
+        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+            mp.delenv(name, raising=False)
+        for name, value in srv.env.items():
+            mp.setenv(name, value)
+        yield srv
+
+
+@pytest.fixture
+def s3_bucket(s3_server) -> str:
+    """A fresh empty bucket on the module's moto server."""
+    return s3_server.make_bucket()
