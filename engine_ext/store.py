@@ -138,7 +138,7 @@ class LocalStore(Store):
     def _open(self, key: str):
         try:
             return open(self._p(key), "rb")
-        except (FileNotFoundError, NotADirectoryError):
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise NotFoundError(f"not found: {self.key_uri(key)}") from None
         except OSError as e:
             raise SourceError(f"cannot read {self.key_uri(key)}: {e}") from e

@@ -85,7 +85,6 @@ class RangeHandler(SimpleHTTPRequestHandler):
     def _gate(self) -> bool:
         st = self.state
         with st.lock:
-            st.requests.append((self.command, self.path, dict(self.headers)))
             fail = st.fail_next > 0
             if fail:
                 st.fail_next -= 1
@@ -106,6 +105,7 @@ class RangeHandler(SimpleHTTPRequestHandler):
     def _serve(self, body: bool) -> None:
         st = self.state
         with st.lock:
+            st.requests.append((self.command, self.path, dict(self.headers)))
             st.inflight += 1
             st.max_inflight = max(st.max_inflight, st.inflight)
         try:
@@ -161,6 +161,8 @@ class RangeHandler(SimpleHTTPRequestHandler):
             self.close_connection = True  # the client hung up early (e.g. after its range)
 
     def do_PUT(self):
+        with self.state.lock:
+            self.state.requests.append((self.command, self.path, dict(self.headers)))
         if not self._gate():
             return
         if not self.state.allow_put:

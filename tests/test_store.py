@@ -80,6 +80,8 @@ def test_local_store(tmp_path):
     check_writable(store)
     assert store.key_uri("a/b/blob.bin") == str(tmp_path / "run" / "a" / "b" / "blob.bin")
     assert not (tmp_path / "escape").exists()
+    with pytest.raises(NotFoundError):
+        store.read("a/b")  # a directory is not an object
     assert oct((tmp_path / "run" / "empty").stat().st_mode & 0o777) == "0o644"
 
 
@@ -179,6 +181,16 @@ def test_http_retries_exhausted(http):
         store.read("a/b/blob.bin")
     assert not isinstance(e.value, NotFoundError)
     assert len(gets(srv)) == 3  # first try + 2 retries
+
+
+def test_http_read_timeout_is_retried_then_reported(http):
+    srv, root = http
+    srv.delay = 1.0  # the server stalls longer than the read timeout on every request
+    store = open_store(root, read_timeout=0.3, retries=1, backoff=0.01)
+    with pytest.raises(SourceError, match="timed out"):
+        store.read("a/b/blob.bin")
+    assert len(gets(srv)) == 2  # first try + 1 retry
+    srv.delay = 0.0
 
 
 def test_http_connection_refused():
