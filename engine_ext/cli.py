@@ -1,0 +1,209 @@
+"""engine-ext: diff, apply, inspect and anchor safetensors checkpoints against a store."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+from . import codec
+from . import fingerprint as fpr
+from .builder import VersionBuilder
+from .checkpoint import INDEX_NAME, CheckpointDir, SafetensorsWriter
+from .delta import apply_tensor
+from .dtypes import as_bits, dtype_by_name
+from .errors import BaseMismatchError, DeltaError
+from .format import ANCHOR, DELTA
+from .reader import read_latest, read_manifest, load_delta
+from .store import NotFoundError, open_store, split_uri
+
+
+def _bar(items, desc, total=None):
+    return tqdm(items, desc=desc, total=total, unit="tensor", file=sys.stderr, disable=None, leave=False)
+
+
+def _lineage(store, old_fp: int | None):
+    """(base version, anchor version) from the store's LATEST when it holds ``old_fp``."""
+    try:
+        latest = read_latest(store)
+    except NotFoundError:
+        return None, None
+    if old_fp is not None and fpr.parse(latest.fingerprint) != old_fp:
+        return None, None
+    return latest.version, latest.anchor_version
+
+
+def cmd_diff(a) -> str:
+    old, new = CheckpointDir(a.old), CheckpointDir(a.new)
+    if set(old.tensors) != set(new.tensors):
+        raise DeltaError(f"the checkpoints hold different tensors: only in old {sorted(set(old.tensors) - set(new.tensors))[:5]}, "
+                         f"only in new {sorted(set(new.tensors) - set(old.tensors))[:5]}")
+    store = open_store(a.out)
+    b = VersionBuilder(DELTA, a.model or Path(a.new).name, 0)
+    old_fps = {}
+    for name in _bar(new.names(), "diff"):
+        o, n = old.load(name), new.load(name)
+        if o.shape != n.shape or o.dtype != n.dtype:
+            raise DeltaError(f"{name}: {tuple(o.shape)}/{o.dtype} in old, {tuple(n.shape)}/{n.dtype} in new")
+        ob, nb = as_bits(o).reshape(-1), as_bits(n).reshape(-1)
+        pos = (ob != nb).nonzero().reshape(-1)
+        fo, fn = fpr.tensor_fingerprint(o), fpr.tensor_fingerprint(n)
+        old_fps[name] = fo
+        dt = new.tensors[name].dtype
+        if pos.numel() == 0:
+            b.add_unchanged(name, dt, n.shape, fn)
+        else:
+            enc = codec.encode(dt, n.numel(), pos, nb[pos], ob[pos], a.mode)
+            b.add_delta(name, dt, n.shape, pos.numel(), enc, fo, fn)
+    base_version, anchor_version = _lineage(store, fpr.model_fingerprint(old_fps))
+    if a.base_version is not None:
+        base_version = a.base_version
+    m = b.manifest
+    m.base_version = 0 if base_version is None else base_version
+    m.version = a.version if a.version is not None else m.base_version + 1
+    m.anchor_version = anchor_version
+    return b.publish(store)
+
+
+def cmd_anchor(a) -> str:
+    ck = CheckpointDir(a.checkpoint)
+    store = open_store(a.out)
+    b = VersionBuilder(ANCHOR, a.model or Path(a.checkpoint).name, a.version, anchor_version=a.version)
+    infos = [(n, i.dtype, i.shape) for n, i in ck.tensors.items()]
+    with _bar(None, "anchor", total=len(infos)) as bar:
+        for shard in b.anchor_shards(infos):
+            w = b.open_anchor_shard(shard)
+            for name, _, _ in shard:
+                t = ck.load(name)
+                b.add_anchor_tensor(w, name, t, fpr.tensor_fingerprint(t))
+                bar.update()
+            w.close()
+    return b.publish(store)
+
+
+def cmd_apply(a) -> str:
+    out = Path(a.out)
+    if out.exists():
+        raise DeltaError(f"{out} exists; refusing to overwrite it")
+    d = load_delta(a.manifest)
+    by_name = {t.name: t for t in d.tensors}
+    base = CheckpointDir(a.base) if a.base else None
+    if base is None and d.kind != ANCHOR:
+        raise DeltaError("a delta needs --base")
+    if base is not None:
+        extra = set(base.tensors) - set(d.tensor_fingerprints)
+        missing = set(d.tensor_fingerprints) - set(base.tensors)
+        if extra or missing:
+            raise BaseMismatchError(f"base and manifest hold different tensors: only in base {sorted(extra)[:5]}, only in manifest {sorted(missing)[:5]}")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent if str(out.parent) else "."))
+    try:
+        if base is not None:
+            layout = {f: [(n, i.dtype, i.shape) for n, i in base.tensors.items() if i.file == f] for f in base.files}
+            for p in base.path.iterdir():  # config, tokenizer, index: copied as they are
+                if p.is_file() and not p.name.endswith(".safetensors"):
+                    shutil.copy2(p, tmp / p.name)
+        else:
+            layout = {"model.safetensors": [(t.name, t.dtype, t.shape) for t in d.tensors]}
+        with _bar(None, "apply", total=sum(len(v) for v in layout.values())) as bar:
+            for fname, infos in layout.items():
+                w = SafetensorsWriter(tmp / fname, infos)
+                for name, dt, shape in infos:
+                    t = base.load(name) if base is not None else None
+                    if t is not None and d.kind != ANCHOR:
+                        fp = fpr.tensor_fingerprint(t)
+                        if fp != d.tensor_base_fingerprints[name]:
+                            raise BaseMismatchError(f"{name}: base fingerprint {fpr.fmt(fp)}, the delta applies to {fpr.fmt(d.tensor_base_fingerprints[name])} (wrong base)")
+                    td = by_name.get(name)
+                    if td is not None:
+                        t = apply_tensor(None if d.kind == ANCHOR else t, td)
+                    elif fpr.tensor_fingerprint(t) != d.tensor_fingerprints[name]:
+                        raise BaseMismatchError(f"{name}: unchanged tensor differs from the version's fingerprint")
+                    w.write(name, t)
+                    bar.update()
+                w.close()
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return str(out)
+
+
+def cmd_inspect(a) -> str:
+    store, key = split_uri(a.manifest)
+    m = read_manifest(store, key)
+    rows, by_enc = [], {}
+    changed = numel = 0
+    for t in m.tensors:
+        numel += t.numel
+        changed += t.nnz
+        if t.nnz:
+            rows.append(t)
+            e = by_enc.setdefault(f"positions:{t.positions.coder}", [0, 0])
+            e[0] += t.nnz; e[1] += t.positions.length
+            e = by_enc.setdefault(f"values:{t.values.mode}-{t.values.coder}", [0, 0])
+            e[0] += t.nnz; e[1] += t.values.length
+    dense = sum(t.numel * dtype_by_name(t.dtype).itemsize for t in m.tensors)
+    if a.json:
+        return json.dumps({"kind": m.kind, "model": m.model, "base_version": m.base_version, "version": m.version,
+                           "tensors": len(m.tensors), "changed_tensors": len(rows), "elements": numel,
+                           "changed_elements": changed, "payload_bytes": m.payload_bytes, "dense_bytes": dense,
+                           "bytes_per_changed_element": {k: v[1] / v[0] for k, v in by_enc.items()}})
+    lines = [f"{m.kind} {m.model}: version {m.base_version} -> {m.version} (anchor {m.anchor_version})",
+             f"fingerprint {m.base_fingerprint} -> {m.fingerprint}",
+             f"tensors {len(m.tensors)} ({len(rows)} changed), elements {numel:,}, changed {changed:,} "
+             f"({100 * changed / max(numel, 1):.3f} %)",
+             f"payload {m.payload_bytes:,} B in {len(m.blobs)} blob(s); dense {dense:,} B; ratio {dense / max(m.payload_bytes, 1):.1f}x",
+             "bytes per changed element by encoding:"]
+    lines += [f"  {k:24s} {v[1] / max(v[0], 1):8.3f}  ({v[1]:,} B)" for k, v in sorted(by_enc.items())]
+    lines.append(f"{'tensor':60s} {'dtype':9s} {'density':>8s} {'bytes':>10s} {'B/elem':>7s}  encoding")
+    rows.sort(key=lambda t: -t.length)
+    for t in rows if a.all else rows[:20]:
+        lines.append(f"{t.name[:60]:60s} {t.dtype:9s} {100 * t.nnz / t.numel:7.3f}% {t.length:10,d} {t.length / t.nnz:7.3f}  "
+                     f"{t.positions.coder}+{t.values.mode}-{t.values.coder}")
+    if len(rows) > 20 and not a.all:
+        lines.append(f"... {len(rows) - 20} more changed tensors (--all)")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="engine-ext", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("diff", help="publish the delta between two checkpoint directories")
+    d.add_argument("old"); d.add_argument("new")
+    d.add_argument("--out", required=True, help="store root: path, file://, http(s)://, s3://bucket/prefix")
+    d.add_argument("--base-version", type=int, help="version of OLD (default: the store's LATEST if it is OLD, else 0)")
+    d.add_argument("--version", type=int, help="version of NEW (default: base + 1)")
+    d.add_argument("--mode", choices=["abs", "rel"], help="force a value mode (default: smaller per tensor)")
+    d.add_argument("--model", help="model identity written into the manifest")
+    d.set_defaults(fn=cmd_diff)
+    an = sub.add_parser("anchor", help="publish a full anchor of a checkpoint directory")
+    an.add_argument("checkpoint"); an.add_argument("--out", required=True)
+    an.add_argument("--version", type=int, default=0); an.add_argument("--model")
+    an.set_defaults(fn=cmd_anchor)
+    ap = sub.add_parser("apply", help="materialise the checkpoint a manifest produces")
+    ap.add_argument("manifest"); ap.add_argument("--base", help="checkpoint the delta applies to")
+    ap.add_argument("--out", required=True, help="new directory (must not exist)")
+    ap.set_defaults(fn=cmd_apply)
+    i = sub.add_parser("inspect", help="summarise a manifest")
+    i.add_argument("manifest"); i.add_argument("--all", action="store_true"); i.add_argument("--json", action="store_true")
+    i.set_defaults(fn=cmd_inspect)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        print(a.fn(a))
+    except (DeltaError, ValueError, FileNotFoundError, OSError) as e:
+        print(f"engine-ext {a.cmd}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

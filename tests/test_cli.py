@@ -1,0 +1,138 @@
+"""engine-ext diff / anchor / apply / inspect round trips on sharded bf16 checkpoints (real files, real CLI)."""
+import contextlib
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine_ext.checkpoint import CheckpointDir
+from engine_ext.cli import main
+from engine_ext.dtypes import as_bits
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.synthetic import AdamRL, llm_shapes  # noqa: E402
+
+
+def write_sharded(path: Path, sd: dict, shards: int = 2) -> Path:
+    """An HF-style checkpoint dir with an index file and ``shards`` shard files."""
+    path.mkdir(parents=True)
+    names = list(sd)
+    weight_map = {}
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: sd[n].contiguous() for n in names[s::shards]}
+        save_file(part, str(path / fname))
+        weight_map.update({n: fname for n in part})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def same(dir_a, dir_b):
+    a, b = CheckpointDir(dir_a), CheckpointDir(dir_b)
+    assert set(a.tensors) == set(b.tensors)
+    for n in a.tensors:
+        assert torch.equal(as_bits(a.load(n)), as_bits(b.load(n))), n
+    assert sorted(p.name for p in Path(dir_a).iterdir()) == sorted(p.name for p in Path(dir_b).iterdir())
+
+
+def run(*args) -> tuple[int, str]:
+    """The CLI in-process (torch imports once); test_console_script runs the real executable."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return code, out.getvalue() + err.getvalue()
+
+
+def test_console_script(versions, tmp_path):
+    p = subprocess.run(["engine-ext", "diff", str(versions[0]), str(versions[1]), "--out", str(tmp_path / "s")],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == str(tmp_path / "s" / "v00000001.json")
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    tr = AdamRL(llm_shapes(hidden=64, layers=2, vocab=512, inter=128, kv=32), lr=1e-5, seed=3)
+    dirs = [write_sharded(root / "v0", tr.weights())]
+    for k in range(1, 4):
+        dirs.append(write_sharded(root / f"v{k}", tr.step()))
+    return dirs
+
+
+def test_chain_round_trip(versions, tmp_path):
+    store = tmp_path / "store"
+    code, out = run("anchor", versions[0], "--out", store)
+    assert code == 0, out
+    uris = []
+    for k in range(1, len(versions)):
+        code, out = run("diff", versions[k - 1], versions[k], "--out", store)
+        assert code == 0, out
+        uris.append(out.strip().splitlines()[-1])
+        assert uris[-1].endswith(f"v{k:08d}.json")
+    cur = versions[0]
+    for k, uri in enumerate(uris, 1):
+        nxt = tmp_path / f"applied{k}"
+        code, out = run("apply", uri, "--base", cur, "--out", nxt)
+        assert code == 0, out
+        same(nxt, versions[k])
+        cur = nxt
+    anchor_out = tmp_path / "from_anchor"
+    assert main(["apply", str(store / "v00000000.anchor.json"), "--out", str(anchor_out)]) == 0
+    assert all(torch.equal(as_bits(CheckpointDir(anchor_out).load(n)), as_bits(CheckpointDir(versions[0]).load(n)))
+               for n in CheckpointDir(versions[0]).tensors)
+    code, out = run("inspect", uris[0])
+    assert code == 0 and "bytes per changed element" in out, out
+    code, out = run("inspect", uris[0], "--json")
+    info = json.loads(out)
+    assert info["version"] == 1 and 0 < info["changed_elements"] < info["elements"]
+
+
+def test_wrong_base_refused(versions, tmp_path):
+    store = tmp_path / "store"
+    code, out = run("diff", versions[1], versions[2], "--out", store, "--base-version", "1")
+    uri = out.strip().splitlines()[-1]
+    code, out = run("apply", uri, "--base", versions[0], "--out", tmp_path / "o")
+    assert code != 0 and "wrong base" in out
+    assert not (tmp_path / "o").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".o.tmp")]
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "manifest"])
+def test_damaged_store_refused(versions, tmp_path, damage):
+    store = tmp_path / "store"
+    code, out = run("diff", versions[0], versions[1], "--out", store)
+    uri = out.strip().splitlines()[-1]
+    blob = store / "v00000001.0.bin"
+    data = bytearray(blob.read_bytes())
+    if damage == "corrupt":
+        data[len(data) // 2] ^= 0x40
+        blob.write_bytes(bytes(data))
+    elif damage == "truncate":
+        blob.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        Path(uri).write_text(Path(uri).read_text()[:-40])
+    code, out = run("apply", uri, "--base", versions[0], "--out", tmp_path / "o")
+    assert code != 0 and "error" in out, out
+    assert not (tmp_path / "o").exists()
+
+
+def test_single_file_checkpoint_and_out_exists(versions, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for src, dst in ((versions[0], a), (versions[1], b)):
+        dst.mkdir()
+        sd = {n: t for n, t in CheckpointDir(src).iter_tensors()}
+        save_file(sd, str(dst / "model.safetensors"))
+    code, out = run("diff", a, b, "--out", tmp_path / "s")
+    uri = out.strip().splitlines()[-1]
+    code, out = run("apply", uri, "--base", a, "--out", tmp_path / "c")
+    assert code == 0, out
+    same(tmp_path / "c", b)
+    code, out = run("apply", uri, "--base", a, "--out", tmp_path / "c")
+    assert code != 0 and "exists" in out
