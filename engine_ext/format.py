@@ -110,11 +110,11 @@ class Manifest:
             raise ManifestError(f"manifest is not valid JSON: {e}") from None
         try:
             m = _parse(d)
+            m.validate()
         except ManifestError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ManifestError(f"malformed manifest: {type(e).__name__}: {e}") from None
-        m.validate()
         return m
 
     def validate(self) -> None:

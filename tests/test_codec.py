@@ -1,0 +1,150 @@
+"""Codec and format: lossless for every bit pattern, bounded and clean on hostile input."""
+import time
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine_ext import codec
+from engine_ext import fingerprint as fpr
+from engine_ext.delta import ABS, REL, TensorDelta, apply_tensor, compose, diff_tensor
+from engine_ext.dtypes import BY_NAME, apply_step, as_bits, step_between
+from engine_ext.errors import IntegrityError, ManifestError
+from engine_ext.format import Manifest
+
+DTYPES = list(BY_NAME.values())
+SPECIAL_F16 = [0x0000, 0x8000, 0x0001, 0x8001, 0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFFFF, 0x7BFF, 0x03FF]
+
+
+def random_bits(dt, n, rng):
+    """Raw bits covering every pattern class: random words plus zeros, signed zeros, infs, NaN payloads."""
+    info = np.iinfo({8: np.int8, 16: np.int16, 32: np.int32, 64: np.int64}[dt.bits])
+    bits = rng.integers(info.min, info.max, size=n, endpoint=True, dtype=info.dtype)
+    if dt.bits == 16 and n:
+        sp = np.array(SPECIAL_F16, dtype=np.uint16).view(np.int16)
+        bits[: min(n, len(sp))] = sp[: min(n, len(sp))]
+    if dt.name == "bool":
+        bits = (bits & 1).astype(np.int8)
+    return torch.from_numpy(bits)
+
+
+def to_tensor(dt, bits):
+    if dt.name == "bool":
+        return bits.view(torch.uint8).view(torch.bool)
+    return bits.view(dt.torch)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from(DTYPES), n=st.integers(0, 3000), density=st.sampled_from([0.0, 0.001, 0.03, 0.5, 1.0]),
+       seed=st.integers(0, 2**31), mode=st.sampled_from([None, "abs", "rel"]))
+def test_round_trip_every_dtype(dtype, n, density, seed, mode):
+    rng = np.random.default_rng(seed)
+    old = random_bits(dtype, n, rng)
+    new = old.clone()
+    change = torch.from_numpy(rng.random(n) < density)
+    new[change] = random_bits(dtype, int(change.sum()), rng)
+    pos = torch.nonzero(old != new).reshape(-1)
+    enc = codec.encode(dtype, n, pos, new[pos], old[pos], mode)
+    got_pos = codec.decode_positions(enc.pos_coder, enc.pos, pos.numel(), n)
+    vals = codec.decode_values(enc.val_coder, enc.val, pos.numel(), dtype)
+    got_pos = torch.arange(n) if got_pos is None else got_pos
+    assert torch.equal(got_pos, pos)
+    got = vals if enc.mode == ABS else apply_step(old[pos], vals, dtype.is_float)
+    assert torch.equal(got, new[pos])
+    # and through the TensorDelta reference, with fingerprints
+    td = diff_tensor("t", to_tensor(dtype, old), to_tensor(dtype, new))
+    assert torch.equal(as_bits(apply_tensor(to_tensor(dtype, old), td)), as_bits(to_tensor(dtype, new)))
+
+
+def test_ordered_steps_are_small_and_cross_zero():
+    x = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 1.0, float("inf")], dtype=torch.float32)
+    y = torch.nextafter(x, torch.full_like(x, float("inf")))
+    s = step_between(as_bits(x), as_bits(y), True)
+    assert s[[0, 2, 4]].tolist() == [1, 1, 1]
+    assert step_between(as_bits(torch.tensor([-0.0])), as_bits(torch.tensor([0.0])), True).item() == 1
+
+
+def test_compose_adds_steps_and_abs_wins():
+    rng = np.random.default_rng(0)
+    dt = BY_NAME["bfloat16"]
+    states = [torch.randn(500).to(torch.bfloat16)]
+    for k in range(4):
+        nxt = states[-1].clone()
+        idx = torch.from_numpy(rng.choice(500, 60, replace=False))
+        nxt[idx] = (nxt[idx].float() * (1 + 0.01 * k)).to(torch.bfloat16)
+        states.append(nxt)
+    chain = [diff_tensor("w", a, b, mode=ABS if k == 2 else REL) for k, (a, b) in enumerate(zip(states, states[1:]))]
+    parts = compose(chain)
+    out = states[0]
+    for p in parts:
+        out = apply_tensor(out, p, check=False)
+    assert torch.equal(as_bits(out), as_bits(states[-1]))
+    assert fpr.tensor_fingerprint(out) == parts[0].fingerprint
+
+
+# ---- hostile input: fails cleanly and fast ---------------------------------------
+
+def _fast(fn, *a):
+    t = time.perf_counter()
+    with pytest.raises(IntegrityError):
+        fn(*a)
+    assert time.perf_counter() - t < 1.0
+
+
+def test_hostile_positions():
+    pos = torch.tensor([3, 10, 999], dtype=torch.int64)
+    c, data = codec.encode_positions(pos.numpy(), 1000)
+    _fast(codec.decode_positions, c, data[: len(data) // 2], 3, 1000)  # truncated
+    _fast(codec.decode_positions, c, data, 4, 1000)  # count larger than the stream
+    _fast(codec.decode_positions, c, data, 3, 999)  # out of range
+    _fast(codec.decode_positions, c, b"\x00" * 7, 3, 1000)  # garbage
+    _fast(codec.decode_positions, "all", b"", 3, 1000)
+    _fast(codec.decode_positions, "lz4", data, 3, 1000)
+
+
+def test_zstd_bomb_refused_fast():
+    bomb = zstandard.ZstdCompressor(level=1).compress(b"\x00" * (256 << 20))  # 256 MiB from ~8 KB
+    assert len(bomb) < 100_000
+    _fast(codec.decode_values, "zstd", bomb, 10, BY_NAME["bfloat16"])
+    _fast(codec.decode_positions, "zstd", bomb, 10, 1 << 30)
+
+
+def test_pco_count_mismatch():
+    c, data = codec.encode_values(np.arange(100, dtype=np.int16))
+    _fast(codec.decode_values, c, data, 1_000_000, BY_NAME["bfloat16"])
+    _fast(codec.decode_values, c, data, 10, BY_NAME["bfloat16"])
+
+
+def _manifest(**over):
+    from engine_ext.format import Blob, Segment, TensorEntry
+    fp = fpr.fmt(5)
+    t = TensorEntry("w", "bfloat16", [10], 2, fp, fp, blob=0, offset=0, sha256="0" * 64,
+                    positions=Segment("zstd", 4), values=Segment("zstd", 4, "rel"))
+    m = Manifest(kind="delta", model="m", version=1, base_version=0, fingerprint=fpr.fmt(fpr.model_fingerprint({"w": 5})),
+                 base_fingerprint=fpr.fmt(fpr.model_fingerprint({"w": 5})), blobs=[Blob("v1.bin", 8, "0" * 64)], tensors=[t])
+    for k, v in over.items():
+        setattr(t if hasattr(t, k) else m, k, v)
+    return m
+
+
+@pytest.mark.parametrize("change", [
+    {"nnz": 11}, {"nnz": -1}, {"shape": [1 << 41]}, {"offset": 5}, {"blob": 3}, {"dtype": "complex64"},
+    {"base_version": 1}, {"format_version": 2}, {"fingerprint": "zz"}, {"sha256": None},
+])
+def test_hostile_manifests_refused(change):
+    m = _manifest()
+    m.validate()
+    with pytest.raises(ManifestError):
+        Manifest.from_json(_manifest(**change).to_json())
+
+
+def test_manifest_not_json_or_bad_blob_key():
+    with pytest.raises(ManifestError):
+        Manifest.from_json(b"{not json")
+    m = _manifest()
+    m.blobs[0].key = "../../etc/passwd"
+    with pytest.raises(ManifestError):
+        Manifest.from_json(m.to_json())
