@@ -1,0 +1,34 @@
+"""``vllm.general_plugins`` entry point: runs in every vLLM process before the model loads.
+
+It keeps the CPU backend's unpacked linear weights (see :mod:`.patches`), adds the
+``engine_ext`` worker RPC method and registers the ``delta`` weight-transfer backend,
+so ``VLLM_PLUGINS=engine_ext`` is the whole set-up.
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("engine_ext")
+_done = False
+
+
+def register() -> None:
+    global _done
+    if _done:
+        return
+    _done = True
+    from vllm.platforms import current_platform
+
+    from . import worker
+    from .patches import keep_cpu_linear_weights
+
+    if current_platform.is_cpu():
+        keep_cpu_linear_weights()
+    worker.install()
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+        if "delta" not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine("delta", "engine_ext.vllm.backend", "DeltaWeightTransferEngine")
+    except ImportError:  # older vLLM without weight-transfer backends
+        log.info("engine_ext: vLLM has no WeightTransferEngineFactory; 'delta' backend not registered")
