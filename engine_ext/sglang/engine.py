@@ -1,0 +1,140 @@
+"""Tokenizer side: :class:`engine_ext.service.Engine` over SGLang's TokenizerManager.
+
+The controller (:mod:`engine_ext.service`) lives in the process that owns the
+TokenizerManager: the HTTP server of ``python -m sglang.launch_server``, or the
+Python process of an in-process ``sglang.Engine``. It reaches the TP ranks with a
+:class:`~engine_ext.sglang.messages.RankOpReq` sent on the TokenizerManager's own
+channel to the schedulers, and awaits the single combined
+:class:`~engine_ext.sglang.messages.RankOpReply` through SGLang's
+``FanOutCommunicator``, registered in the TokenizerManager's result dispatcher
+exactly like SGLang's own control requests.
+
+Pause modes map onto SGLang's: ``keep`` (default) is SGLang's ``retract`` pause (no
+request fails; running requests go back to the queue and continue with the new
+weights, their KV recomputed, since the radix cache is flushed); ``wait`` holds the
+TokenizerManager's model-update writer lock (new requests wait, running ones
+drain); ``abort`` aborts running requests (SGLang's ``abort`` pause).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from contextlib import AsyncExitStack
+
+from ..service import Controller, Sources, initial_version, parse_request
+from .messages import RankOpReply, RankOpReq
+
+log = logging.getLogger("engine_ext")
+_SGLANG_PAUSE = {"keep": "retract", "abort": "abort"}
+
+
+class SglangEngine:
+    """Reach every TP rank's scheduler, pause and resume generation, reset caches."""
+
+    def __init__(self, tm):
+        from sglang.srt.managers.communicator import FanOutCommunicator
+        from sglang.srt.managers.io_struct import wrap_as_pickle
+        from sglang.utils import TypeBasedDispatcher
+
+        self.tm = tm
+        # One combined reply per call: scheduler rank 0 gathers the TP ranks' replies.
+        self.comm = FanOutCommunicator(lambda obj: tm._dispatch_to_scheduler(wrap_as_pickle(obj)), 1)
+        tm._result_dispatcher += TypeBasedDispatcher([(RankOpReply, self.comm.handle_recv)])
+        self._held: AsyncExitStack | None = None
+        self._resume_needed = False
+
+    def _check_topology(self) -> None:
+        from sglang.srt.runtime_context import get_parallel
+
+        p = get_parallel()
+        if getattr(p, "dp_size", 1) != 1 or getattr(p, "pp_size", 1) != 1:
+            raise RuntimeError("engine_ext on SGLang supports tensor parallelism only (dp_size = pp_size = 1)")
+
+    async def call_ranks(self, op: str, **kwargs) -> list[dict]:
+        self._check_topology()
+        self.tm.auto_create_handle_loop()
+        replies = await self.comm(RankOpReq(op, kwargs))
+        return list(replies[0].replies)
+
+    async def pause(self, mode: str) -> None:
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        self.tm.auto_create_handle_loop()
+        if mode == "wait":
+            self._held = AsyncExitStack()
+            await self._held.enter_async_context(self.tm.model_update_lock.writer_lock)
+            return
+        if self.tm.is_pause:  # paused by someone else (e.g. /pause_generation): leave it paused
+            self._resume_needed = False
+            return
+        await self.tm.pause_generation(PauseGenerationReqInput(mode=_SGLANG_PAUSE[mode]))
+        self._resume_needed = True
+
+    async def resume(self) -> None:
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+        if self._held is not None:
+            held, self._held = self._held, None
+            await held.aclose()
+        if self._resume_needed:
+            self._resume_needed = False
+            await self.tm.continue_generation(ContinueGenerationReqInput())
+
+    async def after_update(self, version: int) -> None:
+        replies = await self.call_ranks("after_update", version=version)
+        bad = [r for r in replies if not r.get("ok") or r.get("flushed") is False]
+        if bad:
+            log.warning("engine_ext: cache flush/version after v%s incomplete on some ranks: %s", version, bad)
+        self.tm._update_weight_version_if_provided(str(version))
+
+
+# --------------------------------------------------------------------------- controller per TokenizerManager
+
+
+def install(tm) -> None:
+    """Attach an (unstarted) controller to a TokenizerManager; runs right after its dispatcher init."""
+    if getattr(tm, "_engine_ext", None) is not None:
+        return
+    model_path = getattr(getattr(tm, "server_args", None), "model_path", None)
+    version = initial_version(model_path if model_path and os.path.isdir(model_path) else None)
+    tm._engine_ext = Controller(SglangEngine(tm), Sources.from_env(), version=version, engine_name="sglang")
+    tm._engine_ext_start = None
+
+
+async def controller(tm) -> Controller:
+    """The TokenizerManager's controller, started once (the start-up probe of every rank)."""
+    ctl = getattr(tm, "_engine_ext", None)
+    if ctl is None:
+        raise RuntimeError("engine_ext is not installed in this SGLang process (is the plugin loaded? SGLANG_PLUGINS)")
+    if not ctl.ready:
+        task = tm._engine_ext_start
+        if task is None or (task.done() and task.exception() is not None):
+            task = tm._engine_ext_start = asyncio.ensure_future(ctl.start())
+        await asyncio.shield(task)
+    return ctl
+
+
+# --------------------------------------------------------------------------- in-process sglang.Engine
+
+
+def update_weights_delta(engine, url: str, **fields) -> dict:
+    """Apply the delta at ``url`` to an in-process ``sglang.Engine`` (same body and answer
+    as ``POST /update_weights_delta``; failures raise :class:`engine_ext.errors.DeltaError`)."""
+    req = parse_request({"url": url, **fields})
+    tm = engine.tokenizer_manager
+
+    async def run():
+        return await (await controller(tm)).update(req)
+
+    return engine.loop.run_until_complete(run())
+
+
+def delta_status(engine) -> dict:
+    """Version, fingerprint and recent history of an in-process ``sglang.Engine``."""
+    tm = engine.tokenizer_manager
+
+    async def run():
+        return (await controller(tm)).status()
+
+    return engine.loop.run_until_complete(run())

@@ -1,0 +1,52 @@
+"""``sglang.srt.plugins`` entry point ``engine_ext``: the whole SGLang set-up.
+
+SGLang 0.5.23 calls every general plugin (filtered by ``SGLANG_PLUGINS``) through
+``sglang.srt.plugins.load_plugins()`` in the launcher, in an in-process
+``sglang.Engine`` and in every scheduler process (they are spawned, so each one
+registers for itself), then applies the registered hooks. This registers:
+
+- after ``Scheduler.init_request_dispatcher`` (every TP rank): the handler of
+  :class:`~engine_ext.sglang.messages.RankOpReq` (:mod:`engine_ext.sglang.rank`);
+- after ``TokenizerManager.init_request_dispatcher`` (the serving process): the
+  reply route and the controller (:mod:`engine_ext.sglang.engine`), and the HTTP
+  routes on SGLang's FastAPI app when this process serves HTTP
+  (:mod:`engine_ext.sglang.routes`).
+
+No patch to SGLang's files is needed; everything goes through its hook registry.
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("engine_ext")
+
+SCHEDULER_TARGET = "sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher"
+TOKENIZER_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.init_request_dispatcher"
+_registered = False
+
+
+def _after_scheduler_init(result, scheduler, *args, **kwargs):
+    from .rank import add_to_dispatcher
+
+    add_to_dispatcher(scheduler)
+    return result
+
+
+def _after_tokenizer_init(result, tm, *args, **kwargs):
+    from . import engine, routes
+
+    engine.install(tm)
+    routes.attach_if_serving()
+    return result
+
+
+def register() -> None:
+    """Register the hooks (idempotent); SGLang applies them right after all plugins ran."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(SCHEDULER_TARGET, _after_scheduler_init, HookType.AFTER)
+    HookRegistry.register(TOKENIZER_TARGET, _after_tokenizer_init, HookType.AFTER)

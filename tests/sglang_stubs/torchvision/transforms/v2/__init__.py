@@ -1,0 +1,3 @@
+"""TEST STUB."""
+from .. import functional as _f  # noqa: F401
+from . import functional  # noqa: F401

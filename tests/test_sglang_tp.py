@@ -1,0 +1,352 @@
+"""SGLang's real Qwen2 and Llama model classes at TP 1 and TP 2 (gloo, one process per
+rank), updated through the scheduler-side handler of the SGLang adapter.
+
+What is real: SGLang 0.5.23's model classes, its model loader (``get_model``), its
+parallel state (``publish`` + ``init_distributed_environment`` +
+``initialize_model_parallel`` on gloo), its ``broadcast_pyobj`` (how scheduler rank 0
+hands requests to the other TP ranks), its IPC encoding (``msgpack_encode`` /
+``msgpack_decode`` with ``wrap_as_pickle``), our :class:`RankAgent` (the very handler
+the scheduler hook calls) and the engine-agnostic controller, reader and publisher.
+What stands in: the Scheduler/TokenizerManager processes themselves (no SGLang CPU
+kernel build exists, so no live server can run here; see docs/sglang.md). Rank 0
+plays the TokenizerManager's part by calling the controller directly.
+
+Checks: after K deltas every rank's parameters equal, bit for bit, those of a model
+loaded by SGLang from the final checkpoint, with every parameter's storage in place;
+a corrupt blob, a delta on another base, a delta whose result fingerprint is wrong,
+and a failure on one rank only all leave every rank exactly unchanged.
+
+Run with the SGLang virtualenv's python (.ci/setup-sglang.sh).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.sglang
+pytest.importorskip("sglang", reason="needs the SGLang virtualenv (.ci/setup-sglang.sh)")
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+STUBS = HERE / "sglang_stubs"
+KINDS = ("qwen2", "llama", "qwen2-tied")
+STEPS = 3
+VOCAB = 1000  # not a multiple of 64: SGLang pads the vocabulary (and shards the padding)
+
+
+# --------------------------------------------------------------------------- parent: data
+
+
+def _perturb(sd: dict, gen, density: float = 0.03) -> dict:
+    """An RL-like step: a few % of the elements of every tensor move by a small amount."""
+    import torch
+
+    out = {}
+    for name, t in sd.items():
+        flat = t.float().reshape(-1).clone()
+        mask = torch.rand(flat.numel(), generator=gen) < density
+        flat[mask] += 1e-2 * torch.randn(int(mask.sum()), generator=gen) * (flat[mask].abs() + 1e-3)
+        out[name] = flat.to(t.dtype).reshape(t.shape)
+    return out
+
+
+def _rewrite_manifest_fp(store: Path, version: int) -> str:
+    """A copy of version ``version`` whose first changed tensor promises a wrong result fingerprint
+    (the model fingerprint recomputed, so the manifest is valid and only the apply's verify can tell)."""
+    from engine_ext import fingerprint as fpr
+
+    key = f"v{version:08d}.json"
+    m = json.loads((store / key).read_text())
+    t = next(t for t in m["tensors"] if t["nnz"] > 0)
+    t["fingerprint"] = fpr.fmt(fpr.parse(t["fingerprint"]) ^ 1)
+    m["fingerprint"] = fpr.fmt(fpr.model_fingerprint((x["name"], fpr.parse(x["fingerprint"])) for x in m["tensors"]))
+    bad = store.parent / f"{store.name}-badfp"
+    bad.mkdir(exist_ok=True)
+    for f in store.iterdir():
+        if f.name != key and f.is_file():
+            (bad / f.name).write_bytes(f.read_bytes())
+    (bad / key).write_text(json.dumps(m))
+    return str(bad / key)
+
+
+def _corrupt_blob(store: Path, version: int) -> str:
+    key = f"v{version:08d}.json"
+    m = json.loads((store / key).read_text())
+    bad = store.parent / f"{store.name}-corrupt"
+    bad.mkdir(exist_ok=True)
+    for f in store.iterdir():
+        if f.is_file():
+            (bad / f.name).write_bytes(f.read_bytes())
+    blob = bad / m["blobs"][0]["key"]
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    return str(bad / key)
+
+
+def make_case(tmp: Path, kind: str) -> dict:
+    """Model dir, K published deltas, the final checkpoint, and three bad deltas."""
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    from tiny_models import load_state_dict, make_model, save_state_dict
+
+    from engine_ext.publish import DeltaPublisher
+
+    model = make_model(tmp / kind / "model", kind, vocab=VOCAB)
+    sd = load_state_dict(model)
+    gen = torch.Generator().manual_seed(1234)
+    store = tmp / kind / "store"
+    urls = []
+    with DeltaPublisher(str(store), model=kind, anchor_every=0, workers=1) as pub:
+        pub.publish(sd, version=0)
+        for v in range(1, STEPS + 2):
+            sd = _perturb(sd, gen)
+            urls.append(pub.publish(sd, version=v))
+            if v == STEPS:
+                final = save_state_dict(tmp / kind / "final", sd, model)
+    # A store whose history started from other weights: its v1 has another base.
+    other = tmp / kind / "other"
+    sd2 = _perturb(load_state_dict(model), torch.Generator().manual_seed(99), density=0.5)
+    with DeltaPublisher(str(other), model=kind, anchor_every=0, workers=1) as pub:
+        pub.publish(sd2, version=0)
+        wrong_base = pub.publish(_perturb(sd2, gen), version=STEPS + 1)
+    for f in other.glob("*.anchor.json"):  # no anchor to fall back on: the base really mismatches
+        f.unlink()
+    return {
+        "kind": kind, "model": str(model), "final": str(final), "urls": urls[:STEPS],
+        "bad": {"integrity": _corrupt_blob(store, STEPS + 1), "base_mismatch": wrong_base,
+                "verify": _rewrite_manifest_fp(store, STEPS + 1)},
+        "sources": [str(store), f"{store}-corrupt", f"{store}-badfp", str(other)],
+    }
+
+
+def _run_world(cases: list[dict], tp: int, tmp: Path, timeout: int = 400) -> list[dict]:
+    spec = tmp / f"spec_tp{tp}.json"
+    spec.write_text(json.dumps({"cases": cases, "tp": tp, "port": 29500 + os.getpid() % 2000 + tp, "out": str(tmp)}))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(STUBS), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", SGLANG_PLUGINS="engine_ext")
+    procs = [subprocess.Popen([sys.executable, __file__, str(spec), str(r)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(tp)]
+    logs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            logs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, (p, out) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"TP rank {r} failed (rc {p.returncode}):\n{out[-6000:]}"
+    return [json.loads((tmp / f"result_tp{tp}_rank{r}.json").read_text()) for r in range(tp)]
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sglang_tp")
+    return tmp, [make_case(tmp, k) for k in KINDS]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_deltas_reach_every_rank_bit_exact_and_bad_ones_change_nothing(cases, tp):
+    tmp, cs = cases
+    results = _run_world(cs, tp, tmp)
+    for r, res in enumerate(results):
+        for kind in KINDS:
+            got = res[kind]
+            # K deltas: equal to a cold load of the final checkpoint, in place.
+            assert got["mismatched_params"] == [], f"rank {r} {kind}: differs from final checkpoint"
+            assert got["moved_params"] == [], f"rank {r} {kind}: parameter storage moved"
+            assert got["versions"] == list(range(1, STEPS + 1))
+            assert got["params"] > 0 and got["sharded"] == (tp > 1)
+            # Bad deltas: refused with the right reason, nothing changed on any rank.
+            for case, want in {"integrity": "integrity", "base_mismatch": "base_mismatch",
+                               "verify": "verify", "rank_fault": "apply"}.items():
+                assert got["bad"][case]["reason"] == want, (kind, case, got["bad"][case])
+                assert got["bad"][case]["unchanged"] is True, (r, kind, case)
+            assert got["after_update"]["version"] == STEPS
+
+
+# --------------------------------------------------------------------------- worker (one per TP rank)
+
+
+class _TestEngine:
+    """The controller's view of the ranks as the SGLang adapter gives it, minus the
+    other processes: requests and replies cross a real ZMQ socket pair with SGLang's
+    ``sock_send``/``sock_recv`` (its IPC encoding, ``wrap_as_pickle`` envelope
+    included), then ``broadcast_pyobj`` like scheduler requests; pause/resume are
+    recorded (no scheduler runs here)."""
+
+    def __init__(self, step, world):
+        import zmq
+
+        self.step, self.world, self.events = step, world, []
+        ctx = zmq.Context.instance()
+        self.a, self.b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        self.a.bind(f"inproc://engine_ext_{id(self)}")
+        self.b.connect(f"inproc://engine_ext_{id(self)}")
+
+    async def call_ranks(self, op, **kwargs):
+        from sglang.srt.managers.io_struct import sock_recv, sock_send, wrap_as_pickle
+
+        from engine_ext.sglang.messages import RankOpReply, RankOpReq
+
+        sock_send(self.a, wrap_as_pickle(RankOpReq(op, kwargs)))  # tokenizer -> scheduler rank 0
+        req = sock_recv(self.b)
+        assert isinstance(req, RankOpReq), type(req)
+        sock_send(self.b, self.step(req))  # rank 0's dispatcher output -> tokenizer
+        reply = sock_recv(self.a)
+        assert isinstance(reply, RankOpReply), type(reply)
+        return list(reply.replies)
+
+    async def pause(self, mode):
+        self.events.append(("pause", mode))
+
+    async def resume(self):
+        self.events.append(("resume",))
+
+    async def after_update(self, version):
+        replies = await self.call_ranks("after_update", version=version)
+        assert all(r["ok"] for r in replies), replies
+
+
+def _worker(spec_path: str, rank: int) -> None:
+    sys.path.insert(0, str(STUBS))
+    import torch
+
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed import get_tp_group, init_distributed_environment, initialize_model_parallel
+    from sglang.srt.model_loader import get_model
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.common import broadcast_pyobj
+
+    from engine_ext.errors import DeltaError
+    from engine_ext.service import Controller, Sources, UpdateRequest
+    from engine_ext.sglang.messages import RankOpReq
+    from engine_ext.sglang.rank import RankAgent
+
+    spec = json.loads(Path(spec_path).read_text())
+    tp = spec["tp"]
+    torch.set_num_threads(1)
+
+    def load(model_dir: str):
+        sa = ServerArgs(model_path=model_dir, tp_size=tp, device="cpu", skip_tokenizer_init=True, dtype="bfloat16")
+        publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank, dp_rank=None, gpu_id=0))
+        if not torch.distributed.is_initialized():
+            init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo",
+                                         distributed_init_method=f"tcp://127.0.0.1:{spec['port']}")
+            initialize_model_parallel()
+        return get_model(model_config=ModelConfig.from_server_args(sa), load_config=LoadConfig(load_format="auto"),
+                         device_config=DeviceConfig("cpu"))
+
+    def bits(model):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def same(model, snap) -> bool:
+        return all(torch.equal(p.detach().view(torch.int16) if p.dtype == torch.bfloat16 else p.detach(),
+                               snap[n].view(torch.int16) if p.dtype == torch.bfloat16 else snap[n])
+                   for n, p in model.named_parameters())
+
+    results = {}
+    for case in spec["cases"]:
+        live = load(case["model"])
+        group = get_tp_group()
+        ptrs = {n: p.data_ptr() for n, p in live.named_parameters()}
+        versions_seen: list[str] = []
+        agent = RankAgent(live, case["model"], rank=group.rank_in_group, group=group.cpu_group,
+                          flush_cache=lambda: True, set_version=versions_seen.append)
+        state = {"snap": None}
+
+        def step(req):
+            """One request on this rank, as the scheduler's dispatcher would run it."""
+            if req.op == "_snapshot":
+                state["snap"] = bits(live)
+                return None
+            if req.op == "_same":
+                ok = same(live, state["snap"])
+                out = [None] * tp
+                torch.distributed.all_gather_object(out, ok, group=group.cpu_group)
+                return all(out)
+            if req.op == "_fault":  # make this rank's next apply write, then fail
+                if group.rank_in_group == req.kwargs["rank"]:
+                    up = agent.updater
+                    orig = up.apply
+
+                    def failing(*a, **k):
+                        up.apply = orig
+                        orig(*a, **k)
+                        raise RuntimeError("injected fault after the write on this rank")
+
+                    up.apply = failing
+                return None
+            from sglang.srt.managers.io_struct import wrap_as_pickle
+
+            return wrap_as_pickle(agent.handle(req))  # what rank.handle_in_scheduler returns
+
+        if group.rank_in_group == 0:
+            def lead(req):
+                broadcast_pyobj([req], group.rank, group.cpu_group, src=group.ranks[0])
+                return step(req)
+
+            async def drive():
+                eng = _TestEngine(lead, tp)
+                ctl = Controller(eng, Sources(case["sources"]), version=0, engine_name="sglang")
+                await ctl.start()
+                versions = []
+                for url in case["urls"]:
+                    versions.append((await ctl.update(UpdateRequest(url=url)))["version"])
+                bad = {}
+                lead(RankOpReq("_snapshot"))
+                for name, url in list(case["bad"].items()) + [("rank_fault", "FAULT")]:
+                    if name == "rank_fault":
+                        lead(RankOpReq("_fault", {"rank": tp - 1}))
+                        url = case["bad"]["verify"].replace("-badfp", "")  # a good delta, failing on the last rank
+                    try:
+                        await ctl.update(UpdateRequest(url=url))
+                        reason = None
+                    except DeltaError as e:
+                        reason = e.reason
+                    bad[name] = {"reason": reason, "unchanged": lead(RankOpReq("_same")), "version": ctl.version}
+                assert ctl.version == len(case["urls"]), ctl.version
+                return versions, bad, eng.events
+
+            versions, bad, events = asyncio.run(drive())
+            broadcast_pyobj([RankOpReq("_stop")], group.rank, group.cpu_group, src=group.ranks[0])
+        else:
+            while True:
+                [req] = broadcast_pyobj(None, group.rank, group.cpu_group, src=group.ranks[0])
+                if req.op == "_stop":
+                    break
+                step(req)
+            versions, bad, events = list(range(1, STEPS + 1)), None, []
+        # Every rank: its own view of the "bad" outcomes comes from rank 0's gathered checks.
+        bad = broadcast_pyobj([bad], group.rank, group.cpu_group, src=group.ranks[0])[0]
+        ref = load(case["final"])
+        ref_p = dict(ref.named_parameters())
+        mismatched = [n for n, p in live.named_parameters()
+                      if not torch.equal(p.detach().view(torch.int16), ref_p[n].detach().view(torch.int16))]
+        moved = [n for n, p in live.named_parameters() if p.data_ptr() != ptrs[n]]
+        sharded = dict(live.named_parameters())["model.embed_tokens.weight"].shape[0] < VOCAB
+        results[case["kind"]] = {
+            "mismatched_params": mismatched, "moved_params": moved, "versions": versions, "bad": bad,
+            "params": len(ptrs), "sharded": sharded, "events": events,
+            "after_update": {"version": int(versions_seen[-1]) if versions_seen else None},
+        }
+        del live, ref, agent
+    Path(spec["out"], f"result_tp{tp}_rank{rank}.json").write_text(json.dumps(results))
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], int(sys.argv[2]))
