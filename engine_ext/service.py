@@ -250,11 +250,16 @@ class Controller:
         self.history: collections.deque = collections.deque(maxlen=history)
         self._lock = asyncio.Lock()
         self.ready = False
+        self.start_error: str | None = None
 
     # ---- start-up
     async def start(self) -> None:
         """Probe every rank and record the start-up fingerprint of the live weights."""
-        replies = self._check(await self.engine.call_ranks("setup"))
+        try:
+            replies = self._check(await self.engine.call_ranks("setup"))
+        except Exception as e:
+            self.start_error = str(e)
+            raise
         self.tensor_fps = combine_fingerprints([r["fingerprints"] for r in replies])
         self.shapes = replies[0]["tensors"]
         self.ready = True
@@ -274,6 +279,7 @@ class Controller:
             "fingerprint": fpr.fmt(self.model_fingerprint) if self.ready else None,
             "tensors": len(self.tensor_fps),
             "busy": self._lock.locked(),
+            "error": self.start_error,
             "history": list(self.history),
         }
 
@@ -299,7 +305,7 @@ class Controller:
 
     async def _update_locked(self, req: UpdateRequest, url: str, t0: float) -> dict:
         if not self.ready:
-            raise ApplyError("the engine_ext start-up probe has not completed")
+            raise ApplyError(f"the engine_ext start-up probe did not complete: {self.start_error or 'still running'}")
         if req.base_version is not None and req.base_version != self.version:
             raise BaseMismatchError(f"request expects base version {req.base_version}, server holds {self.version}")
         phases: dict[str, float] = {}

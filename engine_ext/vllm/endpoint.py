@@ -96,5 +96,8 @@ class EndpointPlugin:
         model_dir = getattr(args, "model", None)
         ctl = Controller(VllmEngine(engine_client), Sources.from_env(),
                          version=initial_version(model_dir if model_dir and os.path.isdir(model_dir) else None))
-        await ctl.start()
         state.engine_ext = ctl
+        try:
+            await ctl.start()
+        except Exception:  # noqa: BLE001 - keep serving; the route answers with the reason
+            log.exception("engine_ext: start-up probe failed; /update_weights_delta will refuse updates")

@@ -1,0 +1,136 @@
+"""POST /update_weights_delta on a real vLLM CPU server (TP 1, tiny Qwen2).
+
+One server takes deltas through the endpoint (single steps and a chain), refuses bad
+requests with the right status while its outputs stay bit-identical, keeps
+generation requests running through an update, and finally answers exactly like a
+server cold-started on the final weights (tokens and logprobs compared as floats).
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+from pathlib import Path
+
+import pytest
+import requests
+
+from engine_ext import fingerprint as fpr
+
+pytest.importorskip("vllm")
+from vllm_helpers import Server, copy_store, make_model, rl_trajectory, save_state_dict  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+K = 4
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm_endpoint")
+    model = make_model(tmp / "model", "qwen2")
+    root = tmp / "stores"
+    final = rl_trajectory(model, root / "run", K, seed=1)
+    rl_trajectory(model, root / "other", 3, seed=2)
+    (root / "other" / "v00000000.anchor.json").unlink()  # no anchor: nothing leads from our weights there
+    corrupt = copy_store(root / "run", root / "corrupt")
+    blob = corrupt / "v00000003.0.bin"
+    b = bytearray(blob.read_bytes())
+    b[len(b) // 2] ^= 0x40
+    blob.write_bytes(bytes(b))
+    trunc = copy_store(root / "run", root / "trunc")
+    (trunc / "v00000003.0.bin").write_bytes((trunc / "v00000003.0.bin").read_bytes()[:-100])
+    tampered = copy_store(root / "run", root / "tampered")  # valid blobs, a lying per-tensor fingerprint
+    m = json.loads((tampered / "v00000003.json").read_text())
+    fp = m["tensors"][0]["fingerprint"]
+    m["tensors"][0]["fingerprint"] = f"{(int(fp, 16) + 1) % (1 << 64):016x}"
+    m["fingerprint"] = fpr.fmt(fpr.model_fingerprint({t["name"]: fpr.parse(t["fingerprint"]) for t in m["tensors"]}))
+    (tampered / "v00000003.json").write_text(json.dumps(m))
+    copy_store(root / "run", tmp / "outside")
+    server = Server(model, sources=f"{root},s3://bucket/allowed", base_version=0, log=tmp / "server.log")
+    try:
+        yield {"tmp": tmp, "model": model, "root": root, "final": final, "server": server}
+    finally:
+        server.stop()
+
+
+def v(root: Path, store: str, n: int) -> str:
+    return str(root / store / f"v{n:08d}.json")
+
+
+def test_start_state(world):
+    st = world["server"].status()
+    anchor = json.loads((world["root"] / "run" / "v00000000.anchor.json").read_text())
+    assert st["version"] == 0 and st["fingerprint"] == anchor["fingerprint"] and st["tensors"] > 0
+
+
+def test_single_steps(world):
+    s, root = world["server"], world["root"]
+    before = s.outputs()
+    for n in (1, 2):
+        r = s.update({"url": v(root, "run", n)})
+        assert r.status_code == 200, r.text
+        a = r.json()
+        assert a["version"] == n and a["base_version"] == n - 1 and a["elements"] > 0 and a["fallback"] == []
+        assert a["fingerprint"] == json.loads(Path(v(root, "run", n)).read_text())["fingerprint"]
+        assert {"fetch_decode", "apply", "verify", "pause", "total"} <= set(a["phases_ms"])
+    assert s.outputs() != before  # the served computation really uses the new weights
+
+
+@pytest.mark.parametrize("body,status,reason", [
+    (lambda w: {"url": v(w["root"], "corrupt", 3)}, 422, "integrity"),
+    (lambda w: {"url": v(w["root"], "trunc", 3)}, 422, "integrity"),
+    (lambda w: {"url": v(w["root"], "other", 3)}, 409, "base_mismatch"),
+    (lambda w: {"url": v(w["root"], "run", 3), "base_version": 1}, 409, "base_mismatch"),
+    (lambda w: {"url": v(w["root"], "tampered", 3)}, 500, "verify"),
+    (lambda w: {"url": str(w["tmp"] / "outside" / "v00000003.json")}, 403, "forbidden_source"),
+    (lambda w: {"url": f"{w['root']}/../outside/v00000003.json"}, 403, "forbidden_source"),
+    (lambda w: {"url": "http://127.0.0.1:1/v00000003.json"}, 403, "forbidden_source"),
+    (lambda w: {"url": "s3://bucket/allowed/../secret/v1.json"}, 403, "forbidden_source"),
+    (lambda w: '{"url": ', 400, "bad_request"),
+    (lambda w: "[1, 2]", 400, "bad_request"),
+    (lambda w: {"uri": "x"}, 400, "bad_request"),
+    (lambda w: {"url": 5}, 400, "bad_request"),
+    (lambda w: {"url": v(w["root"], "run", 3), "pause_mode": "later"}, 400, "bad_request"),
+], ids=["corrupt", "truncated", "wrong-base", "stale-base-version", "fingerprint-mismatch-rollback", "outside",
+        "dotdot", "http-outside", "s3-dotdot", "malformed-json", "not-object", "unknown-field", "url-type", "pause-mode"])
+def test_refused_and_unchanged(world, body, status, reason):
+    s = world["server"]
+    before_status, before = s.status(), s.outputs()
+    r = s.update(body(world))
+    assert r.status_code == status, r.text
+    assert r.json()["reason"] == reason and r.json()["error"]
+    after_status = s.status()
+    assert (after_status["version"], after_status["fingerprint"]) == (before_status["version"], before_status["fingerprint"]) == (2, after_status["fingerprint"])
+    assert s.outputs() == before
+
+
+def test_chain_while_generating(world):
+    """v4 from v2 (chain v3+v4) while long generations run with pause mode keep: all complete."""
+    s, root = world["server"], world["root"]
+    with cf.ThreadPoolExecutor(6) as ex:
+        gens = [ex.submit(s.complete, [10 + i, 11, 12], 120, 0) for i in range(5)]
+        import time
+
+        time.sleep(1.0)
+        upd = ex.submit(s.update, {"url": v(root, "run", K)})
+        r = upd.result()
+        results = [g.result() for g in gens]
+    assert r.status_code == 200, r.text
+    a = r.json()
+    assert a["version"] == K and a["base_version"] == 2 and len(a["manifests"]) == 2
+    assert all(len(x["choices"][0]["logprobs"]["tokens"]) == 120 and x["choices"][0]["finish_reason"] == "length" for x in results)
+    st = s.status()
+    assert st["version"] == K and [h["ok"] for h in st["history"]].count(True) == 3
+    metrics = requests.get(s.url + "/metrics", timeout=30).text
+    assert "engine_ext_updates_total 3.0" in metrics and "engine_ext_weight_version 4.0" in metrics
+
+
+def test_identical_to_cold_start(world):
+    s = world["server"]
+    updated = s.outputs()
+    fp = s.status()["fingerprint"]
+    s.stop()
+    cold_dir = save_state_dict(world["tmp"] / "final_model", world["final"], world["model"])
+    with Server(cold_dir, log=world["tmp"] / "cold.log") as cold:
+        assert cold.status()["fingerprint"] == fp
+        assert cold.outputs() == updated
