@@ -181,6 +181,7 @@ def validate(deltas: list[TensorDelta], maps: dict) -> list[Segment]:
     seen: set[str] = set()
     segs: list[Segment] = []
     dests: dict[tuple, str] = {}
+    checks: dict = {}
     for ti, td in enumerate(deltas):
         name = td.name
         if name in seen:
@@ -208,11 +209,11 @@ def validate(deltas: list[TensorDelta], maps: dict) -> list[Segment]:
                 raise ValueError(f"{name}: positions must be 1-D int64, got {tuple(p.shape)} {p.dtype}")
             if p.numel() != v.numel():
                 raise ValueError(f"{name}: {p.numel()} positions but {v.numel()} values")
-            if p.numel():
-                if int(p[0]) < 0 or int(p[-1]) >= numel:
-                    raise ValueError(f"{name}: positions outside [0, {numel})")
-                if p.numel() > 1 and not bool((p[1:] > p[:-1]).all()):
-                    raise ValueError(f"{name}: positions must be sorted and unique")
+            if p.numel():  # checked on the positions' device, one sync per device below
+                bad = (p[0] < 0) | (p[-1] >= numel)
+                if p.numel() > 1:
+                    bad = bad | (p[1:] <= p[:-1]).any()
+                checks.setdefault(p.device, []).append((bad, name, numel))
         cs = row_major_strides(td.shape)
         for piece in m.pieces:
             _check_piece(name, td.shape, td.dtype, piece)
@@ -223,6 +224,10 @@ def validate(deltas: list[TensorDelta], maps: dict) -> list[Segment]:
                 raise ValueError(f"{name}: writes the same destination elements as {dests[key]} (tied weights?); apply only one of them")
             dests[key] = name
             segs.append(Segment(ti, td, piece, storage_bits(piece.dest, td.dtype.int_view), cs, _flat_range(piece, td.shape, cs)))
+    for items in checks.values():
+        if bool(torch.stack([b for b, _, _ in items]).any()):
+            name, numel = next((n, k) for b, n, k in items if bool(b))
+            raise ValueError(f"{name}: positions must be sorted, unique and in [0, {numel})")
     return segs
 
 
