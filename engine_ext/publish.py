@@ -92,12 +92,15 @@ class DeltaPublisher:
         version = self.next_version if version is None else version
         if self.version is not None and version <= self.version:
             raise ValueError(f"version {version} must be above the last published {self.version}")
-        jobs = []
         first = self.version is None
-        if first or (self.anchor_every and version % self.anchor_every == 0):
-            jobs.append(self._snapshot_anchor(sd, version, first))
-        if not first:
-            jobs.append(self._snapshot_delta(sd, version))
+        is_anchor = first or bool(self.anchor_every and version % self.anchor_every == 0)
+        if is_anchor:
+            self.anchor_version = version
+        if first:
+            self._fps = {n: fpr.tensor_fingerprint(t) for n, t in sd.items()}
+        delta_job = None if first else self._snapshot_delta(sd, version)  # keeps self._fps current
+        # the anchor is queued first so that LATEST never names an anchor not yet written
+        jobs = ([self._snapshot_anchor(sd, version)] if is_anchor else []) + ([delta_job] if delta_job else [])
         self._remember(sd)
         self.version, self.next_version = version, version + 1
         for job in jobs:
@@ -141,13 +144,9 @@ class DeltaPublisher:
             self._fps[name] = fp
         return ("delta", version, self.version, self.anchor_version, changes)
 
-    def _snapshot_anchor(self, sd, version, first):
-        if first:
-            self._fps = {n: fpr.tensor_fingerprint(t) for n, t in sd.items()}
-        self.anchor_version = version
+    def _snapshot_anchor(self, sd, version):
         cpu = {n: t.detach().to("cpu", copy=True) for n, t in sd.items()}
-        fps = {n: fpr.tensor_fingerprint(t) for n, t in cpu.items()} if not first else dict(self._fps)
-        return ("anchor", version, None, version, (cpu, fps))
+        return ("anchor", version, None, version, (cpu, dict(self._fps)))
 
     def _remember(self, sd):
         for name, t in sd.items():
