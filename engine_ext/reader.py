@@ -83,14 +83,30 @@ def fetch_blobs(store: Store, m: Manifest, workers: int = 8) -> list[bytes]:
         return list(pool.map(one, m.blobs))
 
 
-def decode_manifest(m: Manifest, blobs: list[bytes], workers: int = 8) -> list[TensorDelta]:
+def fetch_tensor_ranges(store: Store, m: Manifest, names: set[str], workers: int = 8) -> dict[str, bytes]:
+    """Only the named tensors' bytes, by byte range (verified per tensor when decoded)."""
+    wanted = [t for t in m.tensors if t.nnz and t.name in names]
+    def one(t):
+        return t.name, store.read_range(m.blobs[t.blob].key, t.offset, t.length)
+    with ThreadPoolExecutor(max(1, min(workers, len(wanted) or 1))) as pool:
+        return dict(pool.map(one, wanted))
+
+
+def decode_manifest(m: Manifest, blobs: list[bytes] | dict[str, bytes], workers: int = 8,
+                    names: set[str] | None = None) -> list[TensorDelta]:
+    """Decode every changed tensor (or those in ``names``) from whole blobs or per-tensor bytes."""
     total = sum(t.nnz * (8 + dtype_by_name(t.dtype).itemsize) for t in m.tensors)
     if total > MAX_DECODED_BYTES:
         raise ManifestError(f"decoding would take {total} bytes, over the {MAX_DECODED_BYTES} limit")
 
     def one(t):
         dt = dtype_by_name(t.dtype)
-        data = memoryview(blobs[t.blob])[t.offset : t.offset + t.length]
+        if isinstance(blobs, dict):
+            data = memoryview(blobs[t.name])
+            if len(data) != t.length:
+                raise IntegrityError(f"tensor {t.name!r}: {len(data)} bytes, manifest says {t.length}")
+        else:
+            data = memoryview(blobs[t.blob])[t.offset : t.offset + t.length]
         if hashlib.sha256(data).hexdigest() != t.sha256:
             raise IntegrityError(f"tensor {t.name!r}: SHA-256 mismatch")
         p = t.positions.length
@@ -102,7 +118,7 @@ def decode_manifest(m: Manifest, blobs: list[bytes], workers: int = 8) -> list[T
         base = fpr.parse(t.base_fingerprint) if t.base_fingerprint else None
         return TensorDelta(t.name, dt, tuple(t.shape), t.values.mode, pos, vals, base, fpr.parse(t.fingerprint))
 
-    changed = [t for t in m.tensors if t.nnz]
+    changed = [t for t in m.tensors if t.nnz and (names is None or t.name in names)]
     with ThreadPoolExecutor(max(1, min(workers, len(changed) or 1))) as pool:
         return list(pool.map(one, changed))
 
@@ -118,12 +134,18 @@ def _decoded(store: Store, m: Manifest, key: str, tensors: list[TensorDelta]) ->
     )
 
 
-def load_delta(manifest_uri: str, *, expected: dict | None = None, workers: int = 8, **store_options) -> DecodedDelta:
-    """Fetch, verify and decode one published version (delta or anchor)."""
+def load_delta(manifest_uri: str, *, expected: dict | None = None, names: set[str] | None = None,
+               workers: int = 8, **store_options) -> DecodedDelta:
+    """Fetch, verify and decode one published version (delta or anchor).
+
+    With ``names``, only those tensors are fetched (by byte range, each checked against
+    its own SHA-256) and decoded: what a rank holding part of the model needs.
+    """
     store, key = split_uri(manifest_uri, **store_options)
     m = read_manifest(store, key)
     check_expected(m, expected, manifest_uri)
-    return _decoded(store, m, key, decode_manifest(m, fetch_blobs(store, m, workers), workers))
+    data = fetch_blobs(store, m, workers) if names is None else fetch_tensor_ranges(store, m, names, workers)
+    return _decoded(store, m, key, decode_manifest(m, data, workers, names))
 
 
 def _chain_back(store: Store, target: Manifest, target_key: str, stop_version: int) -> list[tuple[str, Manifest]] | None:

@@ -160,3 +160,20 @@ def test_backpressure_and_wait(tmp_path, states):
     bad.publish(states[0])
     with pytest.raises(RuntimeError, match="disk full"):
         bad.wait()
+
+
+def test_partial_fetch_by_range(http_server, states):
+    """A reader can fetch and verify single tensors by byte range (what a TP rank needs)."""
+    http_server.reset()
+    publish_all(str(http_server.root / "part"), states[:2])
+    uri = f"{http_server.url}/part/v00000001.json"
+    full = reader.load_delta(uri)
+    names = {t.name for t in full.tensors[:2]}
+    http_server.requests.clear()
+    part = reader.load_delta(uri, names=names)
+    assert {t.name for t in part.tensors} == names
+    for t in part.tensors:
+        ref = next(x for x in full.tensors if x.name == t.name)
+        assert torch.equal(t.positions, ref.positions) and torch.equal(t.values, ref.values)
+    ranged = [h for m, _, h in http_server.requests if m == "GET" and "Range" in h]
+    assert len(ranged) == len(names)
