@@ -43,7 +43,7 @@ def _shim_triton_kernels():
     """Expose triton_kernels/ as engine_ext.triton_kernels when the package is not installed
     (pyproject's package-dir mapping only exists in an install); never as top-level triton_kernels."""
     try:
-        import engine_ext.triton_kernels  # noqa: F401
+        importlib.import_module("engine_ext.triton_kernels")
         return
     except ImportError:
         pass
@@ -52,7 +52,7 @@ def _shim_triton_kernels():
     mod = importlib.util.module_from_spec(spec)
     sys.modules["engine_ext.triton_kernels"] = mod
     spec.loader.exec_module(mod)
-    engine_ext.triton_kernels = mod
+    setattr(engine_ext, "triton_kernels", mod)
 
 
 _shim_triton_kernels()

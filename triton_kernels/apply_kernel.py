@@ -8,8 +8,8 @@ on CPU tensors), so no concatenated copy of the delta is made. Per element it ma
 the checkpoint index to a storage element (box test + affine map, checkpoint rank
 padded to 4), reads the old bits, writes the new bits (absolute, or a wrapping step
 in ordered key space), saves the old bits to the undo buffer, and adds
-``h(i, new) - h(i, old)`` into the segment's fingerprint slot (one int64 atomic per
-block, wrap-around sum, so the result is deterministic).
+``h(i, new) - h(i, old)``: each block stores its partial sum and count, reduced per
+segment afterwards (no atomics; int64 sums wrap mod 2^64, so the result is exact).
 """
 from __future__ import annotations
 
@@ -133,8 +133,8 @@ def _apply_kernel(tab_ptr, blk_ptr, undo_ptr, acc_ptr, W: tl.constexpr, ZM: tl.c
             tl.store(undo_ptr + undo_base + q, old, mask=m)
         mc = m & counted
         d = tl.where(mc, _hash(i, new, ZM) - _hash(i, old, ZM), 0)
-        tl.atomic_add(acc_ptr + 2 * seg, tl.sum(d, axis=0).to(tl.int64, bitcast=True))
-        tl.atomic_add(acc_ptr + 2 * seg + 1, tl.sum(mc.to(tl.int64), axis=0))
+        tl.store(acc_ptr + 2 * pid, tl.sum(d, axis=0).to(tl.int64, bitcast=True))
+        tl.store(acc_ptr + 2 * pid + 1, tl.sum(mc.to(tl.int64), axis=0))
 
 
 def _row(seg: Segment, pos, vals, undo_base: int) -> list[int]:
@@ -217,9 +217,11 @@ def apply_triton(segs: list[Segment], names: list[str], undo: bool):
         item0 = (torch.arange(seg_of_blk.numel(), dtype=torch.int64) - first[seg_of_blk]) * BLOCK
         blk = torch.stack([seg_of_blk, item0], 1).reshape(-1).to(dev)
         ubuf = torch.empty(undo_total if undo else 1, dtype=_INT[W], device=dev)
-        acc = torch.zeros(2 * len(group), dtype=torch.int64, device=dev)
-        _launch(W, tab, blk, ubuf, acc, save_undo=undo, rollback=False)
-        acc = acc.cpu().tolist()
+        part = torch.empty(blk.numel(), dtype=torch.int64, device=dev)  # per block: (fp sum, count)
+        _launch(W, tab, blk, ubuf, part, save_undo=undo, rollback=False)
+        acc = torch.zeros(len(group), 2, dtype=torch.int64, device=dev)
+        acc.index_add_(0, blk.view(-1, 2)[:, 0], part.view(-1, 2))  # int64 sums wrap mod 2^64
+        acc = acc.reshape(-1).cpu().tolist()
         for k, s in enumerate(group):
             if s.piece.count_fingerprint:
                 fp[s.td.name] = (fp[s.td.name] + acc[2 * k]) & MASK64
