@@ -16,7 +16,8 @@ vLLM packs them (``qkv_proj`` = q|k|v, ``gate_up_proj`` = gate|up, tied embeddin
 each tensor's elements by +-1..2 ULP (relative steps; vLLM gets the same change as
 absolute new values). Extra memory = peak RSS during the apply minus RSS before it
 (``/proc/self/clear_refs`` resets the peak), so it includes every temporary and the undo
-log. After each method the whole model's fingerprint is printed: all must agree.
+log (glibc: ``malloc_trim`` before, ``MALLOC_MMAP_THRESHOLD_=65536`` so freed blocks
+leave RSS). After each method the whole model's fingerprint is printed: all must agree.
 """
 from __future__ import annotations
 
@@ -53,6 +54,10 @@ def _status(key: str) -> int:
 
 
 def reset_peak() -> int:
+    """Return freed heap to the OS, reset the peak-RSS mark, return the current RSS."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return _status("VmRSS")
@@ -179,9 +184,13 @@ def main():
     ap.add_argument("--preset", default="0.5b", choices=sorted(PRESETS))
     ap.add_argument("--density", type=float, nargs="+", default=[0.01, 0.03])
     ap.add_argument("--methods", nargs="+", default=["ours", "indexput", "vllm"])
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads per method (default 1: on a shared machine, spinning OpenMP threads "
+                         "slow every method down by 10-100x)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
+        torch.set_num_threads(a.threads)
         print("RESULT " + json.dumps(run_method(a.child, a.preset, a.density[0])), flush=True)
         return
     try:
@@ -193,7 +202,9 @@ def main():
     for dens in a.density:
         for m in a.methods:
             out = subprocess.run([sys.executable, __file__, "--child", m, "--preset", a.preset, "--density", str(dens)],
-                                 capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
+                                 capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(a.threads),
+                                      # allocations >= 64 KiB come from mmap and go back on free: RSS tracks live memory
+                                      "MALLOC_MMAP_THRESHOLD_": "65536"})
             line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
             if out.returncode or not line:
                 print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
@@ -203,7 +214,7 @@ def main():
             rows.append(r)
             print(json.dumps(r), file=sys.stderr, flush=True)
     print(f"\nPreset {a.preset}: {rows[0]['model_MB']} MB of bf16 parameters, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads\n")
+          f"{a.threads} torch thread(s) per method\n")
     print("| density | method | changed elements | apply s | extra peak MB | vs vLLM time | vs vLLM memory | model fingerprint after |")
     print("|---|---|---|---|---|---|---|---|")
     for dens in a.density:
