@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import load_state_dict, make_model, save_state_dict  # noqa: E402
 
-PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [9, 9, 9, 9, 9, 9], [1000, 17, 450, 3, 77]]
+PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [9, 9, 9, 9, 9, 9], [999, 17, 450, 3, 77]]
 
 
 def free_port() -> int:

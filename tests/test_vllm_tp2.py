@@ -1,0 +1,41 @@
+"""Tensor parallelism 2 with tied embeddings and a padded vocabulary, on a real vLLM CPU server.
+
+Each rank holds half of the (tied) embedding rows, of q/k/v and of the MLP; the
+padded vocabulary (1000 -> 1024 rows) leaves padding rows on rank 1. After K deltas
+through the endpoint the outputs equal a TP 2 server cold-started on the final weights.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("vllm")
+from vllm_helpers import Server, make_model, rl_trajectory, save_state_dict  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+K = 3
+
+
+def test_tp2_tied_embeddings(tmp_path):
+    model = make_model(tmp_path / "model", "qwen2-tied", vocab=1000)
+    root = tmp_path / "stores"
+    final = rl_trajectory(model, root / "run", K, seed=3)
+    assert not any(n.startswith("lm_head") for n in final)
+    server = Server(model, sources=str(root), tp=2, log=tmp_path / "tp2.log")  # version unknown: matched by fingerprint
+    try:
+        before = server.outputs()
+        assert server.status()["version"] is None
+        for n in range(1, K + 1):
+            r = server.update({"url": str(root / "run" / f"v{n:08d}.json")})
+            assert r.status_code == 200, r.text
+            assert r.json()["version"] == n and r.json()["fallback"] == []
+        updated, st = server.outputs(), server.status()
+        assert st["fingerprint"] == json.loads((root / "run" / f"v{K:08d}.json").read_text())["fingerprint"]
+    finally:
+        server.stop()
+    assert updated != before
+    cold_dir = save_state_dict(tmp_path / "final", final, model)
+    with Server(cold_dir, tp=2, log=tmp_path / "tp2_cold.log") as cold:
+        assert cold.status()["fingerprint"] == st["fingerprint"]
+        assert cold.outputs() == updated
