@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.sglang
-pytest.importorskip("sglang", reason="needs the SGLang virtualenv (.ci/setup-sglang.sh)")
+if __name__ != "__main__":  # the TP workers import SGLang themselves, after the stubs
+    pytest.importorskip("sglang", reason="needs the SGLang virtualenv (.ci/setup-sglang.sh)")
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -144,6 +145,8 @@ def _run_world(cases: list[dict], tp: int, tmp: Path, timeout: int = 400) -> lis
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    if os.environ.get("ENGINE_EXT_TEST_VERBOSE"):
+        print("\n".join(l for out in logs for l in out.splitlines() if l.startswith("[rank")))
     for r, (p, out) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"TP rank {r} failed (rc {p.returncode}):\n{out[-6000:]}"
     return [json.loads((tmp / f"result_tp{tp}_rank{r}.json").read_text()) for r in range(tp)]
@@ -219,6 +222,7 @@ class _TestEngine:
 
 
 def _worker(spec_path: str, rank: int) -> None:
+    import time as _t; _t0 = _t.time(); _tick = lambda what: print(f"[rank {rank}] {_t.time()-_t0:6.1f}s {what}", file=sys.stderr, flush=True)
     sys.path.insert(0, str(STUBS))
     import torch
 
@@ -259,8 +263,10 @@ def _worker(spec_path: str, rank: int) -> None:
                    for n, p in model.named_parameters())
 
     results = {}
+    _tick("imports")
     for case in spec["cases"]:
         live = load(case["model"])
+        _tick(f"{case['kind']} loaded")
         group = get_tp_group()
         ptrs = {n: p.data_ptr() for n, p in live.named_parameters()}
         versions_seen: list[str] = []
@@ -331,6 +337,7 @@ def _worker(spec_path: str, rank: int) -> None:
                 step(req)
             versions, bad, events = list(range(1, STEPS + 1)), None, []
         # Every rank: its own view of the "bad" outcomes comes from rank 0's gathered checks.
+        _tick("updates done")
         bad = broadcast_pyobj([bad], group.rank, group.cpu_group, src=group.ranks[0])[0]
         ref = load(case["final"])
         ref_p = dict(ref.named_parameters())
@@ -346,7 +353,13 @@ def _worker(spec_path: str, rank: int) -> None:
         del live, ref, agent
     Path(spec["out"], f"result_tp{tp}_rank{rank}.json").write_text(json.dumps(results))
     torch.distributed.barrier()
+    _tick("done")
 
 
 if __name__ == "__main__":
     _worker(sys.argv[1], int(sys.argv[2]))
+    # SGLang leaves non-daemon helpers behind that delay a normal exit by ~40 s;
+    # everything is written and every rank passed the final barrier.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

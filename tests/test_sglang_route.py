@@ -1,0 +1,331 @@
+"""``/update_weights_delta`` through a TestClient of SGLang's real FastAPI app, with the
+``engine_ext`` plugin loaded by SGLang's own ``load_plugins()``.
+
+Real: SGLang 0.5.23's ``http_server.app``, its ``TokenizerManager`` (built from
+ServerArgs/PortArgs, so our hook installs the controller and the routes the way it
+does in a server), its ZMQ sockets and IPC encoding, its ``TypeBasedDispatcher``, the
+Qwen2 model class loaded by SGLang's loader (TP 1, gloo), our plugin, controller,
+rank handler, reader and publisher. Stand-in: the scheduler *process* (no SGLang CPU
+kernel build exists; see docs/sglang.md). A thread plays its request loop exactly
+as ``Scheduler.process_input_requests`` does (receive, dispatch through a dispatcher
+that our plugin hook extended, send the output back); it records the pause/continue
+and abort requests it is sent instead of running generation. SGLang's own lifespan
+(OpenAI handlers, warm-up generation against a live scheduler) is not run: the
+client gets a long-lived event loop without it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.sglang
+pytest.importorskip("sglang", reason="needs the SGLang virtualenv (.ci/setup-sglang.sh)")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "sglang_stubs"))  # before SGLang's model modules import torchvision
+sys.path.insert(0, str(HERE))
+
+from test_sglang_tp import STEPS, make_case  # noqa: E402  (same data: K deltas + bad ones)
+
+ROUTE = "/update_weights_delta"
+
+
+class SchedulerLoop:
+    """One TP rank's request loop, as in ``Scheduler.process_input_requests``."""
+
+    def __init__(self, port_args, model, model_path):
+        import zmq
+        from sglang.srt.managers.io_struct import (
+            AbortReq,
+            ContinueGenerationReqInput,
+            PauseGenerationReqInput,
+        )
+        from sglang.srt.managers.scheduler_components.output_sender import SenderWrapper
+        from sglang.srt.utils.network import get_zmq_socket
+        from sglang.utils import TypeBasedDispatcher
+
+        from engine_ext.sglang import plugin
+
+        self.events, self.versions, self.flushes = [], [], 0
+        ctx = zmq.Context.instance()
+        self.recv = get_zmq_socket(ctx, zmq.PULL, port_args.scheduler_input_ipc_name, False)
+        self.send = SenderWrapper(get_zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_ipc_name, False))
+        self.tp_worker = type("W", (), {})()
+        self.tp_worker.model_runner = type("R", (), {"model": model})()
+        self._request_dispatcher = TypeBasedDispatcher([
+            (PauseGenerationReqInput, lambda r: self.events.append(("pause", r.mode))),
+            (ContinueGenerationReqInput, lambda r: self.events.append(("continue",))),
+            (AbortReq, lambda r: self.events.append(("abort", r.abort_all))),
+        ])
+        plugin._after_scheduler_init(None, self)  # what the hook on Scheduler.init_request_dispatcher runs
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    # the two Scheduler methods the rank handler uses
+    def flush_cache(self, empty_cache=True):
+        self.flushes += 1
+        return True
+
+    def record_weight_version_change(self, new_version):
+        self.versions.append(new_version)
+
+    def _loop(self):
+        import zmq
+        from sglang.srt.managers.io_struct import sock_recv
+
+        while not self._stop.is_set():
+            if not self.recv.poll(50):
+                continue
+            req = sock_recv(self.recv, zmq.NOBLOCK)
+            out = self._request_dispatcher(req)
+            if out is not None:
+                self.send.send_output(out, req)
+
+    def wait_for(self, cond, timeout=5.0):
+        import time
+
+        end = time.monotonic() + timeout
+        while not cond() and time.monotonic() < end:
+            time.sleep(0.01)
+
+    def close(self):
+        self._stop.set()
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    import anyio.from_thread
+    import torch
+    from fastapi.testclient import TestClient
+
+    tmp = tmp_path_factory.mktemp("sglang_route")
+    case = make_case(tmp, "qwen2")
+    env = {"SGLANG_PLUGINS": "engine_ext", "ENGINE_EXT_SOURCES": ",".join(case["sources"]), "ENGINE_EXT_BASE_VERSION": "0"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.entrypoints import http_server
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+    from sglang.srt.model_loader import get_model
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import PortArgs, ServerArgs
+    from sglang.srt.utils.network import get_free_port
+
+    load_plugins()
+    sa = ServerArgs(model_path=case["model"], device="cpu", dtype="bfloat16")
+    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
+    if not torch.distributed.is_initialized():
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{get_free_port()}")
+        initialize_model_parallel()
+
+    def load(path):
+        s = ServerArgs(model_path=path, device="cpu", dtype="bfloat16")
+        return get_model(model_config=ModelConfig.from_server_args(s), load_config=LoadConfig(load_format="auto"),
+                         device_config=DeviceConfig("cpu"))
+
+    model = load(case["model"])
+    port_args = PortArgs.init_new(sa)
+    publish(sa, role="tokenizer")  # this process now plays the HTTP server's part
+    tm = TokenizerManager(sa, port_args)
+    sched = SchedulerLoop(port_args, model, case["model"])
+    http_server.set_global_state(http_server._GlobalState(tokenizer_manager=tm, template_manager=None, scheduler_info={}))
+    try:
+        with anyio.from_thread.start_blocking_portal() as portal:
+            client = TestClient(http_server.app)
+            client.portal = portal  # one event loop for all requests (the TokenizerManager's loop lives there)
+            yield {"client": client, "case": case, "tm": tm, "sched": sched, "model": model, "load": load,
+                   "app": http_server.app}
+    finally:
+        sched.close()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_plugin_is_loaded_by_sglang_and_hooks_applied(server):
+    from importlib.metadata import entry_points
+
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from engine_ext.sglang import plugin
+
+    assert any(ep.name == "engine_ext" and ep.value == "engine_ext.sglang.plugin:register"
+               for ep in entry_points(group="sglang.srt.plugins"))
+    assert {plugin.SCHEDULER_TARGET, plugin.TOKENIZER_TARGET} <= HookRegistry._patched
+    assert server["tm"]._engine_ext is not None  # installed by the TokenizerManager hook
+    paths = [(r.path, sorted(r.methods)) for r in server["app"].routes if getattr(r, "path", None) == ROUTE]
+    assert sorted(paths) == [(ROUTE, ["GET"]), (ROUTE, ["POST"])]
+
+
+def test_status_before_any_update(server):
+    from tiny_models import load_state_dict
+
+    from engine_ext import fingerprint as fpr
+
+    r = server["client"].get(ROUTE)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["engine"] == "sglang" and body["version"] == 0 and body["busy"] is False
+    sd = load_state_dict(server["case"]["model"])
+    want = fpr.model_fingerprint({n: fpr.tensor_fingerprint(t) for n, t in sd.items()})
+    assert body["fingerprint"] == fpr.fmt(want)  # combined from the rank's live, sharded/padded params
+    assert body["tensors"] == len(sd)
+
+
+@pytest.mark.parametrize("body,reason", [
+    (b"{not json", "bad_request"),
+    (b"[1, 2]", "bad_request"),
+    (b"{}", "bad_request"),
+    (json.dumps({"url": 5}).encode(), "bad_request"),
+    (json.dumps({"url": "x", "surprise": 1}).encode(), "bad_request"),
+    (json.dumps({"url": "x", "pause_mode": "never"}).encode(), "bad_request"),
+    (json.dumps({"url": "x", "base_version": True}).encode(), "bad_request"),
+])
+def test_malformed_bodies_are_400(server, body, reason):
+    r = server["client"].post(ROUTE, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["ok"] is False and r.json()["reason"] == reason and r.json()["error"]
+
+
+def test_sources_outside_the_allow_list_are_403_before_any_fetch(server, tmp_path):
+    store = server["case"]["sources"][0]
+    outside = tmp_path / "elsewhere.json"  # never created: a fetch would be a 404, not a 403
+    for url in [str(outside), f"{store}/../secret.json", "http://169.254.169.254/latest/meta-data",
+                f"file://{tmp_path}/x.json", f"{store}-evil/v00000001.json"]:
+        r = server["client"].post(ROUTE, json={"url": url})
+        assert r.status_code == 403, (url, r.text)
+        assert r.json()["reason"] == "forbidden_source"
+    assert server["client"].get(ROUTE).json()["version"] == 0
+
+
+def test_deltas_apply_with_the_answer_format_then_bad_ones_are_refused(server):
+    client, case, sched = server["client"], server["case"], server["sched"]
+    modes = ["keep", "wait", "abort"]
+    for v, (url, mode) in enumerate(zip(case["urls"], modes), start=1):
+        sched.events.clear()
+        r = client.post(ROUTE, json={"url": url, "pause_mode": mode, "base_version": v - 1})
+        assert r.status_code == 200, r.text
+        a = r.json()
+        assert a["ok"] is True and a["version"] == v and a["base_version"] == v - 1
+        assert a["pause_mode"] == mode and a["fallback"] == [] and a["manifests"]
+        assert a["elements"] > 0 and 0 < a["payload_bytes"]
+        assert len(a["fingerprint"]) == 16 and a["tensors"] > 0
+        assert {"fetch_decode", "stage", "pause", "apply", "verify", "reset_cache", "resume", "total"} <= set(a["phases_ms"])
+        assert a["pause_ms"] == a["phases_ms"]["pause"]
+        # SGLang's pause/continue reached the scheduler (keep = retract; wait = drain in the
+        # tokenizer, nothing sent; abort = SGLang's abort-all), the cache was flushed and the
+        # weight version recorded on the rank.
+        want = {"keep": [("pause", "retract"), ("continue",)], "wait": [],
+                "abort": [("continue",)]}[mode]
+        sched.wait_for(lambda: len([e for e in sched.events if e[0] != "abort"]) >= len(want))  # continue is fire-and-forget
+        assert [e for e in sched.events if e[0] != "abort"] == want, sched.events
+        assert (("abort", True) in sched.events) == (mode == "abort")
+        assert sched.versions[-1] == str(v)
+    assert sched.flushes == STEPS
+
+    status = client.get(ROUTE).json()
+    assert status["version"] == STEPS and [h["version"] for h in status["history"] if h["ok"]] == [1, 2, 3]
+
+    # wrong base version requested, corrupt blob, other base, result fingerprint lie: refused, unchanged
+    before = {n: p.detach().clone() for n, p in server["model"].named_parameters()}
+    for body, status_code, reason in [
+        ({"url": case["urls"][0], "base_version": 0}, 409, "base_mismatch"),
+        ({"url": case["bad"]["integrity"]}, 422, "integrity"),
+        ({"url": case["bad"]["base_mismatch"]}, 409, "base_mismatch"),
+        ({"url": case["bad"]["verify"]}, 500, "verify"),
+    ]:
+        r = client.post(ROUTE, json=body)
+        assert r.status_code == status_code and r.json()["reason"] == reason, (body, r.text)
+        assert all(torch_equal_bits(p, before[n]) for n, p in server["model"].named_parameters())
+    assert client.get(ROUTE).json()["version"] == STEPS
+
+    # the served rank equals a cold load of the final checkpoint, bit for bit
+    ref = dict(server["load"](case["final"]).named_parameters())
+    assert all(torch_equal_bits(p, ref[n]) for n, p in server["model"].named_parameters())
+
+
+def test_bearer_token(server, monkeypatch):
+    monkeypatch.setenv("ENGINE_EXT_TOKEN", "s3cret")
+    client = server["client"]
+    assert client.get(ROUTE).status_code == 401
+    assert client.post(ROUTE, json={"url": "x"}).status_code == 401
+    assert client.get(ROUTE, headers={"authorization": "Bearer wrong"}).status_code == 401
+    assert client.get(ROUTE, headers={"authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_messages_survive_sglang_msgpack_ipc(monkeypatch):
+    """SGLang can run its IPC in msgpack mode (SGLANG_USE_PICKLE_IPC=0): our messages
+    then travel in its PickleWrapper envelope and come out as themselves."""
+    import zmq
+    from sglang.srt.managers import io_struct
+
+    from engine_ext.sglang.messages import RankOpReply, RankOpReq
+
+    ctx = zmq.Context.instance()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    a.bind("inproc://engine_ext_msgpack")
+    b.connect("inproc://engine_ext_msgpack")
+    try:
+        for pickle_mode in (True, False):
+            monkeypatch.setattr(io_struct, "_USE_PICKLE_IPC", pickle_mode)
+            for msg in (RankOpReq("apply", {"path": "/dev/shm/x"}), RankOpReply([{"ok": True, "rank": 0}])):
+                io_struct.sock_send(a, io_struct.wrap_as_pickle(msg))
+                assert io_struct.sock_recv(b) == msg
+    finally:
+        a.close()
+        b.close()
+
+
+def test_lifespan_wrapper_starts_the_probe_with_the_server():
+    """routes.attach wraps the app's lifespan so the start-up probe runs at server start."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from engine_ext.sglang import engine, routes
+
+    seen = []
+
+    @asynccontextmanager
+    async def inner(app):
+        seen.append("inner")
+        yield
+
+    app = FastAPI(lifespan=inner)
+    started = []
+
+    async def fake_controller(tm):
+        started.append(tm)
+
+    tm = type("TM", (), {"_engine_ext": object()})()
+    orig_ctl, orig_tm = engine.controller, routes._tokenizer_manager
+    engine.controller, routes._tokenizer_manager = fake_controller, lambda request: tm
+    try:
+        assert routes.attach(app) is True and routes.attach(app) is False
+        with TestClient(app):
+            pass
+    finally:
+        engine.controller, routes._tokenizer_manager = orig_ctl, orig_tm
+    assert seen == ["inner"] and started == [tm]
+
+
+def torch_equal_bits(a, b) -> bool:
+    import torch
+
+    return torch.equal(a.detach().view(torch.int16), b.detach().view(torch.int16)) if a.dtype == torch.bfloat16 else torch.equal(a, b)
