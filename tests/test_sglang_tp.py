@@ -309,9 +309,12 @@ def _worker(spec_path: str, rank: int) -> None:
                 eng = _TestEngine(lead, tp)
                 ctl = Controller(eng, Sources(case["sources"]), version=0, engine_name="sglang")
                 await ctl.start()
-                versions = []
+                versions, fallback = [], set()
                 for url in case["urls"]:
-                    versions.append((await ctl.update(UpdateRequest(url=url)))["version"])
+                    ans = await ctl.update(UpdateRequest(url=url))
+                    versions.append(ans["version"])
+                    fallback.update(ans["fallback"])
+                assert not fallback, f"dense fallback for {sorted(fallback)}: the probe should map every tensor in place"
                 bad = {}
                 lead(RankOpReq("_snapshot"))
                 for name, url in list(case["bad"].items()) + [("rank_fault", "FAULT")]:
