@@ -16,8 +16,9 @@ vLLM packs them (``qkv_proj`` = q|k|v, ``gate_up_proj`` = gate|up, tied embeddin
 each tensor's elements by +-1..2 ULP (relative steps; vLLM gets the same change as
 absolute new values). Extra memory = peak RSS during the apply minus RSS before it
 (``/proc/self/clear_refs`` resets the peak), so it includes every temporary and the undo
-log (glibc: ``malloc_trim`` before, ``MALLOC_MMAP_THRESHOLD_=65536`` so freed blocks
-leave RSS). After each method the whole model's fingerprint is printed: all must agree.
+log (glibc ``malloc_trim`` first, so freed heap memory is not silently reused). Time is
+wall-clock and, because the machine is shared, also the process CPU time (1 thread: CPU
+time = the work done). After each method the whole model's fingerprint is printed: all must agree.
 """
 from __future__ import annotations
 
@@ -145,9 +146,9 @@ def run_method(method: str, preset: str, density: float) -> dict:
         maps = probe_layout(model, lambda n, t: model.load_weights([(n, t)]), [(d.name, d.shape, d.dtype) for d in deltas])
         extra["probe_s"] = round(time.perf_counter() - t0, 3)
         base = reset_peak()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         res = apply_delta(deltas, maps, undo=True, backend="torch")
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         extra["undo_MB"] = round(res.undo.nbytes / 1e6, 1)
         extra["written"] = sum(res.written.values())
     elif method == "indexput":
@@ -156,12 +157,12 @@ def run_method(method: str, preset: str, density: float) -> dict:
             key, off, n = model.shard[d.name]
             views[d.name] = dtypes.as_bits(model.params[key].data.narrow(0, off, n)).reshape(-1)
         base = reset_peak()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         with torch.no_grad():
             for d in deltas:
                 v = views[d.name]
                 v.index_put_((d.positions,), dtypes.apply_step(v[d.positions], d.values, True))
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     elif method == "vllm":
         from vllm.model_executor.model_loader.checkpoint_weight_patch import (CheckpointWeightPatch,
                                                                                 load_checkpoint_weight_patches)
@@ -169,13 +170,13 @@ def run_method(method: str, preset: str, density: float) -> dict:
         patches = [CheckpointWeightPatch(d.name, d.shape, torch.bfloat16, abs_vals[d.name], d.positions) for d in deltas]
         del abs_vals
         base = reset_peak()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         load_checkpoint_weight_patches(model, patches)
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     else:
         raise ValueError(method)
     peak = _status("VmHWM")
-    return dict(method=method, seconds=round(dt, 4), extra_MB=round((peak - base) / 1e6, 1), nnz=nnz,
+    return dict(method=method, seconds=round(dt, 4), cpu_s=round(cpu, 4), extra_MB=round((peak - base) / 1e6, 1), nnz=nnz,
                 model_MB=round(sum(p.numel() * 2 for p in model.params.values()) / 1e6, 1), fp=model_fp(model), **extra)
 
 
@@ -202,9 +203,7 @@ def main():
     for dens in a.density:
         for m in a.methods:
             out = subprocess.run([sys.executable, __file__, "--child", m, "--preset", a.preset, "--density", str(dens)],
-                                 capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(a.threads),
-                                      # allocations >= 64 KiB come from mmap and go back on free: RSS tracks live memory
-                                      "MALLOC_MMAP_THRESHOLD_": "65536"})
+                                 capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(a.threads)})
             line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
             if out.returncode or not line:
                 print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
@@ -215,16 +214,16 @@ def main():
             print(json.dumps(r), file=sys.stderr, flush=True)
     print(f"\nPreset {a.preset}: {rows[0]['model_MB']} MB of bf16 parameters, torch {torch.__version__}, "
           f"{a.threads} torch thread(s) per method\n")
-    print("| density | method | changed elements | apply s | extra peak MB | vs vLLM time | vs vLLM memory | model fingerprint after |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| density | method | changed elements | apply wall s | apply CPU s | extra peak MB | vs vLLM (CPU time) | vs vLLM (memory) | model fingerprint after |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for dens in a.density:
         group = [r for r in rows if r["density"] == dens]
         ref = next((r for r in group if r["method"] == "vllm"), None)
         for r in group:
-            sp = f"{ref['seconds'] / r['seconds']:.1f}x faster" if ref else "-"
+            sp = f"{ref['cpu_s'] / r['cpu_s']:.1f}x faster" if ref else "-"
             mem = f"{ref['extra_MB'] / max(r['extra_MB'], 0.1):.1f}x less" if ref else "-"
             note = f" (undo {r['undo_MB']} MB, probe {r['probe_s']} s)" if r["method"] == "ours" else ""
-            print(f"| {dens:.0%} | {r['method']}{note} | {r['nnz']:,} | {r['seconds']:.3f} | {r['extra_MB']} | {sp} | {mem} | {r['fp']} |")
+            print(f"| {dens:.0%} | {r['method']}{note} | {r['nnz']:,} | {r['seconds']:.3f} | {r['cpu_s']:.3f} | {r['extra_MB']} | {sp} | {mem} | {r['fp']} |")
         fps = {r["fp"] for r in group}
         print(f"\nAll methods end at the same weights at {dens:.0%}: {len(fps) == 1}\n" if len(fps) == 1 else
               f"\nMISMATCH at {dens:.0%}: {fps}\n")

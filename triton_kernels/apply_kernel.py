@@ -26,7 +26,8 @@ NCOL = 32
 # table columns
 C_DEST, C_POS, C_VAL, C_UNDO, C_N, C_FLAGS, C_LO, C_HI, C_OFF = range(9)
 C_SHAPE, C_CS, C_START, C_EXT, C_DS = 9, 13, 17, 21, 25
-F_DENSE, F_REL, F_FLOAT, F_COUNT, F_FLAT = 1, 2, 4, 8, 16
+F_DENSE, F_REL, F_FLOAT, F_COUNT, F_FLAT, F_CHECK = 1, 2, 4, 8, 16, 32
+C_NUMEL = 29
 
 GOLDEN = fpr.GOLDEN
 MIX1 = fpr.MIX1
@@ -137,7 +138,27 @@ def _apply_kernel(tab_ptr, blk_ptr, undo_ptr, acc_ptr, W: tl.constexpr, ZM: tl.c
         tl.store(acc_ptr + 2 * pid + 1, tl.sum(mc.to(tl.int64), axis=0))
 
 
-def _row(seg: Segment, pos, vals, undo_base: int) -> list[int]:
+@triton.jit
+def _check_kernel(tab_ptr, blk_ptr, bad_ptr, NC: tl.constexpr, BLOCK: tl.constexpr):
+    """Flag a block whose positions are out of range or not strictly increasing (one read pass)."""
+    pid = tl.program_id(0)
+    seg = tl.load(blk_ptr + 2 * pid)
+    item0 = tl.load(blk_ptr + 2 * pid + 1)
+    row = tab_ptr + seg * NC
+    flags = tl.load(row + 5)
+    if (flags & 32) != 0:
+        pos = tl.load(row + 1).to(tl.pointer_type(tl.int64))
+        n = tl.load(row + 4)
+        numel = tl.load(row + 29)
+        q = item0 + tl.arange(0, BLOCK).to(tl.int64)
+        valid = q < n
+        p = tl.load(pos + q, mask=valid, other=0)
+        prev = tl.load(pos + q - 1, mask=valid & (q > 0), other=-1)
+        bad = valid & ((p < 0) | (p >= numel) | (p <= prev))
+        tl.store(bad_ptr + pid, tl.max(bad.to(tl.int32), axis=0))
+
+
+def _row(seg: Segment, pos, vals, undo_base: int, check: bool) -> list[int]:
     """One table row (see the C_* columns); checkpoint rank padded to MAXD with unit dims."""
     pc, td = seg.piece, seg.td
     pad = MAXD - len(td.shape)
@@ -148,10 +169,13 @@ def _row(seg: Segment, pos, vals, undo_base: int) -> list[int]:
     ds = (0,) * pad + tuple(pc.strides)
     flags = (F_DENSE if seg.dense else 0) | (F_REL if td.mode == REL else 0) | (F_FLOAT if td.dtype.is_float else 0)
     flags |= (F_COUNT if pc.count_fingerprint else 0) | (F_FLAT if seg.flat is not None else 0)
+    flags |= F_CHECK if check else 0
     lo, hi = seg.flat if seg.flat is not None else (0, 0)
     r = [seg.storage.data_ptr(), 0 if pos is None else pos.data_ptr(), vals.data_ptr(), undo_base, seg.n, flags, lo, hi, pc.offset]
     r += list(shape) + list(cs) + list(start) + list(ext) + list(ds)
-    return r + [0] * (NCOL - len(r))
+    r += [0] * (NCOL - len(r))
+    r[C_NUMEL] = td.numel
+    return r
 
 
 class _TritonUndo:
@@ -180,24 +204,22 @@ def _launch(W, tab, blk, undo, acc, *, save_undo, rollback):
 _INT = {8: torch.int8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
 
 
-def apply_triton(segs: list[Segment], names: list[str], undo: bool):
-    """Apply validated segments with one launch per (device, width); rank > 4 goes to the torch path."""
+def apply_triton(segs: list[Segment], names: list[str], undo: bool, checks: list):
+    """Apply validated segments with one launch per (device, width); rank > 4 goes to the torch path.
+
+    ``checks``: deltas whose positions still need the order/range check; it runs on the
+    device over the same tables (one read pass, one sync) before anything is written.
+    """
     fp = {n: 0 for n in names}
     written = {n: 0 for n in names}
     parts = []
-    slow = [s for s in segs if len(s.td.shape) > MAXD]
-    if slow:
-        f2, w2, log = apply_torch(slow, names, undo)
-        for n in names:
-            fp[n] = (fp[n] + f2[n]) & MASK64
-            written[n] += w2[n]
-        if log is not None:
-            parts.append(log)
     groups: dict = {}
     for s in segs:
         if len(s.td.shape) <= MAXD and s.n > 0 and s.piece.numel > 0:
             groups.setdefault((s.storage.device, s.td.dtype.bits), []).append(s)
     moved: dict = {}
+    need = {id(td) for td in checks}
+    plans, flags = [], []
     for (dev, W), group in groups.items():
         rows, counts, keep, undo_total = [], [], [], 0
         for s in group:
@@ -207,7 +229,9 @@ def apply_triton(segs: list[Segment], names: list[str], undo: bool):
                 moved[key] = (None if td.positions is None else td.positions.to(dev), td.values.to(dev))
             pos, vals = moved[key]
             keep += [pos, vals]
-            rows.append(_row(s, pos, vals, undo_total))
+            check = id(s.td) in need
+            need.discard(id(s.td))
+            rows.append(_row(s, pos, vals, undo_total, check))
             counts.append(-(-s.n // BLOCK))
             undo_total += s.n
         tab = torch.tensor(rows, dtype=torch.int64).to(dev)
@@ -216,6 +240,25 @@ def apply_triton(segs: list[Segment], names: list[str], undo: bool):
         first = torch.cumsum(cnt, 0) - cnt
         item0 = (torch.arange(seg_of_blk.numel(), dtype=torch.int64) - first[seg_of_blk]) * BLOCK
         blk = torch.stack([seg_of_blk, item0], 1).reshape(-1).to(dev)
+        bad = torch.zeros(blk.numel() // 2, dtype=torch.int32, device=dev)
+        _check_kernel[(bad.numel(),)](tab, blk, bad, NC=NCOL, BLOCK=BLOCK, num_warps=4)
+        flags.append(bad.any())
+        plans.append((dev, W, group, tab, blk, undo_total, keep))
+    from engine_ext.apply import check_positions
+
+    check_positions([td for td in checks if id(td) in need])  # tensors without a kernel segment
+    if flags and bool(torch.stack([f.cpu() for f in flags]).any()):
+        check_positions(checks)  # names the culprit
+        raise ValueError("positions must be sorted, unique and in range")
+    slow = [s for s in segs if len(s.td.shape) > MAXD]
+    if slow:
+        f2, w2, log = apply_torch(slow, names, undo)
+        for n in names:
+            fp[n] = (fp[n] + f2[n]) & MASK64
+            written[n] += w2[n]
+        if log is not None:
+            parts.append(log)
+    for dev, W, group, tab, blk, undo_total, keep in plans:
         ubuf = torch.empty(undo_total if undo else 1, dtype=_INT[W], device=dev)
         part = torch.empty(blk.numel(), dtype=torch.int64, device=dev)  # per block: (fp sum, count)
         _launch(W, tab, blk, ubuf, part, save_undo=undo, rollback=False)
