@@ -112,6 +112,18 @@ class Updater:
         return {"fingerprints": self.report(), "fallback": sorted(self.host), "setup_s": self.setup_s,
                 "tensors": {n: [list(s), d.name] for n, (s, d) in self.checkpoint.items()}}
 
+    def resync(self) -> dict:
+        """Recompute the fingerprints from the live weights (after an outside dense reload)."""
+        from .apply import local_fingerprint
+
+        if self._pending is not None:
+            raise RuntimeError("an applied update is neither committed nor rolled back")
+        self.setup()
+        for name, m in self.maps.items():
+            if name not in self.host:
+                self.fps[name] = local_fingerprint(m)
+        return {"fingerprints": self.report()}
+
     def report(self, names: Iterable[str] | None = None) -> dict[str, list]:
         """``{name: [fp_hex, covered_elements, numel]}`` for the controller to combine."""
         names = self.fps if names is None else names

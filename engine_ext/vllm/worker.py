@@ -19,7 +19,7 @@ import torch
 from ..updater import Updater, checkpoint_reader, checkpoint_specs
 
 log = logging.getLogger("engine_ext")
-OPS = ("setup", "apply", "commit", "rollback", "status")
+OPS = ("setup", "apply", "commit", "rollback", "status", "resync")
 
 
 def model_files(model: str, revision: str | None = None) -> list[str]:
