@@ -329,3 +329,53 @@ def torch_equal_bits(a, b) -> bool:
     import torch
 
     return torch.equal(a.detach().view(torch.int16), b.detach().view(torch.int16)) if a.dtype == torch.bfloat16 else torch.equal(a, b)
+
+
+def test_in_process_engine_hook(server, tmp_path, monkeypatch):
+    """``engine_ext.sglang.update_weights_delta(engine, url)`` for in-process ``sglang.Engine``
+    users: the same controller, reached through ``engine.tokenizer_manager`` on
+    ``engine.loop`` (the two attributes of ``sglang.Engine`` it uses). Runs last: it
+    publishes a second model's config in this process."""
+    import asyncio
+    import signal
+    import types
+
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import PortArgs, ServerArgs
+
+    from engine_ext.errors import DeltaError
+    from engine_ext.sglang import delta_status, update_weights_delta
+
+    case = make_case(tmp_path, "llama")
+    monkeypatch.setenv("ENGINE_EXT_SOURCES", ",".join(case["sources"]))
+    sa = ServerArgs(model_path=case["model"], device="cpu", dtype="bfloat16")
+    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
+    model = server["load"](case["model"])
+    port_args = PortArgs.init_new(sa)
+    publish(sa, role="tokenizer")
+    loop = asyncio.new_event_loop()
+    tm = TokenizerManager(sa, port_args)
+    sched = SchedulerLoop(port_args, model, case["model"])
+    engine = types.SimpleNamespace(tokenizer_manager=tm, loop=loop)
+    try:
+        assert delta_status(engine)["version"] == 0
+        for v, url in enumerate(case["urls"], start=1):
+            assert update_weights_delta(engine, url)["version"] == v
+        with pytest.raises(DeltaError) as e:
+            update_weights_delta(engine, case["bad"]["integrity"])
+        assert e.value.reason == "integrity"
+        with pytest.raises(DeltaError) as e:
+            update_weights_delta(engine, "/etc/passwd")
+        assert e.value.reason == "forbidden_source"
+        assert delta_status(engine)["version"] == STEPS
+        ref = dict(server["load"](case["final"]).named_parameters())
+        assert all(torch_equal_bits(p, ref[n]) for n, p in model.named_parameters())
+    finally:
+        sched.close()
+        for sig in (signal.SIGTERM, signal.SIGQUIT):  # the TokenizerManager's handlers on this loop
+            loop.remove_signal_handler(sig)
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
