@@ -44,6 +44,7 @@ class SchedulerLoop:
             AbortReq,
             ContinueGenerationReqInput,
             PauseGenerationReqInput,
+            UpdateWeightFromDiskReqInput,
         )
         from sglang.srt.managers.scheduler_components.output_sender import SenderWrapper
         from sglang.srt.utils.network import get_zmq_socket
@@ -61,11 +62,20 @@ class SchedulerLoop:
             (PauseGenerationReqInput, lambda r: self.events.append(("pause", r.mode))),
             (ContinueGenerationReqInput, lambda r: self.events.append(("continue",))),
             (AbortReq, lambda r: self.events.append(("abort", r.abort_all))),
+            (UpdateWeightFromDiskReqInput, self._update_from_disk),
         ])
         plugin._after_scheduler_init(None, self)  # what the hook on Scheduler.init_request_dispatcher runs
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
+
+    def _update_from_disk(self, req):
+        """SGLang's own /update_weights_from_disk as its model runner does it: load_weights."""
+        from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqOutput
+        from tiny_models import load_state_dict
+
+        self.tp_worker.model_runner.model.load_weights(list(load_state_dict(req.model_path).items()))
+        return UpdateWeightFromDiskReqOutput(success=True, message="loaded", num_paused_requests=0)
 
     # the two Scheduler methods the rank handler uses
     def flush_cache(self, empty_cache=True):
@@ -266,6 +276,44 @@ def test_bearer_token(server, monkeypatch):
     assert client.post(ROUTE, json={"url": "x"}).status_code == 401
     assert client.get(ROUTE, headers={"authorization": "Bearer wrong"}).status_code == 401
     assert client.get(ROUTE, headers={"authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_full_sync_through_sglangs_own_api_then_deltas(server, tmp_path):
+    """RL frameworks also sync whole weights with SGLang's own API (here
+    ``update_weights_from_disk``). Our hook on it makes the next delta op re-read the
+    live fingerprints, so a delta based on the synced weights applies (version
+    unknown, fingerprint known) instead of being refused as another base."""
+    import torch
+    from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+    from test_sglang_tp import _perturb
+    from tiny_models import load_state_dict, save_state_dict
+
+    from engine_ext.publish import DeltaPublisher
+
+    client, case, tm = server["client"], server["case"], server["tm"]
+    outside = _perturb(load_state_dict(case["final"]), torch.Generator().manual_seed(7), density=0.5)
+    outside_dir = save_state_dict(tmp_path / "outside", outside, case["model"])
+    nxt = _perturb(outside, torch.Generator().manual_seed(8))
+    store = Path(case["sources"][0]) / "after-full-sync"  # under an allowed source
+    with DeltaPublisher(str(store), model="qwen2", anchor_every=0, workers=1) as pub:
+        pub.publish(outside, version=10)
+        url = pub.publish(nxt, version=11)
+    for f in store.glob("*.anchor.json"):  # only the delta: it must apply on the synced weights
+        f.unlink()
+    final_dir = save_state_dict(tmp_path / "next", nxt, case["model"])
+
+    r = client.post(ROUTE, json={"url": url})
+    assert r.status_code == 409 and r.json()["reason"] == "base_mismatch", r.text  # not synced yet
+
+    ok, _msg, _ = client.portal.call(tm.update_weights_from_disk, UpdateWeightFromDiskReqInput(model_path=str(outside_dir)))
+    assert ok
+    r = client.post(ROUTE, json={"url": url})
+    assert r.status_code == 200, r.text
+    assert r.json()["version"] == 11 and r.json()["base_version"] is None
+    status = client.get(ROUTE).json()
+    assert status["version"] == 11 and any(h.get("outside_update") for h in status["history"])
+    ref = dict(server["load"](str(final_dir)).named_parameters())
+    assert all(torch_equal_bits(p, ref[n]) for n, p in server["model"].named_parameters())
 
 
 def test_messages_survive_sglang_msgpack_ipc(monkeypatch):

@@ -20,9 +20,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from contextlib import AsyncExitStack
 
-from ..service import Controller, Sources, initial_version, parse_request
+from .. import fingerprint as fpr
+from ..service import Controller, Sources, combine_fingerprints, initial_version, parse_request
 from .messages import RankOpReply, RankOpReq
 
 log = logging.getLogger("engine_ext")
@@ -100,6 +102,24 @@ def install(tm) -> None:
     version = initial_version(model_path if model_path and os.path.isdir(model_path) else None)
     tm._engine_ext = Controller(SglangEngine(tm), Sources.from_env(), version=version, engine_name="sglang")
     tm._engine_ext_start = None
+    tm._engine_ext_outside = False
+
+
+def mark_outside_update(tm) -> None:
+    """SGLang's own weight-update API ran (from disk, tensor, distributed, IPC): our
+    fingerprints no longer describe the served weights; re-read them before the next op."""
+    tm._engine_ext_outside = True
+
+
+async def _resync(ctl: Controller) -> None:
+    # Minimal adapter over Controller internals, to be folded into Controller (report).
+    async with ctl._lock:
+        replies = ctl._check(await ctl.engine.call_ranks("resync"))
+        ctl.tensor_fps = combine_fingerprints([r["fingerprints"] for r in replies])
+        ctl.version = None  # weights loaded by SGLang's own API: version unknown, fingerprint known
+        ctl.history.append({"ok": True, "outside_update": True, "version": None,
+                            "fingerprint": fpr.fmt(ctl.model_fingerprint), "time": time.time()})
+        log.info("engine_ext: weights changed through SGLang's own update API; fingerprint now %s", fpr.fmt(ctl.model_fingerprint))
 
 
 async def controller(tm) -> Controller:
@@ -112,6 +132,14 @@ async def controller(tm) -> Controller:
         if task is None or (task.done() and task.exception() is not None):
             task = tm._engine_ext_start = asyncio.ensure_future(ctl.start())
         await asyncio.shield(task)
+        tm._engine_ext_outside = False  # the start-up probe read the current weights
+    if getattr(tm, "_engine_ext_outside", False):
+        tm._engine_ext_outside = False
+        try:
+            await _resync(ctl)
+        except BaseException:
+            tm._engine_ext_outside = True
+            raise
     return ctl
 
 

@@ -10,7 +10,11 @@ registers for itself), then applies the registered hooks. This registers:
 - after ``TokenizerManager.init_request_dispatcher`` (the serving process): the
   reply route and the controller (:mod:`engine_ext.sglang.engine`), and the HTTP
   routes on SGLang's FastAPI app when this process serves HTTP
-  (:mod:`engine_ext.sglang.routes`).
+  (:mod:`engine_ext.sglang.routes`);
+- after the TokenizerManager's own weight-update methods (from disk, tensor,
+  distributed, IPC, ``end_weight_update``): a mark that makes the next delta op
+  re-read the live fingerprints first (version unknown, fingerprint known), so a
+  full sync through SGLang's API can be followed by deltas.
 
 No patch to SGLang's files is needed; everything goes through its hook registry.
 """
@@ -22,6 +26,10 @@ log = logging.getLogger("engine_ext")
 
 SCHEDULER_TARGET = "sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher"
 TOKENIZER_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.init_request_dispatcher"
+# SGLang's own weight updates: after one, our fingerprints are re-read before the next op.
+OUTSIDE_UPDATE_TARGETS = tuple(f"sglang.srt.managers.tokenizer_manager.TokenizerManager.{m}" for m in (
+    "update_weights_from_disk", "update_weights_from_tensor", "update_weights_from_distributed",
+    "update_weights_from_ipc", "end_weight_update"))
 _registered = False
 
 
@@ -40,6 +48,24 @@ def _after_tokenizer_init(result, tm, *args, **kwargs):
     return result
 
 
+def _after_outside_update(result, tm, *args, **kwargs):
+    import inspect
+
+    from . import engine
+
+    if not inspect.isawaitable(result):
+        engine.mark_outside_update(tm)
+        return result
+
+    async def done():
+        try:
+            return await result
+        finally:
+            engine.mark_outside_update(tm)
+
+    return done()
+
+
 def register() -> None:
     """Register the hooks (idempotent); SGLang applies them right after all plugins ran."""
     global _registered
@@ -50,3 +76,5 @@ def register() -> None:
 
     HookRegistry.register(SCHEDULER_TARGET, _after_scheduler_init, HookType.AFTER)
     HookRegistry.register(TOKENIZER_TARGET, _after_tokenizer_init, HookType.AFTER)
+    for target in OUTSIDE_UPDATE_TARGETS:
+        HookRegistry.register(target, _after_outside_update, HookType.AFTER)

@@ -27,7 +27,7 @@ from .messages import RankOpReply, RankOpReq
 
 log = logging.getLogger("engine_ext")
 
-UPDATER_OPS = ("setup", "apply", "commit", "rollback", "status")
+UPDATER_OPS = ("setup", "apply", "commit", "rollback", "status", "resync")
 OPS = UPDATER_OPS + ("after_update",)
 
 
