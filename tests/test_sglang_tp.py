@@ -128,26 +128,38 @@ def make_case(tmp: Path, kind: str) -> dict:
     }
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _run_world(cases: list[dict], tp: int, tmp: Path, timeout: int = 400) -> list[dict]:
+    """One process per TP rank (each writes its log to a file: no pipe to fill up)."""
     spec = tmp / f"spec_tp{tp}.json"
-    spec.write_text(json.dumps({"cases": cases, "tp": tp, "port": 29500 + os.getpid() % 2000 + tp, "out": str(tmp)}))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(STUBS), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    spec.write_text(json.dumps({"cases": cases, "tp": tp, "port": _free_port(), "out": str(tmp)}))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [str(STUBS), str(ROOT), os.environ.get("PYTHONPATH")] if p),
                OMP_NUM_THREADS="1", SGLANG_PLUGINS="engine_ext")
-    procs = [subprocess.Popen([sys.executable, __file__, str(spec), str(r)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(tp)]
-    logs = []
+    logs = [tmp / f"log_tp{tp}_rank{r}.txt" for r in range(tp)]
+    procs = []
     try:
+        for r in range(tp):
+            with open(logs[r], "w") as f:
+                procs.append(subprocess.Popen([sys.executable, __file__, str(spec), str(r)], env=env,
+                                              stdout=f, stderr=subprocess.STDOUT))
         for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            logs.append(out)
+            p.wait(timeout=timeout)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    texts = [log.read_text(errors="replace") for log in logs]
     if os.environ.get("ENGINE_EXT_TEST_VERBOSE"):
-        print("\n".join(l for out in logs for l in out.splitlines() if l.startswith("[rank")))
-    for r, (p, out) in enumerate(zip(procs, logs)):
+        print("\n".join(line for t in texts for line in t.splitlines() if line.startswith("[rank")))
+    for r, (p, out) in enumerate(zip(procs, texts)):
         assert p.returncode == 0, f"TP rank {r} failed (rc {p.returncode}):\n{out[-6000:]}"
     return [json.loads((tmp / f"result_tp{tp}_rank{r}.json").read_text()) for r in range(tp)]
 
@@ -222,7 +234,13 @@ class _TestEngine:
 
 
 def _worker(spec_path: str, rank: int) -> None:
-    import time as _t; _t0 = _t.time(); _tick = lambda what: print(f"[rank {rank}] {_t.time()-_t0:6.1f}s {what}", file=sys.stderr, flush=True)
+    import time
+
+    t0 = time.time()
+
+    def _tick(what):  # progress lines, shown with ENGINE_EXT_TEST_VERBOSE=1
+        print(f"[rank {rank}] {time.time() - t0:6.1f}s {what}", file=sys.stderr, flush=True)
+
     sys.path.insert(0, str(STUBS))
     import torch
 
