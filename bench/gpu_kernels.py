@@ -320,13 +320,44 @@ def bench(dev, small, densities, log):
     return rows, numel, bw
 
 
+def profile(dev, small):
+    """Where the host time of one apply goes (cProfile; CUDA waits show up in .cpu()/sync)."""
+    import cProfile
+    import pstats
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    shapes = (qwen2_shapes(hidden=64, layers=2, vocab=256, inter=128, kv=16) if small
+              else qwen2_shapes(hidden=3584, layers=28, vocab=152064, inter=18944, kv=512))
+    params, maps, views = build_model(shapes, dev, g)
+    deltas = make_delta(shapes, views, 0.01, dev, g)
+    for _ in range(3):
+        r = apply_delta(deltas, maps, backend="triton")
+        r.undo.rollback()
+    sync(dev)
+    for label, fn in [("apply", lambda: apply_delta(deltas, maps, backend="triton")),
+                      ("validate only", lambda: __import__("engine_ext.apply").apply.validate(deltas, maps))]:
+        pr = cProfile.Profile()
+        t0 = time.perf_counter()
+        pr.enable()
+        out = fn()
+        sync(dev)
+        pr.disable()
+        print(f"== {label}: {(time.perf_counter() - t0) * 1e3:.1f} ms")
+        pstats.Stats(pr).sort_stats("tottime").print_stats(18)
+        if label == "apply":
+            out.undo.rollback()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test, with TRITON_INTERPRET=1)")
     ap.add_argument("--density", type=float, nargs="+", default=[0.01, 0.03])
+    ap.add_argument("--profile", action="store_true", help="cProfile the host side of one 1%% apply, then exit")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if a.profile:
+        return profile(dev, a.small)
     if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("no GPU: run with --small and TRITON_INTERPRET=1")
     lines = []

@@ -133,6 +133,12 @@ class Segment:
     storage: torch.Tensor  # storage_bits(piece.dest)
     cstrides: tuple[int, ...]  # checkpoint row-major strides
     flat: tuple[int, int] | None  # (lo, hi): box is a contiguous flat range mapped contiguously
+    ext: tuple[int, ...] = ()  # box extent per checkpoint dim
+    numel: int = 0  # box elements
+
+    def __post_init__(self):
+        if not self.ext:
+            self.ext, self.numel = self.piece.extent, self.piece.numel
 
     @property
     def dense(self) -> bool:
@@ -141,7 +147,7 @@ class Segment:
     @property
     def n(self) -> int:
         """Elements the executor enumerates: the delta's positions, or the box when dense."""
-        return self.piece.numel if self.dense else self.td.nnz
+        return self.numel if self.dense else self.td.nnz
 
 
 def _flat_range(p: Piece, shape, cstrides) -> tuple[int, int] | None:
@@ -214,17 +220,40 @@ def validate(deltas: list[TensorDelta], maps: dict) -> tuple[list[Segment], list
                 raise ValueError(f"{name}: {p.numel()} positions but {v.numel()} values")
             if p.numel():
                 checks.append(ti)  # sorted/unique/range: checked by the executor, before any write
-        cs = row_major_strides(td.shape)
         for piece in m.pieces:
-            _check_piece(name, td.shape, td.dtype, piece)
-            if piece.numel == 0:
-                continue
-            key = (piece.dest.untyped_storage().data_ptr(), piece.offset, tuple(piece.strides), piece.extent)
+            g = _geometry(name, td.shape, td.dtype, piece)
+            if g is None:
+                continue  # empty box
+            key = g[0]
             if key in dests and dests[key] != name:
                 raise ValueError(f"{name}: writes the same destination elements as {dests[key]} (tied weights?); apply only one of them")
             dests[key] = name
-            segs.append(Segment(ti, td, piece, storage_bits(piece.dest, td.dtype.int_view), cs, _flat_range(piece, td.shape, cs)))
+            segs.append(Segment(ti, td, piece, *g[1:]))
     return segs, checks
+
+
+_GEOM: dict = {}  # id(piece) -> (inputs, geometry): maps are static, so re-validating a piece is a lookup
+
+
+def _geometry(name: str, shape, dtype: DType, piece: Piece):
+    """Checked geometry of a piece: (dest key, storage view, checkpoint strides, flat range, extent, numel)."""
+    st = piece.dest.untyped_storage()
+    inputs = (tuple(piece.start), tuple(piece.stop), piece.offset, tuple(piece.strides), st.data_ptr(), st.nbytes(), piece.dest.dtype,
+              piece.dest.device, tuple(shape), dtype.name)
+    hit = _GEOM.get(id(piece))
+    if hit is not None and hit[0] == inputs:
+        return hit[1]
+    _check_piece(name, shape, dtype, piece)
+    if piece.numel == 0:
+        g = None
+    else:
+        cs = row_major_strides(shape)
+        key = (st.data_ptr(), piece.offset, tuple(piece.strides), piece.extent)
+        g = (key, storage_bits(piece.dest, dtype.int_view), cs, _flat_range(piece, shape, cs), piece.extent, piece.numel)
+    if len(_GEOM) > 1 << 16:
+        _GEOM.clear()
+    _GEOM[id(piece)] = (inputs, g)
+    return g
 
 
 def check_positions(tds: list[TensorDelta]) -> None:
@@ -271,7 +300,7 @@ def _chunk(seg: Segment, pos: torch.Tensor | None, a: int, b: int):
             lo = seg.flat[0]
             return None, slice(pc.offset + a, pc.offset + b), slice(lo + a, lo + b)
         q = torch.arange(a, b, dtype=torch.int64, device=dev)
-        c = _box_coords(q, pc.extent)
+        c = _box_coords(q, seg.ext)
         i = sum((cd + s) * st for cd, s, st in zip(c, pc.start, seg.cstrides))
         dst = pc.offset + sum(cd * st for cd, st in zip(c, pc.strides))
         return i, dst, i
@@ -281,7 +310,7 @@ def _chunk(seg: Segment, pos: torch.Tensor | None, a: int, b: int):
     c = _box_coords(p, seg.td.shape)
     inbox = torch.ones_like(p, dtype=torch.bool)
     dst = torch.full_like(p, pc.offset)
-    for cd, s, e, st in zip(c, pc.start, pc.extent, pc.strides):
+    for cd, s, e, st in zip(c, pc.start, seg.ext, pc.strides):
         rel = cd - s
         inbox &= (rel >= 0) & (rel < e)
         dst += rel * st

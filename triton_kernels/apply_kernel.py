@@ -165,7 +165,7 @@ def _row(seg: Segment, pos, vals, undo_base: int, check: bool) -> list[int]:
     shape = (1,) * pad + tuple(td.shape)
     cs = (0,) * pad + seg.cstrides
     start = (0,) * pad + tuple(pc.start)
-    ext = (1,) * pad + pc.extent
+    ext = (1,) * pad + seg.ext
     ds = (0,) * pad + tuple(pc.strides)
     flags = (F_DENSE if seg.dense else 0) | (F_REL if td.mode == REL else 0) | (F_FLOAT if td.dtype.is_float else 0)
     flags |= (F_COUNT if pc.count_fingerprint else 0) | (F_FLAT if seg.flat is not None else 0)
@@ -215,7 +215,7 @@ def apply_triton(segs: list[Segment], names: list[str], undo: bool, checks: list
     parts = []
     groups: dict = {}
     for s in segs:
-        if len(s.td.shape) <= MAXD and s.n > 0 and s.piece.numel > 0:
+        if len(s.td.shape) <= MAXD and s.n > 0 and s.numel > 0:
             groups.setdefault((s.storage.device, s.td.dtype.bits), []).append(s)
     moved: dict = {}
     need = {id(td) for td in checks}
