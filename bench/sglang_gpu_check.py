@@ -88,8 +88,9 @@ class Server:
         self.url = f"http://127.0.0.1:{args.port}"
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
                "--port", str(args.port), "--tp-size", str(args.tp), "--dtype", "bfloat16",
-               "--mem-fraction-static", str(args.mem_fraction), "--context-length", "1024",
-               "--random-seed", "0", *args.server_args]
+               "--mem-fraction-static", str(args.mem_fraction), "--context-length", "512",
+               "--random-seed", "0", *(["--enable-deterministic-inference"] if args.deterministic else []),
+               *args.server_args]
         self.cmd = cmd
         self.log = open(log, "w")
         self.proc = None if args.dry_run else subprocess.Popen(
@@ -162,6 +163,7 @@ def main() -> int:
     ap.add_argument("--mem-fraction", type=float, default=0.3)
     ap.add_argument("--max-new", type=int, default=24)
     ap.add_argument("--timeout", type=float, default=240, help="seconds to wait for each server start")
+    ap.add_argument("--deterministic", action="store_true", help="pass --enable-deterministic-inference to both servers")
     ap.add_argument("--work", help="working dir (default: a temp dir, removed at the end)")
     ap.add_argument("--dry-run", action="store_true", help="prepare data, print the commands, start nothing")
     ap.add_argument("server_args", nargs=argparse.REMAINDER, help="extra sglang.launch_server args after --")
@@ -230,19 +232,23 @@ def main() -> int:
         try:
             result["cold_start_s"] = cold.wait_ready(args.timeout)
             result["cold"] = generate(cold.url, prompts, args.max_new)
+            result["cold_repeat"] = generate(cold.url, prompts, args.max_new)  # is the server itself repeatable?
         finally:
             cold.stop()
 
         same_ids = [a["ids"] == c["ids"] for a, c in zip(result["after"], result["cold"])]
         same_lp = [a["logprobs"] == c["logprobs"] for a, c in zip(result["after"], result["cold"])]
         changed = [a["ids"] != b["ids"] or a["logprobs"] != b["logprobs"] for a, b in zip(result["after"], result["before"])]
+        last_fp = json.loads(Path(data["urls"][-1]).read_text())["fingerprint"]
         result["checks"] = {
             "all_updates_200": all(a["status"] == 200 for a in answers),
+            "fingerprint_is_final_manifests": result["status_after"].get("fingerprint") == last_fp,
             "final_version": result["status_after"].get("version") == args.steps,
             "weight_version_in_model_info": str(result["model_info"].get("weight_version")) == str(args.steps),
             "ids_identical_to_cold_start": all(same_ids),
             "logprobs_identical_to_cold_start": all(same_lp),
             "outputs_changed_by_updates": any(changed),
+            "cold_start_repeatable": result["cold"] == result["cold_repeat"],
             "no_request_failed_during_updates": stats["failed"] == 0 and stats["ok"] > 0,
         }
         result["pause_ms"] = [a.get("pause_ms") for a in answers]
