@@ -330,26 +330,33 @@ def _ranges(seg: Segment, pos: torch.Tensor | None) -> tuple[int, int]:
 _NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def _hash_sum(i: torch.Tensor | None, bits: torch.Tensor, sl) -> int:
-    """sum h(i, bits) mod 2^64 (see engine_ext.fingerprint) as a Python int.
+def _hash_change(i: torch.Tensor | None, old: torch.Tensor, new: torch.Tensor, sl) -> int:
+    """sum h(i, new) - h(i, old) mod 2^64 (see engine_ext.fingerprint) as a Python int.
 
-    On the CPU in numpy uint64 (logical shifts, in place: ~3x fewer passes than torch's
-    signed int64); elsewhere :func:`engine_ext.fingerprint.element_hash`.
+    On the CPU in numpy uint64 (logical shifts, in place, ``i * GOLDEN`` shared by both
+    hashes, old and new mixed as one array); elsewhere
+    :func:`engine_ext.fingerprint.element_hash`.
     """
     if i is None:  # dense flat: checkpoint indices are a range
-        i = torch.arange(sl.start, sl.stop, dtype=torch.int64, device=bits.device)
-    if bits.device.type != "cpu":
-        return int(fpr.element_hash(i, bits).sum())
-    z = bits.numpy().view(_NP_UINT[bits.element_size()]).astype(np.uint64)
+        i = torch.arange(sl.start, sl.stop, dtype=torch.int64, device=old.device)
+    if old.device.type != "cpu":
+        return int(fpr.element_hash(i, new).sum()) - int(fpr.element_hash(i, old).sum())
+    n = old.numel()
+    ut = _NP_UINT[old.element_size()]
+    z = np.empty((2, n), dtype=np.uint64)
+    z[0] = old.numpy().view(ut)
+    z[1] = new.numpy().view(ut)
     t = i.numpy().view(np.uint64) * _GOLDEN
     z ^= t
+    t = np.empty_like(z)
     for shift, mul in ((_S30, _M1), (_S27, _M2)):
         np.right_shift(z, shift, out=t)
         z ^= t
         z *= mul
     np.right_shift(z, _S31, out=t)
     z ^= t
-    return int(z.sum(dtype=np.uint64))
+    s = z.sum(axis=1, dtype=np.uint64)
+    return int(s[1]) - int(s[0])
 
 
 _GOLDEN, _M1, _M2 = np.uint64(fpr.GOLDEN), np.uint64(fpr.MIX1), np.uint64(fpr.MIX2)
@@ -414,13 +421,13 @@ def apply_torch(segs: list[Segment], names: list[str], undo: bool) -> tuple[dict
             b = min(a + step, b0)
             i, dst, vsel = _chunk(seg, pos, a, b)
             old = _gather(seg.storage, dst)
-            v = _gather(vals, vsel)
+            v = vals[vsel] if isinstance(vsel, slice) else vals.index_select(0, vsel)  # read-only: no copy
             new = _step(old, v, td.dtype.is_float) if td.mode == REL else v
             _scatter(seg.storage, dst, new)
             if log is not None:
                 log.items.append((seg, pos, a, b, old))
             if seg.piece.count_fingerprint:
-                acc += _hash_sum(i, new, vsel) - _hash_sum(i, old, vsel)
+                acc += _hash_change(i, old, new, vsel)
                 count += old.numel()
         if seg.piece.count_fingerprint:
             fp[td.name] = (fp[td.name] + acc) & MASK64
