@@ -135,6 +135,7 @@ class Segment:
     flat: tuple[int, int] | None  # (lo, hi): box is a contiguous flat range mapped contiguously
     ext: tuple[int, ...] = ()  # box extent per checkpoint dim
     numel: int = 0  # box elements
+    geom: tuple | None = None  # the cached geometry this segment came from (executors key caches on it)
 
     def __post_init__(self):
         if not self.ext:
@@ -228,7 +229,7 @@ def validate(deltas: list[TensorDelta], maps: dict) -> tuple[list[Segment], list
             if key in dests and dests[key] != name:
                 raise ValueError(f"{name}: writes the same destination elements as {dests[key]} (tied weights?); apply only one of them")
             dests[key] = name
-            segs.append(Segment(ti, td, piece, *g[1:]))
+            segs.append(Segment(ti, td, piece, *g[1:], geom=g))
     return segs, checks
 
 
@@ -238,8 +239,8 @@ _GEOM: dict = {}  # id(piece) -> (inputs, geometry): maps are static, so re-vali
 def _geometry(name: str, shape, dtype: DType, piece: Piece):
     """Checked geometry of a piece: (dest key, storage view, checkpoint strides, flat range, extent, numel)."""
     st = piece.dest.untyped_storage()
-    inputs = (tuple(piece.start), tuple(piece.stop), piece.offset, tuple(piece.strides), st.data_ptr(), st.nbytes(), piece.dest.dtype,
-              piece.dest.device, tuple(shape), dtype.name)
+    inputs = (tuple(piece.start), tuple(piece.stop), piece.offset, tuple(piece.strides), piece.count_fingerprint,
+              st.data_ptr(), st.nbytes(), piece.dest.dtype, piece.dest.device, tuple(shape), dtype.name)
     hit = _GEOM.get(id(piece))
     if hit is not None and hit[0] == inputs:
         return hit[1]

@@ -13,6 +13,7 @@ segment afterwards (no atomics; int64 sums wrap mod 2^64, so the result is exact
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -158,8 +159,11 @@ def _check_kernel(tab_ptr, blk_ptr, bad_ptr, NC: tl.constexpr, BLOCK: tl.constex
         tl.store(bad_ptr + pid, tl.max(bad.to(tl.int32), axis=0))
 
 
-def _row(seg: Segment, pos, vals, undo_base: int, check: bool) -> list[int]:
-    """One table row (see the C_* columns); checkpoint rank padded to MAXD with unit dims."""
+_STATIC: dict = {}  # id(segment geometry) -> (geometry, the row's static part): maps are static
+
+
+def _static_row(seg: Segment) -> list[int]:
+    """The columns that depend only on the piece and the checkpoint tensor (rank padded to MAXD)."""
     pc, td = seg.piece, seg.td
     pad = MAXD - len(td.shape)
     shape = (1,) * pad + tuple(td.shape)
@@ -167,14 +171,33 @@ def _row(seg: Segment, pos, vals, undo_base: int, check: bool) -> list[int]:
     start = (0,) * pad + tuple(pc.start)
     ext = (1,) * pad + seg.ext
     ds = (0,) * pad + tuple(pc.strides)
-    flags = (F_DENSE if seg.dense else 0) | (F_REL if td.mode == REL else 0) | (F_FLOAT if td.dtype.is_float else 0)
-    flags |= (F_COUNT if pc.count_fingerprint else 0) | (F_FLAT if seg.flat is not None else 0)
-    flags |= F_CHECK if check else 0
+    flags = (F_FLOAT if td.dtype.is_float else 0) | (F_COUNT if pc.count_fingerprint else 0)
+    flags |= F_FLAT if seg.flat is not None else 0
     lo, hi = seg.flat if seg.flat is not None else (0, 0)
-    r = [seg.storage.data_ptr(), 0 if pos is None else pos.data_ptr(), vals.data_ptr(), undo_base, seg.n, flags, lo, hi, pc.offset]
+    r = [seg.storage.data_ptr(), 0, 0, 0, 0, flags, lo, hi, pc.offset]
     r += list(shape) + list(cs) + list(start) + list(ext) + list(ds)
     r += [0] * (NCOL - len(r))
     r[C_NUMEL] = td.numel
+    return r
+
+
+def _row(seg: Segment, pos, vals, undo_base: int, check: bool) -> list[int]:
+    """One table row (see the C_* columns)."""
+    g = seg.geom
+    hit = _STATIC.get(id(g)) if g is not None else None
+    if hit is not None and hit[0] is g:
+        r = list(hit[1])
+    else:
+        r = _static_row(seg)
+        if g is not None:
+            if len(_STATIC) > 1 << 16:
+                _STATIC.clear()
+            _STATIC[id(g)] = (g, list(r))
+    r[C_POS] = 0 if pos is None else pos.data_ptr()
+    r[C_VAL] = vals.data_ptr()
+    r[C_UNDO] = undo_base
+    r[C_N] = seg.n
+    r[C_FLAGS] |= (F_DENSE if seg.dense else 0) | (F_REL if seg.td.mode == REL else 0) | (F_CHECK if check else 0)
     return r
 
 
@@ -199,6 +222,10 @@ def _launch(W, tab, blk, undo, acc, *, save_undo, rollback):
         acc = torch.zeros(2, dtype=torch.int64, device=tab.device)
     _apply_kernel[(nblk,)](tab, blk, undo, acc, W=W, ZM=zm, NC=NCOL, SAVE_UNDO=save_undo, ROLLBACK=rollback,
                            BLOCK=BLOCK, num_warps=4)
+
+
+def _on(t: torch.Tensor, dev) -> torch.Tensor:
+    return t if t.device == dev else t.to(dev)
 
 
 _INT = {8: torch.int8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
@@ -226,7 +253,7 @@ def apply_triton(segs: list[Segment], names: list[str], undo: bool, checks: list
             key = (s.tensor, dev)
             if key not in moved:
                 td = s.td
-                moved[key] = (None if td.positions is None else td.positions.to(dev), td.values.to(dev))
+                moved[key] = (None if td.positions is None else _on(td.positions, dev), _on(td.values, dev))
             pos, vals = moved[key]
             keep += [pos, vals]
             check = id(s.td) in need
@@ -234,8 +261,8 @@ def apply_triton(segs: list[Segment], names: list[str], undo: bool, checks: list
             rows.append(_row(s, pos, vals, undo_total, check))
             counts.append(-(-s.n // BLOCK))
             undo_total += s.n
-        tab = torch.tensor(rows, dtype=torch.int64).to(dev)
-        cnt = torch.tensor(counts, dtype=torch.int64)
+        tab = torch.from_numpy(np.array(rows, dtype=np.int64)).to(dev)
+        cnt = torch.from_numpy(np.array(counts, dtype=np.int64))
         seg_of_blk = torch.repeat_interleave(torch.arange(len(group), dtype=torch.int64), cnt)
         first = torch.cumsum(cnt, 0) - cnt
         item0 = (torch.arange(seg_of_blk.numel(), dtype=torch.int64) - first[seg_of_blk]) * BLOCK
