@@ -1,5 +1,5 @@
-"""A live SGLang 0.5.23 server on the CPU (``--device cpu``, torch-native kernels) with
-the ``engine_ext`` plugin: deltas through ``POST /update_weights_delta`` while
+"""A live SGLang 0.5.23 server on the CPU (``--device cpu``, torch-native kernels, TP 2
+by default: one scheduler process per TP rank) with the ``engine_ext`` plugin: deltas through ``POST /update_weights_delta`` while
 generation requests keep arriving, then greedy outputs and logprobs must equal those
 after SGLang's own dense reload of the final checkpoint (``/update_weights_from_disk``,
 SGLang's loader) in the same server.
@@ -33,6 +33,7 @@ sys.path.insert(0, str(HERE))
 from test_sglang_tp import STEPS, _free_port, make_case  # noqa: E402
 
 ROUTE = "/update_weights_delta"
+TP = int(os.environ.get("ENGINE_EXT_SGLANG_LIVE_TP", "2"))  # 2: two scheduler processes, one per core
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [17] * 12, [900, 4, 33, 512, 7]]
 
 
@@ -43,12 +44,14 @@ def live(tmp_path_factory):
     port = _free_port()
     env = dict(os.environ, SGLANG_PLUGINS="engine_ext", ENGINE_EXT_SOURCES=",".join(case["sources"]),
                ENGINE_EXT_BASE_VERSION="0", OMP_NUM_THREADS="1",
+               # SGLang's CPU TP binds each rank to cores; without it TP > #NUMA nodes is refused.
+               SGLANG_CPU_OMP_THREADS_BIND="|".join(str(r % (os.cpu_count() or 1)) for r in range(TP)),
                PYTHONPATH=os.pathsep.join(p for p in [str(HERE / "sglang_stubs"), str(ROOT), os.environ.get("PYTHONPATH")] if p))
     log = open(tmp / "server.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "sglang.launch_server", "--model-path", case["model"], "--device", "cpu",
          "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--context-length", "256",
-         "--max-total-tokens", "4096", "--skip-server-warmup", "--random-seed", "0"],
+         "--max-total-tokens", "4096", "--skip-server-warmup", "--random-seed", "0", "--tp-size", str(TP)],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
