@@ -324,6 +324,9 @@ def _ranges(seg: Segment, pos: torch.Tensor | None) -> tuple[int, int]:
     if seg.dense or seg.flat is None:
         return 0, seg.n
     lo, hi = seg.flat
+    if pos.device.type == "cpu":
+        a, b = np.searchsorted(pos.numpy(), [lo, hi])
+        return int(a), int(b)
     ab = torch.searchsorted(pos, torch.tensor([lo, hi], dtype=torch.int64, device=pos.device))
     return int(ab[0]), int(ab[1])
 
@@ -371,18 +374,23 @@ def _gather(t: torch.Tensor, sel) -> torch.Tensor:
 def _scatter(t: torch.Tensor, sel, src: torch.Tensor) -> None:
     if isinstance(sel, slice):
         t[sel] = src
+    elif t.device.type == "cpu":  # numpy's scatter is ~1.5x faster than index_copy_ on the CPU
+        t.numpy()[sel.numpy()] = src.numpy()
     else:
         t.index_copy_(0, sel, src)
 
 
-def _key(x: torch.Tensor) -> torch.Tensor:
-    """dtypes.to_key for floats without torch.where: flip all but the sign bit of negatives."""
-    width = x.element_size() * 8
+def _key(x):
+    """dtypes.to_key for floats without a select: flip all but the sign bit of negatives (torch or numpy)."""
+    width = x.itemsize * 8
     return x ^ ((x >> (width - 1)) & ((1 << (width - 1)) - 1))
 
 
 def _step(old: torch.Tensor, step: torch.Tensor, is_float: bool) -> torch.Tensor:
-    """dtypes.apply_step (wrapping add in ordered key space), in fewer passes."""
+    """dtypes.apply_step (wrapping add in ordered key space), in fewer passes (numpy on the CPU)."""
+    if old.device.type == "cpu":
+        o, s = old.numpy(), step.numpy()
+        return torch.from_numpy(_key(_key(o) + s) if is_float else o + s)
     if not is_float:
         return old + step
     return _key(_key(old) + step)
