@@ -307,7 +307,8 @@ def _chunk(seg: Segment, pos: torch.Tensor | None, a: int, b: int):
         return i, dst, i
     p = pos[a:b]
     if seg.flat is not None:  # a..b already restricted to the box by searchsorted
-        return p, p + (pc.offset - seg.flat[0]), slice(a, b)
+        shift = pc.offset - seg.flat[0]
+        return p, (p + shift if shift else p), slice(a, b)
     c = _box_coords(p, seg.td.shape)
     inbox = torch.ones_like(p, dtype=torch.bool)
     dst = torch.full_like(p, pc.offset)
