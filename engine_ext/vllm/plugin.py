@@ -17,6 +17,12 @@ def register() -> None:
     if _done:
         return
     _done = True
+    if not log.handlers:  # vLLM configures only its own logger; make ours visible in the server log
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("(%(processName)s pid=%(process)d) %(levelname)s %(asctime)s [engine_ext] %(message)s", "%m-%d %H:%M:%S"))
+        log.addHandler(h)
+        log.setLevel(logging.INFO)
+        log.propagate = False
     from vllm.platforms import current_platform
 
     from . import worker
