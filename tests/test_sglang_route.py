@@ -5,8 +5,9 @@ Real: SGLang 0.5.23's ``http_server.app``, its ``TokenizerManager`` (built from
 ServerArgs/PortArgs, so our hook installs the controller and the routes the way it
 does in a server), its ZMQ sockets and IPC encoding, its ``TypeBasedDispatcher``, the
 Qwen2 model class loaded by SGLang's loader (TP 1, gloo), our plugin, controller,
-rank handler, reader and publisher. Stand-in: the scheduler *process* (no SGLang CPU
-kernel build exists; see docs/sglang.md). A thread plays its request loop exactly
+rank handler, reader and publisher. Stand-in: the scheduler *process* (so that the
+rank's parameters can be inspected; tests/test_sglang_live.py runs a live server). A
+thread plays its request loop exactly
 as ``Scheduler.process_input_requests`` does (receive, dispatch through a dispatcher
 that our plugin hook extended, send the output back); it records the pause/continue
 and abort requests it is sent instead of running generation. SGLang's own lifespan

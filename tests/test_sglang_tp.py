@@ -7,9 +7,10 @@ parallel state (``publish`` + ``init_distributed_environment`` +
 hands requests to the other TP ranks), its IPC encoding (``msgpack_encode`` /
 ``msgpack_decode`` with ``wrap_as_pickle``), our :class:`RankAgent` (the very handler
 the scheduler hook calls) and the engine-agnostic controller, reader and publisher.
-What stands in: the Scheduler/TokenizerManager processes themselves (no SGLang CPU
-kernel build exists, so no live server can run here; see docs/sglang.md). Rank 0
-plays the TokenizerManager's part by calling the controller directly.
+What stands in: the Scheduler/TokenizerManager processes themselves, so that every
+rank's parameters can be compared with a cold load, bit for bit, for three model
+kinds at TP 1 and 2 within the time budget (tests/test_sglang_live.py runs a live
+server). Rank 0 plays the TokenizerManager's part by calling the controller directly.
 
 Checks: after K deltas every rank's parameters equal, bit for bit, those of a model
 loaded by SGLang from the final checkpoint, with every parameter's storage in place;
