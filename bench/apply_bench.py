@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python bench/apply_bench.py [--preset 0.5b|1.5b|tiny] [--density 0.01 0.03]
 
-Methods (each in a fresh subprocess, so peak memory is its own):
+Methods (each in a fresh subprocess, so peak memory is its own; each is warmed up by one
+call first and the model brought back to the same base, then one call is measured):
   ours     engine_ext.apply.apply_delta, torch path, undo log + fingerprint deltas on
   indexput a per-tensor ``index_put_`` loop (no undo, no fingerprints): the naive floor
   vllm     vllm's ``load_checkpoint_weight_patches`` (sparse patches: NaN-filled
@@ -133,7 +134,17 @@ def model_fp(model) -> str:
     return fpr.fmt(fpr.model_fingerprint({k: fpr.tensor_fingerprint(p) for k, p in model.params.items()}))
 
 
+def _measure(fn):
+    """Peak extra RSS, wall and CPU seconds of one call (after the caller's warm-up call)."""
+    base = reset_peak()
+    c0, t0 = time.process_time(), time.perf_counter()
+    out = fn()
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return out, dt, cpu, _status("VmHWM") - base
+
+
 def run_method(method: str, preset: str, density: float) -> dict:
+    """Warm up once (first-call costs: lazy init, caches), bring the model back, then measure one apply."""
     torch.manual_seed(0)
     model, deltas, abs_vals = build(preset, density)
     nnz = sum(d.nnz for d in deltas)
@@ -145,10 +156,8 @@ def run_method(method: str, preset: str, density: float) -> dict:
         t0 = time.perf_counter()
         maps = probe_layout(model, lambda n, t: model.load_weights([(n, t)]), [(d.name, d.shape, d.dtype) for d in deltas])
         extra["probe_s"] = round(time.perf_counter() - t0, 3)
-        base = reset_peak()
-        c0, t0 = time.process_time(), time.perf_counter()
-        res = apply_delta(deltas, maps, undo=True, backend="torch")
-        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        apply_delta(deltas, maps, undo=True, backend="torch").undo.rollback()  # warm-up, exact undo
+        res, dt, cpu, mem = _measure(lambda: apply_delta(deltas, maps, undo=True, backend="torch"))
         extra["undo_MB"] = round(res.undo.nbytes / 1e6, 1)
         extra["written"] = sum(res.written.values())
     elif method == "indexput":
@@ -156,27 +165,27 @@ def run_method(method: str, preset: str, density: float) -> dict:
         for d in deltas:
             key, off, n = model.shard[d.name]
             views[d.name] = dtypes.as_bits(model.params[key].data.narrow(0, off, n)).reshape(-1)
-        base = reset_peak()
-        c0, t0 = time.process_time(), time.perf_counter()
-        with torch.no_grad():
-            for d in deltas:
-                v = views[d.name]
-                v.index_put_((d.positions,), dtypes.apply_step(v[d.positions], d.values, True))
-        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+
+        def loop(sign=1):
+            with torch.no_grad():
+                for d in deltas:
+                    v = views[d.name]
+                    v.index_put_((d.positions,), dtypes.apply_step(v[d.positions], sign * d.values, True))
+
+        loop()
+        loop(-1)  # warm-up and back (steps are exact inverses in ordered key space)
+        _, dt, cpu, mem = _measure(loop)
     elif method == "vllm":
         from vllm.model_executor.model_loader.checkpoint_weight_patch import (CheckpointWeightPatch,
                                                                                 load_checkpoint_weight_patches)
 
         patches = [CheckpointWeightPatch(d.name, d.shape, torch.bfloat16, abs_vals[d.name], d.positions) for d in deltas]
         del abs_vals
-        base = reset_peak()
-        c0, t0 = time.process_time(), time.perf_counter()
-        load_checkpoint_weight_patches(model, patches)
-        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        load_checkpoint_weight_patches(model, patches)  # warm-up; absolute values: the repeat is idempotent
+        _, dt, cpu, mem = _measure(lambda: load_checkpoint_weight_patches(model, patches))
     else:
         raise ValueError(method)
-    peak = _status("VmHWM")
-    return dict(method=method, seconds=round(dt, 4), cpu_s=round(cpu, 4), extra_MB=round((peak - base) / 1e6, 1), nnz=nnz,
+    return dict(method=method, seconds=round(dt, 4), cpu_s=round(cpu, 4), extra_MB=round(mem / 1e6, 1), nnz=nnz,
                 model_MB=round(sum(p.numel() * 2 for p in model.params.values()) / 1e6, 1), fp=model_fp(model), **extra)
 
 
