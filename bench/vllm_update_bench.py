@@ -187,7 +187,7 @@ def _bench_in_worker(worker, store: str, versions: list[dict], cuda: bool) -> di
         delta = load_delta(uri)
         d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         path = stage_delta(delta.tensors, os.path.join(d, "delta.safetensors"))
-        return {"delta": delta, "path": path, "prepare_s": time.perf_counter() - t0, "v": v}
+        return {"delta": delta, "path": path, "prepare_s": time.perf_counter() - t0, "v": v, "held": os.path.getsize(path)}
 
     def ours_pause(ctx):
         reply = up.apply(path=ctx["path"])
@@ -205,7 +205,8 @@ def _bench_in_worker(worker, store: str, versions: list[dict], cuda: bool) -> di
             idx = torch.nonzero(t.reshape(-1).view(torch.int16) != old[name].reshape(-1).view(torch.int16)).reshape(-1)
             if idx.numel():
                 patches.append(CheckpointWeightPatch(name, tuple(t.shape), t.dtype, t.reshape(-1)[idx].to(dev), idx.to(dev)))
-        return {"patches": patches, "prepare_s": 0.0}
+        held = sum(p.values.numel() * p.values.element_size() + p.indices.numel() * 8 for p in patches)
+        return {"patches": patches, "prepare_s": 0.0, "held": held}
 
     def patches_pause(ctx):
         load_checkpoint_weight_patches(model, ctx["patches"])
@@ -216,7 +217,7 @@ def _bench_in_worker(worker, store: str, versions: list[dict], cuda: bool) -> di
 
         t0 = time.perf_counter()
         full = [(n, t.to(dev)) for n, t in load_file(os.path.join(os.path.dirname(store), "full", f"v{v:08d}.safetensors")).items()]
-        return {"full": full, "prepare_s": time.perf_counter() - t0}
+        return {"full": full, "prepare_s": time.perf_counter() - t0, "held": sum(t.numel() * t.element_size() for _, t in full)}
 
     def dense_pause(ctx):
         model.load_weights(ctx["full"])
@@ -239,7 +240,7 @@ def _bench_in_worker(worker, store: str, versions: list[dict], cuda: bool) -> di
             sync()
             pause_s = time.perf_counter() - t
             assert served_fp() == want, f"{name}: result differs from the manifest"
-            row = {"pause_s": pause_s, "total_s": ctx["prepare_s"] + pause_s, "prepare_s": ctx["prepare_s"]}
+            row = {"pause_s": pause_s, "total_s": ctx["prepare_s"] + pause_s, "prepare_s": ctx["prepare_s"], "held_bytes": ctx["held"]}
             if name == "engine_ext":
                 r = ctx["reply"]
                 row.update(elements=r["written"], payload_bytes=ctx["delta"].payload_bytes, undo_bytes=r["undo_bytes"],
@@ -267,12 +268,12 @@ def print_table(report: dict) -> None:
     dens = statistics.median(x["elements"] for x in e) / r["numel"] * 100
     print(f"changed elements per step: {dens:.2f} % (median); payload {statistics.median(x['payload_bytes'] for x in e) / 1e6:.2f} MB "
           f"vs dense {r['dense_reload'][0]['payload_bytes'] / 1e6:.1f} MB\n")
-    print("| method | pause window (ms) | total update (ms) | extra memory in the pause (MB) |")
-    print("|---|---:|---:|---:|")
+    print("| method | pause window (ms) | total update (ms) | extra memory in the pause (MB) | update input held in memory (MB) |")
+    print("|---|---:|---:|---:|---:|")
     for k in ("engine_ext", "vllm_patches", "dense_reload"):
         rows = r[k]
         med = lambda key: statistics.median(x[key] for x in rows)  # noqa: E731
-        print(f"| {k} | {med('pause_s') * 1e3:.1f} | {med('total_s') * 1e3:.1f} | {med('extra_bytes') / 2**20:.1f} |")
+        print(f"| {k} | {med('pause_s') * 1e3:.1f} | {med('total_s') * 1e3:.1f} | {med('extra_bytes') / 2**20:.1f} | {med('held_bytes') / 2**20:.1f} |")
     print(f"\n(median over {len(e)} steps; engine_ext total includes fetch+verify+decode+stage "
           f"{statistics.median(x['prepare_s'] for x in e) * 1e3:.1f} ms done while serving; in its pause: read staged "
           f"{statistics.median(x['load_s'] for x in e) * 1e3:.1f} ms, apply+re-pack {statistics.median(x['apply_s'] for x in e) * 1e3:.1f} ms; "
