@@ -161,7 +161,7 @@ def _bench_in_worker(worker, store: str, versions: list[dict], cuda: bool) -> di
     from engine_ext import fingerprint as fpr
     from engine_ext.reader import load_delta
     from engine_ext.service import combine_fingerprints
-    from engine_ext.updater import load_staged, stage_delta
+    from engine_ext.updater import stage_delta
     from engine_ext.vllm.worker import get_updater
 
     model = worker.model_runner.get_model()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
@@ -41,7 +40,6 @@ def main() -> None:
     ap.add_argument("--grad-noise", type=float, default=1.0, help="std of noise added to each gradient, relative to its RMS")
     args = ap.parse_args()
 
-    import requests
     import transformers
 
     from engine_ext import fingerprint as fpr

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import os
 from pathlib import Path
 
 import pytest
