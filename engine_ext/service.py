@@ -326,8 +326,7 @@ class Controller:
         phases["pause"] = pause_s
         phases["total"] = time.perf_counter() - t0
 
-        old_version = self.version
-        self.version = delta.version
+        old_version = self._old_version
         metrics.record_success(delta.version, delta.payload_bytes, elements, phases)
         answer = {
             "ok": True,
@@ -402,10 +401,13 @@ class Controller:
                 self._check(await self.engine.call_ranks("rollback"))
                 inner["rollback"] = time.perf_counter() - t
                 raise
-            self._check(await self.engine.call_ranks("commit"))
-            self.tensor_fps = new
+            self._check(await self.engine.call_ranks("commit", version=delta.version))
+            self.tensor_fps, self._old_version, self.version = new, self.version, delta.version
             t = time.perf_counter()
-            await self.engine.after_update(delta.version)
+            try:  # the weights are committed: a cache/version-label hiccup must not report failure
+                await self.engine.after_update(delta.version)
+            except Exception:  # noqa: BLE001
+                log.exception("engine_ext: v%s applied, but resetting caches / setting the weight version failed", delta.version)
             inner["reset_cache"] = time.perf_counter() - t
             inner["_elements"] = int(sum(r.get("written", 0) for r in replies))
             inner["_fallback"] = sorted({n for r in replies for n in r.get("fallback", [])})
