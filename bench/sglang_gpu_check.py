@@ -20,6 +20,9 @@ and this project importable; nothing is downloaded):
 
     python bench/sglang_gpu_check.py --out bench/results/sglang_gpu.json [--tp 2]
     python bench/sglang_gpu_check.py --dry-run     # data + commands only (no GPU)
+    # the same against CPU servers (how the script itself was checked; docs/sglang.md):
+    PYTHONPATH=tests/sglang_stubs python bench/sglang_gpu_check.py --out /tmp/x.json \
+        -- --device cpu --max-total-tokens 4096 --skip-server-warmup
 """
 from __future__ import annotations
 
@@ -121,7 +124,10 @@ class Server:
 
 
 def generate(url: str, prompts: list[list[int]], max_new: int) -> list[dict]:
-    """Greedy outputs with logprobs, one request at a time (same batching in both servers)."""
+    """Greedy outputs with logprobs, one request at a time (same batching in both servers),
+    each computed from scratch: a prompt the radix cache holds (e.g. from the load
+    generated during the updates) is prefilled differently and differs in the last bits."""
+    requests.post(url + "/flush_cache", timeout=60).raise_for_status()
     out = []
     for ids in prompts:
         r = requests.post(url + "/generate", json={
@@ -134,14 +140,20 @@ def generate(url: str, prompts: list[list[int]], max_new: int) -> list[dict]:
     return out
 
 
-def background_load(url: str, prompts, stop: threading.Event, stats: dict):
-    """Keep generation requests arriving during the updates; count failures."""
-    i = 0
+def background_load(url: str, prompts, stop: threading.Event, stats: dict, k: int):
+    """Keep generation requests arriving during the updates; count failures, keep time spans."""
+    i = k
     while not stop.is_set():
+        t0 = time.monotonic()
         try:
             r = requests.post(url + "/generate", json={"input_ids": prompts[i % len(prompts)],
-                              "sampling_params": {"temperature": 0, "max_new_tokens": 32}}, timeout=120)
-            stats["ok" if r.status_code == 200 else "failed"] += 1
+                              "sampling_params": {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}},
+                              timeout=120)
+            if r.status_code == 200:
+                stats["ok"] += 1
+                stats["spans"].append((t0, time.monotonic()))
+            else:
+                stats["failed"] += 1
         except requests.RequestException:
             stats["failed"] += 1
         i += 1
@@ -210,17 +222,25 @@ def main() -> int:
                 time.sleep(0.5)
             result["status_before"] = st.json()
             result["before"] = generate(live.url, prompts, args.max_new)
-            stop, stats = threading.Event(), {"ok": 0, "failed": 0}
-            load = threading.Thread(target=background_load, args=(live.url, prompts, stop, stats))
-            load.start()
-            answers = []
+            stop, stats = threading.Event(), {"ok": 0, "failed": 0, "spans": []}
+            loads = [threading.Thread(target=background_load, args=(live.url, prompts, stop, stats, k)) for k in range(4)]
+            for t in loads:
+                t.start()
+            answers, update_spans = [], []
             try:
+                while stats["ok"] + stats["failed"] < 2:  # generation is under way
+                    time.sleep(0.05)
                 for url in data["urls"]:
+                    time.sleep(0.2)  # let new requests join the running batch
+                    t0 = time.monotonic()
                     r = requests.post(live.url + ROUTE, json={"url": url}, timeout=300)
+                    update_spans.append((t0, time.monotonic()))
                     answers.append({"status": r.status_code, **r.json()})
             finally:
                 stop.set()
-                load.join()
+                for t in loads:
+                    t.join()
+            stats["across_an_update"] = sum(any(a < u0 and b > u1 for u0, u1 in update_spans) for a, b in stats.pop("spans"))
             result["answers"], result["load_during_updates"] = answers, stats
             result["after"] = generate(live.url, prompts, args.max_new)
             result["status_after"] = requests.get(live.url + ROUTE, timeout=30).json()
@@ -250,6 +270,7 @@ def main() -> int:
             "outputs_changed_by_updates": any(changed),
             "cold_start_repeatable": result["cold"] == result["cold_repeat"],
             "no_request_failed_during_updates": stats["failed"] == 0 and stats["ok"] > 0,
+            "requests_ran_across_updates": stats["across_an_update"] > 0,
         }
         result["pause_ms"] = [a.get("pause_ms") for a in answers]
         result["ok"] = all(v for k, v in result["checks"].items() if k != "weight_version_in_model_info")
