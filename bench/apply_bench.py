@@ -3,7 +3,8 @@
     PYTHONPATH=. python bench/apply_bench.py [--preset 0.5b|1.5b|tiny] [--density 0.01 0.03]
 
 Methods (each in a fresh subprocess, so peak memory is its own; each is warmed up by one
-call first and the model brought back to the same base, then one call is measured):
+call first and the model brought back to the same base, then 3 calls are measured, each
+from that base: median time, largest peak memory):
   ours     engine_ext.apply.apply_delta, torch path, undo log + fingerprint deltas on
   indexput a per-tensor ``index_put_`` loop (no undo, no fingerprints): the naive floor
   vllm     vllm's ``load_checkpoint_weight_patches`` (sparse patches: NaN-filled
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -134,13 +136,23 @@ def model_fp(model) -> str:
     return fpr.fmt(fpr.model_fingerprint({k: fpr.tensor_fingerprint(p) for k, p in model.params.items()}))
 
 
-def _measure(fn):
-    """Peak extra RSS, wall and CPU seconds of one call (after the caller's warm-up call)."""
-    base = reset_peak()
-    c0, t0 = time.process_time(), time.perf_counter()
-    out = fn()
-    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return out, dt, cpu, _status("VmHWM") - base
+REPS = 3
+
+
+def _measure(fn, reset=None):
+    """Median wall and CPU seconds and the largest peak extra RSS of REPS calls (after the
+    caller's warm-up call); ``reset`` brings the model back between calls (not measured)."""
+    walls, cpus, mems = [], [], []
+    for k in range(REPS):
+        if k and reset is not None:
+            reset(out)
+        base = reset_peak()
+        c0, t0 = time.process_time(), time.perf_counter()
+        out = fn()
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+        mems.append(_status("VmHWM") - base)
+    return out, statistics.median(walls), statistics.median(cpus), max(mems)
 
 
 def run_method(method: str, preset: str, density: float) -> dict:
@@ -157,7 +169,8 @@ def run_method(method: str, preset: str, density: float) -> dict:
         maps = probe_layout(model, lambda n, t: model.load_weights([(n, t)]), [(d.name, d.shape, d.dtype) for d in deltas])
         extra["probe_s"] = round(time.perf_counter() - t0, 3)
         apply_delta(deltas, maps, undo=True, backend="torch").undo.rollback()  # warm-up, exact undo
-        res, dt, cpu, mem = _measure(lambda: apply_delta(deltas, maps, undo=True, backend="torch"))
+        res, dt, cpu, mem = _measure(lambda: apply_delta(deltas, maps, undo=True, backend="torch"),
+                                     lambda r: r.undo.rollback())
         extra["undo_MB"] = round(res.undo.nbytes / 1e6, 1)
         extra["written"] = sum(res.written.values())
     elif method == "indexput":
@@ -174,7 +187,7 @@ def run_method(method: str, preset: str, density: float) -> dict:
 
         loop()
         loop(-1)  # warm-up and back (steps are exact inverses in ordered key space)
-        _, dt, cpu, mem = _measure(loop)
+        _, dt, cpu, mem = _measure(loop, lambda _: loop(-1))
     elif method == "vllm":
         from vllm.model_executor.model_loader.checkpoint_weight_patch import (CheckpointWeightPatch,
                                                                                 load_checkpoint_weight_patches)
@@ -197,8 +210,11 @@ def main():
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads per method (default 1: on a shared machine, spinning OpenMP threads "
                          "slow every method down by 10-100x)")
+    ap.add_argument("--reps", type=int, default=3, help="measured calls per method (median time, max memory)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    global REPS
+    REPS = a.reps
     if a.child:
         torch.set_num_threads(a.threads)
         print("RESULT " + json.dumps(run_method(a.child, a.preset, a.density[0])), flush=True)
@@ -211,7 +227,8 @@ def main():
     rows = []
     for dens in a.density:
         for m in a.methods:
-            out = subprocess.run([sys.executable, __file__, "--child", m, "--preset", a.preset, "--density", str(dens)],
+            out = subprocess.run([sys.executable, __file__, "--child", m, "--preset", a.preset, "--density", str(dens),
+                                  "--reps", str(a.reps), "--threads", str(a.threads)],
                                  capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(a.threads)})
             line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
             if out.returncode or not line:
@@ -223,16 +240,17 @@ def main():
             print(json.dumps(r), file=sys.stderr, flush=True)
     print(f"\nPreset {a.preset}: {rows[0]['model_MB']} MB of bf16 parameters, torch {torch.__version__}, "
           f"{a.threads} torch thread(s) per method\n")
-    print("| density | method | changed elements | apply wall s | apply CPU s | extra peak MB | vs vLLM (CPU time) | vs vLLM (memory) | model fingerprint after |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| density | method | changed elements | apply wall s | apply CPU s | extra peak MB | vs vLLM (wall) | vs vLLM (CPU time) | vs vLLM (memory) | model fingerprint after |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for dens in a.density:
         group = [r for r in rows if r["density"] == dens]
         ref = next((r for r in group if r["method"] == "vllm"), None)
         for r in group:
             sp = f"{ref['cpu_s'] / r['cpu_s']:.1f}x faster" if ref else "-"
+            spw = f"{ref['seconds'] / r['seconds']:.1f}x faster" if ref else "-"
             mem = f"{ref['extra_MB'] / max(r['extra_MB'], 0.1):.1f}x less" if ref else "-"
             note = f" (undo {r['undo_MB']} MB, probe {r['probe_s']} s)" if r["method"] == "ours" else ""
-            print(f"| {dens:.0%} | {r['method']}{note} | {r['nnz']:,} | {r['seconds']:.3f} | {r['cpu_s']:.3f} | {r['extra_MB']} | {sp} | {mem} | {r['fp']} |")
+            print(f"| {dens:.0%} | {r['method']}{note} | {r['nnz']:,} | {r['seconds']:.3f} | {r['cpu_s']:.3f} | {r['extra_MB']} | {spw} | {sp} | {mem} | {r['fp']} |")
         fps = {r["fp"] for r in group}
         print(f"\nAll methods end at the same weights at {dens:.0%}: {len(fps) == 1}\n" if len(fps) == 1 else
               f"\nMISMATCH at {dens:.0%}: {fps}\n")
