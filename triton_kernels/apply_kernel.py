@@ -30,9 +30,9 @@ C_SHAPE, C_CS, C_START, C_EXT, C_DS = 9, 13, 17, 21, 25
 F_DENSE, F_REL, F_FLOAT, F_COUNT, F_FLAT, F_CHECK = 1, 2, 4, 8, 16, 32
 C_NUMEL = 29
 
-GOLDEN = fpr.GOLDEN
-MIX1 = fpr.MIX1
-MIX2 = fpr.MIX2
+
+# the literals in _hash below are the format's constants
+assert (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB) == (fpr.GOLDEN, fpr.MIX1, fpr.MIX2)
 
 
 @triton.jit
