@@ -11,6 +11,30 @@ sys.path.insert(0, os.path.dirname(__file__))  # `import servers` from any test 
 from servers import serve_http, serve_s3  # noqa: E402
 
 
+def _import_kernels_for_the_interpreter():
+    """Decorate our Triton kernels in interpreter mode before any test module imports vLLM.
+
+    Importing vLLM (collection of the vLLM tests) changes Triton's state so that kernels
+    decorated afterwards fail under TRITON_INTERPRET=1 ("Cannot call @triton.jit'd
+    outside of the scope of a kernel"). The variable is restored at once; the kernel
+    tests set it again while they run.
+    """
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import engine_ext.triton_kernels.apply_kernel  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+_import_kernels_for_the_interpreter()
+
+
 @pytest.fixture(scope="module")
 def http_server(tmp_path_factory):
     """Static HTTP server (Range, optional PUT/auth/failures) over a fresh temp dir.
