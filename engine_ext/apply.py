@@ -188,15 +188,17 @@ def _check_piece(name: str, shape, dtype: DType, p: Piece) -> None:
 def validate(deltas: list[TensorDelta], maps: dict) -> tuple[list[Segment], list[int]]:
     """Check everything but the positions' order and range (see :func:`check_positions`, run by
     the executor before it writes); return the segments and the deltas whose positions need it."""
-    seen: set[str] = set()
+    seen: dict[str, TensorDelta] = {}
     segs: list[Segment] = []
     dests: dict[tuple, str] = {}
     checks: list[int] = []
     for ti, td in enumerate(deltas):
         name = td.name
-        if name in seen:
-            raise ValueError(f"{name}: appears twice in one apply")
-        seen.add(name)
+        if name in seen:  # a composed chain may give an absolute and a relative part, disjoint
+            other = seen[name]
+            if td.positions is None or other.positions is None or bool(torch.isin(td.positions, other.positions).any()):
+                raise ValueError(f"{name}: appears twice in one apply with overlapping positions")
+        seen[name] = td
         m = maps.get(name)
         if m is None:
             raise ValueError(f"{name}: no runtime map for this tensor")
@@ -415,6 +417,16 @@ def apply_torch(segs: list[Segment], names: list[str], undo: bool) -> tuple[dict
     fp = {n: 0 for n in names}
     written = {n: 0 for n in names}
     log = _TorchUndo() if undo else None
+    try:
+        _apply_torch_segments(segs, fp, written, log)
+    except BaseException:
+        if log is not None:  # a failure midway (e.g. out of memory) leaves nothing half-written
+            log.rollback()
+        raise
+    return fp, written, log
+
+
+def _apply_torch_segments(segs: list[Segment], fp: dict, written: dict, log: _TorchUndo | None) -> None:
     moved: dict = {}
     for seg in segs:
         td, dev = seg.td, seg.storage.device
@@ -442,7 +454,6 @@ def apply_torch(segs: list[Segment], names: list[str], undo: bool) -> tuple[dict
         if seg.piece.count_fingerprint:
             fp[td.name] = (fp[td.name] + acc) & MASK64
             written[td.name] += count
-    return fp, written, log
 
 
 # ---------------------------------------------------------------------------------

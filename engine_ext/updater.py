@@ -151,11 +151,16 @@ class Updater:
         try:
             for name, d in res.fingerprint_delta.items():
                 self.fps[name] = (self.fps[name] + d) & fpr.MASK64
-            for td in dense:  # rebuild on the host, reload the whole tensor through the engine's loader
-                new = apply_tensor(self.host[td.name], td)
-                self.load(td.name, new)
-                old_host[td.name], self.host[td.name] = self.host[td.name], new
-                self.fps[td.name] = fpr.tensor_fingerprint(new)
+            parts: dict[str, list[TensorDelta]] = {}
+            for td in dense:  # a composed chain may hold an absolute and a relative part of one tensor
+                parts.setdefault(td.name, []).append(td)
+            for name, tds in parts.items():  # rebuild on the host, reload the whole tensor through the engine's loader
+                new = self.host[name]
+                for td in tds:
+                    new = apply_tensor(new, td, check=td is tds[-1])
+                self.load(name, new)
+                old_host[name], self.host[name] = self.host[name], new
+                self.fps[name] = fpr.tensor_fingerprint(new)
             self._pending = (undo, old_fps, old_host, storages if not dense else None)
             self._refresh(storages if not dense else None)
         except BaseException:
@@ -164,7 +169,7 @@ class Updater:
             raise
         t_apply = time.perf_counter() - t
         return {"written": int(sum(res.written.values())) + sum(td.nnz for td in dense),
-                "fingerprints": self.report(td.name for td in deltas), "fallback": [td.name for td in dense],
+                "fingerprints": self.report(td.name for td in deltas), "fallback": sorted({td.name for td in dense}),
                 "undo_bytes": undo.nbytes if undo is not None else 0,
                 "load_s": t_load, "apply_s": t_apply}
 
