@@ -8,6 +8,7 @@ shard in memory).
 """
 from __future__ import annotations
 
+import math
 import json
 import os
 import struct
@@ -33,10 +34,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:

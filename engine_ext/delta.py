@@ -8,6 +8,7 @@ that the kernels must match bit for bit.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -33,10 +34,7 @@ class TensorDelta:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def nnz(self) -> int:

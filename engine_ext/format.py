@@ -6,6 +6,7 @@ manifest could abuse (sizes, counts, offsets, names) before any blob is fetched.
 """
 from __future__ import annotations
 
+import math
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -67,10 +68,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def length(self) -> int:
