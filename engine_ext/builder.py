@@ -21,7 +21,7 @@ import torch
 from . import fingerprint as fpr
 from .checkpoint import SafetensorsWriter
 from .codec import Encoded
-from .dtypes import DType
+from .dtypes import BY_SAFETENSORS, DType
 from .format import ANCHOR, DELTA, Blob, Latest, LATEST_KEY, Manifest, Segment, TensorEntry, manifest_key
 from .store import Store, publish_version
 
@@ -94,7 +94,7 @@ class VersionBuilder:
         w.write(name, t)
         off, n = w.data_range(name)
         dt = w.header[name]
-        entry = TensorEntry(name, _dtype_name(dt["dtype"]), list(t.shape), t.numel(), fpr.fmt(fp),
+        entry = TensorEntry(name, BY_SAFETENSORS[dt["dtype"]].name, list(t.shape), t.numel(), fpr.fmt(fp),
                             blob=len(self.files) - 1, offset=off, sha256=None,
                             positions=Segment("all", 0), values=Segment("raw", n, "abs"))
         if t.numel() == 0:  # an empty tensor: nothing to write or fetch
@@ -128,11 +128,6 @@ class VersionBuilder:
         publish_version(store, keys, mkey, m.to_json(), latest.to_json())
         self.tmp.cleanup()
         return store.key_uri(mkey)
-
-
-def _dtype_name(st_code: str) -> str:
-    from .dtypes import BY_SAFETENSORS
-    return BY_SAFETENSORS[st_code].name
 
 
 def _sha256_file(path: str) -> tuple[str, int]:
