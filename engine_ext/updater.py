@@ -16,8 +16,10 @@ every rank without a copy through the engine's RPC channel.
 """
 from __future__ import annotations
 
+import glob
 import json
 import logging
+import os
 import time
 from typing import Callable, Iterable
 
@@ -221,6 +223,20 @@ def _numel(shape) -> int:
     for s in shape:
         n *= int(s)
     return n
+
+
+def model_files(model: str, revision: str | None = None) -> list[str]:
+    """The served checkpoint's safetensors files (a local dir, or the HF cache)."""
+    if os.path.isdir(model):
+        root = model
+    else:
+        from huggingface_hub import snapshot_download
+
+        root = snapshot_download(model, revision=revision, allow_patterns=["*.safetensors", "*.json"], local_files_only=True)
+    files = sorted(glob.glob(os.path.join(root, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors checkpoint in {root}")
+    return files
 
 
 def checkpoint_specs(files: Iterable[str]) -> dict[str, tuple[tuple[int, ...], DType]]:

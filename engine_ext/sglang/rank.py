@@ -22,21 +22,13 @@ from typing import Callable
 
 import torch
 
-from ..updater import Updater, checkpoint_reader, checkpoint_specs
+from ..updater import Updater, checkpoint_reader, checkpoint_specs, model_files
 from .messages import RankOpReply, RankOpReq
 
 log = logging.getLogger("engine_ext")
 
 UPDATER_OPS = ("setup", "apply", "commit", "rollback", "status", "resync")
 OPS = UPDATER_OPS + ("after_update",)
-
-
-def model_files(model_path: str, revision: str | None = None) -> list[str]:
-    # Shared with the vLLM adapter; lives there for now (see report: to be folded
-    # into engine_ext.updater).
-    from ..vllm.worker import model_files as _model_files
-
-    return _model_files(model_path, revision)
 
 
 def derived_weight_error(model: torch.nn.Module) -> str | None:

@@ -9,31 +9,15 @@ roll the other ranks back instead of the engine core seeing an exception.
 """
 from __future__ import annotations
 
-import glob
 import logging
-import os
 import traceback
 
 import torch
 
-from ..updater import Updater, checkpoint_reader, checkpoint_specs
+from ..updater import Updater, checkpoint_reader, checkpoint_specs, model_files
 
 log = logging.getLogger("engine_ext")
 OPS = ("setup", "apply", "commit", "rollback", "status", "resync")
-
-
-def model_files(model: str, revision: str | None = None) -> list[str]:
-    """The served checkpoint's safetensors files (a local dir, or the HF cache)."""
-    if os.path.isdir(model):
-        root = model
-    else:
-        from huggingface_hub import snapshot_download
-
-        root = snapshot_download(model, revision=revision, allow_patterns=["*.safetensors", "*.json"], local_files_only=True)
-    files = sorted(glob.glob(os.path.join(root, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors checkpoint in {root}")
-    return files
 
 
 def cpu_refresh(model: torch.nn.Module):
