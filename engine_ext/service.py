@@ -268,6 +268,21 @@ class Controller:
         log.info("engine_ext: %d checkpoint tensors mapped on %d rank(s); version %s, fingerprint %s; fallback: %s",
                  len(self.tensor_fps), len(replies), self.version, fpr.fmt(self.model_fingerprint), replies[0].get("fallback"))
 
+    async def resync(self, reason: str = "weights changed outside engine_ext") -> None:
+        """Re-read every rank's live fingerprints after the engine's own weight update.
+
+        The version becomes unknown; a delta whose base fingerprint matches the new
+        weights is still accepted.
+        """
+        async with self._lock:
+            replies = self._check(await self.engine.call_ranks("resync"))
+            self.tensor_fps = combine_fingerprints([r["fingerprints"] for r in replies])
+            self.version = None
+            metrics.VERSION.set(-1)
+            self.history.append({"ok": True, "outside_update": True, "version": None,
+                                 "fingerprint": fpr.fmt(self.model_fingerprint), "time": time.time()})
+            log.info("engine_ext: %s; fingerprint now %s", reason, fpr.fmt(self.model_fingerprint))
+
     @property
     def model_fingerprint(self) -> int:
         return fpr.model_fingerprint(self.tensor_fps)

@@ -20,11 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from contextlib import AsyncExitStack
 
-from .. import fingerprint as fpr
-from ..service import Controller, Sources, combine_fingerprints, initial_version, parse_request
+from ..service import Controller, Sources, initial_version, parse_request
 from .messages import RankOpReply, RankOpReq
 
 log = logging.getLogger("engine_ext")
@@ -111,17 +109,6 @@ def mark_outside_update(tm) -> None:
     tm._engine_ext_outside = True
 
 
-async def _resync(ctl: Controller) -> None:
-    # Minimal adapter over Controller internals, to be folded into Controller (report).
-    async with ctl._lock:
-        replies = ctl._check(await ctl.engine.call_ranks("resync"))
-        ctl.tensor_fps = combine_fingerprints([r["fingerprints"] for r in replies])
-        ctl.version = None  # weights loaded by SGLang's own API: version unknown, fingerprint known
-        ctl.history.append({"ok": True, "outside_update": True, "version": None,
-                            "fingerprint": fpr.fmt(ctl.model_fingerprint), "time": time.time()})
-        log.info("engine_ext: weights changed through SGLang's own update API; fingerprint now %s", fpr.fmt(ctl.model_fingerprint))
-
-
 async def controller(tm) -> Controller:
     """The TokenizerManager's controller, started once (the start-up probe of every rank)."""
     ctl = getattr(tm, "_engine_ext", None)
@@ -136,7 +123,7 @@ async def controller(tm) -> Controller:
     if getattr(tm, "_engine_ext_outside", False):
         tm._engine_ext_outside = False
         try:
-            await _resync(ctl)
+            await ctl.resync("weights changed through SGLang's own update API")
         except BaseException:
             tm._engine_ext_outside = True
             raise
