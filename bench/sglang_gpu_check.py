@@ -46,22 +46,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 ROUTE = "/update_weights_delta"
 
 
-def perturb(sd: dict, gen, density: float) -> dict:
-    import torch
-
-    out = {}
-    for name, t in sd.items():
-        flat = t.float().reshape(-1).clone()
-        mask = torch.rand(flat.numel(), generator=gen) < density
-        flat[mask] += 1e-2 * torch.randn(int(mask.sum()), generator=gen) * (flat[mask].abs() + 1e-3)
-        out[name] = flat.to(t.dtype).reshape(t.shape)
-    return out
-
-
 def prepare(work: Path, args) -> dict:
     """Model dir, store with v0 + K deltas, and the final checkpoint for the cold start."""
     import torch
-    from tiny_models import load_state_dict, make_model, save_state_dict
+    from tiny_models import load_state_dict, make_model, perturb, save_state_dict
 
     from engine_ext.publish import DeltaPublisher
 

@@ -45,19 +45,6 @@ VOCAB = 1000  # not a multiple of 64: SGLang pads the vocabulary (and shards the
 # --------------------------------------------------------------------------- parent: data
 
 
-def _perturb(sd: dict, gen, density: float = 0.03) -> dict:
-    """An RL-like step: a few % of the elements of every tensor move by a small amount."""
-    import torch
-
-    out = {}
-    for name, t in sd.items():
-        flat = t.float().reshape(-1).clone()
-        mask = torch.rand(flat.numel(), generator=gen) < density
-        flat[mask] += 1e-2 * torch.randn(int(mask.sum()), generator=gen) * (flat[mask].abs() + 1e-3)
-        out[name] = flat.to(t.dtype).reshape(t.shape)
-    return out
-
-
 def _rewrite_manifest_fp(store: Path, version: int) -> str:
     """A copy of version ``version`` whose first changed tensor promises a wrong result fingerprint
     (the model fingerprint recomputed, so the manifest is valid and only the apply's verify can tell)."""
@@ -97,7 +84,7 @@ def make_case(tmp: Path, kind: str) -> dict:
     import torch
 
     sys.path.insert(0, str(HERE))
-    from tiny_models import load_state_dict, make_model, save_state_dict
+    from tiny_models import load_state_dict, make_model, perturb, save_state_dict
 
     from engine_ext.publish import DeltaPublisher
 
@@ -109,16 +96,16 @@ def make_case(tmp: Path, kind: str) -> dict:
     with DeltaPublisher(str(store), model=kind, anchor_every=0, workers=1) as pub:
         pub.publish(sd, version=0)
         for v in range(1, STEPS + 2):
-            sd = _perturb(sd, gen)
+            sd = perturb(sd, gen)
             urls.append(pub.publish(sd, version=v))
             if v == STEPS:
                 final = save_state_dict(tmp / kind / "final", sd, model)
     # A store whose history started from other weights: its v1 has another base.
     other = tmp / kind / "other"
-    sd2 = _perturb(load_state_dict(model), torch.Generator().manual_seed(99), density=0.5)
+    sd2 = perturb(load_state_dict(model), torch.Generator().manual_seed(99), density=0.5)
     with DeltaPublisher(str(other), model=kind, anchor_every=0, workers=1) as pub:
         pub.publish(sd2, version=0)
-        wrong_base = pub.publish(_perturb(sd2, gen), version=STEPS + 1)
+        wrong_base = pub.publish(perturb(sd2, gen), version=STEPS + 1)
     for f in other.glob("*.anchor.json"):  # no anchor to fall back on: the base really mismatches
         f.unlink()
     return {

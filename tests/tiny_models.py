@@ -126,3 +126,14 @@ if __name__ == "__main__":
 
     out = make_model(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "qwen2")
     print(out, sorted((k, tuple(v.shape)) for k, v in load_state_dict(out).items())[:3])
+
+
+def perturb(sd: dict, gen: torch.Generator, density: float = 0.03) -> dict:
+    """An RL-like step: a few % of the elements of every tensor move by a small amount."""
+    out = {}
+    for name, t in sd.items():
+        flat = t.float().reshape(-1).clone()
+        mask = torch.rand(flat.numel(), generator=gen) < density
+        flat[mask] += 1e-2 * torch.randn(int(mask.sum()), generator=gen) * (flat[mask].abs() + 1e-3)
+        out[name] = flat.to(t.dtype).reshape(t.shape)
+    return out
