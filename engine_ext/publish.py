@@ -101,7 +101,8 @@ class DeltaPublisher:
         delta_job = None if first else self._snapshot_delta(sd, version)  # keeps self._fps current
         # the anchor is queued first so that LATEST never names an anchor not yet written
         jobs = ([self._snapshot_anchor(sd, version)] if is_anchor else []) + ([delta_job] if delta_job else [])
-        self._remember(sd)
+        if first:
+            self._remember(sd)
         self.version, self.next_version = version, version + 1
         for job in jobs:
             self._queue.put(job)  # blocks when uploads fall behind: backpressure
@@ -129,17 +130,19 @@ class DeltaPublisher:
         if set(sd) != set(self._prev):
             raise ValueError(f"tensor names changed since version {self.version}: "
                              f"added {sorted(set(sd) - set(self._prev))[:5]}, removed {sorted(set(self._prev) - set(sd))[:5]}")
-        changes = []
-        for name, t in sd.items():
-            new = as_bits(t.detach()).reshape(-1)
-            old = self._prev[name]
-            if old.device != new.device:
-                old = old.to(new.device, non_blocking=True)
-            if old.shape != new.shape or old.dtype != new.dtype:
+        bits = {name: as_bits(t.detach()).reshape(-1) for name, t in sd.items()}
+        for name, new in bits.items():  # all checked before any state moves
+            if self._prev[name].shape != new.shape or self._prev[name].dtype != new.dtype:
                 raise ValueError(f"{name}: shape or dtype changed since the last version")
+        changes = []
+        for name, new in bits.items():
+            prev = self._prev[name]
+            old = prev if prev.device == new.device else prev.to(new.device, non_blocking=True)
             pos = torch.nonzero(old != new).reshape(-1)
             nb, ob = new[pos], old[pos]
+            prev[pos.to(prev.device)] = nb.to(prev.device)  # the kept bits follow in O(changed)
             fp = fpr.update_fingerprint(self._fps[name], pos, ob, nb)
+            t = sd[name]
             changes.append(_Change(name, dtype_of(t), tuple(t.shape), pos.cpu(), nb.cpu(), ob.cpu(), self._fps[name], fp))
             self._fps[name] = fp
         return ("delta", version, self.version, self.anchor_version, changes)
@@ -149,14 +152,10 @@ class DeltaPublisher:
         return ("anchor", version, None, version, (cpu, dict(self._fps)))
 
     def _remember(self, sd):
+        """Keep the first version's bits; later versions update them in _snapshot_delta."""
         for name, t in sd.items():
             bits = as_bits(t.detach()).reshape(-1)
-            dev = "cpu" if self.keep_on_cpu else bits.device
-            prev = self._prev.get(name)
-            if prev is not None and prev.device == torch.device(dev) and prev.shape == bits.shape:
-                prev.copy_(bits)  # reuse the buffer
-            else:
-                self._prev[name] = bits.to(dev, copy=True)
+            self._prev[name] = bits.to("cpu" if self.keep_on_cpu else bits.device, copy=True)
 
     # -- background encode + upload --------------------------------------------
     def _upload_loop(self):
