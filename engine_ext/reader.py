@@ -148,7 +148,8 @@ def load_delta(manifest_uri: str, *, expected: dict | None = None, names: set[st
     return _decoded(store, m, key, decode_manifest(m, data, workers, names))
 
 
-def _chain_back(store: Store, target: Manifest, target_key: str, stop_version: int) -> list[tuple[str, Manifest]] | None:
+def _chain_back(store: Store, target: Manifest, target_key: str, stop_version: int,
+                read=read_manifest) -> list[tuple[str, Manifest]] | None:
     """Manifests from the one based on ``stop_version`` up to ``target``, or None if no such chain."""
     chain = [(target_key, target)]
     cur = target
@@ -157,7 +158,7 @@ def _chain_back(store: Store, target: Manifest, target_key: str, stop_version: i
             return None
         key = manifest_key(cur.base_version)
         try:
-            prev = read_manifest(store, key)
+            prev = read(store, key)
         except NotFoundError:
             return None
         if prev.fingerprint != cur.base_fingerprint or prev.version != cur.base_version:
@@ -182,7 +183,14 @@ def plan(source: str, have_version: int | None = None, have_fingerprint: int | N
     else:
         store = open_store(source, **store_options)
         key = read_latest(store).manifest
-    target = read_manifest(store, key)
+    seen: dict[str, Manifest] = {}
+
+    def read(store: Store, key: str) -> Manifest:  # both candidate chains walk the same links: read each once
+        if key not in seen:
+            seen[key] = read_manifest(store, key)
+        return seen[key]
+
+    target = read(store, key)
     candidates = []
     if target.kind == ANCHOR:
         candidates.append([(key, target)])
@@ -190,14 +198,14 @@ def plan(source: str, have_version: int | None = None, have_fingerprint: int | N
         if have_version is None and fpr.parse(target.base_fingerprint) == have_fingerprint:
             candidates.append([(key, target)])
         elif have_version is not None and have_version < target.version:
-            chain = _chain_back(store, target, key, have_version)
+            chain = _chain_back(store, target, key, have_version, read)
             if chain:
                 candidates.append(chain)
     if target.kind != ANCHOR and target.anchor_version is not None:
         akey = manifest_key(target.anchor_version, ANCHOR)
         try:
-            anchor = read_manifest(store, akey)
-            rest = [] if anchor.version == target.version else _chain_back(store, target, key, anchor.version)
+            anchor = read(store, akey)
+            rest = [] if anchor.version == target.version else _chain_back(store, target, key, anchor.version, read)
             if rest is not None:
                 candidates.append([(akey, anchor)] + rest)
         except NotFoundError:
