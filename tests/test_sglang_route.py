@@ -286,15 +286,14 @@ def test_full_sync_through_sglangs_own_api_then_deltas(server, tmp_path):
     unknown, fingerprint known) instead of being refused as another base."""
     import torch
     from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
-    from test_sglang_tp import _perturb
-    from tiny_models import load_state_dict, save_state_dict
+    from tiny_models import load_state_dict, perturb, save_state_dict
 
     from engine_ext.publish import DeltaPublisher
 
     client, case, tm = server["client"], server["case"], server["tm"]
-    outside = _perturb(load_state_dict(case["final"]), torch.Generator().manual_seed(7), density=0.5)
+    outside = perturb(load_state_dict(case["final"]), torch.Generator().manual_seed(7), density=0.5)
     outside_dir = save_state_dict(tmp_path / "outside", outside, case["model"])
-    nxt = _perturb(outside, torch.Generator().manual_seed(8))
+    nxt = perturb(outside, torch.Generator().manual_seed(8))
     store = Path(case["sources"][0]) / "after-full-sync"  # under an allowed source
     with DeltaPublisher(str(store), model="qwen2", anchor_every=0, workers=1) as pub:
         pub.publish(outside, version=10)
