@@ -2,6 +2,8 @@
 import contextlib
 import io
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +52,10 @@ def run(*args) -> tuple[int, str]:
 
 
 def test_console_script(versions, tmp_path):
-    p = subprocess.run(["engine-ext", "diff", str(versions[0]), str(versions[1]), "--out", str(tmp_path / "s")],
+    """The ``engine-ext`` script pip installed beside this interpreter (a virtualenv's bin need not be on PATH)."""
+    script = shutil.which("engine-ext", path=os.path.dirname(sys.executable))
+    assert script, f"no engine-ext console script beside {sys.executable}"
+    p = subprocess.run([script, "diff", str(versions[0]), str(versions[1]), "--out", str(tmp_path / "s")],
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip().splitlines()[-1] == str(tmp_path / "s" / "v00000001.json")
