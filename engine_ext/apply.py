@@ -22,7 +22,7 @@ import torch
 
 from . import fingerprint as fpr
 from .delta import ABS, REL, TensorDelta
-from .dtypes import DType
+from .dtypes import BY_TORCH, DType
 
 MASK64 = fpr.MASK64
 CHUNK = 1 << 16  # elements per torch-path step on the CPU: temporaries stay in cache (~0.5 MB each)
@@ -69,6 +69,53 @@ class Unmappable:
 
     name: str
     reason: str
+
+
+# Casts an engine may apply to a checkpoint tensor at load that keep every value exactly
+# (vLLM's sgl CPU GEMM path keeps linear biases in float32): the checkpoint bits can be
+# read back from the live value, so such a tensor is still updated in place, O(changed).
+EXACT_WIDENINGS = frozenset({
+    (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float64), (torch.float16, torch.float64), (torch.float32, torch.float64),
+})
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """The exact widening from a checkpoint dtype to the live dtype of a destination.
+
+    A *converting* piece stores ``live = cast(checkpoint value)``. The executors read
+    the old checkpoint bits back with :meth:`to_checkpoint` (exact for a widened
+    value), apply the step there, write :meth:`to_live` of the new bits, and keep the
+    old live bits for undo; fingerprints stay over checkpoint bits.
+    """
+
+    checkpoint: DType
+    live: torch.dtype
+
+    @property
+    def live_int(self) -> torch.dtype:
+        return BY_TORCH[self.live].int_view
+
+    def to_live(self, bits: torch.Tensor) -> torch.Tensor:
+        """Checkpoint bits -> live bits; refuses a value the cast would not keep (e.g. a NaN payload)."""
+        live = bits.view(self.checkpoint.torch).to(self.live).view(self.live_int)
+        if not torch.equal(self.to_checkpoint(live), bits):
+            raise ValueError(f"a new value is not exactly representable through {self.checkpoint.name} -> {self.live}")
+        return live
+
+    def to_checkpoint(self, live_bits: torch.Tensor) -> torch.Tensor:
+        return live_bits.view(self.live).to(self.checkpoint.torch).view(self.checkpoint.int_view)
+
+
+def conversion(name: str, checkpoint: DType, live: torch.dtype) -> "Conversion | None":
+    """None for an in-place copy, a :class:`Conversion` for an exact widening; ValueError otherwise."""
+    if live == checkpoint.torch:
+        return None
+    if (checkpoint.torch, live) not in EXACT_WIDENINGS:
+        raise ValueError(f"{name}: destination dtype {live} is not the checkpoint dtype {checkpoint.name} "
+                         "nor an exact widening of it")
+    return Conversion(checkpoint, live)
 
 
 @dataclass
@@ -130,7 +177,8 @@ class Segment:
     tensor: int  # index into the deltas list
     td: TensorDelta
     piece: Piece
-    storage: torch.Tensor  # storage_bits(piece.dest)
+    storage: torch.Tensor  # storage_bits(piece.dest) in the live dtype's width
+    conv: "Conversion | None"  # set when the destination holds a widened copy
     cstrides: tuple[int, ...]  # checkpoint row-major strides
     flat: tuple[int, int] | None  # (lo, hi): box is a contiguous flat range mapped contiguously
     ext: tuple[int, ...] = ()  # box extent per checkpoint dim
@@ -174,13 +222,12 @@ def _check_piece(name: str, shape, dtype: DType, p: Piece) -> None:
     for d in range(nd):
         if not 0 <= p.start[d] <= p.stop[d] <= shape[d]:
             raise ValueError(f"{name}: piece box [{p.start}, {p.stop}) outside shape {tuple(shape)}")
-    if p.dest.dtype != dtype.torch:
-        raise ValueError(f"{name}: destination dtype {p.dest.dtype} != checkpoint dtype {dtype.name} (not an in-place copy)")
+    conversion(name, dtype, p.dest.dtype)
     if p.numel == 0:
         return
     lo = p.offset + sum((e - 1) * s for e, s in zip(p.extent, p.strides) if s < 0)
     hi = p.offset + sum((e - 1) * s for e, s in zip(p.extent, p.strides) if s > 0)
-    size = p.dest.untyped_storage().nbytes() // dtype.itemsize
+    size = p.dest.untyped_storage().nbytes() // p.dest.element_size()
     if lo < 0 or hi >= size:
         raise ValueError(f"{name}: piece reaches storage elements [{lo}, {hi}] outside [0, {size})")
 
@@ -239,7 +286,7 @@ _GEOM: dict = {}  # id(piece) -> (inputs, geometry): maps are static, so re-vali
 
 
 def _geometry(name: str, shape, dtype: DType, piece: Piece):
-    """Checked geometry of a piece: (dest key, storage view, checkpoint strides, flat range, extent, numel)."""
+    """Checked geometry of a piece: (dest key, storage view, conversion, checkpoint strides, flat range, extent, numel)."""
     st = piece.dest.untyped_storage()
     inputs = (tuple(piece.start), tuple(piece.stop), piece.offset, tuple(piece.strides), piece.count_fingerprint,
               st.data_ptr(), st.nbytes(), piece.dest.dtype, piece.dest.device, tuple(shape), dtype.name)
@@ -252,7 +299,9 @@ def _geometry(name: str, shape, dtype: DType, piece: Piece):
     else:
         cs = row_major_strides(shape)
         key = (st.data_ptr(), piece.offset, tuple(piece.strides), piece.extent)
-        g = (key, storage_bits(piece.dest, dtype.int_view), cs, _flat_range(piece, shape, cs), piece.extent, piece.numel)
+        conv = conversion(name, dtype, piece.dest.dtype)
+        live_int = dtype.int_view if conv is None else conv.live_int
+        g = (key, storage_bits(piece.dest, live_int), conv, cs, _flat_range(piece, shape, cs), piece.extent, piece.numel)
     if len(_GEOM) > 1 << 16:
         _GEOM.clear()
     _GEOM[id(piece)] = (inputs, g)
@@ -442,12 +491,13 @@ def _apply_torch_segments(segs: list[Segment], fp: dict, written: dict, log: _To
         for a in range(a0, b0, step):
             b = min(a + step, b0)
             i, dst, vsel = _chunk(seg, pos, a, b)
-            old = _gather(seg.storage, dst)
+            old_live = _gather(seg.storage, dst)
+            old = old_live if seg.conv is None else seg.conv.to_checkpoint(old_live)
             v = vals[vsel] if isinstance(vsel, slice) else vals.index_select(0, vsel)  # read-only: no copy
             new = _step(old, v, td.dtype.is_float) if td.mode == REL else v
-            _scatter(seg.storage, dst, new)
+            _scatter(seg.storage, dst, new if seg.conv is None else seg.conv.to_live(new))
             if log is not None:
-                log.items.append((seg, pos, a, b, old))
+                log.items.append((seg, pos, a, b, old_live))
             if seg.piece.count_fingerprint:
                 acc += _hash_change(i, old, new, vsel)
                 count += old.numel()
@@ -516,12 +566,15 @@ def local_fingerprint(m: TensorMap) -> int:
         if not p.count_fingerprint or p.numel == 0:
             continue
         _check_piece(m.name, m.shape, m.dtype, p)
-        seg = Segment(0, dense, p, storage_bits(p.dest, m.dtype.int_view), cs, _flat_range(p, m.shape, cs))
+        conv = conversion(m.name, m.dtype, p.dest.dtype)
+        live_int = m.dtype.int_view if conv is None else conv.live_int
+        seg = Segment(0, dense, p, storage_bits(p.dest, live_int), conv, cs, _flat_range(p, m.shape, cs))
         acc = torch.zeros((), dtype=torch.int64, device=p.dest.device)
         with torch.no_grad():
             for a in range(0, p.numel, fpr.CHUNK):
                 i, dst = _box_items(seg, a, min(a + fpr.CHUNK, p.numel))
-                acc += fpr.element_hash(i, seg.storage[dst]).sum()
+                bits = seg.storage[dst]
+                acc += fpr.element_hash(i, bits if conv is None else conv.to_checkpoint(bits)).sum()
         total += int(acc)
     return total & MASK64
 

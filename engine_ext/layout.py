@@ -9,9 +9,11 @@ weights are untouched. A ``copy_`` / ``__setitem__`` whose source is a view of t
 probe's storage with the same dtype and shape is an affine map: the source's storage
 offset and strides give a box in checkpoint coordinates, the destination's give the
 parameter storage offset and strides, together a :class:`~engine_ext.apply.Piece`.
-Anything else that writes a parameter (converted, computed, quantised, concatenated
-data; scatter-like ops; rebinding ``.data``) makes the tensor
-:class:`~engine_ext.apply.Unmappable`, with the reason. Constant fills (padding) are
+A copy that widens the dtype exactly (bf16 into a float32 parameter, as vLLM's sgl CPU
+GEMM path keeps biases) is such a map too, a *converting* one
+(:class:`~engine_ext.apply.Conversion`). Anything else that writes a parameter
+(narrowed, computed, quantised, concatenated data; scatter-like ops; rebinding
+``.data``) makes the tensor :class:`~engine_ext.apply.Unmappable`, with the reason. Constant fills (padding) are
 not checkpoint data and are ignored. No model-specific tables.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ import math
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .apply import Piece, TensorMap, Unmappable, row_major_strides
+from .apply import EXACT_WIDENINGS, Piece, TensorMap, Unmappable, row_major_strides
 from .dtypes import DType, dtype_by_name
 
 _CONSTANT_WRITES = {"fill_", "zero_"}
@@ -114,7 +116,7 @@ class _Probe(TorchFunctionMode):
             return
         if _storage_key(src) != self.pkey:
             return self._fail(f"{op} into {name} from data that is not a view of the loaded tensor (converted, computed or concatenated)")
-        if src.dtype != dst.dtype:
+        if src.dtype != dst.dtype and (src.dtype, dst.dtype) not in EXACT_WIDENINGS:
             return self._fail(f"{op} into {name} converts {src.dtype} -> {dst.dtype}")
         if tuple(src.shape) != tuple(dst.shape):
             return self._fail(f"{op} into {name} broadcasts {tuple(src.shape)} -> {tuple(dst.shape)}")

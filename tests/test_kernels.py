@@ -21,7 +21,7 @@ from engine_ext import dtypes
 from engine_ext import fingerprint as fpr
 from engine_ext.apply import (Piece, TensorMap, Unmappable, apply_delta, covered_elements, decode_gaps,
                               local_fingerprint, row_major_strides)
-from engine_ext.delta import TensorDelta
+from engine_ext.delta import TensorDelta, diff_tensor
 
 ALL = list(dtypes.BY_NAME.values())
 M64 = (1 << 64) - 1
@@ -389,3 +389,52 @@ def test_failure_midway_rolls_back(monkeypatch):
         apply_delta(deltas, maps, backend="torch")
     monkeypatch.setattr(ap, "_scatter", real)
     assert not a.view(torch.int16).any() and not b.view(torch.int16).any()
+
+
+@pytest.mark.parametrize("ckpt,live", [("bfloat16", torch.float32), ("float16", torch.float32), ("bfloat16", torch.float64),
+                                       ("float32", torch.float64)])
+def test_converting_destination(ckpt, live, interp):
+    """A destination that holds a widened copy (vLLM's sgl path keeps biases in float32):
+    both executors write the converted new value, fingerprint checkpoint bits, undo exactly."""
+    d = dtypes.BY_NAME[ckpt]
+    g = torch.Generator().manual_seed(11)
+    base = (torch.randn(6, 40, generator=g) * 0.02).to(d.torch)
+    new = base.clone()
+    new.view(-1)[::7] = (new.view(-1)[::7].float() * 1.5 + 1e-3).to(d.torch)
+    for be in ("torch", "triton"):
+        for mode in ("rel", "abs"):
+            live_buf = torch.zeros(300, dtype=live)  # the piece sits at an offset inside a larger storage
+            dest = live_buf[20:260].view(6, 40)
+            dest.copy_(base)
+            m = TensorMap("b", (6, 40), d, [Piece(dest, (0, 0), (6, 40), 20, (40, 1))])
+            assert local_fingerprint(m) == fpr.tensor_fingerprint(base)
+            td = diff_tensor("b", base, new)
+            if mode == "abs":
+                td = TensorDelta("b", d, td.shape, "abs", td.positions, dtypes.as_bits(new).reshape(-1)[td.positions],
+                                 td.base_fingerprint, td.fingerprint)
+            before = live_buf.clone()
+            res = apply_delta([td], {"b": m}, backend=be)
+            assert torch.equal(dest, new.to(live)), (be, mode)
+            assert torch.equal(live_buf[:20], before[:20]) and torch.equal(live_buf[260:], before[260:])
+            assert res.fingerprint_delta["b"] == (td.fingerprint - td.base_fingerprint) & M64
+            assert res.written["b"] == td.nnz and local_fingerprint(m) == td.fingerprint
+            res.undo.rollback()
+            assert torch.equal(live_buf.view(torch.uint8), before.view(torch.uint8)), (be, mode)
+
+
+def test_converting_destination_refuses_narrowing_and_inexact_values():
+    """Narrowing (float32 checkpoint into bf16) is not a converting map; a value the widening
+    would not keep (a NaN payload the cast canonicalises) is refused and nothing stays written."""
+    f32, bf = dtypes.BY_NAME["float32"], dtypes.BY_NAME["bfloat16"]
+    narrow = torch.zeros(4, dtype=torch.bfloat16)
+    m = TensorMap("n", (4,), f32, [Piece(narrow, (0,), (4,), 0, (1,))])
+    td = TensorDelta("n", f32, (4,), "abs", torch.tensor([1]), torch.tensor([5], dtype=torch.int32))
+    with pytest.raises(ValueError, match="exact widening"):
+        apply_delta([td], {"n": m})
+    live = torch.arange(4, dtype=torch.float32)
+    m = TensorMap("w", (4,), bf, [Piece(live, (0,), (4,), 0, (1,))])
+    nan_payload = torch.tensor([1, 3], dtype=torch.int64), torch.tensor([0x3F80, 0x7F81], dtype=torch.int16)  # 1.0, odd NaN
+    td = TensorDelta("w", bf, (4,), "abs", *nan_payload)
+    with pytest.raises(ValueError, match="not exactly representable"):
+        apply_delta([td], {"w": m}, backend="torch")
+    assert torch.equal(live, torch.arange(4, dtype=torch.float32))

@@ -85,7 +85,7 @@ class ToyModel(torch.nn.Module):
 
 
 SHAPES = {"q": (Q, H), "k": (KV, H), "v": (KV, H), "gate": (I, H), "up": (I, H), "down": (H, I),
-          "embed": (V, H), "lm_head": (V, H), "proj": (Q, H), "norm": (H,)}
+          "embed": (V, H), "lm_head": (V, H), "proj": (Q, H), "norm": (H,), "bias": (H,)}
 
 
 def _nsd(names):
@@ -119,6 +119,7 @@ def test_expected_pieces(rank, size):
         "lm_head": [Piece(m.lm_head, (rank * vs, 0), (min(V, (rank + 1) * vs), H), 0, (H, 1))],
         "proj": [Piece(m.proj_t, (0, 0), (Q, H), 0, (1, Q))],
         "norm": [Piece(m.norm, (0,), (H,), 0, (1,))],
+        "bias": [Piece(m.bias32, (0,), (H,), 0, (1,))],  # converting: bf16 -> float32
     }
     for name, pieces in exp.items():
         got = maps[name]
@@ -134,8 +135,27 @@ def test_tied_and_unmappable():
     assert _all_fps(m) == before
     assert isinstance(maps["embed"], TensorMap) and maps["embed"].pieces[0].dest is m.embed
     assert isinstance(maps["lm_head"], TensorMap) and maps["lm_head"].pieces == []  # skipped: tied
-    for name, why in [("quant", "not a view"), ("bias", "converts"), ("scaled", "not a view"), ("nope", "KeyError")]:
+    for name, why in [("quant", "not a view"), ("scaled", "not a view"), ("nope", "KeyError")]:
         assert isinstance(maps[name], Unmappable) and why in maps[name].reason, maps[name]
+    # an exact widening (bf16 checkpoint into the float32 parameter) is a converting map
+    assert isinstance(maps["bias"], TensorMap) and [_same(p, Piece(m.bias32, (0,), (H,), 0, (1,))) for p in maps["bias"].pieces] == [True]
+
+
+class NarrowingLoader(torch.nn.Module):
+    """A float32 checkpoint tensor loaded into a bf16 parameter: the old bits cannot be read back."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16), requires_grad=False)
+
+    def load(self, name, t):
+        self.w.data.copy_(t)
+
+
+def test_narrowing_copy_is_unmappable():
+    m = NarrowingLoader()
+    maps = probe_layout(m, m.load, [("w", (4,), "float32")])
+    assert isinstance(maps["w"], Unmappable) and "converts torch.float32 -> torch.bfloat16" in maps["w"].reason
 
 
 class TiedLoader(torch.nn.Module):
@@ -207,9 +227,9 @@ def test_probe_then_apply_equals_loading_new_weights(rank, size):
         for n in names:
             ref.load(n, new[n])
     for k, v in ref.named_parameters():
-        if k in ("q8", "bias32"):
+        if k == "q8":
             continue
-        assert torch.equal(got[k].view(torch.int16), v.detach().view(torch.int16)), k
+        assert torch.equal(got[k].view(torch.uint8), v.detach().view(torch.uint8)), k
     for d in deltas:
         if covered_elements(maps[d.name]) == d.numel:
             assert res.fingerprint_delta[d.name] == (d.fingerprint - d.base_fingerprint) & fpr.MASK64
@@ -219,5 +239,5 @@ def test_probe_then_apply_equals_loading_new_weights(rank, size):
         for n in names:
             again.load(n, old[n])
     for k, v in again.named_parameters():
-        if k not in ("q8", "bias32"):
-            assert torch.equal(dict(m.named_parameters())[k].detach().view(torch.int16), v.detach().view(torch.int16)), k
+        if k != "q8":
+            assert torch.equal(dict(m.named_parameters())[k].detach().view(torch.uint8), v.detach().view(torch.uint8)), k

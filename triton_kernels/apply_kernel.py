@@ -232,7 +232,8 @@ _INT = {8: torch.int8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
 
 
 def apply_triton(segs: list[Segment], names: list[str], undo: bool, checks: list):
-    """Apply validated segments with one launch per (device, width); rank > 4 goes to the torch path.
+    """Apply validated segments with one launch per (device, width); rank > 4 and converting
+    destinations (a widened copy, see ``engine_ext.apply.Conversion``) go to the torch path.
 
     ``checks``: deltas whose positions still need the order/range check; it runs on the
     device over the same tables (one read pass, one sync) before anything is written.
@@ -242,7 +243,7 @@ def apply_triton(segs: list[Segment], names: list[str], undo: bool, checks: list
     parts = []
     groups: dict = {}
     for s in segs:
-        if len(s.td.shape) <= MAXD and s.n > 0 and s.numel > 0:
+        if len(s.td.shape) <= MAXD and s.conv is None and s.n > 0 and s.numel > 0:
             groups.setdefault((s.storage.device, s.td.dtype.bits), []).append(s)
     moved: dict = {}
     need = {id(td) for td in checks}
@@ -277,7 +278,7 @@ def apply_triton(segs: list[Segment], names: list[str], undo: bool, checks: list
     if flags and bool(torch.stack([f.cpu() for f in flags]).any()):
         check_positions(checks)  # names the culprit
         raise ValueError("positions must be sorted, unique and in range")
-    slow = [s for s in segs if len(s.td.shape) > MAXD]
+    slow = [s for s in segs if len(s.td.shape) > MAXD or s.conv is not None]
     if slow:
         f2, w2, log = apply_torch(slow, names, undo)
         for n in names:
