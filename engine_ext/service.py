@@ -249,6 +249,7 @@ class Controller:
         self.shapes: dict[str, tuple[list[int], str]] = {}
         self.history: collections.deque = collections.deque(maxlen=history)
         self._lock = asyncio.Lock()
+        self.layout: dict = {}  # from the start-up probe: dense fallback, converting maps, engine paths per rank
         self.ready = False
         self.start_error: str | None = None
 
@@ -262,11 +263,15 @@ class Controller:
             raise
         self.tensor_fps = combine_fingerprints([r["fingerprints"] for r in replies])
         self.shapes = replies[0]["tensors"]
+        self.layout = {"fallback": sorted({n for r in replies for n in r.get("fallback", [])}),
+                       "converted": sorted({n for r in replies for n in r.get("converted", [])}),
+                       "engine": [r.get("engine", {}) for r in replies]}
         self.ready = True
         if self.version is not None:
             metrics.VERSION.set(self.version)
-        log.info("engine_ext: %d checkpoint tensors mapped on %d rank(s); version %s, fingerprint %s; fallback: %s",
-                 len(self.tensor_fps), len(replies), self.version, fpr.fmt(self.model_fingerprint), replies[0].get("fallback"))
+        log.info("engine_ext: %d checkpoint tensors mapped on %d rank(s); version %s, fingerprint %s; dense fallback: %s; "
+                 "converting maps: %d; engine paths: %s", len(self.tensor_fps), len(replies), self.version,
+                 fpr.fmt(self.model_fingerprint), self.layout["fallback"], len(self.layout["converted"]), self.layout["engine"][0])
 
     async def resync(self, reason: str = "weights changed outside engine_ext") -> None:
         """Re-read every rank's live fingerprints after the engine's own weight update.
@@ -295,6 +300,7 @@ class Controller:
             "tensors": len(self.tensor_fps),
             "busy": self._lock.locked(),
             "error": self.start_error,
+            "layout": self.layout,
             "history": list(self.history),
         }
 

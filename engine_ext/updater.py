@@ -33,6 +33,7 @@ log = logging.getLogger("engine_ext")
 
 Loader = Callable[[str, torch.Tensor], None]  # load one whole checkpoint tensor via the engine's loader
 Refresh = Callable[["set[int] | None"], None]  # storages (data_ptr) whose derived state must be rebuilt; None: all
+Describe = Callable[[], dict]  # the engine's kernels/paths on this rank, for the start-up log and status
 
 
 # --------------------------------------------------------------------------- staging
@@ -78,9 +79,9 @@ class Updater:
 
     def __init__(self, module: torch.nn.Module, load: Loader, checkpoint: dict[str, tuple[tuple[int, ...], DType]],
                  read_checkpoint: Callable[[str], torch.Tensor] | None = None, refresh: Refresh | None = None,
-                 rank: int = 0, device: torch.device | None = None):
+                 rank: int = 0, device: torch.device | None = None, describe: Describe | None = None):
         self.module, self.load, self.checkpoint = module, load, checkpoint
-        self.read_checkpoint, self.refresh, self.rank = read_checkpoint, refresh, rank
+        self.read_checkpoint, self.refresh, self.rank, self.describe = read_checkpoint, refresh, rank, describe
         self.maps: dict = {}
         self.host: dict[str, torch.Tensor] = {}  # checkpoint copies of unmappable tensors (dense fallback)
         self.fps: dict[str, int] = {}  # rank-local partial fingerprints (whole for host tensors)
@@ -110,8 +111,16 @@ class Updater:
                     self.fps[name] = local_fingerprint(m)
                     self.covered[name] = covered_elements(m)
             self.setup_s = time.perf_counter() - t
-        return {"fingerprints": self.report(), "fallback": sorted(self.host), "setup_s": self.setup_s,
+        return {"fingerprints": self.report(), "fallback": sorted(self.host), "converted": self.converted(),
+                "setup_s": self.setup_s, "engine": self.describe() if self.describe else {},
                 "tensors": {n: [list(s), d.name] for n, (s, d) in self.checkpoint.items()}}
+
+    def converted(self) -> list[str]:
+        """Tensors mapped through a converting piece (the engine holds a widened copy, e.g. float32 biases)."""
+        from .apply import TensorMap
+
+        return sorted(n for n, m in self.maps.items() if isinstance(m, TensorMap)
+                      and any(p.dest.dtype != m.dtype.torch for p in m.pieces))
 
     def resync(self) -> dict:
         """Recompute the fingerprints from the live weights (after an outside dense reload)."""

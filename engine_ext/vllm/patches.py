@@ -1,4 +1,14 @@
-"""Patches to vLLM that in-place updates need (documented in patches/README.md).
+"""Patches to vLLM that in-place updates need, and one that CPU serving needs (documented
+in patches/README.md).
+
+*Ask Linux for AMX tile permission in every process* (:func:`request_amx_permission`).
+vLLM 0.32's CPU attention runs AMX tile instructions (ISA "amx": bf16, block size a
+multiple of 32, on hosts with ``amx_tile``) but never asks for the permission Linux
+requires first (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``); only oneDNN
+asks, lazily, the first time it dispatches. When every linear layer takes the sgl GEMM
+path (all weights under 1 MiB) and no warm-up pass ran (``--enforce-eager``), the first
+step with at most 4 tokens reaches attention before any oneDNN call, and the worker
+dies with SIGILL. PyTorch's ``torch.cpu._init_amx()`` makes the request.
 
 *Keep the unpacked linear weights on the CPU.* vLLM's CPU backend re-packs every
 linear layer's weight after loading (oneDNN handle, sgl VNNI or zentorch layout)
@@ -14,13 +24,44 @@ through a function-local import, so replacing the module attribute reaches both.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
+import platform
 
 import torch
 
 log = logging.getLogger("engine_ext")
 CHECKED_VLLM_VERSIONS = ("0.32.0",)
 _MARK = "_engine_ext_keeps_weight"
+
+
+_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1022, 18  # x86-64 Linux
+
+
+def amx_permitted() -> bool | None:
+    """Whether this process may run AMX tile instructions; None where the CPU has none."""
+    if not torch.cpu._is_amx_tile_supported():
+        return None
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return True  # no per-process permission to ask for
+    mask = ctypes.c_uint64(0)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) != 0:
+        return False
+    return bool(mask.value >> _XFEATURE_XTILEDATA & 1)
+
+
+def request_amx_permission() -> bool | None:
+    """Ask for AMX tile permission in this process (idempotent); None where the CPU has no AMX.
+
+    Runs from the general plugin in every vLLM process before the model loads, so the CPU
+    attention's AMX kernels never run without it (see the module docstring).
+    """
+    if not torch.cpu._is_amx_tile_supported():
+        return None
+    if not torch.cpu._init_amx():
+        log.warning("engine_ext: the CPU has AMX but Linux refused AMX tile permission; vLLM's AMX attention may die with SIGILL")
+    return amx_permitted()
 
 
 def keep_cpu_linear_weights() -> bool:
@@ -42,11 +83,45 @@ def keep_cpu_linear_weights() -> bool:
     def dispatch_keeping_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
         orig(layer, remove_weight=False)
         layer._engine_ext_packed = True  # marks layers whose served copy is derived
+        layer._engine_ext_gemm = gemm_path(layer)
 
     setattr(dispatch_keeping_weight, _MARK, True)
     dispatch_keeping_weight.original = orig
     utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
     return True
+
+
+# What each CPU GEMM path of dispatch_cpu_unquantized_gemm calls (vLLM 0.32.0).
+_GEMM_CALLS = {"weight_packed_linear_cpu": "sgl", "onednn_mm": "onednn", "zentorch_linear_unary": "zentorch"}
+
+
+def gemm_path(layer: torch.nn.Module) -> str:
+    """Which CPU GEMM vLLM's dispatch chose for ``layer`` ("sgl", "onednn", "zentorch" or
+    "torch"), read from the names the ``cpu_linear`` callable it installed calls.
+
+    The choice depends on the host (the sgl path needs AMX; it also keeps the layer's bias
+    in float32) and on the weight's size, so tests and logs report it.
+    """
+    code = getattr(getattr(layer, "cpu_linear", None), "__code__", None)
+    called = set(code.co_names) if code is not None else set()
+    return next((path for call, path in _GEMM_CALLS.items() if call in called), "torch")
+
+
+def attention_isas(model: torch.nn.Module) -> list[str]:
+    """The ISAs vLLM's CPU attention backend chose for the model's attention layers
+    (``cpu_attn.py::_get_attn_isa``: "amx", "vec", "vec16", ...)."""
+    return sorted({m.isa for m in model.modules() if isinstance(getattr(m, "isa", None), str)})
+
+
+def cpu_paths(model: torch.nn.Module) -> dict:
+    """The CPU kernels this model runs on: ``{"gemm": {path: layers}, "attention_isa": [...],
+    "amx": None (no AMX) | permitted (bool)}``."""
+    gemm: dict[str, int] = {}
+    for mod in model.modules():
+        path = getattr(mod, "_engine_ext_gemm", None)
+        if path is not None:
+            gemm[path] = gemm.get(path, 0) + 1
+    return {"gemm": gemm, "attention_isa": attention_isas(model), "amx": amx_permitted()}
 
 
 def repack(layer: torch.nn.Module) -> None:

@@ -1,6 +1,7 @@
 """``vllm.general_plugins`` entry point: runs in every vLLM process before the model loads.
 
-It keeps the CPU backend's unpacked linear weights (see :mod:`.patches`), adds the
+On the CPU it asks for AMX tile permission (vLLM's AMX attention otherwise can die with
+SIGILL) and keeps the backend's unpacked linear weights (see :mod:`.patches`), adds the
 ``engine_ext`` worker RPC method and registers the ``delta`` weight-transfer backend,
 so ``VLLM_PLUGINS=engine_ext`` is the whole set-up.
 """
@@ -26,9 +27,10 @@ def register() -> None:
     from vllm.platforms import current_platform
 
     from . import worker
-    from .patches import keep_cpu_linear_weights
+    from .patches import keep_cpu_linear_weights, request_amx_permission
 
     if current_platform.is_cpu():
+        request_amx_permission()
         keep_cpu_linear_weights()
     worker.install()
     try:

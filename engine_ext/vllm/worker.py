@@ -42,8 +42,13 @@ def build_updater(model: torch.nn.Module, vllm_config, rank: int = 0) -> Updater
     def load(name: str, tensor: torch.Tensor) -> None:
         model.load_weights([(name, tensor)])
 
-    refresh = cpu_refresh(model) if current_platform.is_cpu() else None
-    return Updater(model, load, checkpoint_specs(files), checkpoint_reader(files), refresh, rank=rank)
+    if current_platform.is_cpu():
+        from .patches import cpu_paths
+
+        refresh, describe = cpu_refresh(model), (lambda: {"platform": "cpu", **cpu_paths(model)})
+    else:
+        refresh, describe = None, (lambda: {"platform": str(current_platform.device_type)})
+    return Updater(model, load, checkpoint_specs(files), checkpoint_reader(files), refresh, rank=rank, describe=describe)
 
 
 def updater_for(model: torch.nn.Module, vllm_config, rank: int = 0) -> Updater:
