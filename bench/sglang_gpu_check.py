@@ -5,7 +5,7 @@ on the final weights.
 What it does (one short call on a lent GPU; needs ``sglang`` with its CUDA kernels
 and this project importable; nothing is downloaded):
 
-1. makes a tiny random model locally (``tests/tiny_models.py``; ``--model-dir`` takes
+1. makes a tiny random model locally (``engine_ext/tiny_models.py``; ``--model-dir`` takes
    any local HF checkpoint instead) and publishes version 0 plus K RL-like deltas
    (a few % of elements move per step) to a local store;
 2. starts ``python -m sglang.launch_server`` on it with ``SGLANG_PLUGINS=engine_ext``
@@ -42,16 +42,15 @@ import requests
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 ROUTE = "/update_weights_delta"
 
 
 def prepare(work: Path, args) -> dict:
     """Model dir, store with v0 + K deltas, and the final checkpoint for the cold start."""
     import torch
-    from tiny_models import load_state_dict, make_model, perturb, save_state_dict
 
     from engine_ext.publish import DeltaPublisher
+    from engine_ext.tiny_models import load_state_dict, make_model, perturb, save_state_dict
 
     if args.model_dir:
         model = Path(args.model_dir)

@@ -46,7 +46,6 @@ os.environ.update(_ENV)
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "tests"))
 
 
 class _MallInfo2(ctypes.Structure):
@@ -102,7 +101,7 @@ def make_versions(model_dir: Path, store: Path, steps: int, lr: float, seed: int
     from safetensors.torch import save_file
 
     from engine_ext.publish import DeltaPublisher
-    from tiny_models import load_state_dict
+    from engine_ext.tiny_models import load_state_dict
 
     master = {n: t.float() for n, t in load_state_dict(model_dir).items()}
     g = torch.Generator().manual_seed(seed)
@@ -132,7 +131,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the results JSON here")
     args = ap.parse_args()
 
-    from tiny_models import make_model
+    from engine_ext.tiny_models import make_model
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="engine_ext_bench_"))
     model_dir = make_model(work / "model", "qwen2", vocab=args.vocab, hidden=args.hidden, layers=args.layers,

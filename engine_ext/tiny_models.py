@@ -1,9 +1,12 @@
 """Tiny random checkpoints that real engines load: Qwen2, Llama, tied embeddings.
 
-Tests and the demo make their models here (no download): ``make_model(dir, "qwen2")``
-writes ``config.json`` + ``model.safetensors`` (bf16) via ``save_pretrained`` and a
-``tokenizers`` WordLevel tokenizer over ``vocab`` tokens, so vLLM/SGLang can serve it.
-Prompts should be given as token ids (the vocabulary is synthetic).
+The demo, the benchmarks and the tests make their models here (no download):
+``make_model(dir, "qwen2")`` writes ``config.json`` + ``model.safetensors`` (bf16) via
+``save_pretrained`` and a ``tokenizers`` WordLevel tokenizer over ``vocab`` tokens, so
+vLLM/SGLang can serve it. Prompts should be given as token ids (the vocabulary is
+synthetic). Needs ``transformers`` and ``tokenizers`` (the ``demo`` extra).
+
+    python -m engine_ext.tiny_models DIR [qwen2|llama|qwen2-tied]
 """
 from __future__ import annotations
 
@@ -121,12 +124,6 @@ def save_state_dict(path: str | os.PathLike, state: dict[str, torch.Tensor], lik
     return path
 
 
-if __name__ == "__main__":
-    import sys
-
-    out = make_model(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "qwen2")
-    print(out, sorted((k, tuple(v.shape)) for k, v in load_state_dict(out).items())[:3])
-
 
 def perturb(sd: dict, gen: torch.Generator, density: float = 0.03) -> dict:
     """An RL-like step: a few % of the elements of every tensor move by a small amount."""
@@ -137,3 +134,10 @@ def perturb(sd: dict, gen: torch.Generator, density: float = 0.03) -> dict:
         flat[mask] += 1e-2 * torch.randn(int(mask.sum()), generator=gen) * (flat[mask].abs() + 1e-3)
         out[name] = flat.to(t.dtype).reshape(t.shape)
     return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    out = make_model(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "qwen2")
+    print(out, sorted((k, tuple(v.shape)) for k, v in load_state_dict(out).items())[:3])

@@ -8,6 +8,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # `import servers` from any test module
 
+import server_report  # noqa: E402
 from servers import serve_http, serve_s3  # noqa: E402
 
 
@@ -59,3 +60,32 @@ def s3_server():
 def s3_bucket(s3_server) -> str:
     """A fresh empty bucket on the module's moto server."""
     return s3_server.make_bucket()
+
+
+# --------------------------------------------------------------------------- report hooks
+
+_MODULE_START: dict[str, float] = {}
+
+
+def pytest_runtest_setup(item):
+    import time
+
+    _MODULE_START.setdefault(item.module.__name__, time.time())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test shows the tails of the logs of engine servers started since its module began."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and item.module.__name__ in _MODULE_START:
+        for title, tail in server_report.tails_since(_MODULE_START[item.module.__name__]):
+            report.sections.append((title, tail))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Which CPU kernels the engine servers of this run used (the suite must pass on AVX2-only and AMX hosts)."""
+    if server_report.ENGINES:
+        terminalreporter.section("engine CPU paths in this run")
+        for desc, servers in server_report.ENGINES.items():
+            terminalreporter.write_line(f"{desc}  <- {len(servers)} server(s): {', '.join(sorted(set(servers)))}")

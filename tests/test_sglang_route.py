@@ -73,7 +73,7 @@ class SchedulerLoop:
     def _update_from_disk(self, req):
         """SGLang's own /update_weights_from_disk as its model runner does it: load_weights."""
         from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqOutput
-        from tiny_models import load_state_dict
+        from engine_ext.tiny_models import load_state_dict
 
         self.tp_worker.model_runner.model.load_weights(list(load_state_dict(req.model_path).items()))
         return UpdateWeightFromDiskReqOutput(success=True, message="loaded", num_paused_requests=0)
@@ -184,7 +184,7 @@ def test_plugin_is_loaded_by_sglang_and_hooks_applied(server):
 
 
 def test_status_before_any_update(server):
-    from tiny_models import load_state_dict
+    from engine_ext.tiny_models import load_state_dict
 
     from engine_ext import fingerprint as fpr
 
@@ -286,7 +286,7 @@ def test_full_sync_through_sglangs_own_api_then_deltas(server, tmp_path):
     unknown, fingerprint known) instead of being refused as another base."""
     import torch
     from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
-    from tiny_models import load_state_dict, perturb, save_state_dict
+    from engine_ext.tiny_models import load_state_dict, perturb, save_state_dict
 
     from engine_ext.publish import DeltaPublisher
 

@@ -84,7 +84,7 @@ def make_case(tmp: Path, kind: str) -> dict:
     import torch
 
     sys.path.insert(0, str(HERE))
-    from tiny_models import load_state_dict, make_model, perturb, save_state_dict
+    from engine_ext.tiny_models import load_state_dict, make_model, perturb, save_state_dict
 
     from engine_ext.publish import DeltaPublisher
 

@@ -11,7 +11,7 @@ import json
 import pytest
 
 pytest.importorskip("vllm")
-from vllm_helpers import Server, make_model, rl_trajectory, save_state_dict  # noqa: E402
+from vllm_helpers import Server, assert_layout_on_this_host, make_model, rl_trajectory, save_state_dict  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 K = 3
@@ -26,6 +26,7 @@ def test_tp2_tied_embeddings(tmp_path):
     try:
         before = server.outputs()
         assert server.status()["version"] is None
+        assert_layout_on_this_host(server.status())
         for n in range(1, K + 1):
             r = server.update({"url": str(root / "run" / f"v{n:08d}.json")})
             assert r.status_code == 200, r.text
