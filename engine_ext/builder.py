@@ -15,6 +15,7 @@ import hashlib
 import os
 import tempfile
 import time
+from typing import Callable
 
 import torch
 
@@ -22,7 +23,7 @@ from . import fingerprint as fpr
 from .checkpoint import SafetensorsWriter
 from .codec import Encoded
 from .dtypes import BY_SAFETENSORS, DType
-from .format import ANCHOR, DELTA, Blob, Latest, LATEST_KEY, Manifest, Segment, TensorEntry, manifest_key
+from .format import ANCHOR, DELTA, Blob, Latest, Manifest, Segment, TensorEntry, manifest_key
 from .store import Store, publish_version
 
 BLOB_TARGET = 256 << 20  # start a new blob past this size, so readers can fetch in parallel
@@ -71,6 +72,22 @@ class VersionBuilder:
             self._cur = None
 
     # -- anchors --------------------------------------------------------------
+    def add_anchor(self, infos: list[tuple[str, DType, tuple]], load: Callable[[str], torch.Tensor],
+                   fingerprint: Callable[[str, torch.Tensor], int], done: Callable[[], None] | None = None) -> None:
+        """Write every tensor of ``infos`` (in order) into anchor shards, one tensor in memory at a time.
+
+        ``load(name)`` gives the tensor, ``fingerprint(name, tensor)`` its fingerprint
+        (computed, or kept by the caller); ``done()`` is called after each tensor (progress).
+        """
+        for shard in self.anchor_shards(infos):
+            w = self.open_anchor_shard(shard)
+            for name, _, _ in shard:
+                t = load(name)
+                self.add_anchor_tensor(w, name, t, fingerprint(name, t))
+                if done is not None:
+                    done()
+            w.close()
+
     def anchor_shards(self, infos: list[tuple[str, DType, tuple]]) -> list[list[tuple[str, DType, tuple]]]:
         """Split tensors (in order) into safetensors shards of about blob_target bytes."""
         shards, cur, size = [], [], 0

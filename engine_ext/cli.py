@@ -14,8 +14,8 @@ from tqdm import tqdm
 from . import codec
 from . import fingerprint as fpr
 from .builder import VersionBuilder
-from .checkpoint import INDEX_NAME, CheckpointDir, SafetensorsWriter
-from .delta import apply_tensor
+from .checkpoint import CheckpointDir, SafetensorsWriter
+from .delta import apply_tensor, changed_bits
 from .dtypes import as_bits, dtype_by_name
 from .errors import BaseMismatchError, DeltaError
 from .format import ANCHOR, DELTA
@@ -50,15 +50,14 @@ def cmd_diff(a) -> str:
         o, n = old.load(name), new.load(name)
         if o.shape != n.shape or o.dtype != n.dtype:
             raise DeltaError(f"{name}: {tuple(o.shape)}/{o.dtype} in old, {tuple(n.shape)}/{n.dtype} in new")
-        ob, nb = as_bits(o).reshape(-1), as_bits(n).reshape(-1)
-        pos = (ob != nb).nonzero().reshape(-1)
+        pos, old_at, new_at = changed_bits(as_bits(o).reshape(-1), as_bits(n).reshape(-1))
         fo, fn = fpr.tensor_fingerprint(o), fpr.tensor_fingerprint(n)
         old_fps[name] = fo
         dt = new.tensors[name].dtype
         if pos.numel() == 0:
             b.add_unchanged(name, dt, n.shape, fn)
         else:
-            enc = codec.encode(dt, n.numel(), pos, nb[pos], ob[pos], a.mode)
+            enc = codec.encode(dt, n.numel(), pos, new_at, old_at, a.mode)
             b.add_delta(name, dt, n.shape, pos.numel(), enc, fo, fn)
     base_version, anchor_version = _lineage(store, fpr.model_fingerprint(old_fps))
     if a.base_version is not None:
@@ -76,13 +75,7 @@ def cmd_anchor(a) -> str:
     b = VersionBuilder(ANCHOR, a.model or Path(a.checkpoint).name, a.version, anchor_version=a.version)
     infos = [(n, i.dtype, i.shape) for n, i in ck.tensors.items()]
     with _bar(None, "anchor", total=len(infos)) as bar:
-        for shard in b.anchor_shards(infos):
-            w = b.open_anchor_shard(shard)
-            for name, _, _ in shard:
-                t = ck.load(name)
-                b.add_anchor_tensor(w, name, t, fpr.tensor_fingerprint(t))
-                bar.update()
-            w.close()
+        b.add_anchor(infos, ck.load, lambda _, t: fpr.tensor_fingerprint(t), bar.update)
     return b.publish(store)
 
 

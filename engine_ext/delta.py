@@ -47,6 +47,13 @@ class TensorDelta:
         return self.positions
 
 
+def changed_bits(old_bits: torch.Tensor, new_bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(flat positions, old bits there, new bits there) of the elements whose raw bits differ,
+    on the inputs' device: the one diff the publisher, the CLI and :func:`diff_tensor` share."""
+    pos = torch.nonzero(old_bits != new_bits).reshape(-1)
+    return pos, old_bits[pos], new_bits[pos]
+
+
 def diff_tensor(name: str, old: torch.Tensor | None, new: torch.Tensor, mode: str = REL) -> TensorDelta:
     """Changed elements of ``new`` against ``old`` (bitwise), on the tensors' device.
 
@@ -60,12 +67,8 @@ def diff_tensor(name: str, old: torch.Tensor | None, new: torch.Tensor, mode: st
         return TensorDelta(name, d, tuple(new.shape), ABS, None, new_bits, None, fp_new)
     if old.shape != new.shape or old.dtype != new.dtype:
         raise ValueError(f"{name}: shape/dtype changed {tuple(old.shape)}/{old.dtype} -> {tuple(new.shape)}/{new.dtype}")
-    old_bits = as_bits(old.detach().contiguous()).reshape(-1)
-    pos = torch.nonzero(old_bits != new_bits).reshape(-1)
-    if mode == REL:
-        vals = step_between(old_bits[pos], new_bits[pos], d.is_float)
-    else:
-        vals = new_bits[pos]
+    pos, old_at, new_at = changed_bits(as_bits(old.detach().contiguous()).reshape(-1), new_bits)
+    vals = step_between(old_at, new_at, d.is_float) if mode == REL else new_at
     return TensorDelta(name, d, tuple(new.shape), mode, pos, vals, fpr.tensor_fingerprint(old), fp_new)
 
 

@@ -20,22 +20,36 @@ import torch
 from . import codec
 from . import fingerprint as fpr
 from .builder import VersionBuilder
+from .delta import changed_bits
 from .dtypes import as_bits, dtype_of
 from .format import ANCHOR, DELTA, manifest_key
 from .store import Store, open_store
 
-WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+# Wrappers around the whole model (torch.compile, DDP): a prefix on every name.
+WHOLE_MODEL_PREFIXES = ("_orig_mod.", "module.")
+# Wrappers FSDP1 and activation checkpointing put around submodules: a whole name component.
+WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
 
 def clean_state_dict(model_or_sd) -> dict[str, torch.Tensor]:
-    """A flat {checkpoint name: tensor} from an nn.Module or state dict, wrapper prefixes stripped."""
-    sd = model_or_sd.state_dict() if isinstance(model_or_sd, torch.nn.Module) else dict(model_or_sd)
+    """A flat {checkpoint name: tensor} from an nn.Module or state dict, wrapper names removed.
+
+    A whole-model wrapper's prefix is stripped only where every name starts with it
+    (``consume_prefix_in_state_dict_if_present``, repeated for nested wrappers), and
+    submodule wrappers only as whole dot-separated components, so names that merely
+    contain ``module`` or ``_orig_mod`` (``vision_module.weight``) are left alone.
+    """
+    from collections import OrderedDict
+
+    from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+    sd = model_or_sd.state_dict() if isinstance(model_or_sd, torch.nn.Module) else model_or_sd
+    sd = OrderedDict((k, v) for k, v in sd.items() if isinstance(v, torch.Tensor))
+    while sd and (p := next((p for p in WHOLE_MODEL_PREFIXES if all(k.startswith(p) for k in sd)), None)):
+        consume_prefix_in_state_dict_if_present(sd, p)
     out = {}
     for name, t in sd.items():
-        for p in WRAPPER_PREFIXES:
-            name = name.replace(p, "")
-        if not isinstance(t, torch.Tensor):
-            continue
+        name = ".".join(c for c in name.split(".") if c not in WRAPPER_COMPONENTS)
         if name in out and out[name].data_ptr() != t.data_ptr():
             raise ValueError(f"two tensors map to the checkpoint name {name!r}")
         out[name] = t
@@ -138,8 +152,7 @@ class DeltaPublisher:
         for name, new in bits.items():
             prev = self._prev[name]
             old = prev if prev.device == new.device else prev.to(new.device, non_blocking=True)
-            pos = torch.nonzero(old != new).reshape(-1)
-            nb, ob = new[pos], old[pos]
+            pos, ob, nb = changed_bits(old, new)
             prev[pos.to(prev.device)] = nb.to(prev.device)  # the kept bits follow in O(changed)
             fp = fpr.update_fingerprint(self._fps[name], pos, ob, nb)
             t = sd[name]
@@ -176,11 +189,8 @@ class DeltaPublisher:
         b = VersionBuilder(kind, self.model, version, base_version, anchor_version, **opts)
         if kind == "anchor":
             tensors, fps = payload
-            for shard in b.anchor_shards([(n, dtype_of(t), tuple(t.shape)) for n, t in tensors.items()]):
-                w = b.open_anchor_shard(shard)
-                for name, _, _ in shard:
-                    b.add_anchor_tensor(w, name, tensors[name], fps[name])
-                w.close()
+            b.add_anchor([(n, dtype_of(t), tuple(t.shape)) for n, t in tensors.items()], tensors.__getitem__,
+                         lambda name, _: fps[name])
         else:
             def enc(c: _Change):
                 if c.positions.numel() == 0:

@@ -102,17 +102,20 @@ def test_chain_round_trip(versions, tmp_path):
 def test_wrong_base_refused(versions, tmp_path):
     store = tmp_path / "store"
     code, out = run("diff", versions[1], versions[2], "--out", store, "--base-version", "1")
+    assert code == 0, out
     uri = out.strip().splitlines()[-1]
     code, out = run("apply", uri, "--base", versions[0], "--out", tmp_path / "o")
-    assert code != 0 and "wrong base" in out
+    assert code == 1 and "engine-ext apply: error:" in out and "(wrong base)" in out, out
     assert not (tmp_path / "o").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".o.tmp")]
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncate", "manifest"])
-def test_damaged_store_refused(versions, tmp_path, damage):
+@pytest.mark.parametrize("damage,says", [("corrupt", "SHA-256 mismatch"), ("truncate", "bytes, manifest says"),
+                                         ("manifest", "manifest")])
+def test_damaged_store_refused(versions, tmp_path, damage, says):
     store = tmp_path / "store"
     code, out = run("diff", versions[0], versions[1], "--out", store)
+    assert code == 0, out
     uri = out.strip().splitlines()[-1]
     blob = store / "v00000001.0.bin"
     data = bytearray(blob.read_bytes())
@@ -124,7 +127,7 @@ def test_damaged_store_refused(versions, tmp_path, damage):
     else:
         Path(uri).write_text(Path(uri).read_text()[:-40])
     code, out = run("apply", uri, "--base", versions[0], "--out", tmp_path / "o")
-    assert code != 0 and "error" in out, out
+    assert code == 1 and "engine-ext apply: error:" in out and says in out, out
     assert not (tmp_path / "o").exists()
 
 
@@ -135,9 +138,10 @@ def test_single_file_checkpoint_and_out_exists(versions, tmp_path):
         sd = {n: t for n, t in CheckpointDir(src).iter_tensors()}
         save_file(sd, str(dst / "model.safetensors"))
     code, out = run("diff", a, b, "--out", tmp_path / "s")
+    assert code == 0, out
     uri = out.strip().splitlines()[-1]
     code, out = run("apply", uri, "--base", a, "--out", tmp_path / "c")
     assert code == 0, out
     same(tmp_path / "c", b)
     code, out = run("apply", uri, "--base", a, "--out", tmp_path / "c")
-    assert code != 0 and "exists" in out
+    assert code == 1 and "exists; refusing to overwrite it" in out, out

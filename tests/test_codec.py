@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from engine_ext import codec
 from engine_ext import fingerprint as fpr
-from engine_ext.delta import ABS, REL, TensorDelta, apply_tensor, compose, diff_tensor
+from engine_ext.delta import ABS, REL, apply_tensor, compose, diff_tensor
 from engine_ext.dtypes import BY_NAME, apply_step, as_bits, step_between
 from engine_ext.errors import IntegrityError, ManifestError
 from engine_ext.format import Manifest

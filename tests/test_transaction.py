@@ -1,0 +1,298 @@
+"""The update transaction, its controller and the per-rank updater, without an engine.
+
+Two "ranks" are plain torch modules whose loader keeps half of the rows of ``w``
+(a tensor-parallel shard) and a full copy of ``b``; the controller talks to them
+through a tiny in-process :class:`~engine_ext.transaction.Ranks` that passes every
+reply through the wire format, as the engine adapters do. Stores are real local stores written by
+the publisher. What no engine is needed for is tested here; the same code runs
+inside real vLLM servers in tests/test_vllm_*.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+import torch
+
+from engine_ext import fingerprint as fpr
+from engine_ext.dtypes import BY_TORCH
+from engine_ext.errors import BaseMismatchError, ForbiddenSourceError, VerifyError
+from engine_ext.publish import DeltaPublisher
+from engine_ext.controller import Busy, Controller, Unauthorized, check_token, error_answer
+from engine_ext.delta import diff_tensor
+from engine_ext.protocol import RankReply, RequestError, TensorReport, UpdateRequest
+from engine_ext.rank import RankUpdater, run_op
+from engine_ext.sources import Sources
+from engine_ext.staging import load_staged, stage_delta
+from engine_ext.transaction import combine_fingerprints
+
+parse_request = UpdateRequest.parse
+
+# ---------------------------------------------------------------- sources, requests, tokens
+
+
+def test_sources_local(tmp_path):
+    root = tmp_path / "store"
+    (root / "sub").mkdir(parents=True)
+    (tmp_path / "store2").mkdir()
+    (tmp_path / "secret").mkdir()
+    os.symlink(tmp_path / "secret", root / "link")
+    s = Sources([str(root)])
+    assert s.check(str(root / "sub" / "v1.json")) == str(root / "sub" / "v1.json")
+    assert s.check(f"file://{root}/v1.json") == str(root / "v1.json")
+    for bad in (str(tmp_path / "store2" / "v1.json"), f"{root}/../secret/v1.json", str(root / "link" / "v1.json"),
+                "/etc/passwd", "", "relative/v1.json"):
+        with pytest.raises(ForbiddenSourceError):
+            s.check(bad)
+    with pytest.raises(ForbiddenSourceError, match="ENGINE_EXT_SOURCES"):
+        Sources([]).check(str(root / "v1.json"))
+
+
+def test_sources_remote():
+    s = Sources(["s3://bucket/run1", "http://127.0.0.1:9000/stores/a/"])
+    assert s.check("s3://bucket/run1/v00000001.json") == "s3://bucket/run1/v00000001.json"
+    assert s.check("http://127.0.0.1:9000/stores/a/v1.json") == "http://127.0.0.1:9000/stores/a/v1.json"
+    for bad in ("s3://bucket/run10/v1.json", "s3://bucket/run1/../run2/v1.json", "s3://bucket/run1/%2e%2e/x/v1.json",
+                "s3://other/run1/v1.json", "http://127.0.0.1:9001/stores/a/v1.json", "https://127.0.0.1:9000/stores/a/v1.json",
+                "http://user:pw@127.0.0.1:9000/stores/a/v1.json", "http://169.254.169.254/latest/meta-data"):
+        with pytest.raises(ForbiddenSourceError):
+            s.check(bad)
+
+
+def test_parse_request():
+    assert parse_request(b'{"url": "s3://b/v1.json"}').url == "s3://b/v1.json"
+    r = parse_request({"url": "x", "base_version": 3, "pause_mode": "wait", "wait": True})
+    assert (r.base_version, r.pause_mode, r.wait) == (3, "wait", True)
+    for bad in (b"", b"{", b"[]", b'"x"', b"{}", b'{"url": ""}', b'{"url": 1}', b'{"url": "x", "base_version": "1"}',
+                b'{"url": "x", "base_version": true}', b'{"url": "x", "pause_mode": "now"}', b'{"url": "x", "extra": 1}',
+                b"\xff\xfe"):
+        with pytest.raises(RequestError):
+            parse_request(bad)
+    assert error_answer(RequestError("x")) == (400, {"ok": False, "reason": "bad_request", "error": "x"})
+    assert error_answer(KeyError("k")) == (500, {"ok": False, "reason": "internal", "error": "KeyError('k')"})
+
+
+def test_token():
+    check_token(None, "")  # no token configured: open
+    check_token("Bearer s3cret", "s3cret")
+    for bad in (None, "s3cret", "Bearer wrong", "Basic s3cret"):
+        with pytest.raises(Unauthorized):
+            check_token(bad, "s3cret")
+
+
+def _replies(*per_rank):
+    return [RankReply(True, r, fingerprints={n: TensorReport(*v) for n, v in fps.items()}) for r, fps in enumerate(per_rank)]
+
+
+def test_combine_fingerprints():
+    full = (123, 10, 10)
+    assert combine_fingerprints(_replies({"a": full}, {"a": full})) == {"a": 123}
+    assert combine_fingerprints(_replies({"a": ((1 << 64) - 5, 4, 10)}, {"a": (7, 6, 10)})) == {"a": 2}
+    with pytest.raises(VerifyError, match="disagree"):
+        combine_fingerprints(_replies({"a": full}, {"a": (124, 10, 10)}))
+    with pytest.raises(VerifyError, match="cover 8 of 10"):
+        combine_fingerprints(_replies({"a": (1, 4, 10)}, {"a": (1, 4, 10)}))
+    with pytest.raises(VerifyError, match="no rank holds"):
+        combine_fingerprints(_replies({"a": full}), names=["b"])
+
+
+def test_rank_reply_wire_round_trip():
+    r = RankReply(True, 1, fingerprints={"w": TensorReport(2**64 - 1, 4, 8)}, tensors={"w": ((2, 4), "bfloat16")},
+                  fallback=("x",), converted=("b",), engine={"gemm": {"sgl": 2}}, written=3, seconds={"apply": 0.5})
+    wire = r.to_wire()
+    import json as _json
+
+    assert RankReply.from_wire(_json.loads(_json.dumps(wire))) == r  # plain JSON types only
+    for bad in ({"ok": 1, "rank": 0}, {"ok": True, "rank": 0, "surprise": 1}, [1],
+                {"ok": True, "rank": 0, "fingerprints": {"w": ["00", 1]}}):
+        with pytest.raises(ValueError):
+            RankReply.from_wire(bad)
+    failed = RankReply.from_wire(run_op(lambda: (_ for _ in ()).throw(RuntimeError("no model")), "setup", rank=3))
+    assert (failed.ok, failed.rank, failed.error) == (False, 3, "RuntimeError: no model")
+    assert RankReply.from_wire(run_op(lambda: None, "explode")).error.startswith("ValueError: unknown op")
+
+
+# ---------------------------------------------------------------- two fake ranks
+
+
+class Rank(torch.nn.Module):
+    """Holds rows [r*4, r*4+4) of checkpoint tensor ``w`` [8, 16] and all of ``b`` [16]."""
+
+    def __init__(self, r: int):
+        super().__init__()
+        self.r = r
+        self.w = torch.nn.Parameter(torch.zeros(4, 16, dtype=torch.bfloat16), requires_grad=False)
+        self.b = torch.nn.Parameter(torch.zeros(16, dtype=torch.bfloat16), requires_grad=False)
+
+    def load(self, name: str, t: torch.Tensor) -> None:
+        with torch.no_grad():
+            if name == "w":
+                self.w.copy_(t[self.r * 4:(self.r + 1) * 4])
+            else:
+                self.b.copy_(t)
+
+
+def make_rank(r: int, sd: dict) -> RankUpdater:
+    m = Rank(r)
+    for n, t in sd.items():
+        m.load(n, t)
+    specs = {n: (tuple(t.shape), BY_TORCH[t.dtype]) for n, t in sd.items()}
+    return RankUpdater(m, m.load, specs, rank=r)
+
+
+class FakeRanks:
+    """Ranks in this process; every reply crosses the wire format, as in the engine adapters."""
+
+    def __init__(self, ranks, fail_rank=None, pause_s=0.0):
+        self.ranks, self.fail_rank, self.pause_s, self.calls = ranks, fail_rank, pause_s, []
+
+    async def call(self, op, **kw):
+        self.calls.append(op)
+        out = []
+        for up in self.ranks:
+            if op == "apply" and up.rank == self.fail_rank:
+                out.append(RankReply.failure(up.rank, RuntimeError("injected kernel failure")).to_wire())
+                continue
+            out.append(run_op(up, op, kw))
+        return [RankReply.from_wire(w) for w in out]
+
+    async def pause(self, mode):
+        self.calls.append(f"pause:{mode}")
+        await asyncio.sleep(self.pause_s)
+
+    async def resume(self):
+        self.calls.append("resume")
+
+    async def after_update(self, version):
+        self.calls.append(f"after:{version}")
+
+
+def bits(ranks):
+    return [(up.module.w.detach().view(torch.int16).clone(), up.module.b.detach().view(torch.int16).clone()) for up in ranks]
+
+
+@pytest.fixture
+def world(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    v0 = {"w": torch.randn(8, 16, generator=g).to(torch.bfloat16), "b": torch.randn(16, generator=g).to(torch.bfloat16)}
+    versions = [v0]
+    with DeltaPublisher(str(tmp_path / "store"), anchor_every=0) as pub:
+        pub.publish(v0)
+        for _ in range(3):
+            prev = versions[-1]
+            nxt = {n: (t.float() + 0.02 * torch.randn(t.shape, generator=g)).to(torch.bfloat16) for n, t in prev.items()}
+            pub.publish(nxt)
+            versions.append(nxt)
+    return tmp_path / "store", versions
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_controller_updates_and_chains(world):
+    store, versions = world
+    ranks = [make_rank(0, versions[0]), make_rank(1, versions[0])]
+    ctl = Controller(FakeRanks(ranks), Sources([str(store)]))
+    run(ctl.start())
+    assert ctl.status()["fingerprint"] == json.loads((store / "v00000000.anchor.json").read_text())["fingerprint"]
+    a = run(ctl.update(parse_request({"url": str(store / "v00000001.json")})))
+    assert a["version"] == 1 and a["base_version"] is None  # version unknown at start: matched by fingerprint
+    a = run(ctl.update(parse_request({"url": str(store / "v00000003.json")})))
+    assert a["version"] == 3 and len(a["manifests"]) == 2
+    want = versions[3]
+    for up in ranks:
+        assert torch.equal(up.module.w.view(torch.int16), want["w"][up.rank * 4:(up.rank + 1) * 4].view(torch.int16))
+        assert torch.equal(up.module.b.view(torch.int16), want["b"].view(torch.int16))
+    assert ctl.ranks.calls[-3:] == ["commit", "after:3", "resume"]
+    a = run(ctl.update(parse_request({"url": str(store / "v00000002.json")})))  # back to v2: only via the anchor
+    assert a["version"] == 2 and a["manifests"][0].endswith("v00000000.anchor.json")
+    assert torch.equal(ranks[1].module.w.view(torch.int16), versions[2]["w"][4:].view(torch.int16))
+    (store / "v00000000.anchor.json").unlink()
+    with pytest.raises(BaseMismatchError):  # no anchor, and no chain leads from v2 to v1
+        run(ctl.update(parse_request({"url": str(store / "v00000001.json")})))
+    assert ctl.status()["version"] == 2
+
+
+def test_failure_on_one_rank_rolls_every_rank_back(world):
+    store, versions = world
+    ranks = [make_rank(0, versions[0]), make_rank(1, versions[0])]
+    ctl = Controller(FakeRanks(ranks, fail_rank=1), Sources([str(store)]), version=0)
+    run(ctl.start())
+    before, fp = bits(ranks), ctl.status()["fingerprint"]
+    with pytest.raises(Exception, match="injected kernel failure") as e:
+        run(ctl.update(parse_request({"url": str(store / "v00000001.json")})))
+    assert error_answer(e.value)[0] == 500
+    after = bits(ranks)
+    assert all(torch.equal(x, y) for a, b in zip(before, after) for x, y in zip(a, b))
+    assert ctl.status()["fingerprint"] == fp and ctl.status()["version"] == 0
+    assert "rollback" in ctl.ranks.calls and ctl.ranks.calls[-1] == "resume"
+    assert ctl.status()["history"][-1]["ok"] is False
+
+
+def test_verify_failure_rolls_back(world):
+    store, versions = world
+    ranks = [make_rank(0, versions[0]), make_rank(1, versions[0])]
+    ctl = Controller(FakeRanks(ranks), Sources([str(store)]), version=0)
+    run(ctl.start())
+    before = bits(ranks)
+    from engine_ext import reader
+
+    real = reader.fetch_planned
+
+    def lying(*a, **k):
+        d = real(*a, **k)
+        d.tensors[0].fingerprint ^= 1
+        return d
+
+    reader.fetch_planned = lying
+    try:
+        with pytest.raises(VerifyError, match="rolled back"):
+            run(ctl.update(parse_request({"url": str(store / "v00000001.json")})))
+    finally:
+        reader.fetch_planned = real
+    assert all(torch.equal(x, y) for a, b in zip(before, bits(ranks)) for x, y in zip(a, b))
+
+
+def test_one_update_at_a_time(world):
+    store, versions = world
+    ranks = [make_rank(0, versions[0]), make_rank(1, versions[0])]
+    ctl = Controller(FakeRanks(ranks, pause_s=0.3), Sources([str(store)]), version=0)
+
+    async def two():
+        await ctl.start()
+        first = asyncio.create_task(ctl.update(parse_request({"url": str(store / "v00000001.json")})))
+        await asyncio.sleep(0.1)
+        with pytest.raises(Busy):
+            await ctl.update(parse_request({"url": str(store / "v00000002.json")}))
+        waited = asyncio.create_task(ctl.update(parse_request({"url": str(store / "v00000002.json"), "wait": True})))
+        return await first, await waited
+
+    a, b = run(two())
+    assert (a["version"], b["version"]) == (1, 2)
+
+
+def test_forbidden_before_fetch(world, monkeypatch):
+    store, versions = world
+    ctl = Controller(FakeRanks([make_rank(0, versions[0]), make_rank(1, versions[0])]), Sources([str(store / "nothing")]), version=0)
+    run(ctl.start())
+    from engine_ext import reader
+
+    monkeypatch.setattr(reader, "plan", lambda *a, **k: pytest.fail("read a forbidden source"))
+    with pytest.raises(ForbiddenSourceError):
+        run(ctl.update(parse_request({"url": str(store / "v00000001.json")})))
+
+
+def test_stage_round_trip(tmp_path):
+    old = torch.randn(6, 5).to(torch.bfloat16)
+    new = old.clone()
+    new[1, 2] += 1
+    new[4, 0] -= 1
+    tds = [diff_tensor("x", old, new), diff_tensor("y", None, new)]
+    back = load_staged(stage_delta(tds, str(tmp_path / "d.safetensors")))
+    for a, b in zip(tds, back):
+        assert (a.name, a.dtype, a.shape, a.mode, a.fingerprint, a.base_fingerprint) == (b.name, b.dtype, b.shape, b.mode, b.fingerprint, b.base_fingerprint)
+        assert torch.equal(a.values, b.values) and (a.positions is None) == (b.positions is None)
+        assert a.positions is None or torch.equal(a.positions, b.positions)
