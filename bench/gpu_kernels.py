@@ -59,7 +59,8 @@ _shim_triton_kernels()
 
 from engine_ext import dtypes  # noqa: E402
 from engine_ext import fingerprint as fpr  # noqa: E402
-from engine_ext.apply import Piece, TensorMap, apply_delta, row_major_strides  # noqa: E402
+from engine_ext.apply import apply_delta  # noqa: E402
+from engine_ext.maps import Piece, TensorMap, row_major_strides, validate  # noqa: E402
 from engine_ext.delta import TensorDelta  # noqa: E402
 
 BF16 = dtypes.BY_NAME["bfloat16"]
@@ -208,25 +209,28 @@ def negate(deltas):
 
 
 class KernelTimer:
-    """CUDA-event time of the apply/rollback launches inside a call (host-side work excluded)."""
+    """CUDA-event time of the apply/rollback launches (with their per-segment reduction) inside a call; host-side work excluded."""
 
     def __init__(self, dev):
         import engine_ext.triton_kernels.apply_kernel as ak
 
         self.ak, self.dev, self.events = ak, dev, []
-        self._orig = ak._launch
 
-        def launch(*a, **k):
-            if dev.type != "cuda":
-                return self._orig(*a, **k)
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            out = self._orig(*a, **k)
-            e1.record()
-            self.events.append((e0, e1))
-            return out
+        def timed_launch(orig):
+            def launch(*a, **k):
+                if dev.type != "cuda":
+                    return orig(*a, **k)
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                out = orig(*a, **k)
+                e1.record()
+                self.events.append((e0, e1))
+                return out
 
-        ak._launch = launch
+            return launch
+
+        ak.apply_segments = timed_launch(ak.apply_segments)  # engine_ext.apply_fused calls them by module attribute
+        ak.rollback_segments = timed_launch(ak.rollback_segments)
 
     def take(self) -> float:
         sync(self.dev)
@@ -335,7 +339,7 @@ def profile(dev, small):
         r.undo.rollback()
     sync(dev)
     for label, fn in [("apply", lambda: apply_delta(deltas, maps, backend="triton")),
-                      ("validate only", lambda: __import__("engine_ext.apply").apply.validate(deltas, maps))]:
+                      ("validate only", lambda: validate(deltas, maps))]:
         pr = cProfile.Profile()
         t0 = time.perf_counter()
         pr.enable()

@@ -31,9 +31,7 @@ import argparse
 import ctypes
 import json
 import os
-import shutil
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -159,13 +157,13 @@ def _bench_in_worker(worker, store: str, versions: list[dict], cuda: bool) -> di
 
     from engine_ext import fingerprint as fpr
     from engine_ext.reader import load_delta
-    from engine_ext.service import combine_fingerprints
-    from engine_ext.updater import stage_delta
-    from engine_ext.vllm.worker import get_updater
+    from engine_ext.staging import StagedDelta
+    from engine_ext.transaction import combine_fingerprints
+    from engine_ext.vllm.worker import updater_for
 
     model = worker.model_runner.get_model()
     dev = next(model.parameters()).device
-    up = get_updater(worker)
+    up = updater_for(model, worker.vllm_config, worker.rank)
     up.setup()
 
     def sync():
@@ -178,25 +176,24 @@ def _bench_in_worker(worker, store: str, versions: list[dict], cuda: bool) -> di
         up.resync()
 
     def served_fp() -> str:
-        up.resync()
-        return fpr.fmt(fpr.model_fingerprint(combine_fingerprints([up.report()])))
+        return fpr.fmt(fpr.model_fingerprint(combine_fingerprints([up.resync()])))
 
     def ours_prepare(v, uri, new, old):
         t0 = time.perf_counter()
         delta = load_delta(uri)
-        d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        path = stage_delta(delta.tensors, os.path.join(d, "delta.safetensors"))
-        return {"delta": delta, "path": path, "prepare_s": time.perf_counter() - t0, "v": v, "held": os.path.getsize(path)}
+        staged = StagedDelta(delta.tensors)
+        return {"delta": delta, "staged": staged, "prepare_s": time.perf_counter() - t0, "v": v,
+                "held": os.path.getsize(staged.path)}
 
     def ours_pause(ctx):
-        reply = up.apply(path=ctx["path"])
-        got = combine_fingerprints([reply["fingerprints"]], [t.name for t in ctx["delta"].tensors])
+        with ctx["staged"]:
+            reply = up.apply(path=ctx["staged"].path)
+        got = combine_fingerprints([reply], [t.name for t in ctx["delta"].tensors])
         if any(got[t.name] != t.fingerprint for t in ctx["delta"].tensors):
             up.rollback()
             raise AssertionError("fingerprint mismatch")
         up.commit(ctx["v"])
         ctx["reply"] = reply
-        shutil.rmtree(os.path.dirname(ctx["path"]), ignore_errors=True)
 
     def patches_prepare(v, uri, new, old):
         patches = []
@@ -242,8 +239,8 @@ def _bench_in_worker(worker, store: str, versions: list[dict], cuda: bool) -> di
             row = {"pause_s": pause_s, "total_s": ctx["prepare_s"] + pause_s, "prepare_s": ctx["prepare_s"], "held_bytes": ctx["held"]}
             if name == "engine_ext":
                 r = ctx["reply"]
-                row.update(elements=r["written"], payload_bytes=ctx["delta"].payload_bytes, undo_bytes=r["undo_bytes"],
-                           load_s=r["load_s"], apply_s=r["apply_s"])
+                row.update(elements=r.written, payload_bytes=ctx["delta"].payload_bytes, undo_bytes=r.undo_bytes,
+                           load_s=r.seconds["load"], apply_s=r.seconds["apply"])
             elif name == "dense_reload":
                 row["payload_bytes"] = sum(t.numel() * t.element_size() for _, t in ctx["full"])
             del ctx

@@ -80,6 +80,10 @@ class CheckpointDir:
     def names(self) -> list[str]:
         return list(self.tensors)
 
+    def specs(self) -> dict[str, tuple[tuple[int, ...], DType]]:
+        """{name: (shape, dtype)} from the headers only."""
+        return {n: (i.shape, i.dtype) for n, i in self.tensors.items()}
+
     def load(self, name: str) -> torch.Tensor:
         info = self.tensors[name]
         with safe_open(self.path / info.file, framework="pt") as f:
@@ -91,6 +95,17 @@ class CheckpointDir:
             with safe_open(self.path / fname, framework="pt") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
+
+
+def served_checkpoint(model: str, revision: str | None = None) -> CheckpointDir:
+    """The checkpoint an engine serves: ``model`` is a local directory or a Hugging Face id
+    already in the local cache (engines download it before the plugin looks)."""
+    if os.path.isdir(model):
+        return CheckpointDir(model)
+    from huggingface_hub import snapshot_download
+
+    return CheckpointDir(snapshot_download(model, revision=revision, allow_patterns=["*.safetensors", "*.json"],
+                                           local_files_only=True))
 
 
 class SafetensorsWriter:

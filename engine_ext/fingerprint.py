@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from typing import Iterable, Mapping
 
+import numpy as np
 import torch
 
 from .dtypes import as_bits
@@ -87,18 +88,31 @@ def name_key(name: str) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
 
 
-def _mix64_int(z: int) -> int:
-    z &= MASK64
-    z ^= z >> 30
-    z = (z * MIX1) & MASK64
-    z ^= z >> 27
-    z = (z * MIX2) & MASK64
-    return z ^ (z >> 31)
+_NP_MIX = [(np.uint64(30), np.uint64(MIX1)), (np.uint64(27), np.uint64(MIX2))]
+_NP_LAST = np.uint64(31)
+
+
+def mix64_np(z: np.ndarray) -> np.ndarray:
+    """mix64 on a uint64 numpy array, in place (logical shifts; the CPU's fast path)."""
+    t = np.empty_like(z)
+    for shift, mul in _NP_MIX:
+        np.right_shift(z, shift, out=t)
+        z ^= t
+        z *= mul
+    np.right_shift(z, _NP_LAST, out=t)
+    z ^= t
+    return z
+
+
+def element_hash_np(index: np.ndarray, bits: np.ndarray) -> np.ndarray:
+    """h(i, b) for uint64 indices and raw bits zero-extended to uint64 (numpy; see :func:`element_hash`)."""
+    return mix64_np((index * np.uint64(GOLDEN)) ^ bits)
 
 
 def model_fingerprint(tensor_fps: Mapping[str, int] | Iterable[tuple[str, int]]) -> int:
-    items = tensor_fps.items() if isinstance(tensor_fps, Mapping) else tensor_fps
-    return sum(_mix64_int(name_key(n) ^ fp) for n, fp in items) & MASK64
+    items = list(tensor_fps.items() if isinstance(tensor_fps, Mapping) else tensor_fps)
+    z = np.array([name_key(n) ^ (fp & MASK64) for n, fp in items], dtype=np.uint64)
+    return int(mix64_np(z).sum(dtype=np.uint64)) & MASK64
 
 
 def fmt(fp: int) -> str:

@@ -8,12 +8,12 @@ intercepts every write into the module's parameters and buffers (``copy_``,
 weights are untouched. A ``copy_`` / ``__setitem__`` whose source is a view of the
 probe's storage with the same dtype and shape is an affine map: the source's storage
 offset and strides give a box in checkpoint coordinates, the destination's give the
-parameter storage offset and strides, together a :class:`~engine_ext.apply.Piece`.
+parameter storage offset and strides, together a :class:`~engine_ext.maps.Piece`.
 A copy that widens the dtype exactly (bf16 into a float32 parameter, as vLLM's sgl CPU
 GEMM path keeps biases) is such a map too, a *converting* one
-(:class:`~engine_ext.apply.Conversion`). Anything else that writes a parameter
+(:class:`~engine_ext.maps.Conversion`). Anything else that writes a parameter
 (narrowed, computed, quantised, concatenated data; scatter-like ops; rebinding
-``.data``) makes the tensor :class:`~engine_ext.apply.Unmappable`, with the reason. Constant fills (padding) are
+``.data``) makes the tensor :class:`~engine_ext.maps.Unmappable`, with the reason. Constant fills (padding) are
 not checkpoint data and are ignored. No model-specific tables.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import math
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .apply import EXACT_WIDENINGS, Piece, TensorMap, Unmappable, row_major_strides
+from .maps import EXACT_WIDENINGS, Piece, TensorMap, Unmappable, row_major_strides
 from .dtypes import DType, dtype_by_name
 
 _CONSTANT_WRITES = {"fill_", "zero_"}

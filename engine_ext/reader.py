@@ -8,12 +8,12 @@ input fails fast with an :mod:`engine_ext.errors` exception.
 from __future__ import annotations
 
 import hashlib
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import codec
 from . import fingerprint as fpr
+from . import settings
 from .delta import TensorDelta, compose
 from .dtypes import dtype_by_name
 from .errors import BaseMismatchError, IntegrityError, ManifestError, NotFoundError
@@ -22,7 +22,6 @@ from .store import Store, open_store, split_uri
 
 FETCH_CHUNK = 16 << 20  # blobs above this are fetched as parallel ranges
 MAX_CHAIN = 10_000
-MAX_DECODED_BYTES = int(os.environ.get("ENGINE_EXT_MAX_DECODED_BYTES", 64 << 30))
 
 
 @dataclass
@@ -53,16 +52,18 @@ def read_latest(store: Store) -> Latest:
 
 
 def check_expected(m: Manifest, expected: dict | None, where: str) -> None:
-    """Refuse a manifest whose tensors differ from ``expected`` {name: (shape, dtype name)}."""
+    """Refuse (as a delta for another model) a manifest whose tensors differ from ``expected``
+    {name: (shape, dtype name)}: checked from the manifest alone, before any blob is read."""
     if expected is None:
         return
     for t in m.tensors:
         want = expected.get(t.name)
         if want is None:
-            raise ManifestError(f"{where}: tensor {t.name!r} is not in the served model")
+            raise BaseMismatchError(f"{where}: tensor {t.name!r} is not in the served model")
         shape, dtype = want
         if tuple(shape) != tuple(t.shape) or dtype != t.dtype:
-            raise ManifestError(f"{where}: tensor {t.name!r} is {t.shape}/{t.dtype}, the served model has {list(shape)}/{dtype}")
+            raise BaseMismatchError(f"{where}: tensor {t.name!r} is {list(t.shape)}/{t.dtype}, "
+                                    f"the served model has {list(shape)}/{dtype}")
 
 
 def fetch_blobs(store: Store, m: Manifest, workers: int = 8) -> list[bytes]:
@@ -96,8 +97,9 @@ def decode_manifest(m: Manifest, blobs: list[bytes] | dict[str, bytes], workers:
                     names: set[str] | None = None) -> list[TensorDelta]:
     """Decode every changed tensor (or those in ``names``) from whole blobs or per-tensor bytes."""
     total = sum(t.nnz * (8 + dtype_by_name(t.dtype).itemsize) for t in m.tensors)
-    if total > MAX_DECODED_BYTES:
-        raise ManifestError(f"decoding would take {total} bytes, over the {MAX_DECODED_BYTES} limit")
+    limit = settings.current().max_decoded_bytes
+    if total > limit:
+        raise ManifestError(f"decoding would take {total} bytes, over the {limit} limit (ENGINE_EXT_MAX_DECODED_BYTES)")
 
     def one(t):
         dt = dtype_by_name(t.dtype)
@@ -222,14 +224,9 @@ def plan(source: str, have_version: int | None = None, have_fingerprint: int | N
     return store, best
 
 
-def resolve(source: str, have_version: int | None = None, have_fingerprint: int | None = None, *,
-            expected: dict | None = None, workers: int = 8, **store_options) -> DecodedDelta:
-    """Everything needed to go from the held version to ``source``'s, composed into one delta."""
-    store, chain = plan(source, have_version, have_fingerprint, **store_options)
-    decoded = []
-    for key, m in chain:
-        check_expected(m, expected, store.key_uri(key))
-        decoded.append(_decoded(store, m, key, decode_manifest(m, fetch_blobs(store, m, workers), workers)))
+def fetch_planned(store: Store, chain: list[tuple[str, Manifest]], workers: int = 8) -> DecodedDelta:
+    """Fetch, verify and decode every manifest of a :func:`plan`, composed into one delta."""
+    decoded = [_decoded(store, m, key, decode_manifest(m, fetch_blobs(store, m, workers), workers)) for key, m in chain]
     if len(decoded) == 1:
         return decoded[0]
     by_name: dict[str, list[TensorDelta]] = {}
@@ -244,3 +241,13 @@ def resolve(source: str, have_version: int | None = None, have_fingerprint: int 
         tensors=tensors, payload_bytes=sum(d.payload_bytes for d in decoded),
         manifests=[u for d in decoded for u in d.manifests],
         tensor_fingerprints=last.tensor_fingerprints, tensor_base_fingerprints=first.tensor_base_fingerprints)
+
+
+def resolve(source: str, have_version: int | None = None, have_fingerprint: int | None = None, *,
+            expected: dict | None = None, workers: int = 8, **store_options) -> DecodedDelta:
+    """Everything needed to go from the held version to ``source``'s, composed into one delta
+    (:func:`plan`, each manifest checked against ``expected``, then :func:`fetch_planned`)."""
+    store, chain = plan(source, have_version, have_fingerprint, **store_options)
+    for key, m in chain:
+        check_expected(m, expected, store.key_uri(key))
+    return fetch_planned(store, chain, workers)

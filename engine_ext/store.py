@@ -23,14 +23,15 @@ import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Mapping
 
+from . import settings
 from .errors import ForbiddenSourceError, IntegrityError, NotFoundError, SourceError
+from .format import LATEST_KEY
 
 __all__ = [
     "Store", "LocalStore", "HttpStore", "S3Store", "HfBucketStore",
     "open_store", "split_uri", "publish_version", "LATEST_KEY",
 ]
 
-LATEST_KEY = "LATEST"
 _TMP_PREFIX = ".engine-ext-tmp-"  # temp files of in-progress local writes; never listed
 
 
@@ -286,7 +287,7 @@ class HttpStore(Store):
         self.session.mount("https://", adapter)
         # No transparent gzip: Content-Length and byte ranges must refer to the stored bytes.
         self.session.headers["Accept-Encoding"] = "identity"
-        token = token if token is not None else os.environ.get("ENGINE_EXT_HTTP_TOKEN")
+        token = token if token is not None else settings.current().http_token
         if token:
             self.session.headers["Authorization"] = f"Bearer {token}"
 
@@ -465,7 +466,7 @@ class S3Store(Store):
         self.bucket = parts.netloc
         self.prefix = parts.path.strip("/")
         self.uri = f"s3://{self.bucket}" + (f"/{self.prefix}" if self.prefix else "")
-        self.endpoint_url = (endpoint_url or os.environ.get("ENGINE_EXT_S3_ENDPOINT")
+        self.endpoint_url = (endpoint_url or settings.current().s3_endpoint
                              or os.environ.get("AWS_ENDPOINT_URL") or None)
         region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
         style = addressing_style or ("path" if self.endpoint_url else "auto")

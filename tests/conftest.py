@@ -46,14 +46,28 @@ def http_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def s3_server():
-    """moto_server on loopback; dummy AWS credentials and ENGINE_EXT_S3_ENDPOINT are set
-    in os.environ while the module runs (``s3_server.env`` has them for subprocesses)."""
-    with pytest.MonkeyPatch.context() as mp, serve_s3() as srv:
+    """moto_server on loopback; dummy AWS credentials and ENGINE_EXT_S3_ENDPOINT are set in
+    os.environ and the settings while the module runs (``s3_server.env`` has them for subprocesses)."""
+    from engine_ext import settings
+
+    with pytest.MonkeyPatch.context() as mp, serve_s3() as srv, settings.override(s3_endpoint=srv.endpoint_url):
         for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
             mp.delenv(name, raising=False)
         for name, value in srv.env.items():
             mp.setenv(name, value)
         yield srv
+
+
+@pytest.fixture
+def engine_settings():
+    """``engine_settings(sources=..., token=...)`` changes engine_ext's settings (what the
+    ENGINE_EXT_* variables give a process at start) until the test ends."""
+    import contextlib
+
+    from engine_ext import settings
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(settings.override(**changes))
 
 
 @pytest.fixture

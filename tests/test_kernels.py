@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from engine_ext import dtypes
 from engine_ext import fingerprint as fpr
-from engine_ext.apply import (Piece, TensorMap, Unmappable, apply_delta, covered_elements, decode_gaps,
-                              local_fingerprint, row_major_strides)
+from engine_ext.apply import apply_delta, decode_gaps
+from engine_ext.apply_torch import local_fingerprint
+from engine_ext.maps import Piece, TensorMap, Unmappable, covered_elements, row_major_strides
 from engine_ext.delta import TensorDelta, diff_tensor
 
 ALL = list(dtypes.BY_NAME.values())
@@ -62,8 +63,17 @@ def _wrap(x: int, w: int) -> int:
     return x - (1 << w) if x >= 1 << (w - 1) else x
 
 
+def _mix64(z: int) -> int:
+    """SplitMix64's finaliser on a Python int, written from the format spec (docs/FORMAT.md)."""
+    z ^= z >> 30
+    z = (z * 0xBF58476D1CE4E5B9) & M64
+    z ^= z >> 27
+    z = (z * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
 def _h(i: int, b: int, w: int) -> int:
-    return fpr._mix64_int(((i * fpr.GOLDEN) & M64) ^ (b & ((1 << w) - 1)))
+    return _mix64(((i * 0x9E3779B97F4A7C15) & M64) ^ (b & ((1 << w) - 1)))
 
 
 def naive_apply(td: TensorDelta, m: TensorMap):
@@ -342,7 +352,7 @@ def test_auto_backend_is_torch_on_cpu(monkeypatch):
 def test_composed_mixed_parts_apply_together():
     """A chain composed to an absolute and a relative part of one tensor applies in one call,
     and the result equals applying the chain step by step (reader.compose -> apply_delta)."""
-    from engine_ext.delta import REL, ABS, apply_tensor, compose, diff_tensor
+    from engine_ext.delta import REL, ABS, compose, diff_tensor
 
     g = torch.Generator().manual_seed(7)
     states = [torch.randn(64, 32, generator=g).to(torch.bfloat16)]
@@ -369,7 +379,7 @@ def test_composed_mixed_parts_apply_together():
 
 def test_failure_midway_rolls_back(monkeypatch):
     """If the torch path fails after writing some segments, what it wrote is undone."""
-    import engine_ext.apply as ap
+    import engine_ext.apply_torch as ap
 
     a, b = torch.zeros(100, dtype=torch.bfloat16), torch.zeros(100, dtype=torch.bfloat16)
     bf = dtypes.BY_NAME["bfloat16"]
@@ -438,3 +448,34 @@ def test_converting_destination_refuses_narrowing_and_inexact_values():
     with pytest.raises(ValueError, match="not exactly representable"):
         apply_delta([td], {"w": m}, backend="torch")
     assert torch.equal(live, torch.arange(4, dtype=torch.float32))
+
+
+def test_dropped_model_frees_its_storage(interp):
+    """Nothing engine_ext keeps outlives the maps: after an apply (both executors) and a
+    commit, dropping the model and its maps frees the parameter's storage."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    bf = dtypes.BY_NAME["bfloat16"]
+    for be in ("torch", "triton"):
+        arr = np.zeros(1 << 20, dtype=np.int16)  # 2 MiB, owned by numpy: weakref-able
+        alive = weakref.ref(arr)
+        param = torch.nn.Parameter(torch.from_numpy(arr).view(torch.bfloat16).reshape(1024, 1024), requires_grad=False)
+        del arr
+        maps = {"w": TensorMap("w", (1024, 1024), bf, [Piece(param, (0, 0), (1024, 1024), 0, (1024, 1))])}
+        td = TensorDelta("w", bf, (1024, 1024), "abs", torch.tensor([3, 70000]), torch.tensor([5, 7], dtype=torch.int16))
+        res = apply_delta([td], maps, backend=be)
+        res.undo.discard()
+        assert int(param.view(torch.int16).reshape(-1)[70000]) == 7
+        del param, maps, res, td
+        gc.collect()
+        assert alive() is None, f"{be}: a cache still holds the dropped parameter's storage"
+
+
+def test_model_fingerprint_matches_the_spec():
+    fps = {"a": 1, "b.weight": M64, "model.layers.0.mlp.down_proj.weight": 12345}
+    want = sum(_mix64(fpr.name_key(n) ^ f) for n, f in fps.items()) & M64
+    assert fpr.model_fingerprint(fps) == want and fpr.model_fingerprint(list(fps.items())) == want
+    assert fpr.model_fingerprint({}) == 0

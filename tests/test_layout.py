@@ -11,7 +11,9 @@ import torch
 
 from engine_ext import dtypes
 from engine_ext import fingerprint as fpr
-from engine_ext.apply import Piece, TensorMap, Unmappable, apply_delta, covered_elements, local_fingerprint
+from engine_ext.apply import apply_delta
+from engine_ext.apply_torch import local_fingerprint
+from engine_ext.maps import Piece, TensorMap, Unmappable, covered_elements
 from engine_ext.delta import diff_tensor
 from engine_ext.layout import probe_layout
 

@@ -118,9 +118,13 @@ def server(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("sglang_route")
     case = make_case(tmp, "qwen2")
-    env = {"SGLANG_PLUGINS": "engine_ext", "ENGINE_EXT_SOURCES": ",".join(case["sources"]), "ENGINE_EXT_BASE_VERSION": "0"}
+    env = {"SGLANG_PLUGINS": "engine_ext"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    from engine_ext import settings
+
+    in_settings = settings.override(sources=tuple(case["sources"]), base_version=0)  # as if read from the environment
+    in_settings.__enter__()
 
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig
@@ -161,6 +165,7 @@ def server(tmp_path_factory):
                    "app": http_server.app}
     finally:
         sched.close()
+        in_settings.__exit__(None, None, None)
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -270,13 +275,15 @@ def test_deltas_apply_with_the_answer_format_then_bad_ones_are_refused(server):
     assert all(torch_equal_bits(p, ref[n]) for n, p in server["model"].named_parameters())
 
 
-def test_bearer_token(server, monkeypatch):
-    monkeypatch.setenv("ENGINE_EXT_TOKEN", "s3cret")
+def test_bearer_token(server):
+    from engine_ext import settings
+
     client = server["client"]
-    assert client.get(ROUTE).status_code == 401
-    assert client.post(ROUTE, json={"url": "x"}).status_code == 401
-    assert client.get(ROUTE, headers={"authorization": "Bearer wrong"}).status_code == 401
-    assert client.get(ROUTE, headers={"authorization": "Bearer s3cret"}).status_code == 200
+    with settings.override(token="s3cret"):  # ENGINE_EXT_TOKEN
+        assert client.get(ROUTE).status_code == 401
+        assert client.post(ROUTE, json={"url": "x"}).status_code == 401
+        assert client.get(ROUTE, headers={"authorization": "Bearer wrong"}).status_code == 401
+        assert client.get(ROUTE, headers={"authorization": "Bearer s3cret"}).status_code == 200
 
 
 def test_full_sync_through_sglangs_own_api_then_deltas(server, tmp_path):
@@ -346,7 +353,7 @@ def test_lifespan_wrapper_starts_the_probe_with_the_server():
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from engine_ext.sglang import engine, routes
+    from engine_ext.sglang import compat, engine, routes
 
     seen = []
 
@@ -362,14 +369,14 @@ def test_lifespan_wrapper_starts_the_probe_with_the_server():
         started.append(tm)
 
     tm = type("TM", (), {"_engine_ext": object()})()
-    orig_ctl, orig_tm = engine.controller, routes._tokenizer_manager
-    engine.controller, routes._tokenizer_manager = fake_controller, lambda request: tm
+    orig_ctl, orig_tm = engine.controller, compat.http_tokenizer_manager
+    engine.controller, compat.http_tokenizer_manager = fake_controller, lambda: tm
     try:
         assert routes.attach(app) is True and routes.attach(app) is False
         with TestClient(app):
             pass
     finally:
-        engine.controller, routes._tokenizer_manager = orig_ctl, orig_tm
+        engine.controller, compat.http_tokenizer_manager = orig_ctl, orig_tm
     assert seen == ["inner"] and started == [tm]
 
 
@@ -379,7 +386,7 @@ def torch_equal_bits(a, b) -> bool:
     return torch.equal(a.detach().view(torch.int16), b.detach().view(torch.int16)) if a.dtype == torch.bfloat16 else torch.equal(a, b)
 
 
-def test_in_process_engine_hook(server, tmp_path, monkeypatch):
+def test_in_process_engine_hook(server, tmp_path, engine_settings):
     """``engine_ext.sglang.update_weights_delta(engine, url)`` for in-process ``sglang.Engine``
     users: the same controller, reached through ``engine.tokenizer_manager`` on
     ``engine.loop`` (the two attributes of ``sglang.Engine`` it uses). Runs last: it
@@ -396,7 +403,7 @@ def test_in_process_engine_hook(server, tmp_path, monkeypatch):
     from engine_ext.sglang import delta_status, update_weights_delta
 
     case = make_case(tmp_path, "llama")
-    monkeypatch.setenv("ENGINE_EXT_SOURCES", ",".join(case["sources"]))
+    engine_settings(sources=tuple(case["sources"]))  # ENGINE_EXT_SOURCES
     sa = ServerArgs(model_path=case["model"], device="cpu", dtype="bfloat16")
     publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
     model = server["load"](case["model"])

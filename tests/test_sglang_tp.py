@@ -181,7 +181,7 @@ def test_deltas_reach_every_rank_bit_exact_and_bad_ones_change_nothing(cases, tp
 # --------------------------------------------------------------------------- worker (one per TP rank)
 
 
-class _TestEngine:
+class _TestRanks:
     """The controller's view of the ranks as the SGLang adapter gives it, minus the
     other processes: requests and replies cross a real ZMQ socket pair with SGLang's
     ``sock_send``/``sock_recv`` (its IPC encoding, ``wrap_as_pickle`` envelope
@@ -197,9 +197,10 @@ class _TestEngine:
         self.a.bind(f"inproc://engine_ext_{id(self)}")
         self.b.connect(f"inproc://engine_ext_{id(self)}")
 
-    async def call_ranks(self, op, **kwargs):
+    async def call(self, op, **kwargs):
         from sglang.srt.managers.io_struct import sock_recv, sock_send, wrap_as_pickle
 
+        from engine_ext.protocol import RankReply
         from engine_ext.sglang.messages import RankOpReply, RankOpReq
 
         sock_send(self.a, wrap_as_pickle(RankOpReq(op, kwargs)))  # tokenizer -> scheduler rank 0
@@ -208,7 +209,7 @@ class _TestEngine:
         sock_send(self.b, self.step(req))  # rank 0's dispatcher output -> tokenizer
         reply = sock_recv(self.a)
         assert isinstance(reply, RankOpReply), type(reply)
-        return list(reply.replies)
+        return [RankReply.from_wire(w) for w in reply.replies]
 
     async def pause(self, mode):
         self.events.append(("pause", mode))
@@ -217,8 +218,8 @@ class _TestEngine:
         self.events.append(("resume",))
 
     async def after_update(self, version):
-        replies = await self.call_ranks("after_update", version=version)
-        assert all(r["ok"] for r in replies), replies
+        replies = await self.call("after_update", version=version)
+        assert all(r.ok for r in replies), replies
 
 
 def _worker(spec_path: str, rank: int) -> None:
@@ -242,7 +243,9 @@ def _worker(spec_path: str, rank: int) -> None:
     from sglang.srt.utils.common import broadcast_pyobj
 
     from engine_ext.errors import DeltaError
-    from engine_ext.service import Controller, Sources, UpdateRequest
+    from engine_ext.controller import Controller
+    from engine_ext.protocol import UpdateRequest
+    from engine_ext.sources import Sources
     from engine_ext.sglang.messages import RankOpReq
     from engine_ext.sglang.rank import RankAgent
 
@@ -312,7 +315,7 @@ def _worker(spec_path: str, rank: int) -> None:
                 return step(req)
 
             async def drive():
-                eng = _TestEngine(lead, tp)
+                eng = _TestRanks(lead, tp)
                 ctl = Controller(eng, Sources(case["sources"]), version=0, engine_name="sglang")
                 await ctl.start()
                 versions, fallback = [], set()

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from engine_ext import settings
 from engine_ext.errors import ForbiddenSourceError, IntegrityError, NotFoundError, SourceError
 from engine_ext.store import (HfBucketStore, HttpStore, LocalStore, S3Store, open_store,
                               publish_version, split_uri)
@@ -201,16 +202,15 @@ def test_http_connection_refused():
     assert time.monotonic() - t < 10
 
 
-def test_http_bearer_token(http, monkeypatch):
+def test_http_bearer_token(http):
     srv, root = http
     srv.require_token = "s3cret"
-    monkeypatch.delenv("ENGINE_EXT_HTTP_TOKEN", raising=False)
-    with pytest.raises(SourceError, match="access denied") as e:
+    with settings.override(http_token=None), pytest.raises(SourceError, match="access denied") as e:
         open_store(root).read("a/b/blob.bin")
     assert "s3cret" not in str(e.value)
     assert open_store(root, token="s3cret").read_range("a/b/blob.bin", 1, 2) == DATA[1:3]
-    monkeypatch.setenv("ENGINE_EXT_HTTP_TOKEN", "s3cret")
-    assert open_store(root).read("a/b/blob.bin") == DATA
+    with settings.override(http_token="s3cret"):  # ENGINE_EXT_HTTP_TOKEN
+        assert open_store(root).read("a/b/blob.bin") == DATA
     assert gets(srv)[-1][2]["Authorization"] == "Bearer s3cret"
 
 
@@ -251,12 +251,12 @@ def test_s3_list_paginates(s3_bucket):
 
 def test_s3_endpoint_option_and_env(s3_server, s3_bucket, monkeypatch):
     open_store(f"s3://{s3_bucket}/r").write("k", b"v")
-    monkeypatch.setenv("ENGINE_EXT_S3_ENDPOINT", f"http://127.0.0.1:{free_port()}")
-    store = open_store(f"s3://{s3_bucket}/r", endpoint_url=s3_server.endpoint_url)
-    assert store.read("k") == b"v"
-    monkeypatch.delenv("ENGINE_EXT_S3_ENDPOINT")
+    with settings.override(s3_endpoint=f"http://127.0.0.1:{free_port()}"):  # the option wins over ENGINE_EXT_S3_ENDPOINT
+        store = open_store(f"s3://{s3_bucket}/r", endpoint_url=s3_server.endpoint_url)
+        assert store.read("k") == b"v"
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
-    assert open_store(f"s3://{s3_bucket}/r").read("k") == b"v"
+    with settings.override(s3_endpoint=None):
+        assert open_store(f"s3://{s3_bucket}/r").read("k") == b"v"
 
 
 def test_s3_errors(s3_server, s3_bucket):

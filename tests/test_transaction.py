@@ -16,7 +16,6 @@ import os
 import pytest
 import torch
 
-from engine_ext import fingerprint as fpr
 from engine_ext.dtypes import BY_TORCH
 from engine_ext.errors import BaseMismatchError, ForbiddenSourceError, VerifyError
 from engine_ext.publish import DeltaPublisher

@@ -1,8 +1,11 @@
-"""The in-process hook: ``vllm.LLM`` with the ``delta`` weight-transfer backend (tiny Llama).
+"""One update transaction behind every vLLM entry point: the in-process ``delta`` backend
+(``vllm.LLM``, TP 2: worker 0 drives, worker 1 follows) and ``POST /update_weights_delta``
+take the same composed chain v0 -> v3 and end at the same version and fingerprint.
 
-Runs examples/llm_hook.py in a subprocess (vLLM spawns workers; the plugin patches
-vLLM process-wide) and checks the served fingerprint equals the manifest's, the
-outputs changed, and a wrong-base delta was refused and rolled back.
+The backend also refuses, on every worker with nothing changed, a delta from another
+run (no chain or anchor leads there) and one whose promised fingerprint is wrong
+(applied, verified, rolled back on both workers); a later good update still lands.
+Runs examples/llm_hook.py in a subprocess (vLLM spawns workers).
 """
 from __future__ import annotations
 
@@ -14,23 +17,48 @@ from pathlib import Path
 
 import pytest
 
+from engine_ext import fingerprint as fpr
+
 pytest.importorskip("vllm")
-from vllm_helpers import make_model, rl_trajectory  # noqa: E402
+from vllm_helpers import Server, copy_store, make_model, rl_trajectory  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_llm_update_weights_delta_backend(tmp_path):
+def test_backend_and_route_run_the_same_transaction(tmp_path):
     model = make_model(tmp_path / "model", "llama")
-    store = tmp_path / "store"
-    rl_trajectory(model, store, 3, seed=4)
-    env = dict(os.environ, VLLM_PLUGINS="engine_ext", VLLM_CPU_KVCACHE_SPACE="1", ENGINE_EXT_SOURCES=str(store))
-    p = subprocess.run([sys.executable, str(ROOT / "examples" / "llm_hook.py"), "--model", str(model), "--store", str(store), "--upto", "3"],
-                       env=env, capture_output=True, text=True, timeout=600)
+    root = tmp_path / "stores"
+    rl_trajectory(model, root / "run", 4, seed=4)
+    rl_trajectory(model, root / "other", 3, seed=5)
+    (root / "other" / "v00000000.anchor.json").unlink()
+    tampered = copy_store(root / "run", root / "tampered")
+    m = json.loads((tampered / "v00000004.json").read_text())
+    m["tensors"][0]["fingerprint"] = fpr.fmt(fpr.parse(m["tensors"][0]["fingerprint"]) + 1)
+    m["fingerprint"] = fpr.fmt(fpr.model_fingerprint({t["name"]: fpr.parse(t["fingerprint"]) for t in m["tensors"]}))
+    (tampered / "v00000004.json").write_text(json.dumps(m))
+    v3 = str(root / "run" / "v00000003.json")
+    urls = [v3, str(root / "other" / "v00000003.json"), str(tampered / "v00000004.json"), str(root / "run" / "v00000004.json")]
+    env = dict(os.environ, VLLM_PLUGINS="engine_ext", VLLM_CPU_KVCACHE_SPACE="1", ENGINE_EXT_SOURCES=str(root),
+               ENGINE_EXT_BASE_VERSION="0")
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / "llm_hook.py"), "--model", str(model), "--tp", "2",
+                        "--urls", ",".join(urls)], env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
     out = json.loads(next(line for line in p.stdout.splitlines() if line.startswith('{"before"')))
-    assert out["fingerprint"] == json.loads((store / "v00000003.json").read_text())["fingerprint"]
-    assert out["weight_version"] == "3" and out["status"][0]["version"] == 3
+    chain, foreign, lying, last = out["results"]
+    fp3 = json.loads(Path(v3).read_text())["fingerprint"]
+    assert (chain["ok"], chain["version"], chain["fingerprint"]) == (True, 3, fp3)
+    assert not foreign["ok"] and "no delta chain or anchor leads there" in foreign["error"], foreign
+    assert not lying["ok"] and "rolled back" in lying["error"], lying
+    assert foreign["fingerprint"] == lying["fingerprint"] == fp3  # nothing changed on any worker
+    assert last["ok"] and last["version"] == 4
+    assert out["versions"] == [4, 4] and out["weight_version"] == "4"
+    assert out["fingerprint"] == json.loads((root / "run" / "v00000004.json").read_text())["fingerprint"]
     assert out["after"] != out["before"]
-    assert out["wrong_base_error"] and "rolled back" in out["wrong_base_error"]
+
+    with Server(model, sources=str(root), base_version=0, log=tmp_path / "server.log") as server:
+        r = server.update({"url": v3})
+        assert r.status_code == 200, r.text
+        a = r.json()
+        assert a["version"] == chain["version"] == 3 and len(a["manifests"]) == 3
+        assert a["fingerprint"] == chain["fingerprint"] == fp3  # the same weights, by either entry point

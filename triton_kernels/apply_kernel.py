@@ -1,38 +1,73 @@
-"""One Triton launch per dtype width applies every segment of a delta, in place.
+"""Fused in-place apply of a weight delta: one Triton launch per dtype width.
 
-A segment is one (checkpoint tensor, destination piece) pair of
-:mod:`engine_ext.apply`. The kernel reads a small int64 segment table whose rows hold
-raw addresses (``data_ptr``) of the destination storage, the positions and the
-values, cast to pointers in the kernel (this also works under ``TRITON_INTERPRET=1``
-on CPU tensors), so no concatenated copy of the delta is made. Per element it maps
-the checkpoint index to a storage element (box test + affine map, checkpoint rank
-padded to 4), reads the old bits, writes the new bits (absolute, or a wrapping step
-in ordered key space), saves the old bits to the undo buffer, and adds
-``h(i, new) - h(i, old)``: each block stores its partial sum and count, reduced per
-segment afterwards (no atomics; int64 sums wrap mod 2^64, so the result is exact).
+A leaf: this module imports torch and Triton only. ``engine_ext.apply_fused`` builds
+its inputs from the package's segments; :func:`reference_apply` is the same
+computation in torch, and ``tests/test_apply_kernel.py`` holds the two side by side.
+
+**Inputs.** A *segment* is one (checkpoint tensor, destination box) pair. ``table`` is
+int64 ``[S, NCOL]``, one row per segment, columns named ``C_*`` below: raw addresses
+(``data_ptr``) of the destination storage (viewed as signed ints of width ``W``), of the
+sorted int64 positions and of the values, the segment's first undo slot, its item
+count ``n``, flags ``F_*``, and its geometry padded to rank 4: checkpoint shape and
+row-major strides, box start and extent, destination strides, destination offset,
+and the flat range ``[lo, hi)`` when the box is a contiguous run. ``blocks`` is int64
+``[B, 2]`` (segment, first item): block ``b`` handles items ``first .. first + BLOCK``.
+
+**Math**, for item ``q`` of a segment (``q < n``):
+
+* checkpoint index ``i``: ``positions[q]`` (sparse) or the ``q``-th element of the box
+  in row-major order (dense); it is in the box if ``start <= coords(i) < start + ext``;
+* destination element ``dst = off + sum_d (coords_d(i) - start_d) * dstride_d``
+  (``off + i - lo`` on the flat path);
+* ``new = values[q]`` (absolute) or ``unkey(key(old) + values[q])`` with the ordered
+  key of floats ``key(x) = x ^ ((x >> (W-1)) & (2^(W-1) - 1))`` (an involution; a step
+  wraps in ``W`` bits);
+* ``undo[first_undo + q] = old``; ``dest[dst] = new``;
+* per block: ``sum h(i, new) - h(i, old)`` and the count over counted segments, with
+  ``h(i, b) = mix64((i * 0x9E3779B97F4A7C15) ^ zext(b))``, SplitMix64's finaliser
+  ``mix64`` (shifts 30, 27, 31; multipliers 0xBF58476D1CE4E5B9, 0x94D049BB133111EB),
+  in uint64 arithmetic that wraps, so the per-segment sums are exact mod 2^64.
+
+Rollback writes ``undo`` back to the same ``dst``. :func:`check_positions` flags, in
+one read pass, blocks whose positions are out of ``[0, numel)`` or not strictly
+increasing, before anything is written.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from engine_ext import fingerprint as fpr
-from engine_ext.apply import MASK64, REL, Segment, apply_torch
-
-MAXD = 4  # checkpoint rank handled by the kernel; more -> torch path
 BLOCK = 1024
+MAXD = 4  # checkpoint rank the geometry columns hold
 NCOL = 32
+
 # table columns
-C_DEST, C_POS, C_VAL, C_UNDO, C_N, C_FLAGS, C_LO, C_HI, C_OFF = range(9)
-C_SHAPE, C_CS, C_START, C_EXT, C_DS = 9, 13, 17, 21, 25
-F_DENSE, F_REL, F_FLOAT, F_COUNT, F_FLAT, F_CHECK = 1, 2, 4, 8, 16, 32
-C_NUMEL = 29
+C_DEST = tl.constexpr(0)
+C_POS = tl.constexpr(1)
+C_VAL = tl.constexpr(2)
+C_UNDO = tl.constexpr(3)
+C_N = tl.constexpr(4)
+C_FLAGS = tl.constexpr(5)
+C_LO = tl.constexpr(6)
+C_HI = tl.constexpr(7)
+C_OFF = tl.constexpr(8)
+C_SHAPE = tl.constexpr(9)  # 4 columns each, from here on
+C_CSTRIDE = tl.constexpr(13)
+C_START = tl.constexpr(17)
+C_EXT = tl.constexpr(21)
+C_DSTRIDE = tl.constexpr(25)
+C_NUMEL = tl.constexpr(29)
 
+# flags
+F_DENSE = tl.constexpr(1)
+F_REL = tl.constexpr(2)
+F_FLOAT = tl.constexpr(4)
+F_COUNT = tl.constexpr(8)
+F_FLAT = tl.constexpr(16)
+F_CHECK = tl.constexpr(32)
 
-# the literals in _hash below are the format's constants
-assert (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB) == (fpr.GOLDEN, fpr.MIX1, fpr.MIX2)
+GOLDEN, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # the literals in _hash
 
 
 @triton.jit
@@ -44,7 +79,7 @@ def _flip(x, W: tl.constexpr):
 
 @triton.jit
 def _hash(i, bits, ZM: tl.constexpr):
-    """h(i, b) of engine_ext.fingerprint in uint64 arithmetic (wraps like int64)."""
+    """h(i, b) in uint64 arithmetic (wraps like int64)."""
     b = bits.to(tl.int64) & ZM
     z = (i.to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15) ^ b.to(tl.uint64, bitcast=True)
     z = z ^ (z >> 30)
@@ -55,26 +90,31 @@ def _hash(i, bits, ZM: tl.constexpr):
 
 
 @triton.jit
+def _col(row, c):
+    return tl.load(row + c)
+
+
+@triton.jit
 def _apply_kernel(tab_ptr, blk_ptr, undo_ptr, acc_ptr, W: tl.constexpr, ZM: tl.constexpr, NC: tl.constexpr,
                   SAVE_UNDO: tl.constexpr, ROLLBACK: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     seg = tl.load(blk_ptr + 2 * pid)
     item0 = tl.load(blk_ptr + 2 * pid + 1)
     row = tab_ptr + seg * NC
-    dest = tl.load(row + 0).to(undo_ptr.dtype)
-    pos = tl.load(row + 1).to(tl.pointer_type(tl.int64))
-    vals = tl.load(row + 2).to(undo_ptr.dtype)
-    undo_base = tl.load(row + 3)
-    n = tl.load(row + 4)
-    flags = tl.load(row + 5)
-    lo = tl.load(row + 6)
-    hi = tl.load(row + 7)
-    off = tl.load(row + 8)
-    dense = (flags & 1) != 0
-    rel = (flags & 2) != 0
-    is_float = (flags & 4) != 0
-    counted = (flags & 8) != 0
-    flat = (flags & 16) != 0
+    dest = _col(row, C_DEST).to(undo_ptr.dtype)
+    pos = _col(row, C_POS).to(tl.pointer_type(tl.int64))
+    vals = _col(row, C_VAL).to(undo_ptr.dtype)
+    undo_base = _col(row, C_UNDO)
+    n = _col(row, C_N)
+    flags = _col(row, C_FLAGS)
+    lo = _col(row, C_LO)
+    hi = _col(row, C_HI)
+    off = _col(row, C_OFF)
+    dense = (flags & F_DENSE) != 0
+    rel = (flags & F_REL) != 0
+    is_float = (flags & F_FLOAT) != 0
+    counted = (flags & F_COUNT) != 0
+    flat = (flags & F_FLAT) != 0
 
     q = item0 + tl.arange(0, BLOCK).to(tl.int64)
     valid = q < n
@@ -82,20 +122,22 @@ def _apply_kernel(tab_ptr, blk_ptr, undo_ptr, acc_ptr, W: tl.constexpr, ZM: tl.c
         if flat:
             i = lo + q
             dst = off + q
-        else:
+        else:  # box-relative coordinates of the q-th box element, row-major over the extent
             rem = q
-            e3 = tl.load(row + 24)
+            e3 = _col(row, C_EXT + 3)
             c3 = rem % e3
             rem = rem // e3
-            e2 = tl.load(row + 23)
+            e2 = _col(row, C_EXT + 2)
             c2 = rem % e2
             rem = rem // e2
-            e1 = tl.load(row + 22)
+            e1 = _col(row, C_EXT + 1)
             c1 = rem % e1
             c0 = rem // e1
-            i = ((c0 + tl.load(row + 17)) * tl.load(row + 13) + (c1 + tl.load(row + 18)) * tl.load(row + 14)
-                 + (c2 + tl.load(row + 19)) * tl.load(row + 15) + (c3 + tl.load(row + 20)) * tl.load(row + 16))
-            dst = off + c0 * tl.load(row + 25) + c1 * tl.load(row + 26) + c2 * tl.load(row + 27) + c3 * tl.load(row + 28)
+            i = ((c0 + _col(row, C_START)) * _col(row, C_CSTRIDE) + (c1 + _col(row, C_START + 1)) * _col(row, C_CSTRIDE + 1)
+                 + (c2 + _col(row, C_START + 2)) * _col(row, C_CSTRIDE + 2)
+                 + (c3 + _col(row, C_START + 3)) * _col(row, C_CSTRIDE + 3))
+            dst = (off + c0 * _col(row, C_DSTRIDE) + c1 * _col(row, C_DSTRIDE + 1) + c2 * _col(row, C_DSTRIDE + 2)
+                   + c3 * _col(row, C_DSTRIDE + 3))
         m = valid
         vidx = i
     else:
@@ -103,20 +145,21 @@ def _apply_kernel(tab_ptr, blk_ptr, undo_ptr, acc_ptr, W: tl.constexpr, ZM: tl.c
         if flat:
             m = valid & (i >= lo) & (i < hi)
             dst = off + (i - lo)
-        else:
+        else:  # checkpoint coordinates of i, relative to the box start
             rem = i
-            s3 = tl.load(row + 12)
-            c3 = rem % s3 - tl.load(row + 20)
+            s3 = _col(row, C_SHAPE + 3)
+            c3 = rem % s3 - _col(row, C_START + 3)
             rem = rem // s3
-            s2 = tl.load(row + 11)
-            c2 = rem % s2 - tl.load(row + 19)
+            s2 = _col(row, C_SHAPE + 2)
+            c2 = rem % s2 - _col(row, C_START + 2)
             rem = rem // s2
-            s1 = tl.load(row + 10)
-            c1 = rem % s1 - tl.load(row + 18)
-            c0 = rem // s1 - tl.load(row + 17)
-            m = (valid & (c0 >= 0) & (c0 < tl.load(row + 21)) & (c1 >= 0) & (c1 < tl.load(row + 22))
-                 & (c2 >= 0) & (c2 < tl.load(row + 23)) & (c3 >= 0) & (c3 < tl.load(row + 24)))
-            dst = off + c0 * tl.load(row + 25) + c1 * tl.load(row + 26) + c2 * tl.load(row + 27) + c3 * tl.load(row + 28)
+            s1 = _col(row, C_SHAPE + 1)
+            c1 = rem % s1 - _col(row, C_START + 1)
+            c0 = rem // s1 - _col(row, C_START)
+            m = (valid & (c0 >= 0) & (c0 < _col(row, C_EXT)) & (c1 >= 0) & (c1 < _col(row, C_EXT + 1))
+                 & (c2 >= 0) & (c2 < _col(row, C_EXT + 2)) & (c3 >= 0) & (c3 < _col(row, C_EXT + 3)))
+            dst = (off + c0 * _col(row, C_DSTRIDE) + c1 * _col(row, C_DSTRIDE + 1) + c2 * _col(row, C_DSTRIDE + 2)
+                   + c3 * _col(row, C_DSTRIDE + 3))
         vidx = q
     dst = tl.where(m, dst, 0)
 
@@ -146,11 +189,11 @@ def _check_kernel(tab_ptr, blk_ptr, bad_ptr, NC: tl.constexpr, BLOCK: tl.constex
     seg = tl.load(blk_ptr + 2 * pid)
     item0 = tl.load(blk_ptr + 2 * pid + 1)
     row = tab_ptr + seg * NC
-    flags = tl.load(row + 5)
-    if (flags & 32) != 0:
-        pos = tl.load(row + 1).to(tl.pointer_type(tl.int64))
-        n = tl.load(row + 4)
-        numel = tl.load(row + 29)
+    flags = _col(row, C_FLAGS)
+    if (flags & F_CHECK) != 0:
+        pos = _col(row, C_POS).to(tl.pointer_type(tl.int64))
+        n = _col(row, C_N)
+        numel = _col(row, C_NUMEL)
         q = item0 + tl.arange(0, BLOCK).to(tl.int64)
         valid = q < n
         p = tl.load(pos + q, mask=valid, other=0)
@@ -159,144 +202,123 @@ def _check_kernel(tab_ptr, blk_ptr, bad_ptr, NC: tl.constexpr, BLOCK: tl.constex
         tl.store(bad_ptr + pid, tl.max(bad.to(tl.int32), axis=0))
 
 
-_STATIC: dict = {}  # id(segment geometry) -> (geometry, the row's static part): maps are static
+# ----------------------------------------------------------------------------- launchers
+
+INT_OF_WIDTH = {8: torch.int8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
 
 
-def _static_row(seg: Segment) -> list[int]:
-    """The columns that depend only on the piece and the checkpoint tensor (rank padded to MAXD)."""
-    pc, td = seg.piece, seg.td
-    pad = MAXD - len(td.shape)
-    shape = (1,) * pad + tuple(td.shape)
-    cs = (0,) * pad + seg.cstrides
-    start = (0,) * pad + tuple(pc.start)
-    ext = (1,) * pad + seg.ext
-    ds = (0,) * pad + tuple(pc.strides)
-    flags = (F_FLOAT if td.dtype.is_float else 0) | (F_COUNT if pc.count_fingerprint else 0)
-    flags |= F_FLAT if seg.flat is not None else 0
-    lo, hi = seg.flat if seg.flat is not None else (0, 0)
-    r = [seg.storage.data_ptr(), 0, 0, 0, 0, flags, lo, hi, pc.offset]
-    r += list(shape) + list(cs) + list(start) + list(ext) + list(ds)
-    r += [0] * (NCOL - len(r))
-    r[C_NUMEL] = td.numel
-    return r
+def blocks_for(counts: list[int], device) -> torch.Tensor:
+    """The ``[B, 2]`` (segment, first item) blocks covering segments of ``counts`` items."""
+    cnt = torch.tensor([-(-c // BLOCK) for c in counts], dtype=torch.int64)
+    seg = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int64), cnt)
+    first = torch.cumsum(cnt, 0) - cnt
+    item0 = (torch.arange(seg.numel(), dtype=torch.int64) - first[seg]) * BLOCK
+    return torch.stack([seg, item0], 1).to(device)
 
 
-def _row(seg: Segment, pos, vals, undo_base: int, check: bool) -> list[int]:
-    """One table row (see the C_* columns)."""
-    g = seg.geom
-    hit = _STATIC.get(id(g)) if g is not None else None
-    if hit is not None and hit[0] is g:
-        r = list(hit[1])
-    else:
-        r = _static_row(seg)
-        if g is not None:
-            if len(_STATIC) > 1 << 16:
-                _STATIC.clear()
-            _STATIC[id(g)] = (g, list(r))
-    r[C_POS] = 0 if pos is None else pos.data_ptr()
-    r[C_VAL] = vals.data_ptr()
-    r[C_UNDO] = undo_base
-    r[C_N] = seg.n
-    r[C_FLAGS] |= (F_DENSE if seg.dense else 0) | (F_REL if seg.td.mode == REL else 0) | (F_CHECK if check else 0)
-    return r
+def apply_segments(table: torch.Tensor, blocks: torch.Tensor, undo: torch.Tensor | None, width: int) -> torch.Tensor:
+    """Apply every segment of ``table`` (rows for one dtype width); returns per-segment
+    ``[S, 2]`` int64 (fingerprint change mod 2^64, counted elements). ``undo``: ``n``
+    slots per segment at its ``C_UNDO`` (None: no undo kept)."""
+    nblk = blocks.shape[0]
+    part = torch.empty(nblk, 2, dtype=torch.int64, device=table.device)
+    buf = undo if undo is not None else torch.empty(1, dtype=INT_OF_WIDTH[width], device=table.device)
+    _apply_kernel[(nblk,)](table, blocks, buf, part, W=width, ZM=-1 if width == 64 else (1 << width) - 1, NC=NCOL,
+                           SAVE_UNDO=undo is not None, ROLLBACK=False, BLOCK=BLOCK, num_warps=4)
+    acc = torch.zeros(table.shape[0], 2, dtype=torch.int64, device=table.device)
+    acc.index_add_(0, blocks[:, 0], part)  # int64 sums wrap mod 2^64
+    return acc
 
 
-class _TritonUndo:
-    """Undo buffer of one width: old bits at each segment's item slots, replayed by the same kernel."""
-
-    def __init__(self, W, tab, blk, undo, keep):
-        self.W, self.tab, self.blk, self.undo, self._keep = W, tab, blk, undo, keep
-
-    @property
-    def nbytes(self) -> int:
-        return self.undo.numel() * self.undo.element_size()
-
-    def rollback(self) -> None:
-        _launch(self.W, self.tab, self.blk, self.undo, None, save_undo=False, rollback=True)
+def rollback_segments(table: torch.Tensor, blocks: torch.Tensor, undo: torch.Tensor, width: int) -> None:
+    """Write the old bits saved by :func:`apply_segments` back."""
+    part = torch.empty(blocks.shape[0], 2, dtype=torch.int64, device=table.device)
+    _apply_kernel[(blocks.shape[0],)](table, blocks, undo, part, W=width, ZM=-1 if width == 64 else (1 << width) - 1,
+                                      NC=NCOL, SAVE_UNDO=False, ROLLBACK=True, BLOCK=BLOCK, num_warps=4)
 
 
-def _launch(W, tab, blk, undo, acc, *, save_undo, rollback):
-    nblk = blk.numel() // 2
-    zm = -1 if W == 64 else (1 << W) - 1
-    if acc is None:
-        acc = torch.zeros(2, dtype=torch.int64, device=tab.device)
-    _apply_kernel[(nblk,)](tab, blk, undo, acc, W=W, ZM=zm, NC=NCOL, SAVE_UNDO=save_undo, ROLLBACK=rollback,
-                           BLOCK=BLOCK, num_warps=4)
+def check_positions(table: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Per block, 1 if a segment flagged ``F_CHECK`` has positions out of range or out of order (no sync)."""
+    bad = torch.zeros(blocks.shape[0], dtype=torch.int32, device=table.device)
+    _check_kernel[(blocks.shape[0],)](table, blocks, bad, NC=NCOL, BLOCK=BLOCK, num_warps=4)
+    return bad
 
 
-def _on(t: torch.Tensor, dev) -> torch.Tensor:
-    return t if t.device == dev else t.to(dev)
+# ----------------------------------------------------------------------------- torch reference
 
 
-_INT = {8: torch.int8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    def shr(x, s):
+        return (x >> s) & ((1 << (64 - s)) - 1)
+
+    s64 = [m - (1 << 64) for m in (MIX1, MIX2)]
+    z = z ^ shr(z, 30)
+    z = z * s64[0]
+    z = z ^ shr(z, 27)
+    z = z * s64[1]
+    return z ^ shr(z, 31)
 
 
-def apply_triton(segs: list[Segment], names: list[str], undo: bool, checks: list):
-    """Apply validated segments with one launch per (device, width); rank > 4 and converting
-    destinations (a widened copy, see ``engine_ext.apply.Conversion``) go to the torch path.
+def reference_apply(row: list[int], dest: torch.Tensor, positions: torch.Tensor | None, values: torch.Tensor,
+                    width: int) -> tuple[torch.Tensor, int, int]:
+    """One table row applied with torch, the kernel's math in plain form (for its tests).
 
-    ``checks``: deltas whose positions still need the order/range check; it runs on the
-    device over the same tables (one read pass, one sync) before anything is written.
+    ``dest``: the destination storage as a flat int view of ``width`` bits (written in
+    place); ``positions``/``values`` as the row's pointers name them. Returns (old bits
+    in the undo layout: one slot per item, zero for items outside the box; fingerprint
+    change mod 2^64; counted elements).
     """
-    fp = {n: 0 for n in names}
-    written = {n: 0 for n in names}
-    parts = []
-    groups: dict = {}
-    for s in segs:
-        if len(s.td.shape) <= MAXD and s.conv is None and s.n > 0 and s.numel > 0:
-            groups.setdefault((s.storage.device, s.td.dtype.bits), []).append(s)
-    moved: dict = {}
-    need = {id(td) for td in checks}
-    plans, flags = [], []
-    for (dev, W), group in groups.items():
-        rows, counts, keep, undo_total = [], [], [], 0
-        for s in group:
-            key = (s.tensor, dev)
-            if key not in moved:
-                td = s.td
-                moved[key] = (None if td.positions is None else _on(td.positions, dev), _on(td.values, dev))
-            pos, vals = moved[key]
-            keep += [pos, vals]
-            check = id(s.td) in need
-            need.discard(id(s.td))
-            rows.append(_row(s, pos, vals, undo_total, check))
-            counts.append(-(-s.n // BLOCK))
-            undo_total += s.n
-        tab = torch.from_numpy(np.array(rows, dtype=np.int64)).to(dev)
-        cnt = torch.from_numpy(np.array(counts, dtype=np.int64))
-        seg_of_blk = torch.repeat_interleave(torch.arange(len(group), dtype=torch.int64), cnt)
-        first = torch.cumsum(cnt, 0) - cnt
-        item0 = (torch.arange(seg_of_blk.numel(), dtype=torch.int64) - first[seg_of_blk]) * BLOCK
-        blk = torch.stack([seg_of_blk, item0], 1).reshape(-1).to(dev)
-        bad = torch.zeros(blk.numel() // 2, dtype=torch.int32, device=dev)
-        _check_kernel[(bad.numel(),)](tab, blk, bad, NC=NCOL, BLOCK=BLOCK, num_warps=4)
-        flags.append(bad.any())
-        plans.append((dev, W, group, tab, blk, undo_total, keep))
-    from engine_ext.apply import check_positions
+    flags = row[C_FLAGS]
 
-    check_positions([td for td in checks if id(td) in need])  # tensors without a kernel segment
-    if flags and bool(torch.stack([f.cpu() for f in flags]).any()):
-        check_positions(checks)  # names the culprit
-        raise ValueError("positions must be sorted, unique and in range")
-    slow = [s for s in segs if len(s.td.shape) > MAXD or s.conv is not None]
-    if slow:
-        f2, w2, log = apply_torch(slow, names, undo)
-        for n in names:
-            fp[n] = (fp[n] + f2[n]) & MASK64
-            written[n] += w2[n]
-        if log is not None:
-            parts.append(log)
-    for dev, W, group, tab, blk, undo_total, keep in plans:
-        ubuf = torch.empty(undo_total if undo else 1, dtype=_INT[W], device=dev)
-        part = torch.empty(blk.numel(), dtype=torch.int64, device=dev)  # per block: (fp sum, count)
-        _launch(W, tab, blk, ubuf, part, save_undo=undo, rollback=False)
-        acc = torch.zeros(len(group), 2, dtype=torch.int64, device=dev)
-        acc.index_add_(0, blk.view(-1, 2)[:, 0], part.view(-1, 2))  # int64 sums wrap mod 2^64
-        acc = acc.reshape(-1).cpu().tolist()
-        for k, s in enumerate(group):
-            if s.piece.count_fingerprint:
-                fp[s.td.name] = (fp[s.td.name] + acc[2 * k]) & MASK64
-                written[s.td.name] += acc[2 * k + 1]
-        if undo:
-            parts.append(_TritonUndo(W, tab, blk, ubuf, keep))
-    return fp, written, parts
+    def has(f) -> bool:
+        return bool(flags & f.value)
+
+    shape = row[C_SHAPE:C_SHAPE + MAXD]
+    start = row[C_START:C_START + MAXD]
+    ext = row[C_EXT:C_EXT + MAXD]
+    dstride = row[C_DSTRIDE:C_DSTRIDE + MAXD]
+    cstride = row[C_CSTRIDE:C_CSTRIDE + MAXD]
+    q = torch.arange(row[C_N], dtype=torch.int64)
+    keep = torch.ones_like(q, dtype=torch.bool)
+    if has(F_DENSE):
+        coords, rem = [], q
+        for e in reversed(ext):
+            coords.insert(0, rem % e)
+            rem = rem // e
+        i = sum((c + s) * cs for c, s, cs in zip(coords, start, cstride))
+        vals = values[i]
+    else:
+        i = positions[:row[C_N]]
+        coords, rem = [], i
+        for s in reversed(shape):
+            coords.insert(0, rem % s)
+            rem = rem // s
+        coords = [c - s for c, s in zip(coords, start)]
+        for c, e in zip(coords, ext):
+            keep &= (c >= 0) & (c < e)
+        i, coords, vals = i[keep], [c[keep] for c in coords], values[:row[C_N]][keep]
+    dst = row[C_OFF] + sum(c * d for c, d in zip(coords, dstride))
+    old = dest[dst].clone()
+    if has(F_REL):
+        def key(x):
+            return x ^ ((x >> (width - 1)) & ((1 << (width - 1)) - 1)) if has(F_FLOAT) else x
+
+        new = key(key(old) + vals.to(old.dtype))
+    else:
+        new = vals.to(old.dtype)
+    dest[dst] = new
+    slots = torch.zeros(row[C_N], dtype=dest.dtype)
+    slots[keep] = old
+    if not has(F_COUNT):
+        return slots, 0, 0
+    zm = (1 << width) - 1 if width < 64 else -1
+
+    def h(bits):
+        return _mix64((i * (GOLDEN - (1 << 64))) ^ (bits.to(torch.int64) & zm))
+
+    return slots, int((h(new) - h(old)).sum()) & ((1 << 64) - 1), int(i.numel())
+
+
+__all__ = ["apply_segments", "rollback_segments", "check_positions", "blocks_for", "reference_apply", "BLOCK", "MAXD",
+           "NCOL", "C_DEST", "C_POS", "C_VAL", "C_UNDO", "C_N", "C_FLAGS", "C_LO", "C_HI", "C_OFF", "C_SHAPE", "C_CSTRIDE",
+           "C_START", "C_EXT", "C_DSTRIDE", "C_NUMEL", "F_DENSE", "F_REL", "F_FLOAT", "F_COUNT", "F_FLAT", "F_CHECK"]

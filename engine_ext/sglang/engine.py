@@ -1,6 +1,6 @@
-"""Tokenizer side: :class:`engine_ext.service.Engine` over SGLang's TokenizerManager.
+"""Tokenizer side: :class:`engine_ext.transaction.Ranks` over SGLang's TokenizerManager.
 
-The controller (:mod:`engine_ext.service`) lives in the process that owns the
+The controller (:mod:`engine_ext.controller`) lives in the process that owns the
 TokenizerManager: the HTTP server of ``python -m sglang.launch_server``, or the
 Python process of an in-process ``sglang.Engine``. It reaches the TP ranks with a
 :class:`~engine_ext.sglang.messages.RankOpReq` sent on the TokenizerManager's own
@@ -22,44 +22,34 @@ import logging
 import os
 from contextlib import AsyncExitStack
 
-from ..service import Controller, Sources, initial_version, parse_request
+from ..controller import Controller, initial_version
+from ..protocol import RankReply, UpdateRequest
+from . import compat
 from .messages import RankOpReply, RankOpReq
+from .rank import AFTER_UPDATE
 
 log = logging.getLogger("engine_ext")
 _SGLANG_PAUSE = {"keep": "retract", "abort": "abort"}
 
 
-class SglangEngine:
+class SglangRanks:
     """Reach every TP rank's scheduler, pause and resume generation, reset caches."""
 
     def __init__(self, tm):
-        from sglang.srt.managers.communicator import FanOutCommunicator
-        from sglang.srt.managers.io_struct import wrap_as_pickle
-        from sglang.utils import TypeBasedDispatcher
-
         self.tm = tm
         # One combined reply per call: scheduler rank 0 gathers the TP ranks' replies.
-        self.comm = FanOutCommunicator(lambda obj: tm._dispatch_to_scheduler(wrap_as_pickle(obj)), 1)
-        tm._result_dispatcher += TypeBasedDispatcher([(RankOpReply, self.comm.handle_recv)])
+        self.comm = compat.reply_channel(tm, RankOpReply)
         self._held: AsyncExitStack | None = None
         self._resume_needed = False
 
-    def _check_topology(self) -> None:
-        from sglang.srt.runtime_context import get_parallel
-
-        p = get_parallel()
-        if getattr(p, "dp_size", 1) != 1 or getattr(p, "pp_size", 1) != 1:
+    async def call(self, op: str, **kwargs) -> list[RankReply]:
+        if compat.topology() != (1, 1):
             raise RuntimeError("engine_ext on SGLang supports tensor parallelism only (dp_size = pp_size = 1)")
-
-    async def call_ranks(self, op: str, **kwargs) -> list[dict]:
-        self._check_topology()
         self.tm.auto_create_handle_loop()
         replies = await self.comm(RankOpReq(op, kwargs))
-        return list(replies[0].replies)
+        return [RankReply.from_wire(w) for w in replies[0].replies]
 
     async def pause(self, mode: str) -> None:
-        from sglang.srt.managers.io_struct import PauseGenerationReqInput
-
         self.tm.auto_create_handle_loop()
         if mode == "wait":
             self._held = AsyncExitStack()
@@ -68,25 +58,23 @@ class SglangEngine:
         if self.tm.is_pause:  # paused by someone else (e.g. /pause_generation): leave it paused
             self._resume_needed = False
             return
-        await self.tm.pause_generation(PauseGenerationReqInput(mode=_SGLANG_PAUSE[mode]))
+        await compat.pause(self.tm, _SGLANG_PAUSE[mode])
         self._resume_needed = True
 
     async def resume(self) -> None:
-        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
-
         if self._held is not None:
             held, self._held = self._held, None
             await held.aclose()
         if self._resume_needed:
             self._resume_needed = False
-            await self.tm.continue_generation(ContinueGenerationReqInput())
+            await compat.resume(self.tm)
 
     async def after_update(self, version: int) -> None:
-        replies = await self.call_ranks("after_update", version=version)
-        bad = [r for r in replies if not r.get("ok") or r.get("flushed") is False]
+        bad = [r for r in await self.call(AFTER_UPDATE, version=version) if not r.ok]
         if bad:
-            log.warning("engine_ext: cache flush/version after v%s incomplete on some ranks: %s", version, bad)
-        self.tm._update_weight_version_if_provided(str(version))
+            log.warning("engine_ext: cache flush/version after v%s incomplete on some ranks: %s", version,
+                        "; ".join(f"rank {r.rank}: {r.error}" for r in bad))
+        compat.set_weight_version(self.tm, str(version))
 
 
 # --------------------------------------------------------------------------- controller per TokenizerManager
@@ -98,7 +86,7 @@ def install(tm) -> None:
         return
     model_path = getattr(getattr(tm, "server_args", None), "model_path", None)
     version = initial_version(model_path if model_path and os.path.isdir(model_path) else None)
-    tm._engine_ext = Controller(SglangEngine(tm), Sources.from_env(), version=version, engine_name="sglang")
+    tm._engine_ext = Controller(SglangRanks(tm), version=version, engine_name="sglang")
     tm._engine_ext_start = None
     tm._engine_ext_outside = False
 
@@ -136,7 +124,7 @@ async def controller(tm) -> Controller:
 def update_weights_delta(engine, url: str, **fields) -> dict:
     """Apply the delta at ``url`` to an in-process ``sglang.Engine`` (same body and answer
     as ``POST /update_weights_delta``; failures raise :class:`engine_ext.errors.DeltaError`)."""
-    req = parse_request({"url": url, **fields})
+    req = UpdateRequest.parse({"url": url, **fields})
     tm = engine.tokenizer_manager
 
     async def run():

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class RankOpReq:
-    """Run ``op`` of :class:`engine_ext.updater.Updater` (or a scheduler op) on every TP rank."""
+    """Run ``op`` of :class:`engine_ext.rank.RankUpdater` (or a scheduler op) on every TP rank."""
 
     op: str
     kwargs: dict = field(default_factory=dict)

@@ -72,9 +72,12 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from .. import settings
+    from .compat import register_after_hook
 
-    HookRegistry.register(SCHEDULER_TARGET, _after_scheduler_init, HookType.AFTER)
-    HookRegistry.register(TOKENIZER_TARGET, _after_tokenizer_init, HookType.AFTER)
+    settings.current()  # every ENGINE_EXT_* variable read once, here, in every SGLang process
+
+    register_after_hook(SCHEDULER_TARGET, _after_scheduler_init)
+    register_after_hook(TOKENIZER_TARGET, _after_tokenizer_init)
     for target in OUTSIDE_UPDATE_TARGETS:
-        HookRegistry.register(target, _after_outside_update, HookType.AFTER)
+        register_after_hook(target, _after_outside_update)

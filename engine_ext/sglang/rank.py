@@ -1,4 +1,4 @@
-"""Scheduler side: one :class:`~engine_ext.updater.Updater` per SGLang TP rank.
+"""Scheduler side: one :class:`~engine_ext.rank.RankUpdater` per SGLang TP rank.
 
 Every TP rank of an SGLang server is one scheduler process holding its shard of the
 model (``scheduler.tp_worker.model_runner.model``). A :class:`RankOpReq` reaches
@@ -22,13 +22,13 @@ from typing import Callable
 
 import torch
 
-from ..updater import Updater, checkpoint_reader, checkpoint_specs, model_files
+from ..checkpoint import served_checkpoint
+from ..protocol import RankReply
+from ..rank import RankUpdater, run_op
+from . import compat
 from .messages import RankOpReply, RankOpReq
 
 log = logging.getLogger("engine_ext")
-
-UPDATER_OPS = ("setup", "apply", "commit", "rollback", "status", "resync")
-OPS = UPDATER_OPS + ("after_update",)
 
 
 def derived_weight_error(model: torch.nn.Module) -> str | None:
@@ -51,17 +51,20 @@ def derived_weight_error(model: torch.nn.Module) -> str | None:
     return None
 
 
-def build_updater(model: torch.nn.Module, model_path: str, *, revision: str | None = None, rank: int = 0) -> Updater:
-    """An Updater over ``model`` whose loader is the model's own ``load_weights``."""
+def build_updater(model: torch.nn.Module, model_path: str, *, revision: str | None = None, rank: int = 0) -> RankUpdater:
+    """A RankUpdater over ``model`` whose loader is the model's own ``load_weights``."""
     error = derived_weight_error(model)
     if error:
         raise RuntimeError(error)
-    files = model_files(model_path, revision)
+    ckpt = served_checkpoint(model_path, revision)
 
     def load(name: str, tensor: torch.Tensor) -> None:
         model.load_weights([(name, tensor)])
 
-    return Updater(model, load, checkpoint_specs(files), checkpoint_reader(files), refresh=None, rank=rank)
+    return RankUpdater(model, load, ckpt.specs(), ckpt.load, refresh=None, rank=rank)
+
+
+AFTER_UPDATE = "after_update"  # scheduler op beside the updater's: cache flush and weight version
 
 
 class RankAgent:
@@ -77,37 +80,31 @@ class RankAgent:
         self.model, self.model_path, self.revision = model, model_path, revision
         self.rank, self.group = rank, group
         self.flush_cache, self.set_version = flush_cache, set_version
-        self._updater: Updater | None = None
+        self._updater: RankUpdater | None = None
 
     @property
-    def updater(self) -> Updater:
+    def updater(self) -> RankUpdater:
         if self._updater is None:
             self._updater = build_updater(self.model, self.model_path, revision=self.revision, rank=self.rank)
         return self._updater
 
     def run(self, op: str, kwargs: dict | None = None) -> dict:
-        """This rank's reply to ``op`` (never raises)."""
-        kwargs = kwargs or {}
-        try:
-            if op not in OPS:
-                raise ValueError(f"unknown op {op!r}; one of {OPS}")
-            with torch.no_grad():
-                out = self._after_update(**kwargs) if op == "after_update" else getattr(self.updater, op)(**kwargs)
-            return {"ok": True, "rank": self.rank, **out}
-        except Exception as e:  # noqa: BLE001 - reported to the controller, which rolls every rank back
-            log.error("engine_ext: %s failed on TP rank %s: %s", op, self.rank, traceback.format_exc())
-            return {"ok": False, "rank": self.rank, "error": f"{type(e).__name__}: {e}", "reason": getattr(e, "reason", "apply")}
+        """This rank's reply to ``op`` as wire data (never raises): an updater op, or ``after_update``."""
+        if op == AFTER_UPDATE:
+            try:
+                return self._after_update(**(kwargs or {})).to_wire()
+            except Exception as e:  # noqa: BLE001 - reported, like every op
+                log.error("engine_ext: %s failed on TP rank %s: %s", op, self.rank, traceback.format_exc())
+                return RankReply.failure(self.rank, e).to_wire()
+        return run_op(lambda: self.updater, op, kwargs, rank=self.rank)
 
-    def _after_update(self, version: int) -> dict:
+    def _after_update(self, version: int) -> RankReply:
         """Drop the radix/KV cache built with the old weights and record the new version."""
-        flushed = None
-        if self.flush_cache is not None:
-            flushed = bool(self.flush_cache())
-            if not flushed:
-                log.warning("engine_ext: SGLang refused to flush the cache after v%s (requests still running)", version)
+        if self.flush_cache is not None and not self.flush_cache():
+            raise RuntimeError(f"SGLang refused to flush the cache after v{version} (requests still running)")
         if self.set_version is not None:
             self.set_version(str(version))
-        return {"flushed": flushed}
+        return RankReply(True, self.rank, version=version)
 
     def handle(self, req: RankOpReq) -> RankOpReply:
         """Run ``req`` here, then gather every TP rank's reply (a collective: all ranks call it)."""
@@ -126,28 +123,19 @@ def agent_for_scheduler(scheduler) -> RankAgent:
     """The scheduler's RankAgent, built on first use from its own model and groups."""
     agent = scheduler.__dict__.get("_engine_ext_agent")
     if agent is None:
-        from sglang.srt.runtime_context import get_model, get_parallel
-
-        runner = scheduler.tp_worker.model_runner
-        tp = get_parallel().tp_group
-        agent = RankAgent(
-            runner.model, get_model().model_path, rank=tp.rank_in_group, group=tp.cpu_group,
-            revision=getattr(get_model(), "revision", None),
-            flush_cache=lambda: scheduler.flush_cache(empty_cache=False),
-            set_version=lambda v: scheduler.record_weight_version_change(new_version=v))
+        model, model_path, revision, rank, group = compat.scheduler_model(scheduler)
+        agent = RankAgent(model, model_path, rank=rank, group=group, revision=revision,
+                          flush_cache=lambda: compat.flush_cache(scheduler),
+                          set_version=lambda v: compat.record_weight_version(scheduler, v))
         scheduler.__dict__["_engine_ext_agent"] = agent
     return agent
 
 
 def handle_in_scheduler(scheduler, req: RankOpReq):
     """Dispatcher entry on every TP rank; rank 0's return value goes back to the tokenizer."""
-    from sglang.srt.managers.io_struct import wrap_as_pickle
-
-    return wrap_as_pickle(agent_for_scheduler(scheduler).handle(req))
+    return compat.wrap_as_pickle(agent_for_scheduler(scheduler).handle(req))
 
 
 def add_to_dispatcher(scheduler) -> None:
     """Teach a Scheduler's request dispatcher the engine_ext message (after its own init)."""
-    from sglang.utils import TypeBasedDispatcher
-
-    scheduler._request_dispatcher += TypeBasedDispatcher([(RankOpReq, lambda req: handle_in_scheduler(scheduler, req))])
+    compat.add_request_handler(scheduler, RankOpReq, lambda req: handle_in_scheduler(scheduler, req))

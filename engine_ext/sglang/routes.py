@@ -1,7 +1,7 @@
 """``POST`` / ``GET /update_weights_delta`` on SGLang's own FastAPI app.
 
 Same body, answers, statuses and ``ENGINE_EXT_SOURCES`` rule as the vLLM endpoint
-(all of it is :mod:`engine_ext.service`). The routes are added to
+(all of it is :mod:`engine_ext.http` and :mod:`engine_ext.controller`). The routes are added to
 ``sglang.srt.entrypoints.http_server.app`` in the process that serves HTTP, marked
 ``ADMIN_OPTIONAL`` like SGLang's own weight-update routes (so ``--admin-api-key``
 guards them when set); ``ENGINE_EXT_TOKEN`` adds our own bearer check on top.
@@ -16,70 +16,37 @@ from contextlib import asynccontextmanager
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from ..service import ROUTE, check_token, error_answer, parse_request
-from . import engine
+from ..controller import ROUTE
+from ..http import get_answer, post_answer
+from . import compat, engine
 
 log = logging.getLogger("engine_ext")
 HTTP_SERVER = "sglang.srt.entrypoints.http_server"
 
 
-def _tokenizer_manager(request: Request):
-    from sglang.srt.entrypoints.http_server import get_global_state
-
-    state = get_global_state()
-    return None if state is None else state.tokenizer_manager
-
-
-def _unavailable(why: str) -> JSONResponse:
-    return JSONResponse({"ok": False, "reason": "unavailable", "error": why}, 503)
+async def _controller():
+    """The controller of this process's TokenizerManager, started on first use; None if not installed."""
+    tm = compat.http_tokenizer_manager()
+    if tm is None or getattr(tm, "_engine_ext", None) is None:
+        return None
+    return await engine.controller(tm)
 
 
 async def post_update(request: Request) -> JSONResponse:
-    try:
-        check_token(request.headers.get("authorization"))
-        req = parse_request(await request.body())
-    except Exception as e:  # noqa: BLE001 - every failure is an answer with a status
-        status, body = error_answer(e)
-        return JSONResponse(body, status)
-    tm = _tokenizer_manager(request)
-    if tm is None or getattr(tm, "_engine_ext", None) is None:
-        return _unavailable("engine_ext is not initialised on this server (plugin not loaded in the scheduler/tokenizer?)")
-    try:
-        ctl = await engine.controller(tm)
-        return JSONResponse(await ctl.update(req))
-    except Exception as e:  # noqa: BLE001
-        status, body = error_answer(e)
-        log.warning("engine_ext: update refused/failed (%s): %s", status, body["error"])
-        return JSONResponse(body, status)
+    status, body = await post_answer(_controller, request.headers.get("authorization"), request.body)
+    return JSONResponse(body, status)
 
 
 async def get_update(request: Request) -> JSONResponse:
-    try:
-        check_token(request.headers.get("authorization"))
-    except Exception as e:  # noqa: BLE001
-        status, body = error_answer(e)
-        return JSONResponse(body, status)
-    tm = _tokenizer_manager(request)
-    if tm is None or getattr(tm, "_engine_ext", None) is None:
-        return _unavailable("engine_ext is not initialised on this server")
-    try:
-        return JSONResponse((await engine.controller(tm)).status())
-    except Exception as e:  # noqa: BLE001 - the start-up probe failed: say why
-        status, body = error_answer(e)
-        return JSONResponse(body, 503 if status == 500 else status)
+    status, body = await get_answer(_controller, request.headers.get("authorization"))
+    return JSONResponse(body, status)
 
 
 def attach(app) -> bool:
     """Add the two routes to ``app`` (idempotent); True if they were added now."""
     if any(getattr(r, "path", None) == ROUTE for r in app.routes):
         return False
-    try:
-        from sglang.srt.utils.auth import AuthLevel, auth_level
-
-        for fn in (post_update, get_update):
-            auth_level(AuthLevel.ADMIN_OPTIONAL)(fn)
-    except ImportError:  # older SGLang without per-route auth levels
-        pass
+    compat.mark_admin_optional(post_update, get_update)
     app.add_api_route(ROUTE, post_update, methods=["POST"], response_class=JSONResponse)
     app.add_api_route(ROUTE, get_update, methods=["GET"], response_class=JSONResponse)
     _start_with_lifespan(app)
@@ -93,7 +60,7 @@ def _start_with_lifespan(app) -> None:
     @asynccontextmanager
     async def lifespan(a):
         async with inner(a) as state:
-            tm = _tokenizer_manager(None)
+            tm = compat.http_tokenizer_manager()
             if tm is not None and getattr(tm, "_engine_ext", None) is not None:
                 task = asyncio.ensure_future(engine.controller(tm))
                 task.add_done_callback(_log_start)

@@ -1,31 +1,34 @@
-"""The ``delta`` weight-transfer backend: vLLM's own update API drives our apply.
+"""The ``delta`` weight-transfer backend: vLLM's own update API drives the update transaction.
 
 With ``weight_transfer_config={"backend": "delta"}`` (``--weight-transfer-config
 '{"backend": "delta"}'``), ``LLM.update_weights({"update_info": {"url": ...}})`` and
-vLLM's RL routes make every worker fetch and decode the delta itself (allowed
-sources only), apply it in place, and verify the fingerprints across ranks with
-an all-reduce; on any mismatch every rank rolls back and the call raises.
-Unlike the HTTP endpoint there is no served-version bookkeeping here: a delta on
-the wrong base simply fails verification and is rolled back.
+vLLM's RL routes run the same :class:`~engine_ext.transaction.UpdateTransaction` as
+``POST /update_weights_delta``: chains and anchors from the served version, the
+version kept, every rank verified and rolled back together. vLLM calls the backend in
+every worker at once; worker rank 0 drives the transaction
+(:class:`WorkerGroupRanks`) and every other worker follows its ops (:func:`follow`)
+over the workers' CPU process group until rank 0 says it is done.
 """
 from __future__ import annotations
 
+import asyncio
+import os
 from dataclasses import dataclass
-from typing import Any
 
-import torch
+import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
 
-from .. import fingerprint as fpr
-from ..errors import VerifyError
-from ..service import Sources
+from ..controller import Controller, initial_version
+from ..protocol import RankReply, UpdateRequest
+from ..rank import run_op
+from . import compat
 from .worker import updater_for
 
-_BIG = 1 << 62
+_DONE, _OP = "done", "op"
 
 
 @dataclass
@@ -35,49 +38,56 @@ class DeltaInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class DeltaUpdateInfo(WeightTransferUpdateInfo):
-    url: str | None = None  # manifest URI or path (must be under ENGINE_EXT_SOURCES)
-    path: str | None = None  # or a staged file from engine_ext.updater.stage_delta
+    url: str  # manifest URI or path, or a store root (its LATEST); must be under ENGINE_EXT_SOURCES
+    base_version: int | None = None  # refuse unless the engine holds this version
 
 
-def _signed(u: int) -> int:
-    return u - (1 << 64) if u >= 1 << 63 else u
+class WorkerGroupRanks:
+    """:class:`engine_ext.transaction.Ranks` from worker rank 0 to every worker of an in-process engine.
 
-
-def combine_collective(report: dict[str, list], rank: int) -> dict[str, tuple[int, int]]:
-    """Whole-tensor (fingerprint, covered) across all ranks with two all-reduces.
-
-    Same rule as :func:`engine_ext.service.combine_fingerprints`: the lowest rank that
-    holds a whole tensor speaks for it; otherwise the disjoint shards add up.
+    Each op is broadcast to the followers, run here, and every reply gathered back here.
+    Generation does not run during ``update_weights`` (vLLM calls it between steps), so
+    pause and resume are no-ops; the caller resets caches and sets the weight version
+    (``finish_weight_update(weight_version=...)``, ``reset_prefix_cache``).
     """
-    import torch.distributed as dist
 
-    names = list(report)
-    fps = [fpr.parse(report[n][0]) for n in names]
-    cov = [report[n][1] for n in names]
-    numel = [report[n][2] for n in names]
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return {n: (f, c) for n, f, c in zip(names, fps, cov)}
-    from vllm.distributed import get_world_group
+    def __init__(self, updater, group, world: int):
+        self.updater, self.group, self.world = updater, group, world
 
-    group = get_world_group().cpu_group
-    full = torch.tensor([rank if c == n else _BIG for c, n in zip(cov, numel)], dtype=torch.int64)
-    dist.all_reduce(full, op=dist.ReduceOp.MIN, group=group)
-    speak = [int(f) == _BIG or int(f) == rank for f in full]
-    acc = torch.tensor([[_signed(f) if s else 0, c if s else 0] for f, c, s in zip(fps, cov, speak)], dtype=torch.int64).reshape(-1, 2)
-    dist.all_reduce(acc, group=group)
-    return {n: (int(a) & fpr.MASK64, int(c)) for n, (a, c) in zip(names, acc.tolist())}
+    async def call(self, op: str, **kwargs) -> list[RankReply]:
+        if self.world > 1:
+            dist.broadcast_object_list([(_OP, op, kwargs)], src=0, group=self.group)
+        mine = run_op(self.updater, op, kwargs, rank=0)
+        replies = [mine]
+        if self.world > 1:
+            replies = [None] * self.world
+            dist.gather_object(mine, replies, dst=0, group=self.group)
+        return [RankReply.from_wire(w) for w in replies]
+
+    async def pause(self, mode: str) -> None:
+        pass
+
+    async def resume(self) -> None:
+        pass
+
+    async def after_update(self, version: int) -> None:
+        pass
+
+    def release(self, error: str | None) -> None:
+        """Tell the followers the transaction ended (with rank 0's error, if it failed)."""
+        if self.world > 1:
+            dist.broadcast_object_list([(_DONE, error)], src=0, group=self.group)
 
 
-def _all_ok(ok: bool) -> bool:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return ok
-    from vllm.distributed import get_world_group
-
-    t = torch.tensor([1 if ok else 0], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=get_world_group().cpu_group)
-    return bool(t.item())
+def follow(updater, group, rank: int) -> str | None:
+    """On a worker other than rank 0: run rank 0's ops until it is done; its error, if any."""
+    while True:
+        msg = [None]
+        dist.broadcast_object_list(msg, src=0, group=group)
+        if msg[0][0] == _DONE:
+            return msg[0][1]
+        _, op, kwargs = msg[0]
+        dist.gather_object(run_op(updater, op, kwargs, rank=rank), None, dst=0, group=group)
 
 
 class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
@@ -85,13 +95,11 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
     update_info_cls = DeltaUpdateInfo
     supports_draft_weight_update = False
 
-    def _rank(self) -> int:
-        import torch.distributed as dist
-
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    _controller: Controller | None = None
 
     def init_transfer_engine(self, init_info: DeltaInitInfo) -> None:
-        updater_for(self.model, self.vllm_config, self._rank()).setup()
+        """Once, before the first update: every rank probes its layout and fingerprints its weights."""
+        self._drive(lambda ctl: ctl.start())
 
     def start_weight_update(self) -> None:
         pass
@@ -99,41 +107,53 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
     def finish_weight_update(self) -> None:
         pass
 
-    def update_weights(self, update_info: dict[str, Any]) -> None:
+    def update_weights(self, update_info: dict) -> None:
         # The base class synchronises an accelerator, which fails on CPU-only hosts;
-        # our apply is synchronous already.
+        # the transaction is synchronous already.
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, info: DeltaUpdateInfo) -> None:
-        from ..reader import load_delta
+        """One update transaction to ``info.url``; raises (on every rank) when it did not commit."""
+        req = UpdateRequest.parse({"url": info.url, "base_version": info.base_version})
 
-        if (info.url is None) == (info.path is None):
-            raise ValueError('update_info needs exactly one of "url" or "path"')
-        rank = self._rank()
-        up = updater_for(self.model, self.vllm_config, rank)
-        tensors, expected = None, None
-        err = None
-        try:
-            if info.url is not None:
-                delta = load_delta(Sources.from_env().check(info.url))
-                tensors, expected = delta.tensors, delta.version
-                reply = up.apply(deltas=tensors)
-            else:
-                reply = up.apply(path=info.path)
-        except Exception as e:  # noqa: BLE001 - every rank must take part in the collectives below
-            err, reply = e, None
-        if not _all_ok(err is None):
-            up.rollback()
-            raise err if err is not None else RuntimeError("delta apply failed on another rank; rolled back")
-        got = combine_collective(reply["fingerprints"], rank)
-        from ..updater import load_staged
+        async def update(ctl: Controller):
+            if not ctl.ready:
+                await ctl.start()
+            return await ctl.update(req)
 
-        tds = tensors if tensors is not None else load_staged(info.path)
-        bad = [td.name for td in tds if td.fingerprint is not None and (got[td.name][0] != td.fingerprint or got[td.name][1] != td.numel)]
-        if bad:
-            up.rollback()
-            raise VerifyError(f"fingerprint mismatch after apply (wrong base?) in {bad[:5]}; every rank rolled back")
-        up.commit(expected)
+        self._drive(update)
+
+    def _drive(self, step):
+        """Run ``step(controller)`` on rank 0 while the other workers follow; every worker raises
+        rank 0's failure, so that vLLM ends the weight-update session on all of them alike."""
+        group, rank, world = compat.world_cpu_group()
+
+        def updater():
+            return updater_for(self.model, self.vllm_config, rank)
+
+        with compat.current_config(self.vllm_config):
+            if rank != 0:
+                error = follow(updater, group, rank)
+                if error is not None:
+                    raise RuntimeError(f"engine_ext update failed on rank 0, every rank rolled back: {error}")
+                return
+            ranks = WorkerGroupRanks(updater, group, world)
+            if self._controller is None:
+                model = self.model_config.model
+                self._controller = Controller(ranks, version=initial_version(model if os.path.isdir(model) else None))
+            self._controller.ranks = ranks
+            error = None
+            try:
+                asyncio.run(step(self._controller))
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+                raise
+            finally:
+                ranks.release(error)
+
+    def status(self) -> dict | None:
+        """The driver's status (rank 0 only; None elsewhere)."""
+        return None if self._controller is None else self._controller.status()
 
     def shutdown(self) -> None:
         pass

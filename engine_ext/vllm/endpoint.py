@@ -1,11 +1,10 @@
 """``vllm.endpoint_plugins`` entry point: ``POST``/``GET /update_weights_delta``.
 
 Loaded in the API server process only when ``VLLM_PLUGINS`` names ``engine_ext``
-(vLLM 0.32 contract: ``vllm/plugins/endpoint_plugins/interface.py``). The routes
-drive :class:`engine_ext.service.Controller` through the engine client's public
-methods (``collective_rpc``, ``pause_generation``, ``reset_prefix_cache``,
-``update_weight_version``, ``resume_generation``); the worker-side method they
-call is installed by the general plugin.
+(vLLM 0.32 contract: ``vllm/plugins/endpoint_plugins/interface.py``). The routes drive
+a :class:`engine_ext.controller.Controller` whose ranks are reached through the engine
+client's public methods (:class:`EngineClientRanks`); the worker-side method they call
+is installed by the general plugin.
 """
 from __future__ import annotations
 
@@ -16,19 +15,23 @@ from argparse import Namespace
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ..service import ROUTE, Controller, Sources, check_token, error_answer, initial_version, parse_request
+from ..controller import ROUTE, Controller, initial_version
+from ..http import get_answer, post_answer
+from ..protocol import RankReply
+from .worker import RPC_METHOD
 
 log = logging.getLogger("engine_ext")
 
 
-class VllmEngine:
-    """:class:`engine_ext.service.Engine` over vLLM's ``EngineClient``."""
+class EngineClientRanks:
+    """:class:`engine_ext.transaction.Ranks` over vLLM's ``EngineClient`` (the API server's handle on the engine)."""
 
     def __init__(self, client):
         self.client = client
 
-    async def call_ranks(self, op: str, **kwargs) -> list[dict]:
-        return list(await self.client.collective_rpc("engine_ext", args=(op,), kwargs=kwargs))
+    async def call(self, op: str, **kwargs) -> list[RankReply]:
+        wire = await self.client.collective_rpc(RPC_METHOD, args=(op,), kwargs=kwargs)
+        return [RankReply.from_wire(w) for w in wire]
 
     async def pause(self, mode: str) -> None:
         # The caches are reset after the apply instead (clear_cache would drop the
@@ -44,38 +47,21 @@ class VllmEngine:
         await self.client.update_weight_version(str(version))
 
 
-def controller(request: Request) -> Controller | None:
-    return getattr(request.app.state, "engine_ext", None)
+def _controller(request: Request):
+    async def get() -> Controller | None:
+        return getattr(request.app.state, "engine_ext", None)
 
-
-def _unavailable() -> JSONResponse:
-    return JSONResponse({"ok": False, "reason": "unavailable", "error": "engine_ext is not initialised on this server"}, 503)
+    return get
 
 
 async def post_update(request: Request) -> JSONResponse:
-    ctl = controller(request)
-    if ctl is None:
-        return _unavailable()
-    try:
-        check_token(request.headers.get("authorization"))
-        req = parse_request(await request.body())
-        return JSONResponse(await ctl.update(req))
-    except Exception as e:  # noqa: BLE001 - every failure is an answer with a status
-        status, body = error_answer(e)
-        log.warning("engine_ext: update refused/failed (%s): %s", status, body["error"])
-        return JSONResponse(body, status)
+    status, body = await post_answer(_controller(request), request.headers.get("authorization"), request.body)
+    return JSONResponse(body, status)
 
 
 async def get_update(request: Request) -> JSONResponse:
-    ctl = controller(request)
-    if ctl is None:
-        return _unavailable()
-    try:
-        check_token(request.headers.get("authorization"))
-    except Exception as e:  # noqa: BLE001
-        status, body = error_answer(e)
-        return JSONResponse(body, status)
-    return JSONResponse(ctl.status())
+    status, body = await get_answer(_controller(request), request.headers.get("authorization"))
+    return JSONResponse(body, status)
 
 
 class EndpointPlugin:
@@ -94,7 +80,7 @@ class EndpointPlugin:
         if engine_client is None:
             return
         model_dir = getattr(args, "model", None)
-        ctl = Controller(VllmEngine(engine_client), Sources.from_env(),
+        ctl = Controller(EngineClientRanks(engine_client),
                          version=initial_version(model_dir if model_dir and os.path.isdir(model_dir) else None))
         state.engine_ext = ctl
         try:

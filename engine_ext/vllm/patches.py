@@ -1,5 +1,5 @@
-"""Patches to vLLM that in-place updates need, and one that CPU serving needs (documented
-in patches/README.md).
+"""Patches to vLLM that in-place updates need, one that CPU serving needs and one that
+failed collective RPCs need (documented in patches/README.md).
 
 *Ask Linux for AMX tile permission in every process* (:func:`request_amx_permission`).
 vLLM 0.32's CPU attention runs AMX tile instructions (ISA "amx": bf16, block size a
@@ -31,7 +31,6 @@ import platform
 import torch
 
 log = logging.getLogger("engine_ext")
-CHECKED_VLLM_VERSIONS = ("0.32.0",)
 _MARK = "_engine_ext_keeps_weight"
 
 
@@ -68,7 +67,10 @@ def keep_cpu_linear_weights() -> bool:
     """Install the patch (idempotent). Returns False where it does not apply."""
     try:
         import vllm
-        from vllm.model_executor.layers import utils
+
+        from .compat import cpu_gemm_module
+
+        utils = cpu_gemm_module()
     except ImportError:
         return False
     orig = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
@@ -77,8 +79,6 @@ def keep_cpu_linear_weights() -> bool:
         return False
     if getattr(orig, _MARK, False):
         return True
-    if vllm.__version__.split("+")[0] not in CHECKED_VLLM_VERSIONS:
-        log.warning("engine_ext: CPU keep-weights patch checked on vLLM %s only, running on %s", CHECKED_VLLM_VERSIONS, vllm.__version__)
 
     def dispatch_keeping_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
         orig(layer, remove_weight=False)
@@ -124,11 +124,67 @@ def cpu_paths(model: torch.nn.Module) -> dict:
     return {"gemm": gemm, "attention_isa": attention_isas(model), "amx": amx_permitted()}
 
 
+class _ReadOnce:
+    """A worker's reply queue that remembers whether this call has read it."""
+
+    def __init__(self, mq):
+        self.mq, self.read = mq, False
+
+    def dequeue(self, *args, **kwargs):
+        self.read = True
+        return self.mq.dequeue(*args, **kwargs)
+
+
+def drain_replies_after_a_failed_rpc() -> bool:
+    """Make vLLM's multiprocess executor read every worker's reply of a failed collective RPC.
+
+    vLLM 0.32/0.33 ``MultiprocExecutor.collective_rpc`` reads the workers' replies in rank
+    order and raises at the first failure, leaving the later workers' replies queued; the
+    next call then reads those stale replies, and every RPC after it is out of step (a
+    failed ``update_weights`` at TP 2 broke every later call). The wrapper lets the call
+    run on reply queues that note what was read and, when it raises, reads (and drops)
+    the replies it skipped before re-raising. Blocking calls only (utility RPCs such as
+    ``update_weights`` and ours); idempotent.
+    """
+    try:
+        from .compat import multiproc_executor_class
+
+        cls = multiproc_executor_class()
+    except ImportError:
+        return False
+    orig = cls.collective_rpc
+    if getattr(orig, _MARK, False):
+        return True
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False, **rest):
+        if non_block or getattr(self, "response_mqs", None) is None:
+            return orig(self, method, timeout, args, kwargs, non_block, **rest)
+        real = self.response_mqs
+        queues = [_ReadOnce(mq) for mq in real]
+        self.response_mqs = queues
+        try:
+            return orig(self, method, timeout, args, kwargs, non_block, **rest)
+        except RuntimeError:
+            for q in queues:
+                if not q.read:
+                    try:
+                        q.dequeue(timeout=timeout)
+                    except Exception:  # noqa: BLE001 - a worker that never answers is already a failure
+                        log.exception("engine_ext: could not read a worker's reply after a failed RPC")
+            raise
+        finally:
+            self.response_mqs = real
+
+    setattr(collective_rpc, _MARK, True)
+    cls.collective_rpc = collective_rpc
+    return True
+
+
 def repack(layer: torch.nn.Module) -> None:
     """Rebuild the served (packed) copy of ``layer`` from its kept ``weight``."""
-    from vllm.model_executor.layers import utils
+    from .compat import cpu_gemm_module
 
-    utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    cpu_gemm_module().dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
 
 
 def packed_layers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:

@@ -24,19 +24,17 @@ def register() -> None:
         log.addHandler(h)
         log.setLevel(logging.INFO)
         log.propagate = False
-    from vllm.platforms import current_platform
+    from .. import settings
+    from . import compat, worker
+    from .patches import drain_replies_after_a_failed_rpc, keep_cpu_linear_weights, request_amx_permission
 
-    from . import worker
-    from .patches import keep_cpu_linear_weights, request_amx_permission
-
-    if current_platform.is_cpu():
+    settings.current()  # every ENGINE_EXT_* variable read once, here, in every vLLM process
+    checked, note = compat.version_note()
+    (log.debug if checked else log.warning)("engine_ext: %s", note)
+    if compat.is_cpu():
         request_amx_permission()
         keep_cpu_linear_weights()
+    drain_replies_after_a_failed_rpc()
     worker.install()
-    try:
-        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-        if "delta" not in WeightTransferEngineFactory._registry:
-            WeightTransferEngineFactory.register_engine("delta", "engine_ext.vllm.backend", "DeltaWeightTransferEngine")
-    except ImportError:  # older vLLM without weight-transfer backends
+    if not compat.register_weight_transfer_backend("delta", "engine_ext.vllm.backend", "DeltaWeightTransferEngine"):
         log.info("engine_ext: vLLM has no WeightTransferEngineFactory; 'delta' backend not registered")

