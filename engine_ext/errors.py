@@ -25,6 +25,13 @@ class ForbiddenSourceError(SourceError):
     http_status = 403
 
 
+class FetchTimeoutError(SourceError):
+    """The update's fetch deadline passed (a slow or trickling source)."""
+
+    reason = "fetch_timeout"
+    http_status = 504
+
+
 class ManifestError(DeltaError):
     """The manifest is malformed, of an unknown format version, or exceeds limits."""
 

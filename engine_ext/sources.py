@@ -17,28 +17,48 @@ from .errors import ForbiddenSourceError
 _SCHEME_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 
 
-def _normalise(uri: str) -> tuple[str, str, str]:
-    """(scheme, authority, path) with the path made canonical.
+def _show(uri) -> str:
+    """A URI for an error message: quoted, and cut short (a hostile request may send megabytes)."""
+    text = repr(uri)
+    return text if len(text) <= 200 else text[:200] + "...'"
 
-    Local paths go through ``realpath`` (symlinks and ``..`` resolved); remote URIs
-    must not contain ``..`` or ``.`` segments at all (raw or percent-encoded), since
-    servers resolve them differently.
+
+def _normalise(uri: str) -> tuple[str, str, str]:
+    """(scheme, authority, path) with the path made canonical; ForbiddenSourceError otherwise.
+
+    Local paths go through ``realpath`` (symlinks and ``..`` resolved). Remote URIs must
+    not contain ``.``/``..`` segments (raw or percent-encoded), an encoded slash or a
+    backslash (``%2F``/``%5C``: the store would split root and key elsewhere than this check did),
+    credentials, a query or a fragment, and must parse (a malformed port or IPv6 host is
+    refused, not a server error). Host names compare case-insensitively, S3 bucket names
+    exactly (buckets are case-sensitive on some S3-compatible servers).
     """
-    if not isinstance(uri, str) or not uri or "\x00" in uri:
-        raise ForbiddenSourceError("empty or invalid source")
+    if not isinstance(uri, str) or not uri or "\x00" in uri or len(uri) > 4096:
+        raise ForbiddenSourceError("empty, overlong or invalid source")
     if uri.startswith("file://"):
         uri = uri[len("file://"):]
     if not _SCHEME_RE.match(uri):
         return "file", "", os.path.realpath(os.path.expanduser(uri))
-    parts = urlsplit(uri)
-    path = parts.path or "/"
-    segs = unquote(path).split("/")
-    if any(s in ("..", ".") for s in segs) or "\\" in unquote(path):
-        raise ForbiddenSourceError(f"source {uri!r} contains '.' or '..' path segments")
-    authority = (parts.hostname or "").lower() + (f":{parts.port}" if parts.port else "")
+    if "%2f" in uri.lower() or "%5c" in uri.lower() or "\\" in uri:
+        raise ForbiddenSourceError(f"source {_show(uri)} contains an encoded '/' or a '\\'")
+    try:
+        parts = urlsplit(uri)
+        port, host = parts.port, parts.hostname
+    except ValueError:
+        raise ForbiddenSourceError(f"source {_show(uri)} is not a well-formed URI") from None
     if parts.username or parts.password:
-        raise ForbiddenSourceError(f"source {uri!r} carries credentials in the URI")
-    return parts.scheme.lower(), authority, posixpath.normpath(unquote(path))
+        raise ForbiddenSourceError(f"source {_show(uri)} carries credentials in the URI")
+    if parts.query or parts.fragment:
+        raise ForbiddenSourceError(f"source {_show(uri)} carries a query or fragment")
+    path = parts.path or "/"
+    if any(seg in ("..", ".") for seg in unquote(path).split("/")):
+        raise ForbiddenSourceError(f"source {_show(uri)} contains '.' or '..' path segments")
+    scheme = parts.scheme.lower()
+    if scheme == "s3":
+        authority = parts.netloc  # the bucket, exactly as the store will use it
+    else:
+        authority = (host or "") + (f":{port}" if port else "")
+    return scheme, authority, posixpath.normpath(unquote(path))
 
 
 def _under(path: str, prefix: str) -> bool:
@@ -65,4 +85,4 @@ class Sources:
         for s, a, p in self.prefixes:
             if s == scheme and a == auth and _under(path, p):
                 return path if scheme == "file" else uri
-        raise ForbiddenSourceError(f"source {uri!r} is not under an allowed prefix (ENGINE_EXT_SOURCES={','.join(self.raw)})")
+        raise ForbiddenSourceError(f"source {_show(uri)} is not under an allowed prefix (ENGINE_EXT_SOURCES)")

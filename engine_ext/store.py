@@ -17,14 +17,16 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
+import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Mapping
 
 from . import settings
-from .errors import ForbiddenSourceError, IntegrityError, NotFoundError, SourceError
+from .errors import FetchTimeoutError, ForbiddenSourceError, IntegrityError, NotFoundError, SourceError
 from .format import LATEST_KEY
 
 __all__ = [
@@ -70,6 +72,18 @@ class Store:
     uri: str
     #: default cap on ``read`` (whole objects are held in memory); None = no cap
     max_object_bytes: int | None = None
+    #: ``time.monotonic()`` after which every read fails with FetchTimeoutError (None: no deadline);
+    #: a reader sets it for the whole of one update, so a slow source cannot stretch it
+    deadline: float | None = None
+
+    def remaining(self, what: str) -> float | None:
+        """Seconds left before the deadline (None: no deadline); FetchTimeoutError once it passed."""
+        if self.deadline is None:
+            return None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise FetchTimeoutError(f"{what}: the update's fetch deadline passed (ENGINE_EXT_FETCH_TIMEOUT)")
+        return left
 
     def key_uri(self, key: str) -> str:
         return f"{self.uri.rstrip('/')}/{_check_key(key, self.uri)}"
@@ -137,20 +151,46 @@ class LocalStore(Store):
         return f"{self.uri.removesuffix('/')}/{urllib.parse.quote(key)}" if self.file_uri else self._p(key)
 
     def _open(self, key: str):
+        """Open a key for reading: a regular file below the root, reached without symlinks.
+
+        ``O_NOFOLLOW`` refuses a link as the last component and the real path must stay
+        below the root's (no linked directory on the way); ``O_NONBLOCK`` keeps a FIFO from
+        hanging the open, and anything but a regular file is refused. Errors name the key,
+        not the local path.
+        """
+        path = self._p(key)
         try:
-            return open(self._p(key), "rb")
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise NotFoundError(f"not found: {self.key_uri(key)}") from None
+            raise NotFoundError(f"not found: {key}") from None
         except OSError as e:
-            raise SourceError(f"cannot read {self.key_uri(key)}: {e}") from e
+            if e.errno == 40:  # ELOOP: the key is a symlink
+                raise ForbiddenSourceError(f"refused {key}: a symbolic link") from None
+            raise SourceError(f"cannot read {key}: {e.strerror}") from None
+        try:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISDIR(mode):
+                raise NotFoundError(f"not found: {key} (a directory)")
+            if not stat.S_ISREG(mode):
+                raise ForbiddenSourceError(f"refused {key}: not a regular file")
+            root = os.path.realpath(self.path)
+            if not os.path.realpath(path).startswith(root.rstrip(os.sep) + os.sep):
+                raise ForbiddenSourceError(f"refused {key}: reached through a symbolic link out of the store")
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
 
     def read(self, key: str, max_bytes: int | None = None) -> bytes:
         limit = max_bytes if max_bytes is not None else self.max_object_bytes
         with self._open(key) as f:
-            size = os.fstat(f.fileno()).st_size
-            if limit is not None and size > limit:
-                raise _too_large(self.key_uri(key), size, limit)
-            return f.read()
+            if limit is None:
+                return f.read()
+            data = f.read(limit + 1)  # never more, whatever st_size says
+            if len(data) > limit:
+                raise _too_large(key, len(data), limit)
+            return data
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
         _check_range(start, length)
@@ -158,9 +198,10 @@ class LocalStore(Store):
             return self._pread(f, key, start, length)
 
     def _pread(self, f, key: str, start: int, length: int) -> bytes:
+        self.remaining(f"reading {key}")
         data = os.pread(f.fileno(), length, start) if length else b""
         if len(data) != length:
-            raise _short(self.key_uri(key), start, length, os.fstat(f.fileno()).st_size)
+            raise _short(key, start, length, os.fstat(f.fileno()).st_size)
         return data
 
     def read_ranges(self, key: str, ranges: list[tuple[int, int]], workers: int = 8) -> list[bytes]:
@@ -217,15 +258,8 @@ class LocalStore(Store):
         return os.path.isfile(self._p(key))
 
     def size(self, key: str) -> int:
-        try:
-            st = os.stat(self._p(key))
-        except (FileNotFoundError, NotADirectoryError):
-            raise NotFoundError(f"not found: {self.key_uri(key)}") from None
-        except OSError as e:
-            raise SourceError(f"cannot stat {self.key_uri(key)}: {e}") from e
-        if not os.path.isfile(self._p(key)):
-            raise NotFoundError(f"not a file: {self.key_uri(key)}")
-        return st.st_size
+        with self._open(key) as f:
+            return os.fstat(f.fileno()).st_size
 
     def list(self, prefix: str = "") -> list[str]:
         _check_prefix(prefix, self.uri)
@@ -256,10 +290,15 @@ class HttpStore(Store):
     backoff on connection errors and 429/5xx, honouring Retry-After). Ranges use
     ``Range:`` and check the 206's ``Content-Range``; a server that ignores Range and
     answers 200 is read only up to the end of the wanted range, then the connection is
-    dropped, so memory stays bounded by what was asked for. ``token`` (or env
-    ``ENGINE_EXT_HTTP_TOKEN``) is sent as ``Authorization: Bearer``. ``writable=True``
-    enables ``write`` by HTTP PUT; atomicity then is the server's to guarantee.
+    dropped, so memory stays bounded by what was asked for. Bodies are read as they
+    arrive (never decompressed), so the store's deadline holds against a trickling
+    server. Redirects are followed only below the store's root (:meth:`_may_redirect`),
+    and ``token`` (or ``ENGINE_EXT_HTTP_TOKEN``) is sent as ``Authorization: Bearer``
+    only to URLs below the root. ``writable=True`` enables ``write`` by HTTP PUT;
+    atomicity then is the server's to guarantee.
     """
+
+    MAX_REDIRECTS = 5
 
     def __init__(self, root: str, *, token: str | None = None, connect_timeout: float = 5.0,
                  read_timeout: float = 60.0, retries: int = 5, backoff: float = 0.25,
@@ -272,12 +311,12 @@ class HttpStore(Store):
         if parts.query or parts.fragment:
             raise SourceError(f"HTTP store root {root!r} must not carry a query or fragment")
         self.uri = root.rstrip("/")
-        self.timeout = (connect_timeout, read_timeout)
+        self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self.max_object_bytes = max_object_bytes
         self.writable = writable
         self.retries = retries
         self.session = requests.Session()
-        retry = Retry(total=retries, connect=retries, read=retries, status=retries, other=0,
+        retry = Retry(total=retries, connect=retries, read=retries, status=retries, other=0, redirect=0,
                       backoff_factor=backoff, backoff_max=10.0,
                       status_forcelist=(429, 500, 502, 503, 504),
                       allowed_methods=frozenset({"GET", "HEAD", "PUT"}),
@@ -287,9 +326,9 @@ class HttpStore(Store):
         self.session.mount("https://", adapter)
         # No transparent gzip: Content-Length and byte ranges must refer to the stored bytes.
         self.session.headers["Accept-Encoding"] = "identity"
+        self.session.trust_env = False  # no proxies or .netrc credentials picked up from the environment
         token = token if token is not None else settings.current().http_token
-        if token:
-            self.session.headers["Authorization"] = f"Bearer {token}"
+        self._auth = f"Bearer {token}" if token else None
 
     def key_uri(self, key: str) -> str:
         return f"{self.uri}/{urllib.parse.quote(_check_key(key, self.uri))}"
@@ -298,20 +337,46 @@ class HttpStore(Store):
         """The HTTP URL of a key (differs from ``key_uri`` for hf:// stores)."""
         return self.key_uri(key)
 
+    def _base(self) -> str:
+        """The HTTP URL every object of this store lies under."""
+        return self.uri
+
+    def _below_base(self, url: str) -> bool:
+        u, b = urllib.parse.urlsplit(url), urllib.parse.urlsplit(self._base())
+        return (u.scheme, u.netloc) == (b.scheme, b.netloc) and u.path.startswith(b.path.rstrip("/") + "/")
+
+    def _may_redirect(self, url: str) -> bool:
+        """Whether to follow a redirect to ``url``: only below the store's root."""
+        return self._below_base(url)
+
+    def _timeout(self, what: str) -> tuple[float, float]:
+        left = self.remaining(what)
+        return (self.connect_timeout, self.read_timeout if left is None else min(self.read_timeout, left))
+
     def _request(self, method: str, key: str, **kw):
         import requests
 
         url = self._url(key)
-        try:
-            return self.session.request(method, url, timeout=self.timeout, **kw)
-        except requests.RequestException as e:
-            where = self.key_uri(key) + (f" ({url})" if url != self.key_uri(key) else "")
-            raise SourceError(f"{method} {where} failed after {self.retries} retries: {type(e).__name__}: {e}") from e
+        headers = dict(kw.pop("headers", None) or {})
+        for _ in range(self.MAX_REDIRECTS + 1):
+            hdrs = dict(headers, Authorization=self._auth) if self._auth and self._below_base(url) else headers
+            try:
+                r = self.session.request(method, url, timeout=self._timeout(f"{method} {self.key_uri(key)}"),
+                                         allow_redirects=False, headers=hdrs, **kw)
+            except requests.RequestException as e:
+                raise SourceError(f"{method} {self.key_uri(key)} failed after {self.retries} retries: "
+                                  f"{type(e).__name__}: {str(e)[:300]}") from e
+            if not r.is_redirect:
+                return r
+            target = urllib.parse.urljoin(url, r.headers.get("Location", ""))
+            r.close()
+            if not self._may_redirect(target):
+                raise ForbiddenSourceError(f"{method} {self.key_uri(key)}: redirect out of the store refused")
+            url = target
+        raise SourceError(f"{method} {self.key_uri(key)}: more than {self.MAX_REDIRECTS} redirects")
 
     def _fail(self, r, what: str, key: str):
         url = self.key_uri(key)
-        if r.url and r.url != url:  # redirected, or an hf:// key served from an https URL
-            url += f" ({r.url})"
         code = r.status_code
         r.close()
         if code == 404 or code == 410:
@@ -320,25 +385,41 @@ class HttpStore(Store):
             return IntegrityError(f"{what} {url}: range not satisfiable (HTTP 416), object is shorter than asked")
         if code in (401, 403):
             return SourceError(f"{what} {url}: access denied (HTTP {code}); check the token")
-        return SourceError(f"{what} {url}: HTTP {code} {r.reason or ''}".rstrip())
+        return SourceError(f"{what} {url}: HTTP {code} {(r.reason or '')[:100]}".rstrip())
+
+    def _stream(self, r, url: str, until: int | None):
+        """Read the body as it arrives (raw bytes, never decompressed), checking the deadline
+        between reads; stop once ``until`` bytes are in (None: the whole body)."""
+        import requests
+        from urllib3.exceptions import HTTPError
+
+        buf = bytearray()
+        try:
+            while until is None or len(buf) < until:
+                self.remaining(f"reading {url}")
+                chunk = r.raw.read1(1 << 20, decode_content=False)
+                if not chunk:
+                    break
+                buf += chunk
+                yield buf
+        except (requests.RequestException, HTTPError, OSError) as e:
+            raise SourceError(f"reading {url} failed mid-body: {type(e).__name__}: {str(e)[:300]}") from e
+        finally:
+            r.close()
 
     def _body(self, r, limit: int | None, url: str) -> bytes:
-        import requests
-
         n = r.headers.get("Content-Length")
+        if n is not None and not n.isdigit():
+            r.close()
+            raise SourceError(f"reading {url}: bad Content-Length")
         if limit is not None and n is not None and int(n) > limit:
             r.close()
             raise _too_large(url, int(n), limit)
         buf = bytearray()
-        try:
-            for chunk in r.iter_content(1 << 20):
-                buf += chunk
-                if limit is not None and len(buf) > limit:
-                    raise _too_large(url, len(buf), limit)
-        except requests.RequestException as e:
-            raise SourceError(f"reading {url} failed mid-body: {type(e).__name__}: {e}") from e
-        finally:
-            r.close()
+        for buf in self._stream(r, url, None):
+            if limit is not None and len(buf) > limit:
+                r.close()
+                raise _too_large(url, len(buf), limit)
         if n is not None and len(buf) != int(n):
             raise SourceError(f"reading {url}: got {len(buf)} bytes, Content-Length said {n}")
         return bytes(buf)
@@ -361,7 +442,7 @@ class HttpStore(Store):
             m = _CONTENT_RANGE.fullmatch(r.headers.get("Content-Range", "").strip())
             if not m or int(m.group(1)) != start:
                 r.close()
-                raise SourceError(f"GET {url}: bad Content-Range {r.headers.get('Content-Range')!r} for bytes={start}-{end}")
+                raise SourceError(f"GET {url}: bad Content-Range for bytes={start}-{end}")
             got_end = int(m.group(2))
             if got_end < end:
                 r.close()
@@ -371,25 +452,16 @@ class HttpStore(Store):
                 raise _short(url, start, length, start + len(data))
             return data
         if r.status_code == 200:  # Range ignored: skip to start, keep length bytes, hang up
-            import requests
-
             buf = bytearray()
-            try:
-                for chunk in r.iter_content(1 << 20):
-                    buf += chunk
-                    if len(buf) >= start + length:
-                        break
-            except requests.RequestException as e:
-                raise SourceError(f"reading {url} failed mid-body: {type(e).__name__}: {e}") from e
-            finally:
-                r.close()
+            for buf in self._stream(r, url, start + length):
+                pass
             if len(buf) < start + length:
                 raise _short(url, start, length, len(buf))
             return bytes(buf[start:start + length])
         raise self._fail(r, "GET", key)
 
     def exists(self, key: str) -> bool:
-        r = self._request("HEAD", key, allow_redirects=True)
+        r = self._request("HEAD", key)
         if r.status_code == 200:
             return True
         err = self._fail(r, "HEAD", key)
@@ -398,7 +470,7 @@ class HttpStore(Store):
         raise err
 
     def size(self, key: str) -> int:
-        r = self._request("HEAD", key, allow_redirects=True)
+        r = self._request("HEAD", key)
         if r.status_code != 200:
             raise self._fail(r, "HEAD", key)
         if "Content-Length" in r.headers:
@@ -484,6 +556,7 @@ class S3Store(Store):
         from botocore.exceptions import BotoCoreError, ClientError
 
         where = self.key_uri(key) if key is not None else self.uri
+        self.remaining(f"{what} {where}")
         try:
             return fn(**kw)
         except ClientError as e:
@@ -501,12 +574,21 @@ class S3Store(Store):
         except (BotoCoreError, Boto3Error) as e:  # no connection, no credentials, failed upload
             raise SourceError(f"{what} {where} failed (endpoint {self.endpoint_url or 'AWS'}): {e}") from e
 
-    def _read_body(self, resp, where: str) -> bytes:
+    def _read_body(self, resp, where: str, limit: int | None = None) -> bytes:
+        """The body in chunks, checking the deadline between them; never more than ``limit`` + 1 bytes."""
         from botocore.exceptions import BotoCoreError
 
+        buf = bytearray()
         try:
             with resp["Body"] as body:
-                return body.read()
+                while True:
+                    self.remaining(f"reading {where}")
+                    chunk = body.read(1 << 20)
+                    if not chunk:
+                        return bytes(buf)
+                    buf += chunk
+                    if limit is not None and len(buf) > limit:
+                        raise _too_large(where, len(buf), limit)
         except (BotoCoreError, OSError) as e:
             raise SourceError(f"reading {where} failed mid-body: {e}") from e
 
@@ -516,7 +598,7 @@ class S3Store(Store):
         if limit is not None and resp["ContentLength"] > limit:
             resp["Body"].close()
             raise _too_large(self.key_uri(key), resp["ContentLength"], limit)
-        return self._read_body(resp, self.key_uri(key))
+        return self._read_body(resp, self.key_uri(key), limit)
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
         _check_range(start, length)
@@ -529,7 +611,7 @@ class S3Store(Store):
         if m and int(m.group(2)) < end:
             resp["Body"].close()
             raise _short(self.key_uri(key), start, length, int(m.group(2)) + 1)
-        data = self._read_body(resp, self.key_uri(key))
+        data = self._read_body(resp, self.key_uri(key), length)
         if len(data) != length:
             raise _short(self.key_uri(key), start, length, start + len(data))
         return data
@@ -609,6 +691,15 @@ class HfBucketStore(HttpStore):
 
     def _url(self, key: str) -> str:
         return f"{self.http_uri}/{urllib.parse.quote(_check_key(key, self.uri))}"
+
+    def _base(self) -> str:
+        return self.http_uri
+
+    def _may_redirect(self, url: str) -> bool:
+        """The Hub answers ``resolve`` with a redirect to its CDN: follow HTTPS redirects
+        anywhere (the token goes only below this bucket's URL; contents are verified by
+        SHA-256 from the signed manifest anyway)."""
+        return urllib.parse.urlsplit(url).scheme == "https" or self._below_base(url)
 
     def _api(self, needs: str):
         try:
@@ -702,13 +793,14 @@ def split_uri(object_uri: str | os.PathLike, **options) -> tuple[Store, str]:
 
 def publish_version(store: Store, blobs: Mapping[str, bytes | os.PathLike] | Iterable[tuple[str, bytes | os.PathLike]],
                     manifest_key: str, manifest_bytes: bytes, latest_bytes: bytes,
-                    latest_key: str = LATEST_KEY, workers: int = 4) -> str:
-    """Publish one version all-or-nothing: every blob, then the manifest, then LATEST.
+                    latest_key: str = LATEST_KEY, workers: int = 4, signature: bytes | None = None) -> str:
+    """Publish one version all-or-nothing: every blob, the manifest's signature, the manifest, then LATEST.
 
     Each write is atomic per object, and each step starts only after the previous one
     succeeded, so a publisher killed at any point leaves LATEST on the old version and,
-    if it got that far, a new manifest whose blobs are all complete. Blob values are bytes
-    or a local file path (streamed via ``write_file``). Returns the manifest URI.
+    if it got that far, a new manifest whose blobs and signature are all complete. Blob
+    values are bytes or a local file path (streamed via ``write_file``). Returns the
+    manifest URI.
     """
     items = list(blobs.items() if isinstance(blobs, Mapping) else blobs)
     keys = [k for k, _ in items]
@@ -725,6 +817,8 @@ def publish_version(store: Store, blobs: Mapping[str, bytes | os.PathLike] | Ite
     if items:
         with ThreadPoolExecutor(max_workers=max(1, min(workers, len(items)))) as pool:
             list(pool.map(put, items))  # re-raises the first failure after all finish
+    if signature is not None:
+        store.write(manifest_key + ".sig", signature)
     store.write(manifest_key, manifest_bytes)
     store.write(latest_key, latest_bytes)
     return store.key_uri(manifest_key)

@@ -57,6 +57,8 @@ class HttpServer:
     fail_next: int = 0  # answer the next N requests with fail_status
     fail_status: int = 503
     delay: float = 0.0  # seconds to sleep before answering GET/HEAD (to observe overlap)
+    trickle: float = 0.0  # seconds between single body bytes (a slow-loris source)
+    redirects: dict = field(default_factory=dict)  # request path -> Location (answered with 302)
     inflight: int = 0
     max_inflight: int = 0  # most GET/HEAD requests served at once since the last reset
     requests: list = field(default_factory=list)  # (method, path, headers) of every request
@@ -66,7 +68,8 @@ class HttpServer:
         with self.lock:
             self.honor_range, self.require_token, self.allow_put = True, None, False
             self.fail_next, self.fail_status = 0, 503
-            self.delay, self.max_inflight = 0.0, 0
+            self.delay, self.max_inflight, self.trickle = 0.0, 0, 0.0
+            self.redirects.clear()
             self.requests.clear()
 
 
@@ -119,6 +122,13 @@ class RangeHandler(SimpleHTTPRequestHandler):
     def _serve_file(self, body: bool) -> None:
         if not self._gate():
             return
+        target = self.state.redirects.get(self.path)
+        if target is not None:
+            self.send_response(302)
+            self.send_header("Location", target)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         path = self.translate_path(self.path)
         if not os.path.isfile(path):
             self.send_error(404)
@@ -152,11 +162,14 @@ class RangeHandler(SimpleHTTPRequestHandler):
                 f.seek(start)
                 left = end - start + 1
                 while left > 0:
-                    chunk = f.read(min(left, 1 << 16))
+                    chunk = f.read(1 if self.state.trickle else min(left, 1 << 16))
                     if not chunk:
                         break
                     self.wfile.write(chunk)
                     left -= len(chunk)
+                    if self.state.trickle:
+                        self.wfile.flush()
+                        time.sleep(self.state.trickle)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client hung up early (e.g. after its range)
 
