@@ -24,18 +24,23 @@ from .checkpoint import SafetensorsWriter
 from .codec import Encoded
 from .dtypes import BY_SAFETENSORS, DType
 from .format import ANCHOR, DELTA, Blob, Latest, Manifest, Segment, TensorEntry, manifest_key
+from .signing import Signer
 from .store import Store, publish_version
 
 BLOB_TARGET = 256 << 20  # start a new blob past this size, so readers can fetch in parallel
+LATEST_TTL_S = 7 * 24 * 3600.0  # a signed LATEST older than this is stale (re-publish to refresh)
 
 
 class VersionBuilder:
     def __init__(self, kind: str, model: str, version: int, base_version: int | None = None,
-                 anchor_version: int | None = None, blob_target: int = BLOB_TARGET):
+                 anchor_version: int | None = None, blob_target: int = BLOB_TARGET,
+                 base_manifests: list[str] | None = None):
         self.manifest = Manifest(kind=kind, model=model, version=version, fingerprint="",
                                  base_version=base_version if kind == DELTA else None,
                                  base_fingerprint="" if kind == DELTA else None,
-                                 anchor_version=anchor_version)
+                                 anchor_version=anchor_version,
+                                 base_manifests=list(base_manifests or []) if kind == DELTA else [])
+        self.manifest_sha256: str | None = None  # of the published manifest's bytes
         self.tmp = tempfile.TemporaryDirectory(prefix="engine-ext-")
         self.blob_target = blob_target
         self.files: list[str] = []
@@ -120,8 +125,9 @@ class VersionBuilder:
         self.manifest.tensors.append(entry)
 
     # -- finish ---------------------------------------------------------------
-    def publish(self, store: Store) -> str:
-        """Hash blobs, finish the manifest, publish; returns the manifest's URI."""
+    def publish(self, store: Store, signer: Signer | None = None, latest_ttl_s: float = LATEST_TTL_S) -> str:
+        """Hash blobs, finish the manifest, sign it (with ``signer``), publish; returns the
+        manifest's URI. ``LATEST`` is signed too and stays valid for ``latest_ttl_s``."""
         self._close_cur()
         m = self.manifest
         version_tag = f"v{m.version:08d}" + (".anchor" if m.kind == ANCHOR else "")
@@ -141,8 +147,13 @@ class VersionBuilder:
         m.created_unix = time.time()
         m.validate()
         mkey = manifest_key(m.version, m.kind)
-        latest = Latest(m.version, mkey, m.fingerprint, m.anchor_version)
-        publish_version(store, keys, mkey, m.to_json(), latest.to_json())
+        raw = m.to_json()
+        self.manifest_sha256 = hashlib.sha256(raw).hexdigest()
+        latest = Latest(m.version, mkey, m.fingerprint, m.anchor_version, self.manifest_sha256,
+                        time.time() + latest_ttl_s if signer is not None else None)
+        publish_version(store, keys, mkey, raw,
+                        latest.to_json(signer.signatures(latest.signed_bytes()) if signer else None),
+                        signature=signer.sign_detached(raw) if signer else None)
         self.tmp.cleanup()
         return store.key_uri(mkey)
 

@@ -1,4 +1,9 @@
-"""engine-ext: diff, apply, inspect and anchor safetensors checkpoints against a store."""
+"""engine-ext: diff, apply, inspect and anchor safetensors checkpoints against a store; keygen.
+
+Publishing commands sign with ``--sign KEY`` (or ``ENGINE_EXT_SIGNING_KEY``); reading
+commands verify with ``--trust PUBKEY`` (or ``ENGINE_EXT_TRUSTED_KEYS``) and read unsigned
+versions only with ``--allow-unsigned`` (or ``ENGINE_EXT_ALLOW_UNSIGNED=1``).
+"""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +24,9 @@ from .delta import apply_tensor, changed_bits
 from .dtypes import as_bits, dtype_by_name
 from .errors import BaseMismatchError, DeltaError
 from .format import ANCHOR, DELTA
-from .reader import read_latest, read_manifest, load_delta
+from . import settings
+from .reader import load_delta, read_latest, read_link
+from .signing import Signer, Trust, generate_key
 from .store import NotFoundError, open_store, split_uri
 
 
@@ -27,15 +34,26 @@ def _bar(items, desc, total=None):
     return tqdm(items, desc=desc, total=total, unit="tensor", file=sys.stderr, disable=None, leave=False)
 
 
-def _lineage(store, old_fp: int | None):
-    """(base version, anchor version) from the store's LATEST when it holds ``old_fp``."""
+def _signer(a) -> Signer | None:
+    return Signer(a.sign) if a.sign else Signer.from_settings()
+
+
+def _trust(a) -> Trust:
+    s = settings.current()
+    keys = a.trust or list(s.trusted_keys)
+    return Trust.from_public_keys(keys, threshold=s.signature_threshold if not a.trust else 1,
+                                  allow_unsigned=a.allow_unsigned or s.allow_unsigned)
+
+
+def _lineage(store, old_fp: int | None, trust: Trust):
+    """(base version, anchor version, base manifest SHA-256s) from the store's LATEST when it holds ``old_fp``."""
     try:
-        latest = read_latest(store)
+        latest = read_latest(store, trust)
     except NotFoundError:
-        return None, None
+        return None, None, []
     if old_fp is not None and fpr.parse(latest.fingerprint) != old_fp:
-        return None, None
-    return latest.version, latest.anchor_version
+        return None, None, []
+    return latest.version, latest.anchor_version, [read_link(store, latest.manifest, trust).sha256]
 
 
 def cmd_diff(a) -> str:
@@ -59,14 +77,15 @@ def cmd_diff(a) -> str:
         else:
             enc = codec.encode(dt, n.numel(), pos, new_at, old_at, a.mode)
             b.add_delta(name, dt, n.shape, pos.numel(), enc, fo, fn)
-    base_version, anchor_version = _lineage(store, fpr.model_fingerprint(old_fps))
-    if a.base_version is not None:
-        base_version = a.base_version
+    base_version, anchor_version, base_manifests = _lineage(store, fpr.model_fingerprint(old_fps), _trust(a))
+    if a.base_version is not None and a.base_version != base_version:
+        base_version, base_manifests = a.base_version, []
     m = b.manifest
     m.base_version = 0 if base_version is None else base_version
     m.version = a.version if a.version is not None else m.base_version + 1
     m.anchor_version = anchor_version
-    return b.publish(store)
+    m.base_manifests = base_manifests
+    return b.publish(store, _signer(a))
 
 
 def cmd_anchor(a) -> str:
@@ -76,14 +95,14 @@ def cmd_anchor(a) -> str:
     infos = [(n, i.dtype, i.shape) for n, i in ck.tensors.items()]
     with _bar(None, "anchor", total=len(infos)) as bar:
         b.add_anchor(infos, ck.load, lambda _, t: fpr.tensor_fingerprint(t), bar.update)
-    return b.publish(store)
+    return b.publish(store, _signer(a))
 
 
 def cmd_apply(a) -> str:
     out = Path(a.out)
     if out.exists():
         raise DeltaError(f"{out} exists; refusing to overwrite it")
-    d = load_delta(a.manifest)
+    d = load_delta(a.manifest, trust=_trust(a))
     by_name = {t.name: t for t in d.tensors}
     base = CheckpointDir(a.base) if a.base else None
     if base is None and d.kind != ANCHOR:
@@ -128,7 +147,8 @@ def cmd_apply(a) -> str:
 
 def cmd_inspect(a) -> str:
     store, key = split_uri(a.manifest)
-    m = read_manifest(store, key)
+    link = read_link(store, key, _trust(a))
+    m = link.manifest
     rows, by_enc = [], {}
     changed = numel = 0
     for t in m.tensors:
@@ -143,10 +163,12 @@ def cmd_inspect(a) -> str:
     dense = sum(t.numel * dtype_by_name(t.dtype).itemsize for t in m.tensors)
     if a.json:
         return json.dumps({"kind": m.kind, "model": m.model, "base_version": m.base_version, "version": m.version,
+                           "signatures": link.signed, "sha256": link.sha256,
                            "tensors": len(m.tensors), "changed_tensors": len(rows), "elements": numel,
                            "changed_elements": changed, "payload_bytes": m.payload_bytes, "dense_bytes": dense,
                            "bytes_per_changed_element": {k: v[1] / v[0] for k, v in by_enc.items()}})
-    lines = [f"{m.kind} {m.model}: version {m.base_version} -> {m.version} (anchor {m.anchor_version})",
+    lines = [f"{m.kind} {m.model}: version {m.base_version} -> {m.version} (anchor {m.anchor_version}); "
+             f"{f'signed by {link.signed} trusted key(s)' if link.signed else 'UNSIGNED'}, sha256 {link.sha256[:16]}",
              f"fingerprint {m.base_fingerprint} -> {m.fingerprint}",
              f"tensors {len(m.tensors)} ({len(rows)} changed), elements {numel:,}, changed {changed:,} "
              f"({100 * changed / max(numel, 1):.3f} %)",
@@ -163,9 +185,25 @@ def cmd_inspect(a) -> str:
     return "\n".join(lines)
 
 
+def cmd_keygen(a) -> str:
+    kid = generate_key(a.out)
+    return f"key {kid}: private {a.out} (keep it secret; ENGINE_EXT_SIGNING_KEY), public {a.out}.pub (ENGINE_EXT_TRUSTED_KEYS)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="engine-ext", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
+
+    def signs(q):
+        q.add_argument("--sign", action="append", help="Ed25519 private key (PEM) to sign with (default ENGINE_EXT_SIGNING_KEY)")
+
+    def trusts(q):
+        q.add_argument("--trust", action="append", help="trusted Ed25519 public key (PEM or 64 hex; default ENGINE_EXT_TRUSTED_KEYS)")
+        q.add_argument("--allow-unsigned", action="store_true", help="read unsigned versions (trust the store)")
+
+    k = sub.add_parser("keygen", help="make an Ed25519 signing key (OUT) and its public key (OUT.pub)")
+    k.add_argument("out")
+    k.set_defaults(fn=cmd_keygen)
     d = sub.add_parser("diff", help="publish the delta between two checkpoint directories")
     d.add_argument("old"); d.add_argument("new")
     d.add_argument("--out", required=True, help="store root: path, file://, http(s)://, s3://bucket/prefix")
@@ -173,17 +211,22 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--version", type=int, help="version of NEW (default: base + 1)")
     d.add_argument("--mode", choices=["abs", "rel"], help="force a value mode (default: smaller per tensor)")
     d.add_argument("--model", help="model identity written into the manifest")
+    signs(d)
+    trusts(d)
     d.set_defaults(fn=cmd_diff)
     an = sub.add_parser("anchor", help="publish a full anchor of a checkpoint directory")
     an.add_argument("checkpoint"); an.add_argument("--out", required=True)
     an.add_argument("--version", type=int, default=0); an.add_argument("--model")
+    signs(an)
     an.set_defaults(fn=cmd_anchor)
     ap = sub.add_parser("apply", help="materialise the checkpoint a manifest produces")
     ap.add_argument("manifest"); ap.add_argument("--base", help="checkpoint the delta applies to")
     ap.add_argument("--out", required=True, help="new directory (must not exist)")
+    trusts(ap)
     ap.set_defaults(fn=cmd_apply)
     i = sub.add_parser("inspect", help="summarise a manifest")
     i.add_argument("manifest"); i.add_argument("--all", action="store_true"); i.add_argument("--json", action="store_true")
+    trusts(i)
     i.set_defaults(fn=cmd_inspect)
     return p
 

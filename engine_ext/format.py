@@ -1,8 +1,11 @@
-"""The manifest of a published version (format version 1; spec in docs/FORMAT.md).
+"""The manifest of a published version (format version 2; spec in docs/FORMAT.md).
 
 A manifest is small JSON naming the versions, fingerprints, blobs and, per tensor,
-where its encoded positions and values lie. Parsing validates everything a hostile
-manifest could abuse (sizes, counts, offsets, names) before any blob is fetched.
+where its encoded positions and values lie; a delta also names the manifest(s) of its
+base version by SHA-256. Parsing validates everything a hostile manifest could abuse
+(sizes, counts, offsets, names) before any blob is fetched. Signatures over the raw
+bytes are checked before parsing (:mod:`engine_ext.signing`). Version 1 manifests
+(without base hashes) are still read.
 """
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ from .dtypes import dtype_by_name
 from .errors import ManifestError
 
 FORMAT = "engine-ext-delta"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 DELTA, ANCHOR = "delta", "anchor"
 POSITION_CODERS = {"none", "all", "pco", "zstd"}
 VALUE_CODERS = {"none", "raw", "pco", "zstd"}
@@ -27,8 +31,9 @@ MAX_MANIFEST_BYTES = 64 << 20
 MAX_TENSORS = 1_000_000
 MAX_NUMEL = 1 << 40
 MAX_NDIM = 8
-_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
-_KEY_RE = re.compile(r"^[A-Za-z0-9._-]+$")  # blob keys are plain names next to the manifest
+MAX_LATEST_BYTES = 16 << 10
+_SHA_RE = re.compile(r"[0-9a-f]{64}")
+_KEY_RE = re.compile(r"[A-Za-z0-9._-]+")  # blob keys are plain names next to the manifest (fullmatch)
 
 
 def manifest_key(version: int, kind: str = DELTA) -> str:
@@ -84,6 +89,7 @@ class Manifest:
     base_version: int | None = None
     base_fingerprint: str | None = None
     anchor_version: int | None = None  # newest anchor at or before this version
+    base_manifests: list[str] = field(default_factory=list)  # deltas: SHA-256 of every manifest of the base version
     created_unix: float = 0.0
     blobs: list[Blob] = field(default_factory=list)
     tensors: list[TensorEntry] = field(default_factory=list)
@@ -120,8 +126,13 @@ class Manifest:
         def bad(msg):
             raise ManifestError(msg)
 
-        if self.format != FORMAT or self.format_version != FORMAT_VERSION:
-            bad(f"unknown format {self.format!r} version {self.format_version!r} (this reader: {FORMAT} {FORMAT_VERSION})")
+        if self.format != FORMAT or self.format_version not in READABLE_VERSIONS:
+            bad(f"unknown format {self.format!r} version {self.format_version!r} (this reader: {FORMAT} {READABLE_VERSIONS})")
+        if not isinstance(self.base_manifests, list) or len(self.base_manifests) > 4 or not all(
+                isinstance(h, str) and _SHA_RE.fullmatch(h) for h in self.base_manifests):
+            bad(f"bad base_manifests {self.base_manifests!r:.100}")
+        if self.base_manifests and (self.kind != DELTA or self.format_version < 2):
+            bad("only format-2 deltas name base manifests")
         if self.kind not in (DELTA, ANCHOR):
             bad(f"unknown kind {self.kind!r}")
         if not _is_int(self.version) or self.version < 0:
@@ -134,17 +145,17 @@ class Manifest:
         if len(self.tensors) > MAX_TENSORS:
             bad(f"{len(self.tensors)} tensors, over the {MAX_TENSORS} limit")
         for b in self.blobs:
-            if not _KEY_RE.match(b.key) or b.key.startswith("."):
-                bad(f"bad blob key {b.key!r}")
-            if not _is_int(b.size) or b.size < 0 or not _SHA_RE.match(b.sha256):
+            if not isinstance(b.key, str) or not _KEY_RE.fullmatch(b.key) or b.key.startswith("."):
+                bad(f"bad blob key {b.key!r:.100}")
+            if not _is_int(b.size) or b.size < 0 or not isinstance(b.sha256, str) or not _SHA_RE.fullmatch(b.sha256):
                 bad(f"bad blob entry {b.key!r}")
         names = set()
         per_blob = [[] for _ in self.blobs]
         tensor_fps = []
         for t in self.tensors:
             where = f"tensor {t.name!r}"
-            if not isinstance(t.name, str) or not t.name or t.name in names:
-                bad(f"bad or duplicate tensor name {t.name!r}")
+            if not isinstance(t.name, str) or not t.name or len(t.name) > 1024 or t.name in names:
+                bad(f"bad or duplicate tensor name {t.name!r:.100}")
             names.add(t.name)
             dtype_by_name_checked(t.dtype, where)
             if not isinstance(t.shape, list) or len(t.shape) > MAX_NDIM or not all(_is_int(s) and s >= 0 for s in t.shape):
@@ -182,7 +193,7 @@ class Manifest:
                 bad(f"{where}: bad blob index {t.blob!r}")
             if not _is_int(t.offset) or t.offset < 0 or t.offset + t.length > self.blobs[t.blob].size:
                 bad(f"{where}: byte range beyond its blob")
-            if t.sha256 is None or not _SHA_RE.match(t.sha256):
+            if not isinstance(t.sha256, str) or not _SHA_RE.fullmatch(t.sha256):
                 bad(f"{where}: missing or bad sha256")
             per_blob[t.blob].append((t.offset, t.offset + t.length, t.name))
         for ranges in per_blob:
@@ -225,23 +236,42 @@ def _parse(d: dict) -> Manifest:
 
 @dataclass
 class Latest:
-    """The LATEST pointer: the newest complete version and the newest anchor."""
+    """The LATEST pointer: the newest complete version, its manifest (key and SHA-256), the
+    newest anchor, and until when the pointer may be trusted (a signed pointer that stops
+    being refreshed goes stale: TUF's freeze protection)."""
 
     version: int
     manifest: str
     fingerprint: str
     anchor_version: int | None = None
+    sha256: str | None = None  # of the manifest's bytes
+    expires_unix: float | None = None
 
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
+    def signed_bytes(self) -> bytes:
+        """What the pointer's signatures cover (canonical JSON of its fields)."""
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    def to_json(self, signatures: list | None = None) -> bytes:
+        return json.dumps({"signed": asdict(self), "signatures": signatures or []}).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> "Latest":
+    def from_json(cls, data: bytes) -> tuple["Latest", list]:
+        """(pointer, signatures); a format-1 pointer (a bare object) has no signatures."""
+        if len(data) > MAX_LATEST_BYTES:
+            raise ManifestError(f"LATEST is {len(data)} bytes, over the {MAX_LATEST_BYTES} limit")
         try:
             d = json.loads(data)
-            lt = cls(**d)
+            if isinstance(d, dict) and "signed" in d:
+                if set(d) != {"signed", "signatures"} or not isinstance(d["signatures"], list):
+                    raise ValueError("unexpected fields")
+                lt, sigs = cls(**d["signed"]), d["signatures"]
+            else:
+                lt, sigs = cls(**d), []
         except (ValueError, TypeError, UnicodeDecodeError) as e:
-            raise ManifestError(f"bad LATEST pointer: {e}") from None
-        if not _is_int(lt.version) or not isinstance(lt.manifest, str) or not _KEY_RE.match(lt.manifest):
-            raise ManifestError(f"bad LATEST pointer: {d!r}")
-        return lt
+            raise ManifestError(f"bad LATEST pointer: {type(e).__name__}: {str(e)[:200]}") from None
+        if (not _is_int(lt.version) or lt.version < 0 or not isinstance(lt.manifest, str)
+                or not _KEY_RE.fullmatch(lt.manifest) or lt.manifest.startswith(".")
+                or (lt.sha256 is not None and not (isinstance(lt.sha256, str) and _SHA_RE.fullmatch(lt.sha256)))
+                or (lt.expires_unix is not None and not isinstance(lt.expires_unix, (int, float)))):
+            raise ManifestError("bad LATEST pointer: a field is malformed")
+        return lt, sigs

@@ -21,6 +21,7 @@ from . import codec
 from . import fingerprint as fpr
 from .builder import VersionBuilder
 from .delta import changed_bits
+from .signing import Signer
 from .dtypes import as_bits, dtype_of
 from .format import ANCHOR, DELTA, manifest_key
 from .store import Store, open_store
@@ -78,15 +79,21 @@ class DeltaPublisher:
         keep_on_cpu: keep the previous bits in CPU memory instead of on the device.
         mode: None (smaller of abs/rel per tensor), "abs" or "rel".
         queue_size: versions that may wait for upload before publish() blocks.
+        signing_key: Ed25519 private key(s) (PEM path or key object) that sign every manifest
+            and LATEST; default ``ENGINE_EXT_SIGNING_KEY``. Without one, versions are
+            unsigned and servers take them only with ``ENGINE_EXT_ALLOW_UNSIGNED=1``.
     """
 
     def __init__(self, store: Store | str, model: str = "model", *, anchor_every: int = 50,
                  keep_on_cpu: bool = False, mode: str | None = None, queue_size: int = 2,
-                 workers: int | None = None, start_version: int = 0, blob_target: int | None = None):
+                 workers: int | None = None, start_version: int = 0, blob_target: int | None = None,
+                 signing_key=None):
         self.store = open_store(store) if isinstance(store, (str, os.PathLike)) else store
         self.model, self.anchor_every, self.keep_on_cpu, self.mode = model, anchor_every, keep_on_cpu, mode
         self.workers = workers or os.cpu_count() or 1
         self.blob_target = blob_target
+        self.signer = Signer(signing_key) if signing_key is not None else Signer.from_settings()
+        self._manifest_shas: dict[int, list[str]] = {}  # version -> SHA-256 of its published manifests
         self.version: int | None = None
         self.next_version = start_version
         self.anchor_version: int | None = None
@@ -186,7 +193,8 @@ class DeltaPublisher:
 
     def _build(self, kind, version, base_version, anchor_version, payload):
         opts = {} if self.blob_target is None else {"blob_target": self.blob_target}
-        b = VersionBuilder(kind, self.model, version, base_version, anchor_version, **opts)
+        b = VersionBuilder(kind, self.model, version, base_version, anchor_version,
+                           base_manifests=self._manifest_shas.get(base_version, []) if kind == "delta" else None, **opts)
         if kind == "anchor":
             tensors, fps = payload
             b.add_anchor([(n, dtype_of(t), tuple(t.shape)) for n, t in tensors.items()], tensors.__getitem__,
@@ -202,7 +210,10 @@ class DeltaPublisher:
                     b.add_unchanged(c.name, c.dtype, c.shape, c.fp)
                 else:
                     b.add_delta(c.name, c.dtype, c.shape, c.positions.numel(), e, c.base_fp, c.fp)
-        b.publish(self.store)
+        b.publish(self.store, self.signer)
+        self._manifest_shas.setdefault(version, []).append(b.manifest_sha256)
+        for old in sorted(self._manifest_shas)[:-2]:  # the next delta's base is one of the two newest
+            del self._manifest_shas[old]
 
     def _raise_pending(self):
         if self._error is not None:

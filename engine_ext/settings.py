@@ -28,6 +28,22 @@ def _csv(s: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in s.split(",") if p.strip())
 
 
+def _flag(s: str) -> bool:
+    v = s.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a yes/no value: {s!r} (use 1 or 0)")
+
+
+def _positive_float(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise ValueError(f"must be positive, got {s!r}")
+    return v
+
+
 @dataclass(frozen=True)
 class Variable:
     name: str  # ENGINE_EXT_...
@@ -42,7 +58,26 @@ VARIABLES: tuple[Variable, ...] = (
              "comma-separated store prefixes (paths or URIs) this server may read updates from; anything else is "
              "refused with 403 before any fetch"),
     Variable("ENGINE_EXT_TOKEN", "token", str, None,
-             "bearer token the update routes require (`Authorization: Bearer <token>`)"),
+             "bearer token the update routes require (`Authorization: Bearer <token>`); vLLM's `--api-key` and "
+             "SGLang's `--api-key`/`--admin-api-key` are accepted too"),
+    Variable("ENGINE_EXT_NO_AUTH", "no_auth", _flag, False,
+             "`1` opens the update routes to anyone who can reach them; without it and without a token they "
+             "refuse every request (secure by default)"),
+    Variable("ENGINE_EXT_TRUSTED_KEYS", "trusted_keys", _csv, (),
+             "comma-separated Ed25519 public keys (PEM files, or 64 hex digits) whose signatures the server "
+             "accepts on manifests and `LATEST`"),
+    Variable("ENGINE_EXT_SIGNATURE_THRESHOLD", "signature_threshold", int, 1,
+             "how many distinct trusted keys must sign each manifest"),
+    Variable("ENGINE_EXT_ALLOW_UNSIGNED", "allow_unsigned", _flag, False,
+             "`1` accepts unsigned versions (trusting the store and the network); without it an unsigned "
+             "version is refused"),
+    Variable("ENGINE_EXT_SIGNING_KEY", "signing_keys", _csv, (),
+             "trainer side: Ed25519 private key file(s) (PEM, `engine-ext keygen`) the publisher and the CLI "
+             "sign with"),
+    Variable("ENGINE_EXT_FETCH_TIMEOUT", "fetch_timeout", _positive_float, 600.0,
+             "seconds one update may spend fetching (every manifest and blob of it, all retries included)"),
+    Variable("ENGINE_EXT_MAX_WAITING", "max_waiting", int, 4,
+             "updates that may wait (`\"wait\": true`) behind a running one; more get 429"),
     Variable("ENGINE_EXT_BASE_VERSION", "base_version", _int_or_none, None,
              "version of the weights the server starts with (else the file `engine_ext_version` in the model "
              "directory, else unknown)"),
@@ -64,6 +99,13 @@ class Settings:
 
     sources: tuple[str, ...] = ()
     token: str | None = None
+    no_auth: bool = False
+    trusted_keys: tuple[str, ...] = ()
+    signature_threshold: int = 1
+    allow_unsigned: bool = False
+    signing_keys: tuple[str, ...] = ()
+    fetch_timeout: float = 600.0
+    max_waiting: int = 4
     base_version: int | None = None
     stage_dir: str | None = None
     max_decoded_bytes: int = 64 << 30
@@ -115,6 +157,6 @@ def markdown_table() -> str:
     """docs/settings.md's table."""
     rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
     for v in VARIABLES:
-        default = "unset" if v.default in (None, ()) else f"`{v.default}`"
+        default = "unset" if v.default in (None, (), False) else f"`{v.default}`"
         rows.append(f"| `{v.name}` | {default} | {v.meaning} |")
     return "\n".join(rows) + "\n"

@@ -17,18 +17,24 @@ def test_from_env_parses_every_variable():
                            "ENGINE_EXT_STAGE_DIR": "/dev/shm/x", "ENGINE_EXT_MAX_DECODED_BYTES": "1024",
                            "ENGINE_EXT_HTTP_TOKEN": "h", "ENGINE_EXT_S3_ENDPOINT": "http://127.0.0.1:9000",
                            "UNRELATED": "x"})
-    assert s == Settings(("/a", "s3://b/c"), "t", 7, "/dev/shm/x", 1024, "h", "http://127.0.0.1:9000")
+    assert s == Settings(sources=("/a", "s3://b/c"), token="t", base_version=7, stage_dir="/dev/shm/x",
+                         max_decoded_bytes=1024, http_token="h", s3_endpoint="http://127.0.0.1:9000")
+    s = Settings.from_env({"ENGINE_EXT_NO_AUTH": "yes", "ENGINE_EXT_ALLOW_UNSIGNED": "0", "ENGINE_EXT_TRUSTED_KEYS": "a.pub,b.pub",
+                           "ENGINE_EXT_SIGNATURE_THRESHOLD": "2", "ENGINE_EXT_FETCH_TIMEOUT": "2.5", "ENGINE_EXT_MAX_WAITING": "1"})
+    assert (s.no_auth, s.allow_unsigned, s.trusted_keys, s.signature_threshold, s.fetch_timeout, s.max_waiting) == (
+        True, False, ("a.pub", "b.pub"), 2, 2.5, 1)
     assert Settings.from_env({}) == Settings() and Settings.from_env({"ENGINE_EXT_TOKEN": ""}).token is None
 
 
-@pytest.mark.parametrize("name,value", [("ENGINE_EXT_BASE_VERSION", "v3"), ("ENGINE_EXT_MAX_DECODED_BYTES", "1e9")])
+@pytest.mark.parametrize("name,value", [("ENGINE_EXT_BASE_VERSION", "v3"), ("ENGINE_EXT_MAX_DECODED_BYTES", "1e9"),
+                                        ("ENGINE_EXT_NO_AUTH", "maybe"), ("ENGINE_EXT_FETCH_TIMEOUT", "-1")])
 def test_bad_value_names_the_variable(name, value):
     with pytest.raises(ValueError, match=name):
         Settings.from_env({name: value})
 
 
 def test_read_once_and_override(monkeypatch):
-    monkeypatch.setattr(settings, "_current", None)
+    monkeypatch.setattr(settings, "_current", None)  # restored after the test: the run's settings stay
     monkeypatch.setenv("ENGINE_EXT_TOKEN", "first")
     assert settings.current().token == "first"
     monkeypatch.setenv("ENGINE_EXT_TOKEN", "second")
