@@ -50,6 +50,7 @@ def prepare(work: Path, args) -> dict:
     import torch
 
     from engine_ext.publish import DeltaPublisher
+    from engine_ext.signing import generate_key
     from engine_ext.tiny_models import load_state_dict, make_model, perturb, save_state_dict
 
     if args.model_dir:
@@ -60,15 +61,18 @@ def prepare(work: Path, args) -> dict:
     sd = load_state_dict(model)
     gen = torch.Generator().manual_seed(0)
     store, urls = work / "store", []
+    key = work / "publisher.key"  # the check runs the product as deployed: signed versions, a token
+    if not key.exists():
+        generate_key(key)
     t = time.perf_counter()
-    with DeltaPublisher(str(store), model="sglang-gpu-check", anchor_every=0) as pub:
+    with DeltaPublisher(str(store), model="sglang-gpu-check", anchor_every=0, signing_key=str(key)) as pub:
         pub.publish(sd, version=0)
         for v in range(1, args.steps + 1):
             sd = perturb(sd, gen, args.density)
             urls.append(pub.publish(sd, version=v))
     final = save_state_dict(work / "final", sd, model)
     return {"model": str(model), "final": str(final), "store": str(store), "urls": urls,
-            "publish_s": time.perf_counter() - t}
+            "publish_s": time.perf_counter() - t, "public_key": f"{key}.pub"}
 
 
 class Server:
@@ -186,7 +190,12 @@ def main() -> int:
                 return 2
         data = prepare(work, args)
         result["publish_s"] = data["publish_s"]
+        import secrets
+
+        token = secrets.token_hex(16)
+        auth = {"Authorization": f"Bearer {token}"}
         env = {"SGLANG_PLUGINS": "engine_ext", "ENGINE_EXT_SOURCES": data["store"], "ENGINE_EXT_BASE_VERSION": "0",
+               "ENGINE_EXT_TOKEN": token, "ENGINE_EXT_TRUSTED_KEYS": data["public_key"],
                "PYTHONPATH": os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH")] if p)}
         import random
 
@@ -203,7 +212,7 @@ def main() -> int:
             result["live_start_s"] = live.wait_ready(args.timeout)
             t0 = time.perf_counter()
             while True:  # the start-up probe (fingerprints of every rank) runs in the background
-                st = requests.get(live.url + ROUTE, timeout=30)
+                st = requests.get(live.url + ROUTE, headers=auth, timeout=30)
                 if st.status_code == 200 or time.perf_counter() - t0 > 120:
                     break
                 time.sleep(0.5)
@@ -220,7 +229,7 @@ def main() -> int:
                 for url in data["urls"]:
                     time.sleep(0.2)  # let new requests join the running batch
                     t0 = time.monotonic()
-                    r = requests.post(live.url + ROUTE, json={"url": url}, timeout=300)
+                    r = requests.post(live.url + ROUTE, json={"url": url}, headers=auth, timeout=300)
                     update_spans.append((t0, time.monotonic()))
                     answers.append({"status": r.status_code, **r.json()})
             finally:
@@ -230,7 +239,7 @@ def main() -> int:
             stats["across_an_update"] = sum(any(a < u0 and b > u1 for u0, u1 in update_spans) for a, b in stats.pop("spans"))
             result["answers"], result["load_during_updates"] = answers, stats
             result["after"] = generate(live.url, prompts, args.max_new)
-            result["status_after"] = requests.get(live.url + ROUTE, timeout=30).json()
+            result["status_after"] = requests.get(live.url + ROUTE, headers=auth, timeout=30).json()
             result["model_info"] = requests.get(live.url + "/model_info", timeout=30).json()
         finally:
             live.stop()

@@ -24,7 +24,7 @@ class Touchpoint:
     attribute the class assigns to ``self``), or ``Class.member`` on an instance we receive.
     """
 
-    module: str
+    module: str  # "a.b" or "a.b|c.d": where it is defined (either, for a name that moved between versions)
     qualname: str
     params: tuple[str, ...] = ()
     why: str = ""
@@ -158,7 +158,7 @@ def check(tree: SourceTree, touchpoints) -> list[str]:
     problems = []
     for tp in touchpoints:
         head, *rest = tp.qualname.split(".")
-        found = _resolve(tree, tp.module, head)
+        found = next((f for f in (_resolve(tree, m, head) for m in tp.module.split("|")) if f is not None), None)
         if found is None:
             problems.append(f"{tp}: {head} not found")
             continue

@@ -1,14 +1,16 @@
-"""The driver of updates for one engine: one update at a time, with history and metrics.
+"""The driver of updates for one engine: one apply at a time, with history and metrics.
 
 One :class:`Controller` lives where updates are driven from: the process that answers
 HTTP (vLLM's API server, SGLang's TokenizerManager process, which also serves the
 in-process ``sglang.Engine`` hook), or rank 0 of an in-process vLLM engine (the
 ``delta`` weight-transfer backend). It checks the source against the allow-list
-before anything is fetched, serialises updates, runs each as an
-:class:`~engine_ext.transaction.UpdateTransaction` over the engine adapter's
-:class:`~engine_ext.transaction.Ranks`, and records the outcome (history, Prometheus
-metrics). The HTTP routes of both engines use :func:`check_token` and
-:func:`error_answer` from here.
+before anything is fetched, prepares each update (plan, fetch, stage: an
+:class:`~engine_ext.transaction.UpdateTransaction`) outside its lock, so a slow source
+holds no other update back, and executes it (pause, apply, verify, commit) under the
+lock on the state it was planned from, planning again if another update committed
+meanwhile. At most ``ENGINE_EXT_MAX_WAITING`` updates wait (429 beyond). It records
+the outcome (bounded history, Prometheus metrics). :class:`Auth` and
+:func:`error_answer` serve the HTTP routes of both engines.
 """
 from __future__ import annotations
 
@@ -17,13 +19,16 @@ import collections
 import hmac
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import fingerprint as fpr
 from . import metrics, settings
-from .errors import DeltaError
+from .errors import BaseMismatchError, DeltaError
 from .protocol import UpdateRequest
+from .signing import Trust
 from .sources import Sources
+from .staging import sweep_stale
 from .transaction import ApplyError, Ranks, ServedState, UpdateTransaction, check_replies, combine_fingerprints
 
 log = logging.getLogger("engine_ext")
@@ -40,14 +45,43 @@ class Busy(DeltaError):
     reason, http_status = "busy", 409
 
 
+class QueueFull(DeltaError):
+    reason, http_status = "queue_full", 429
+
+
+@dataclass(frozen=True)
+class Auth:
+    """Who may use the update routes: a bearer token among ``tokens``; everybody only when
+    ``open`` was asked for explicitly (``ENGINE_EXT_NO_AUTH=1``). Secure by default: with
+    neither, every request is refused."""
+
+    tokens: tuple[str, ...] = ()
+    open: bool = False
+
+    @classmethod
+    def from_settings(cls, engine_tokens=(), s: "settings.Settings | None" = None) -> "Auth":
+        """``ENGINE_EXT_TOKEN`` plus the engine's own API keys (vLLM ``--api-key``, SGLang
+        ``--api-key``/``--admin-api-key``), and ``ENGINE_EXT_NO_AUTH``."""
+        s = s or settings.current()
+        tokens = tuple(t for t in ((s.token,) if s.token else ()) + tuple(engine_tokens) if t)
+        return cls(tokens, s.no_auth)
+
+    def check(self, authorization: str | None) -> None:
+        """Raise :class:`Unauthorized` unless ``authorization`` is ``Bearer <a token>`` (scheme in any case)."""
+        if self.open and not self.tokens:
+            return
+        if not self.tokens:
+            raise Unauthorized("no token is configured for this route: set ENGINE_EXT_TOKEN (or the engine's API key), "
+                               "or ENGINE_EXT_NO_AUTH=1 to open it explicitly")
+        scheme, _, given = (authorization or "").strip().partition(" ")
+        ok = scheme.lower() == "bearer" and any(hmac.compare_digest(given.strip().encode(), t.encode()) for t in self.tokens)
+        if not ok:
+            raise Unauthorized("missing or wrong bearer token")
+
+
 def check_token(authorization: str | None, token: str | None = None) -> None:
-    """With a token configured (``ENGINE_EXT_TOKEN``), require ``Authorization: Bearer <token>``."""
-    token = settings.current().token if token is None else token
-    if not token:
-        return
-    given = (authorization or "").removeprefix("Bearer ").strip()
-    if not (authorization or "").startswith("Bearer ") or not hmac.compare_digest(given.encode(), token.encode()):
-        raise Unauthorized("missing or wrong bearer token (ENGINE_EXT_TOKEN is set)")
+    """:meth:`Auth.check` with ``token`` (default: the settings' token, or open with ENGINE_EXT_NO_AUTH)."""
+    (Auth((token,)) if token else Auth.from_settings()).check(authorization)
 
 
 def error_answer(e: Exception) -> tuple[int, dict]:
@@ -69,23 +103,38 @@ def initial_version(model_dir: str | None) -> int | None:
     return v
 
 
+def _cut(text, n: int = 500) -> str:
+    text = str(text)
+    return text if len(text) <= n else text[:n] + "..."
+
+
 class Controller:
-    """One update at a time, all ranks or none; keeps the served state and the history."""
+    """One apply at a time, all ranks or none; keeps the served state and the history."""
+
+    REPLANS = 3  # times an update plans again when others commit while it fetches
 
     def __init__(self, ranks: Ranks, sources: Sources | None = None, version: int | None = None,
-                 history: int = 32, engine_name: str = "vllm"):
+                 history: int = 32, engine_name: str = "vllm", trust: Trust | None = None,
+                 max_waiting: int | None = None):
         self.ranks = ranks
         self.sources = sources or Sources.from_settings()
+        self.trust = trust or Trust.from_settings()
         self.engine_name = engine_name
         self.state = ServedState(version, {}, {})
         self.history: collections.deque = collections.deque(maxlen=history)
+        self.max_waiting = settings.current().max_waiting if max_waiting is None else max_waiting
         self._lock = asyncio.Lock()
+        self._inflight = 0
         self.ready = False
         self.start_error: str | None = None
 
     # ---- start-up
     async def start(self) -> None:
-        """Probe every rank and record the start-up fingerprint of the live weights."""
+        """Probe every rank and record the start-up fingerprint of the live weights; remove
+        staging left by engine processes that died mid-update."""
+        swept = sweep_stale()
+        if swept:
+            log.info("engine_ext: removed %d staging dir(s) left by dead processes", swept)
         try:
             self.state = ServedState.from_setup(await self.ranks.call("setup"), self.state.version)
         except Exception as e:
@@ -108,6 +157,7 @@ class Controller:
         async with self._lock:
             replies = check_replies(await self.ranks.call("resync"))
             self.state.tensor_fps, self.state.version = combine_fingerprints(replies), None
+            self.state.manifests = ()  # no manifest produced these weights: the next delta is bound by fingerprint
             metrics.VERSION.set(-1)
             self.history.append({"ok": True, "outside_update": True, "version": None,
                                  "fingerprint": fpr.fmt(self.state.model_fingerprint), "time": time.time()})
@@ -139,26 +189,48 @@ class Controller:
         try:
             source = self.sources.check(req.url)  # 403 before anything is fetched
             if self._lock.locked() and not req.wait:
-                raise Busy("another update is running; retry, or send \"wait\": true to queue")
-            async with self._lock:
-                if not self.ready:
-                    raise ApplyError(f"the engine_ext start-up probe did not complete: {self.start_error or 'still running'}")
-                txn = UpdateTransaction(self.ranks, self.state, req, source)
-                answer = await txn.run()
+                raise Busy("another update is being applied; retry, or send \"wait\": true to queue")
+            if self._inflight > self.max_waiting:
+                raise QueueFull(f"{self._inflight} updates are already in flight (ENGINE_EXT_MAX_WAITING="
+                                f"{self.max_waiting}); retry later")
+            if not self.ready:
+                raise ApplyError(f"the engine_ext start-up probe did not complete: {self.start_error or 'still running'}")
+            self._inflight += 1
+            try:
+                answer, phases = await self._prepare_and_execute(req, source)
+            finally:
+                self._inflight -= 1
         except DeltaError as e:
             metrics.record_failure(e.reason)
-            self.history.append({"url": req.url, "ok": False, "reason": e.reason, "error": str(e), "time": time.time()})
+            self.history.append({"url": _cut(req.url, 300), "ok": False, "reason": e.reason, "error": _cut(e),
+                                 "time": time.time()})
             raise
         except Exception as e:  # noqa: BLE001 - an unexpected failure is still an answer, never a crash
             metrics.record_failure("internal")
-            self.history.append({"url": req.url, "ok": False, "reason": "internal", "error": repr(e), "time": time.time()})
+            self.history.append({"url": _cut(req.url, 300), "ok": False, "reason": "internal", "error": _cut(repr(e)),
+                                 "time": time.time()})
             log.exception("engine_ext: update failed")
-            raise ApplyError(f"internal error: {e!r}") from e
-        metrics.record_success(answer.version, answer.payload_bytes, answer.written, txn.phases)
+            raise ApplyError(f"internal error: {_cut(repr(e))}") from e
+        if not answer.noop:
+            metrics.record_success(answer.version, answer.payload_bytes, answer.written, phases)
         self.history.append({"version": answer.version, "base_version": answer.base_version, "elements": answer.elements,
-                             "payload_bytes": answer.payload_bytes, "pause_ms": answer.pause_ms, "url": req.url,
-                             "ok": True, "time": time.time()})
+                             "payload_bytes": answer.payload_bytes, "pause_ms": answer.pause_ms, "noop": answer.noop,
+                             "url": _cut(req.url, 300), "ok": True, "time": time.time()})
         return answer.to_json()
+
+    async def _prepare_and_execute(self, req: UpdateRequest, source: str):
+        """Prepare outside the lock, execute under it; plan again if the state moved meanwhile."""
+        for _ in range(self.REPLANS):
+            txn = UpdateTransaction(self.ranks, self.state, req, source, self.trust)
+            staged = await txn.prepare()
+            try:
+                async with self._lock:
+                    if self.state.key() == txn.planned_from:
+                        return await txn.execute(staged), txn.phases
+            finally:
+                if staged is not None:
+                    staged.remove()
+        raise BaseMismatchError("other updates kept changing the served weights while this one was fetched; retry")
 
 
 __all__ = ["Controller", "ROUTE", "Busy", "Unauthorized", "check_token", "error_answer", "initial_version"]

@@ -2,15 +2,16 @@
 
 Each engine's route module only reads the request and wraps ``(status, body)`` in its
 framework's response; the token check (before the body is read), body parsing, error
-statuses and bodies are here, once. ``get_controller`` is awaited only after the token
-check: on SGLang it may run the start-up probe.
+statuses and bodies are here, once. Both routes need a token unless the operator opened
+them explicitly (:class:`engine_ext.controller.Auth`). ``get_controller`` is awaited only
+after the token check: on SGLang it may run the start-up probe.
 """
 from __future__ import annotations
 
 import logging
 from typing import Awaitable, Callable
 
-from .controller import Controller, check_token, error_answer
+from .controller import Auth, Controller, error_answer
 from .protocol import UpdateRequest
 
 log = logging.getLogger("engine_ext")
@@ -20,11 +21,11 @@ _UNAVAILABLE = (503, {"ok": False, "reason": "unavailable",
                       "error": "engine_ext is not initialised on this server (is the plugin loaded?)"})
 
 
-async def post_answer(get_controller: ControllerGetter, authorization: str | None,
+async def post_answer(auth: Auth, get_controller: ControllerGetter, authorization: str | None,
                       read_body: Callable[[], Awaitable[bytes]]) -> tuple[int, dict]:
     """Status and JSON body of ``POST``: 401 before the body is read, 400 for a bad body, then the update."""
     try:
-        check_token(authorization)
+        auth.check(authorization)
         req = UpdateRequest.parse(await read_body())
         ctl = await get_controller()
         if ctl is None:
@@ -36,10 +37,11 @@ async def post_answer(get_controller: ControllerGetter, authorization: str | Non
         return status, answer
 
 
-async def get_answer(get_controller: ControllerGetter, authorization: str | None) -> tuple[int, dict]:
-    """Status and JSON body of ``GET``: the controller's status (503 while it cannot start)."""
+async def get_answer(auth: Auth, get_controller: ControllerGetter, authorization: str | None) -> tuple[int, dict]:
+    """Status and JSON body of ``GET``: the controller's status, to authorised callers only
+    (it shows fingerprints and history); 503 while the controller cannot start."""
     try:
-        check_token(authorization)
+        auth.check(authorization)
         ctl = await get_controller()
     except Exception as e:  # noqa: BLE001
         status, answer = error_answer(e)

@@ -15,6 +15,13 @@ from . import fingerprint as fpr
 from .errors import DeltaError
 
 PAUSE_MODES = ("keep", "wait", "abort")
+MAX_BODY_BYTES = 64 << 10
+
+
+def short(value, n: int = 120) -> str:
+    """``repr(value)``, cut short: error messages never echo a hostile request at length."""
+    text = repr(value)
+    return text if len(text) <= n else text[:n] + "..."
 
 
 class RequestError(DeltaError):
@@ -32,21 +39,24 @@ class UpdateRequest:
     base_version: int | None = None  # refuse (409) unless this is the served version
     pause_mode: str = "keep"  # keep (freeze in-flight requests), wait (drain), abort
     wait: bool = False  # wait for a running update instead of answering 409
+    rollback: bool = False  # allow a target older than the served version (else refused)
 
     @classmethod
     def parse(cls, body: bytes | str | dict) -> "UpdateRequest":
         """Validate a body; anything unexpected is a 400 that names the problem."""
         if not isinstance(body, dict):
+            if len(body or b"") > MAX_BODY_BYTES:
+                raise RequestError(f"body is over {MAX_BODY_BYTES} bytes")
             try:
                 body = json.loads(body or b"")
             except (ValueError, UnicodeDecodeError) as e:
-                raise RequestError(f"body is not valid JSON: {e}") from None
+                raise RequestError(f"body is not valid JSON: {str(e)[:120]}") from None
         if not isinstance(body, dict):
             raise RequestError('body must be a JSON object like {"url": "<manifest URI or path>"}')
-        types = {"url": str, "base_version": int, "pause_mode": str, "wait": bool}
+        types = {"url": str, "base_version": int, "pause_mode": str, "wait": bool, "rollback": bool}
         unknown = sorted(set(body) - set(types))
         if unknown:
-            raise RequestError(f"unknown field(s) {unknown}; allowed: {sorted(types)}")
+            raise RequestError(f"unknown field(s) {short(unknown)}; allowed: {sorted(types)}")
         for k, v in body.items():
             want = types[k]
             if v is None and k != "url":
@@ -57,7 +67,7 @@ class UpdateRequest:
             raise RequestError('missing "url" (manifest URI or path)')
         req = cls(**{k: v for k, v in body.items() if v is not None})
         if req.pause_mode not in PAUSE_MODES:
-            raise RequestError(f"pause_mode must be one of {PAUSE_MODES}, got {req.pause_mode!r}")
+            raise RequestError(f"pause_mode must be one of {PAUSE_MODES}, got {short(req.pause_mode)}")
         return req
 
 
@@ -137,7 +147,8 @@ class RankReply:
 
 @dataclass
 class UpdateAnswer:
-    """The 200 answer of an update (JSON via :meth:`to_json`)."""
+    """The 200 answer of an update (JSON via :meth:`to_json`). ``noop``: the target is the
+    version already served (a replay); nothing was fetched or written."""
 
     version: int
     base_version: int | None
@@ -151,6 +162,7 @@ class UpdateAnswer:
     pause_mode: str
     pause_ms: float
     phases_ms: dict[str, float]
+    noop: bool = False
     ok: bool = True
 
     def to_json(self) -> dict:

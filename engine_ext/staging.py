@@ -59,13 +59,49 @@ def load_staged(path: str) -> list[TensorDelta]:
     return out
 
 
+PREFIX = "engine_ext_"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale(directory: str | None = None) -> int:
+    """Remove staging directories whose creating process is gone (a crash mid-update); returns
+    how many. Directories of live processes (other servers on this host) are left alone."""
+    d = directory or stage_dir()
+    removed = 0
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith(PREFIX):
+            continue
+        pid = name[len(PREFIX):].split("_", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(d, name), ignore_errors=True)
+            removed += 1
+    return removed
+
+
 class StagedDelta:
-    """A decoded delta written for the ranks; ``with`` removes it (and its directory) at the end."""
+    """A decoded delta written for the ranks; ``with`` removes it (and its directory) at the end.
+
+    The directory is private (0700, the file 0600) and named after this process, so that
+    :func:`sweep_stale` can tell a crashed process's leftovers from live ones."""
 
     def __init__(self, tensors: Iterable[TensorDelta], directory: str | None = None):
-        self.dir = tempfile.mkdtemp(prefix="engine_ext_", dir=directory or stage_dir())
+        self.dir = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}_", dir=directory or stage_dir())
         try:
             self.path = stage_delta(tensors, os.path.join(self.dir, FILE_NAME))
+            os.chmod(self.path, 0o600)
         except BaseException:
             self.remove()
             raise

@@ -4,9 +4,12 @@ vLLM server takes each one in place through ``POST /update_weights_delta``.
     python examples/demo.py                 # defaults: tiny Qwen2, 10 steps, ./demo_out
 
 What it does (all local, nothing downloaded):
-1. makes a tiny random Qwen2 checkpoint (bf16) and an empty local store;
+1. makes a tiny random Qwen2 checkpoint (bf16), an empty local store, a signing key
+   (``engine-ext keygen``) and a route token;
 2. starts ``python -m vllm.entrypoints.openai.api_server`` on it with
-   ``VLLM_PLUGINS=engine_ext`` and ``ENGINE_EXT_SOURCES=<store>``;
+   ``VLLM_PLUGINS=engine_ext``, ``ENGINE_EXT_SOURCES=<store>``, the public key as
+   ``ENGINE_EXT_TRUSTED_KEYS`` and the token as ``ENGINE_EXT_TOKEN`` (secure by default:
+   the server takes only signed versions, and only from callers with the token);
 3. trains a toy copy of the model (fp32 master weights, Adam lr 3e-6 on random-token
    language-model batches plus gradient noise) and after every step casts to bf16 and
    publishes the version with ``engine_ext.publish.DeltaPublisher``;
@@ -46,6 +49,7 @@ def main() -> None:
 
     from engine_ext import fingerprint as fpr
     from engine_ext.publish import DeltaPublisher
+    from engine_ext.signing import generate_key
     from engine_ext.tiny_models import make_model
     from engine_ext.vllm.launcher import VllmServer
 
@@ -69,7 +73,11 @@ def main() -> None:
     numel = dense_bytes // 2
     print(f"model: {args.kind}, {numel / 1e6:.2f} M parameters, dense bf16 {dense_bytes / 1e6:.2f} MB", flush=True)
     print("starting vLLM CPU server with the engine_ext plugin (about a minute)...", flush=True)
-    server = VllmServer(model_dir, sources=str(store), log=out / "server.log")
+    import secrets
+
+    generate_key(out / "publisher.key")
+    server = VllmServer(model_dir, sources=str(store), log=out / "server.log", token=secrets.token_hex(16),
+                        trusted_keys=str(out / "publisher.key.pub"))
     engine = server.status()["layout"]["engine"][0]
     print(f"server up: CPU GEMM paths {engine.get('gemm')}, attention ISA {engine.get('attention_isa')}", flush=True)
     served = {"ok": 0, "failed": 0}
@@ -85,7 +93,7 @@ def main() -> None:
 
     rows = []
     try:
-        with DeltaPublisher(str(store), anchor_every=0) as pub:
+        with DeltaPublisher(str(store), anchor_every=0, signing_key=str(out / "publisher.key")) as pub:
             pub.publish(bf16_state())  # v0: anchor of the weights the server started from
             pub.wait()
             th = threading.Thread(target=client, daemon=True)

@@ -11,6 +11,32 @@ sys.path.insert(0, os.path.dirname(__file__))  # `import servers` from any test 
 import server_report  # noqa: E402
 from servers import serve_http, serve_s3  # noqa: E402
 
+TEST_TOKEN = "engine-ext-test-token"
+
+
+def _secure_by_default_for_the_whole_run():
+    """The suite runs the product as deployed: every version signed, every route behind a token.
+
+    One Ed25519 key for the run: ``ENGINE_EXT_SIGNING_KEY`` makes every publisher and CLI
+    call sign, ``ENGINE_EXT_TRUSTED_KEYS`` makes every server (in-process or a subprocess,
+    which inherits the environment) verify, ``ENGINE_EXT_TOKEN`` guards every route. Set
+    before anything reads the settings. Tests of unsigned or open set-ups say so explicitly.
+    """
+    import tempfile
+
+    from engine_ext.signing import generate_key
+
+    d = tempfile.mkdtemp(prefix="engine_ext_test_keys_")
+    generate_key(os.path.join(d, "publisher.key"))
+    os.environ["ENGINE_EXT_SIGNING_KEY"] = os.path.join(d, "publisher.key")
+    os.environ["ENGINE_EXT_TRUSTED_KEYS"] = os.path.join(d, "publisher.key.pub")
+    os.environ["ENGINE_EXT_TOKEN"] = TEST_TOKEN
+    for name in ("ENGINE_EXT_ALLOW_UNSIGNED", "ENGINE_EXT_NO_AUTH"):
+        os.environ.pop(name, None)
+
+
+_secure_by_default_for_the_whole_run()
+
 
 def _import_kernels_for_the_interpreter():
     """Decorate our Triton kernels in interpreter mode before any test module imports vLLM.

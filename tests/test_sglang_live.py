@@ -33,6 +33,7 @@ sys.path.insert(0, str(HERE))
 from test_sglang_tp import STEPS, _free_port, make_case  # noqa: E402
 
 ROUTE = "/update_weights_delta"
+AUTH = {"Authorization": f"Bearer {os.environ['ENGINE_EXT_TOKEN']}"}  # conftest: every route needs the token
 TP = int(os.environ.get("ENGINE_EXT_SGLANG_LIVE_TP", "2"))  # 2: two scheduler processes, one per core
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [17] * 12, [900, 4, 33, 512, 7]]
 
@@ -60,7 +61,7 @@ def live(tmp_path_factory):
             assert proc.poll() is None, f"server exited ({proc.returncode}):\n{(tmp / 'server.log').read_text()[-4000:]}"
             assert time.monotonic() < deadline, "server did not come up in 300 s"
             try:
-                r = requests.get(url + ROUTE, timeout=5)
+                r = requests.get(url + ROUTE, headers=AUTH, timeout=5)
                 if r.status_code == 200 and r.json().get("fingerprint"):
                     break
             except requests.RequestException:
@@ -123,7 +124,7 @@ def test_live_server_deltas_under_load_equal_sglangs_own_reload(live):
         for u, mode in zip(case["urls"], ["keep", "wait", "keep"]):
             time.sleep(0.2)  # let new requests get into the running batch
             t0 = time.monotonic()
-            answers.append(requests.post(url + ROUTE, json={"url": u, "pause_mode": mode}, timeout=120))
+            answers.append(requests.post(url + ROUTE, json={"url": u, "pause_mode": mode}, headers=AUTH, timeout=120))
             update_spans.append((t0, time.monotonic()))
     finally:
         stop.set()
@@ -139,12 +140,12 @@ def test_live_server_deltas_under_load_equal_sglangs_own_reload(live):
     after = generate(url)
     assert after != before  # the deltas changed what is served
     assert requests.get(url + "/model_info", timeout=10).json()["weight_version"] == str(STEPS)
-    status = requests.get(url + ROUTE, timeout=10).json()
+    status = requests.get(url + ROUTE, headers=AUTH, timeout=10).json()
     assert status["version"] == STEPS and status["engine"] == "sglang"
 
-    r = requests.post(url + ROUTE, json={"url": case["bad"]["integrity"]}, timeout=60)
+    r = requests.post(url + ROUTE, json={"url": case["bad"]["integrity"]}, headers=AUTH, timeout=60)
     assert r.status_code == 422 and r.json()["reason"] == "integrity"
-    r = requests.post(url + ROUTE, json={"url": case["bad"]["verify"]}, timeout=60)
+    r = requests.post(url + ROUTE, json={"url": case["bad"]["verify"]}, headers=AUTH, timeout=60)
     assert r.status_code == 500 and r.json()["reason"] == "verify"  # applied, verified, rolled back
     assert generate(url) == after  # refused deltas changed nothing
 
@@ -153,5 +154,5 @@ def test_live_server_deltas_under_load_equal_sglangs_own_reload(live):
     assert r.status_code == 200 and r.json()["success"], r.text
     assert generate(url) == after
     # and our fingerprints, re-read after SGLang's own update, still say version-3 weights
-    fp = requests.get(url + ROUTE, timeout=30).json()
+    fp = requests.get(url + ROUTE, headers=AUTH, timeout=30).json()
     assert fp["fingerprint"] == answers[-1].json()["fingerprint"]

@@ -159,7 +159,7 @@ def server(tmp_path_factory):
     http_server.set_global_state(http_server._GlobalState(tokenizer_manager=tm, template_manager=None, scheduler_info={}))
     try:
         with anyio.from_thread.start_blocking_portal() as portal:
-            client = TestClient(http_server.app)
+            client = TestClient(http_server.app, headers={"authorization": f"Bearer {os.environ['ENGINE_EXT_TOKEN']}"})
             client.portal = portal  # one event loop for all requests (the TokenizerManager's loop lives there)
             yield {"client": client, "case": case, "tm": tm, "sched": sched, "model": model, "load": load,
                    "app": http_server.app}

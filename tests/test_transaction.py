@@ -16,13 +16,14 @@ import os
 import pytest
 import torch
 
-from engine_ext.dtypes import BY_TORCH
 from engine_ext.errors import BaseMismatchError, ForbiddenSourceError, VerifyError
 from engine_ext.publish import DeltaPublisher
-from engine_ext.controller import Busy, Controller, Unauthorized, check_token, error_answer
+from engine_ext.controller import Auth, Busy, Controller, Unauthorized, check_token, error_answer
+from engine_ext.settings import Settings
 from engine_ext.delta import diff_tensor
+from fake_ranks import FakeRanks, bits, make_rank, same_bits  # noqa: E402
 from engine_ext.protocol import RankReply, RequestError, TensorReport, UpdateRequest
-from engine_ext.rank import RankUpdater, run_op
+from engine_ext.rank import run_op
 from engine_ext.sources import Sources
 from engine_ext.staging import load_staged, stage_delta
 from engine_ext.transaction import combine_fingerprints
@@ -73,12 +74,23 @@ def test_parse_request():
     assert error_answer(KeyError("k")) == (500, {"ok": False, "reason": "internal", "error": "KeyError('k')"})
 
 
-def test_token():
-    check_token(None, "")  # no token configured: open
-    check_token("Bearer s3cret", "s3cret")
-    for bad in (None, "s3cret", "Bearer wrong", "Basic s3cret"):
+def test_auth_is_secure_by_default():
+    """No token and no explicit opening: every request is refused. A token (ours or the engine's
+    API key) is required as ``Bearer`` in any case; ENGINE_EXT_NO_AUTH=1 alone opens the route."""
+    with pytest.raises(Unauthorized, match="no token is configured"):
+        Auth().check("Bearer anything")
+    Auth(open=True).check(None)
+    auth = Auth(("s3cret", "vllm-api-key"))
+    for good in ("Bearer s3cret", "bearer s3cret", "BEARER  vllm-api-key ", "Bearer vllm-api-key"):
+        auth.check(good)
+    for bad in (None, "", "s3cret", "Bearer wrong", "Basic s3cret", "Bearer", "Bearers3cret"):
         with pytest.raises(Unauthorized):
-            check_token(bad, "s3cret")
+            auth.check(bad)
+    with pytest.raises(Unauthorized):  # a token configured wins over "open"
+        Auth(("s3cret",), open=True).check(None)
+    s = Settings(token="t", no_auth=False)
+    assert Auth.from_settings(engine_tokens=("k", None, ""), s=s) == Auth(("t", "k"), False)
+    check_token("Bearer s3cret", "s3cret")
 
 
 def _replies(*per_rank):
@@ -116,62 +128,6 @@ def test_rank_reply_wire_round_trip():
 # ---------------------------------------------------------------- two fake ranks
 
 
-class Rank(torch.nn.Module):
-    """Holds rows [r*4, r*4+4) of checkpoint tensor ``w`` [8, 16] and all of ``b`` [16]."""
-
-    def __init__(self, r: int):
-        super().__init__()
-        self.r = r
-        self.w = torch.nn.Parameter(torch.zeros(4, 16, dtype=torch.bfloat16), requires_grad=False)
-        self.b = torch.nn.Parameter(torch.zeros(16, dtype=torch.bfloat16), requires_grad=False)
-
-    def load(self, name: str, t: torch.Tensor) -> None:
-        with torch.no_grad():
-            if name == "w":
-                self.w.copy_(t[self.r * 4:(self.r + 1) * 4])
-            else:
-                self.b.copy_(t)
-
-
-def make_rank(r: int, sd: dict) -> RankUpdater:
-    m = Rank(r)
-    for n, t in sd.items():
-        m.load(n, t)
-    specs = {n: (tuple(t.shape), BY_TORCH[t.dtype]) for n, t in sd.items()}
-    return RankUpdater(m, m.load, specs, rank=r)
-
-
-class FakeRanks:
-    """Ranks in this process; every reply crosses the wire format, as in the engine adapters."""
-
-    def __init__(self, ranks, fail_rank=None, pause_s=0.0):
-        self.ranks, self.fail_rank, self.pause_s, self.calls = ranks, fail_rank, pause_s, []
-
-    async def call(self, op, **kw):
-        self.calls.append(op)
-        out = []
-        for up in self.ranks:
-            if op == "apply" and up.rank == self.fail_rank:
-                out.append(RankReply.failure(up.rank, RuntimeError("injected kernel failure")).to_wire())
-                continue
-            out.append(run_op(up, op, kw))
-        return [RankReply.from_wire(w) for w in out]
-
-    async def pause(self, mode):
-        self.calls.append(f"pause:{mode}")
-        await asyncio.sleep(self.pause_s)
-
-    async def resume(self):
-        self.calls.append("resume")
-
-    async def after_update(self, version):
-        self.calls.append(f"after:{version}")
-
-
-def bits(ranks):
-    return [(up.module.w.detach().view(torch.int16).clone(), up.module.b.detach().view(torch.int16).clone()) for up in ranks]
-
-
 @pytest.fixture
 def world(tmp_path):
     g = torch.Generator().manual_seed(0)
@@ -206,12 +162,20 @@ def test_controller_updates_and_chains(world):
         assert torch.equal(up.module.w.view(torch.int16), want["w"][up.rank * 4:(up.rank + 1) * 4].view(torch.int16))
         assert torch.equal(up.module.b.view(torch.int16), want["b"].view(torch.int16))
     assert ctl.ranks.calls[-3:] == ["commit", "after:3", "resume"]
-    a = run(ctl.update(parse_request({"url": str(store / "v00000002.json")})))  # back to v2: only via the anchor
+    a = run(ctl.update(parse_request({"url": str(store / "v00000003.json")})))  # a replay: nothing to do
+    assert a["noop"] is True and a["version"] == 3 and a["payload_bytes"] == 0
+    assert ctl.ranks.calls[-1] == "resume"  # nothing called since the v3 update
+    held = bits(ranks)
+    with pytest.raises(BaseMismatchError, match="rollback") as e:  # going back must be asked for
+        run(ctl.update(parse_request({"url": str(store / "v00000002.json")})))
+    assert e.value.reason == "downgrade" and ctl.status()["version"] == 3
+    assert same_bits(held, bits(ranks))
+    a = run(ctl.update(parse_request({"url": str(store / "v00000002.json"), "rollback": True})))  # only via the anchor
     assert a["version"] == 2 and a["manifests"][0].endswith("v00000000.anchor.json")
     assert torch.equal(ranks[1].module.w.view(torch.int16), versions[2]["w"][4:].view(torch.int16))
     (store / "v00000000.anchor.json").unlink()
     with pytest.raises(BaseMismatchError):  # no anchor, and no chain leads from v2 to v1
-        run(ctl.update(parse_request({"url": str(store / "v00000001.json")})))
+        run(ctl.update(parse_request({"url": str(store / "v00000001.json"), "rollback": True})))
     assert ctl.status()["version"] == 2
 
 
@@ -225,7 +189,7 @@ def test_failure_on_one_rank_rolls_every_rank_back(world):
         run(ctl.update(parse_request({"url": str(store / "v00000001.json")})))
     assert error_answer(e.value)[0] == 500
     after = bits(ranks)
-    assert all(torch.equal(x, y) for a, b in zip(before, after) for x, y in zip(a, b))
+    assert same_bits(before, after)
     assert ctl.status()["fingerprint"] == fp and ctl.status()["version"] == 0
     assert "rollback" in ctl.ranks.calls and ctl.ranks.calls[-1] == "resume"
     assert ctl.status()["history"][-1]["ok"] is False
@@ -252,7 +216,7 @@ def test_verify_failure_rolls_back(world):
             run(ctl.update(parse_request({"url": str(store / "v00000001.json")})))
     finally:
         reader.fetch_planned = real
-    assert all(torch.equal(x, y) for a, b in zip(before, bits(ranks)) for x, y in zip(a, b))
+    assert same_bits(before, bits(ranks))
 
 
 def test_one_update_at_a_time(world):

@@ -19,6 +19,7 @@ import pytest
 import requests
 
 from engine_ext import fingerprint as fpr
+from engine_ext.signing import Signer
 
 pytest.importorskip("vllm")
 from vllm_helpers import (PROMPTS, Server, assert_layout_on_this_host, copy_store, make_model, rl_trajectory,  # noqa: E402
@@ -29,7 +30,7 @@ K = 4
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(tmp_path_factory, http_server):
     tmp = tmp_path_factory.mktemp("vllm_endpoint")
     model = make_model(tmp / "model", "qwen2")
     root = tmp / "stores"
@@ -49,10 +50,26 @@ def world(tmp_path_factory):
     m["tensors"][0]["fingerprint"] = f"{(int(fp, 16) + 1) % (1 << 64):016x}"
     m["fingerprint"] = fpr.fmt(fpr.model_fingerprint({t["name"]: fpr.parse(t["fingerprint"]) for t in m["tensors"]}))
     (tampered / "v00000003.json").write_text(json.dumps(m))
+    Signer.from_settings().sign_file(tampered / "v00000003.json")  # a signed lie: only the apply's verify can tell
     copy_store(root / "run", tmp / "outside")
-    server = Server(model, sources=f"{root},s3://bucket/allowed", base_version=0, log=tmp / "server.log", warmup=False)
+    # The top attacks of tests/test_hostile.py, against this real server too:
+    unsigned = copy_store(root / "run", root / "unsigned")  # a forged delta cannot be signed
+    (unsigned / "v00000003.json.sig").unlink()
+    bomb = copy_store(root / "run", root / "bomb")  # names a tensor the model does not have (unchanged, no bytes)
+    m = json.loads((bomb / "v00000003.json").read_text())
+    t0 = m["tensors"][0]
+    m["tensors"].append({"name": "model.not_a_tensor.weight", "dtype": t0["dtype"], "shape": [1 << 20], "nnz": 0,
+                         "fingerprint": t0["fingerprint"], "base_fingerprint": t0["fingerprint"]})
+    m["fingerprint"] = fpr.fmt(fpr.model_fingerprint({t["name"]: fpr.parse(t["fingerprint"]) for t in m["tensors"]}))
+    m["base_fingerprint"] = fpr.fmt(fpr.model_fingerprint({t["name"]: fpr.parse(t["base_fingerprint"]) for t in m["tensors"]}))
+    (bomb / "v00000003.json").write_text(json.dumps(m))
+    Signer.from_settings().sign_file(bomb / "v00000003.json")
+    copy_store(root / "run", http_server.root / "stores" / "run")
+    http_server.redirects["/stores/run/v00000003.json"] = "/elsewhere/v00000003.json"  # off the store
+    server = Server(model, sources=f"{root},s3://bucket/allowed,{http_server.url}/stores", base_version=0,
+                    log=tmp / "server.log", warmup=False)
     try:
-        yield {"tmp": tmp, "model": model, "root": root, "final": final, "server": server}
+        yield {"tmp": tmp, "model": model, "root": root, "final": final, "server": server, "http": http_server.url}
     finally:
         server.stop()
 
@@ -104,12 +121,19 @@ def test_single_steps(world):
     (lambda w: {"uri": "x"}, 400, "bad_request"),
     (lambda w: {"url": 5}, 400, "bad_request"),
     (lambda w: {"url": v(w["root"], "run", 3), "pause_mode": "later"}, 400, "bad_request"),
+    (lambda w: {"url": f"{w['http']}/stores%2Frun%2Fv00000003.json"}, 403, "forbidden_source"),
+    (lambda w: {"url": v(w["root"], "unsigned", 3)}, 403, "signature"),
+    (lambda w: {"url": v(w["root"], "bomb", 3)}, 422, "integrity"),
+    (lambda w: {"url": f"{w['http']}/stores/run/v00000003.json"}, 403, "forbidden_source"),
+    (lambda w: {"url": v(w["root"], "run", 1)}, 409, "downgrade"),
+    (lambda w: {"url": v(w["root"], "run", 3)}, 401, "unauthorized"),
 ], ids=["corrupt", "truncated", "wrong-base", "stale-base-version", "fingerprint-mismatch-rollback", "outside",
-        "dotdot", "http-outside", "s3-dotdot", "malformed-json", "not-object", "unknown-field", "url-type", "pause-mode"])
+        "dotdot", "http-outside", "s3-dotdot", "malformed-json", "not-object", "unknown-field", "url-type", "pause-mode",
+        "percent-2f", "unsigned-forgery", "unknown-tensor-bomb", "redirect-off-store", "downgrade", "no-token"])
 def test_refused_and_unchanged(world, body, status, reason):
     s = world["server"]
     before_status = s.status()
-    r = s.update(body(world))
+    r = s.update(body(world), headers={} if reason == "unauthorized" else None)
     assert r.status_code == status, r.text
     assert r.json()["reason"] == reason and r.json()["error"]
     after_status = s.status()

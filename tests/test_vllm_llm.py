@@ -2,8 +2,8 @@
 (``vllm.LLM``, TP 2: worker 0 drives, worker 1 follows) and ``POST /update_weights_delta``
 take the same composed chain v0 -> v3 and end at the same version and fingerprint.
 
-The backend also refuses, on every worker with nothing changed, a delta from another
-run (no chain or anchor leads there) and one whose promised fingerprint is wrong
+The backend also refuses, on every worker with nothing changed, a version 3 from another
+run (the served version, with other weights) and one whose promised fingerprint is wrong
 (applied, verified, rolled back on both workers); a later good update still lands.
 Runs examples/llm_hook.py in a subprocess (vLLM spawns workers).
 """
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from engine_ext import fingerprint as fpr
+from engine_ext.signing import Signer
 
 pytest.importorskip("vllm")
 from vllm_helpers import Server, copy_store, make_model, rl_trajectory  # noqa: E402
@@ -37,6 +38,7 @@ def test_backend_and_route_run_the_same_transaction(tmp_path):
     m["tensors"][0]["fingerprint"] = fpr.fmt(fpr.parse(m["tensors"][0]["fingerprint"]) + 1)
     m["fingerprint"] = fpr.fmt(fpr.model_fingerprint({t["name"]: fpr.parse(t["fingerprint"]) for t in m["tensors"]}))
     (tampered / "v00000004.json").write_text(json.dumps(m))
+    Signer.from_settings().sign_file(tampered / "v00000004.json")  # a signed lie: only the apply's verify can tell
     v3 = str(root / "run" / "v00000003.json")
     urls = [v3, str(root / "other" / "v00000003.json"), str(tampered / "v00000004.json"), str(root / "run" / "v00000004.json")]
     env = dict(os.environ, VLLM_PLUGINS="engine_ext", VLLM_CPU_KVCACHE_SPACE="1", ENGINE_EXT_SOURCES=str(root),
@@ -48,7 +50,7 @@ def test_backend_and_route_run_the_same_transaction(tmp_path):
     chain, foreign, lying, last = out["results"]
     fp3 = json.loads(Path(v3).read_text())["fingerprint"]
     assert (chain["ok"], chain["version"], chain["fingerprint"]) == (True, 3, fp3)
-    assert not foreign["ok"] and "no delta chain or anchor leads there" in foreign["error"], foreign
+    assert not foreign["ok"] and "is version 3 with another fingerprint" in foreign["error"], foreign
     assert not lying["ok"] and "rolled back" in lying["error"], lying
     assert foreign["fingerprint"] == lying["fingerprint"] == fp3  # nothing changed on any worker
     assert last["ok"] and last["version"] == 4

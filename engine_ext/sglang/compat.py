@@ -43,6 +43,9 @@ TOUCHPOINTS = (
     Touchpoint("sglang.srt.entrypoints.http_server", "get_global_state", (), "the TokenizerManager of the HTTP process"),
     Touchpoint("sglang.srt.entrypoints.http_server", "app", (), "our routes are added to it"),
     Touchpoint("sglang.srt.utils.auth", "auth_level", (), "ADMIN_OPTIONAL on our routes"),
+    # ServerArgs is assembled from field groups at import time; the keys are declared here:
+    Touchpoint("sglang.srt.arg_groups.fields.serving", "Serving.api_key", (), "server_args.api_key opens our routes too"),
+    Touchpoint("sglang.srt.arg_groups.fields.serving", "Serving.admin_api_key", (), "so does server_args.admin_api_key"),
 )
 
 
@@ -128,6 +131,12 @@ def http_tokenizer_manager():
 
     state = get_global_state()
     return None if state is None else state.tokenizer_manager
+
+
+def server_api_keys(tm) -> tuple[str, ...]:
+    """The server's own ``--api-key`` and ``--admin-api-key`` (either opens our routes)."""
+    sa = getattr(tm, "server_args", None)
+    return tuple(k for k in (getattr(sa, "api_key", None), getattr(sa, "admin_api_key", None)) if k)
 
 
 def mark_admin_optional(*routes) -> None:

@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from ..controller import ROUTE
+from ..controller import ROUTE, Auth
 from ..http import get_answer, post_answer
 from . import compat, engine
 
@@ -32,13 +32,18 @@ async def _controller():
     return await engine.controller(tm)
 
 
+def _auth() -> Auth:
+    """ENGINE_EXT_TOKEN, plus SGLang's own --api-key / --admin-api-key."""
+    return Auth.from_settings(engine_tokens=compat.server_api_keys(compat.http_tokenizer_manager()))
+
+
 async def post_update(request: Request) -> JSONResponse:
-    status, body = await post_answer(_controller, request.headers.get("authorization"), request.body)
+    status, body = await post_answer(_auth(), _controller, request.headers.get("authorization"), request.body)
     return JSONResponse(body, status)
 
 
 async def get_update(request: Request) -> JSONResponse:
-    status, body = await get_answer(_controller, request.headers.get("authorization"))
+    status, body = await get_answer(_auth(), _controller, request.headers.get("authorization"))
     return JSONResponse(body, status)
 
 

@@ -51,6 +51,9 @@ TOUCHPOINTS = (
     Touchpoint("vllm.distributed.weight_transfer.base", "WeightTransferUpdateInfo", (), ""),
     # API server side: endpoint plugin contract and the engine client
     Touchpoint("vllm.plugins.endpoint_plugins.interface", "EndpointPlugin.attach_router", ("app",), ""),
+    Touchpoint("vllm.envs", "VLLM_API_KEY", (), "vLLM's API key opens our route too"),
+    Touchpoint("vllm.entrypoints.launchers.cli_args|vllm.entrypoints.common.cli_args", "FrontendArgs.api_key", (),
+               "vLLM's --api-key (the module moved in 0.33)"),
     Touchpoint("vllm.plugins.endpoint_plugins.interface", "EndpointPlugin.init_state", ("engine_client", "state", "args"), ""),
     Touchpoint("vllm.engine.protocol", "EngineClient.collective_rpc", ("method", "args", "kwargs"), "reaches every worker"),
     Touchpoint("vllm.engine.protocol", "EngineClient.pause_generation", ("mode", "clear_cache"), ""),
@@ -72,6 +75,13 @@ def version_note() -> tuple[bool, str]:
 
 
 # --------------------------------------------------------------------------- the calls themselves
+
+
+def api_keys(args) -> tuple[str, ...]:
+    """vLLM's own API keys: ``--api-key`` (a list), else ``VLLM_API_KEY`` (as vLLM's middleware takes them)."""
+    import vllm.envs as envs
+
+    return tuple(k for k in (getattr(args, "api_key", None) or [envs.VLLM_API_KEY]) if k)
 
 
 def cpu_gemm_module():

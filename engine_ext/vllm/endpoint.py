@@ -15,9 +15,10 @@ from argparse import Namespace
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ..controller import ROUTE, Controller, initial_version
+from ..controller import ROUTE, Auth, Controller, initial_version
 from ..http import get_answer, post_answer
 from ..protocol import RankReply
+from . import compat
 from .worker import RPC_METHOD
 
 log = logging.getLogger("engine_ext")
@@ -54,13 +55,19 @@ def _controller(request: Request):
     return get
 
 
+def _auth(request: Request) -> Auth:
+    """Set by init_state (with vLLM's --api-key); before that, from the settings alone."""
+    return getattr(request.app.state, "engine_ext_auth", None) or Auth.from_settings()
+
+
 async def post_update(request: Request) -> JSONResponse:
-    status, body = await post_answer(_controller(request), request.headers.get("authorization"), request.body)
+    status, body = await post_answer(_auth(request), _controller(request), request.headers.get("authorization"),
+                                     request.body)
     return JSONResponse(body, status)
 
 
 async def get_update(request: Request) -> JSONResponse:
-    status, body = await get_answer(_controller(request), request.headers.get("authorization"))
+    status, body = await get_answer(_auth(request), _controller(request), request.headers.get("authorization"))
     return JSONResponse(body, status)
 
 
@@ -77,6 +84,8 @@ class EndpointPlugin:
         app.include_router(router)
 
     async def init_state(self, engine_client, state, args: Namespace) -> None:
+        # vLLM's own --api-key (or VLLM_API_KEY) opens our route too; its middleware guards /v1 only.
+        state.engine_ext_auth = Auth.from_settings(engine_tokens=compat.api_keys(args))
         if engine_client is None:
             return
         model_dir = getattr(args, "model", None)

@@ -74,20 +74,30 @@ class VllmServer:
     """A vLLM server on loopback with the engine_ext plugin; stopped by :meth:`stop` or ``with``.
 
     ``sources`` becomes ``ENGINE_EXT_SOURCES``; ``base_version`` ``ENGINE_EXT_BASE_VERSION``;
-    ``args`` are extra ``vllm serve`` arguments. The defaults suit a tiny model on a CPU
-    (``--max-model-len 256 --enforce-eager``, 1 GiB KV cache).
+    ``token`` ``ENGINE_EXT_TOKEN`` (default: this process's), sent with every :meth:`update`
+    and :meth:`status`; ``trusted_keys`` ``ENGINE_EXT_TRUSTED_KEYS`` (default: this
+    process's); ``args`` are extra ``vllm serve`` arguments. The defaults suit a tiny model
+    on a CPU (``--max-model-len 256 --enforce-eager``, 1 GiB KV cache).
     """
 
     def __init__(self, model: str | os.PathLike, *, sources: str = "", tp: int = 1, base_version: int | None = None,
                  log: str | os.PathLike | None = None, env: dict | None = None, args: list[str] | tuple = (),
-                 startup_s: float = 300, port: int | None = None):
+                 startup_s: float = 300, port: int | None = None, token: str | None = None,
+                 trusted_keys: str | None = None):
+        from .. import settings
+
         self.model, self.port = str(model), port or free_port()
+        self.token = token if token is not None else settings.current().token
         self.url = f"http://127.0.0.1:{self.port}"
         full_env = dict(os.environ, VLLM_PLUGINS="engine_ext", VLLM_CPU_KVCACHE_SPACE="1", ENGINE_EXT_SOURCES=sources,
                         PYTHONFAULTHANDLER="1")  # a fatal signal prints the Python stack into the log
         full_env.pop("ENGINE_EXT_BASE_VERSION", None)
         if base_version is not None:
             full_env["ENGINE_EXT_BASE_VERSION"] = str(base_version)
+        if self.token:
+            full_env["ENGINE_EXT_TOKEN"] = self.token
+        if trusted_keys is not None:
+            full_env["ENGINE_EXT_TRUSTED_KEYS"] = trusted_keys
         if tp > 1:
             full_env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))  # else "Not enough NUMA nodes"
         full_env.update(env or {})
@@ -181,14 +191,21 @@ class VllmServer:
         r.raise_for_status()
         return r.json()
 
+    def _headers(self, headers: dict | None) -> dict:
+        """The caller's headers, else the bearer token of this server."""
+        if headers is not None:
+            return headers
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
     def update(self, body, headers: dict | None = None, timeout: float = 300) -> requests.Response:
-        """``POST /update_weights_delta`` with ``body`` (a dict, or raw text/bytes as sent)."""
+        """``POST /update_weights_delta`` with ``body`` (a dict, or raw text/bytes as sent); with
+        ``headers`` None, the server's token is sent."""
         data = body if isinstance(body, (str, bytes)) else json.dumps(body)
-        return requests.post(self.url + ROUTE, data=data, headers=headers or {}, timeout=timeout)
+        return requests.post(self.url + ROUTE, data=data, headers=self._headers(headers), timeout=timeout)
 
     def status(self, headers: dict | None = None) -> dict:
         """``GET /update_weights_delta``: version, fingerprint, layout (engine paths), history."""
-        r = requests.get(self.url + ROUTE, headers=headers or {}, timeout=30)
+        r = requests.get(self.url + ROUTE, headers=self._headers(headers), timeout=30)
         r.raise_for_status()
         return r.json()
 
