@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -131,9 +132,16 @@ def test_single_steps(world):
         "dotdot", "http-outside", "s3-dotdot", "malformed-json", "not-object", "unknown-field", "url-type", "pause-mode",
         "percent-2f", "unsigned-forgery", "unknown-tensor-bomb", "redirect-off-store", "downgrade", "no-token"])
 def test_refused_and_unchanged(world, body, status, reason):
+    import psutil
+
     s = world["server"]
     before_status = s.status()
+    api = psutil.Process(s.proc.pid)  # the API server process: it fetches and decodes
+    rss = api.memory_info().rss
+    t = time.perf_counter()
     r = s.update(body(world), headers={} if reason == "unauthorized" else None)
+    took, grew = time.perf_counter() - t, api.memory_info().rss - rss
+    assert took < 10 and grew < 100 << 20, (took, grew)
     assert r.status_code == status, r.text
     assert r.json()["reason"] == reason and r.json()["error"]
     after_status = s.status()
@@ -146,7 +154,6 @@ def test_chain_while_generating(world):
     s, root = world["server"], world["root"]
     with cf.ThreadPoolExecutor(6) as ex:
         gens = [ex.submit(s.complete, [10 + i, 11, 12], 120, 0) for i in range(5)]
-        import time
 
         time.sleep(1.0)
         upd = ex.submit(s.update, {"url": v(root, "run", K)})
