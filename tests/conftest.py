@@ -63,6 +63,29 @@ _import_kernels_for_the_interpreter()
 
 
 @pytest.fixture(scope="module")
+def interp():
+    """The kernel module, run by Triton's interpreter on CPU tensors, for one test module.
+
+    TRITON_INTERPRET must be set when the kernel is decorated and while it runs
+    (Triton imports parts lazily), and unset afterwards so other tests (vLLM servers)
+    do not inherit it.
+    """
+    import importlib
+
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    import engine_ext.triton_kernels.apply_kernel as ak
+
+    if "Interpreted" not in type(ak._apply_kernel).__name__:
+        ak = importlib.reload(ak)
+    yield ak
+    if old is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+
+
+@pytest.fixture(scope="module")
 def http_server(tmp_path_factory):
     """Static HTTP server (Range, optional PUT/auth/failures) over a fresh temp dir.
     Module-scoped: call ``http_server.reset()`` to clear switches set by an earlier test."""

@@ -9,8 +9,6 @@ fingerprint change and the count. Rollback restores the storage.
 """
 from __future__ import annotations
 
-import importlib
-import os
 
 import pytest
 import torch
@@ -19,21 +17,6 @@ from engine_ext import dtypes
 from engine_ext.maps import validate
 
 from test_kernels import make_case  # noqa: E402  (tests/ is on sys.path via conftest)
-
-
-@pytest.fixture(scope="module")
-def K():
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    import engine_ext.triton_kernels.apply_kernel as ak
-
-    if "Interpreted" not in type(ak._apply_kernel).__name__:
-        ak = importlib.reload(ak)
-    yield ak
-    if old is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = old
 
 
 def test_kernel_is_a_leaf():
@@ -50,7 +33,8 @@ def test_kernel_is_a_leaf():
 
 
 @pytest.mark.parametrize("seed", range(24))
-def test_kernel_equals_reference(K, seed):
+def test_kernel_equals_reference(interp, seed):
+    K = interp
     from engine_ext.apply_fused import _row
 
     d = [x for x in dtypes.BY_NAME.values()][seed % len(dtypes.BY_NAME)]

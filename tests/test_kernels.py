@@ -8,9 +8,7 @@ fails), and on fingerprint deltas against full recomputation.
 """
 from __future__ import annotations
 
-import importlib
 import math
-import os
 
 import pytest
 import torch
@@ -26,27 +24,6 @@ from engine_ext.delta import TensorDelta, diff_tensor
 
 ALL = list(dtypes.BY_NAME.values())
 M64 = (1 << 64) - 1
-
-
-@pytest.fixture(scope="module")
-def interp():
-    """Run Triton kernels in its interpreter on CPU tensors, only for this module's tests.
-
-    TRITON_INTERPRET must be set when the kernel is decorated and while it runs
-    (Triton imports parts lazily), and unset afterwards so other tests (vLLM servers)
-    do not inherit it.
-    """
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    import engine_ext.triton_kernels.apply_kernel as ak
-
-    if "Interpreted" not in type(ak._apply_kernel).__name__:
-        ak = importlib.reload(ak)
-    yield ak
-    if old is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = old
 
 
 # ----------------------------------------------------------------------------- reference
