@@ -61,7 +61,7 @@ class SourceTree:
 
 
 def _defs(body) -> dict[str, ast.AST]:
-    """Names a module or class body binds: defs, classes, assignments, imports."""
+    """Names a module or class body binds: defs, classes, assignments, imports (not ``*``)."""
     out: dict[str, ast.AST] = {}
     for node in body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -74,14 +74,17 @@ def _defs(body) -> dict[str, ast.AST]:
             out[node.target.id] = node
         elif isinstance(node, (ast.ImportFrom, ast.Import)):
             for a in node.names:
-                if a.name == "*":
-                    out.setdefault("*", []).append(node)  # type: ignore[union-attr]
-                else:
+                if a.name != "*":
                     out[a.asname or a.name.split(".")[0]] = node
         elif isinstance(node, (ast.If, ast.Try)):  # TYPE_CHECKING blocks, try/except imports
             for part in (node.body, getattr(node, "orelse", []), *[h.body for h in getattr(node, "handlers", [])]):
                 out.update({k: v for k, v in _defs(part).items() if k not in out})
     return out
+
+
+def _star_imports(body) -> list[ast.ImportFrom]:
+    """``from x import *`` statements of a module body."""
+    return [n for n in body if isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names)]
 
 
 def _self_attrs(cls: ast.ClassDef) -> set[str]:
@@ -110,7 +113,7 @@ def _resolve(tree: SourceTree, module: str, name: str, depth: int = 0):
         src = _absolute(tree, module, node)
         return _resolve(tree, src, orig, depth + 1) or (src, None)
     if node is None:  # from .x import *
-        for star in defs.get("*", []):
+        for star in _star_imports(mod.body):
             found = _resolve(tree, _absolute(tree, module, star), name, depth + 1)
             if found is not None:
                 return found

@@ -79,11 +79,6 @@ class Auth:
             raise Unauthorized("missing or wrong bearer token")
 
 
-def check_token(authorization: str | None, token: str | None = None) -> None:
-    """:meth:`Auth.check` with ``token`` (default: the settings' token, or open with ENGINE_EXT_NO_AUTH)."""
-    (Auth((token,)) if token else Auth.from_settings()).check(authorization)
-
-
 def error_answer(e: Exception) -> tuple[int, dict]:
     """HTTP status and JSON body for an exception (DeltaError carries both)."""
     if isinstance(e, DeltaError):
@@ -233,4 +228,4 @@ class Controller:
         raise BaseMismatchError("other updates kept changing the served weights while this one was fetched; retry")
 
 
-__all__ = ["Controller", "ROUTE", "Busy", "Unauthorized", "check_token", "error_answer", "initial_version"]
+__all__ = ["Controller", "Auth", "ROUTE", "Busy", "QueueFull", "Unauthorized", "error_answer", "initial_version"]
