@@ -155,6 +155,7 @@ class UpdateTransaction:
         self.phases: dict[str, float] = {}
         self.planned_from: tuple | None = None
         self.store = None
+        self.limits = reader.Limits()
         self.chain: list[reader.Link] = []
         self.delta: reader.DecodedDelta | None = None
         self.replies: list[RankReply] = []
@@ -214,10 +215,10 @@ class UpdateTransaction:
         if self.request.base_version is not None and self.request.base_version != self.state.version:
             raise BaseMismatchError(f"request expects base version {self.request.base_version}, "
                                     f"server holds {self.state.version}")
-        limits = reader.Limits.for_model(self.state.tensors)
+        self.limits = reader.Limits.for_model(self.state.tensors)
         self.store, self.chain = reader.plan(
             self.source, self.state.version, self.state.model_fingerprint, have_manifests=self.state.manifests,
-            trust=self.trust, limits=limits, allow_older=self.request.rollback,
+            trust=self.trust, limits=self.limits, allow_older=self.request.rollback,
             deadline=time.monotonic() + settings.current().fetch_timeout)
         if not self.chain:
             return
@@ -236,7 +237,7 @@ class UpdateTransaction:
         """While the engine still serves, outside the update lock, before the fetch deadline: fetch
         every planned manifest's blobs, verify their sizes and SHA-256, decode (bounded by the
         manifests' counts and the model's limits) and compose a chain into one delta per tensor."""
-        self.delta = reader.fetch_planned(self.store, self.chain, limits=reader.Limits.for_model(self.state.tensors))
+        self.delta = reader.fetch_planned(self.store, self.chain, limits=self.limits)
 
     def stage(self) -> StagedDelta:
         """Still serving: write the decoded delta once where every rank can read it without a copy."""
