@@ -194,11 +194,21 @@ class RangeHandler(SimpleHTTPRequestHandler):
         self.end_headers()
 
 
+class _QuietServer(ThreadingHTTPServer):
+    """A client hanging up mid-answer (a reader that got its range, a refused redirect) is normal here."""
+
+    def handle_error(self, request, client_address):
+        import sys as _sys
+
+        if not isinstance(_sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            super().handle_error(request, client_address)
+
+
 @contextmanager
 def serve_http(root: str | os.PathLike):
     """Serve ``root`` on http://127.0.0.1:<free port>; yields an ``HttpServer`` handle."""
     state = HttpServer(root=Path(root))
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(RangeHandler, directory=str(root)))
+    httpd = _QuietServer(("127.0.0.1", 0), functools.partial(RangeHandler, directory=str(root)))
     httpd.daemon_threads = True
     httpd.state = state
     state.url = f"http://127.0.0.1:{httpd.server_address[1]}"
