@@ -97,6 +97,25 @@ def apply_tensor(base: torch.Tensor | None, td: TensorDelta, check: bool = True)
     return out
 
 
+def _member(x: torch.Tensor, sorted_set: torch.Tensor) -> torch.Tensor:
+    """``torch.isin(x, sorted_set)`` for a sorted set, by binary search (a dense anchor holds
+    millions of positions; sorting them again per step took seconds)."""
+    if not sorted_set.numel() or not x.numel():
+        return torch.zeros(x.shape, dtype=torch.bool)
+    at = torch.searchsorted(sorted_set, x).clamp_(max=sorted_set.numel() - 1)
+    return sorted_set[at] == x
+
+
+def _merge(pos_a, val_a, pos_b, val_b):
+    """Two disjoint sorted position sets and their values as one sorted set."""
+    if not pos_a.numel():
+        return pos_b, val_b
+    if not pos_b.numel():
+        return pos_a, val_a
+    pos, order = torch.sort(torch.cat([pos_a, pos_b]))
+    return pos, torch.cat([val_a, val_b])[order]
+
+
 def compose(chain: list[TensorDelta]) -> list[TensorDelta]:
     """Fold successive deltas of one tensor into one apply (last writer wins).
 
@@ -115,21 +134,19 @@ def compose(chain: list[TensorDelta]) -> list[TensorDelta]:
             raise ValueError(f"cannot compose deltas of different tensors: {d.name} {d.shape} vs {first.name} {first.shape}")
         pos = d.index()
         if d.mode == ABS:
-            keep = ~torch.isin(rel_pos, pos)
+            keep = ~_member(rel_pos, pos)
             rel_pos, rel_val = rel_pos[keep], rel_val[keep]
-            keep = ~torch.isin(abs_pos, pos)
-            abs_pos, order = torch.sort(torch.cat([abs_pos[keep], pos]))
-            abs_val = torch.cat([abs_val[keep], d.values])[order]
+            keep = ~_member(abs_pos, pos)
+            abs_pos, abs_val = _merge(abs_pos[keep], abs_val[keep], pos, d.values)
         else:
-            in_abs = torch.isin(pos, abs_pos)
+            in_abs = _member(pos, abs_pos)
             at = torch.searchsorted(abs_pos, pos[in_abs])
             abs_val[at] = apply_step(abs_val[at], d.values[in_abs], d.dtype.is_float)
             pos, steps = pos[~in_abs], d.values[~in_abs]
-            in_rel = torch.isin(pos, rel_pos)
+            in_rel = _member(pos, rel_pos)
             at = torch.searchsorted(rel_pos, pos[in_rel])
             rel_val[at] = rel_val[at] + steps[in_rel]
-            rel_pos, order = torch.sort(torch.cat([rel_pos, pos[~in_rel]]))
-            rel_val = torch.cat([rel_val, steps[~in_rel]])[order]
+            rel_pos, rel_val = _merge(rel_pos, rel_val, pos[~in_rel], steps[~in_rel])
             nonzero = rel_val != 0
             rel_pos, rel_val = rel_pos[nonzero], rel_val[nonzero]
     out = []
