@@ -21,9 +21,9 @@ import torch
 
 from . import fingerprint as fpr
 from .checkpoint import SafetensorsWriter
-from .codec import Encoded
+from .codec import ChunkedEncoded, Encoded
 from .dtypes import BY_SAFETENSORS, DType
-from .format import ANCHOR, DELTA, Blob, Latest, Manifest, Segment, TensorEntry, manifest_key
+from .format import ANCHOR, DELTA, Blob, Chunk, Latest, Manifest, Segment, TensorEntry, manifest_key
 from .signing import Signer
 from .store import Store, publish_version
 
@@ -75,6 +75,28 @@ class VersionBuilder:
         if self._cur is not None:
             self._cur.close()
             self._cur = None
+
+    def add_encoded(self, name: str, dtype: DType, shape, nnz: int, enc: "Encoded | ChunkedEncoded",
+                    base_fp: int, fp: int) -> None:
+        """A changed tensor from :func:`engine_ext.codec.encode_tensor`, whole or in cells."""
+        if isinstance(enc, ChunkedEncoded):
+            self.add_chunked_delta(name, dtype, shape, nnz, enc.cuts, enc.cells, base_fp, fp)
+        else:
+            self.add_delta(name, dtype, shape, nnz, enc, base_fp, fp)
+
+    def add_chunked_delta(self, name: str, dtype: DType, shape, nnz: int, cuts: list[list[int]],
+                          cells: list[tuple[int, int, Encoded]], base_fp: int, fp: int) -> None:
+        """A changed tensor cut into grid cells (``cells``: (cell, nnz, encoding) of each cell
+        that changed), each with its own bytes and hash, so a rank can fetch only its cells."""
+        chunks = []
+        for cell, n, enc in cells:
+            f = self._delta_blob()
+            data = enc.pos + enc.val
+            chunks.append(Chunk(cell, n, len(self.files) - 1, f.tell(), hashlib.sha256(data).hexdigest(),
+                                Segment(enc.pos_coder, len(enc.pos)), Segment(enc.val_coder, len(enc.val), enc.mode)))
+            f.write(data)
+        self.manifest.tensors.append(TensorEntry(name, dtype.name, list(shape), nnz, fpr.fmt(fp), fpr.fmt(base_fp),
+                                                 grid=cuts, chunks=chunks))
 
     # -- anchors --------------------------------------------------------------
     def add_anchor(self, infos: list[tuple[str, DType, tuple]], load: Callable[[str], torch.Tensor],
@@ -139,7 +161,7 @@ class VersionBuilder:
             m.blobs.append(Blob(key, size, sha))
             keys.append((key, path))
         for t in m.tensors:  # anchors hash tensor ranges after the file is complete
-            if t.nnz and t.sha256 is None:
+            if t.nnz and t.sha256 is None and t.chunks is None:
                 t.sha256 = _sha256_range(self.files[t.blob], t.offset, t.length)
         m.fingerprint = fpr.fmt(fpr.model_fingerprint((t.name, fpr.parse(t.fingerprint)) for t in m.tensors))
         if m.kind == DELTA:

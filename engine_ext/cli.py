@@ -75,8 +75,8 @@ def cmd_diff(a) -> str:
         if pos.numel() == 0:
             b.add_unchanged(name, dt, n.shape, fn)
         else:
-            enc = codec.encode(dt, n.numel(), pos, new_at, old_at, a.mode)
-            b.add_delta(name, dt, n.shape, pos.numel(), enc, fo, fn)
+            b.add_encoded(name, dt, n.shape, pos.numel(), codec.encode_tensor(dt, n.shape, pos, new_at, old_at, a.mode),
+                          fo, fn)
     base_version, anchor_version, base_manifests = _lineage(store, fpr.model_fingerprint(old_fps), _trust(a))
     if a.base_version is not None and a.base_version != base_version:
         base_version, base_manifests = a.base_version, []

@@ -18,6 +18,7 @@ import pcodec
 import torch
 import zstandard
 
+from . import chunks
 from .dtypes import DType, step_between
 from .errors import IntegrityError
 
@@ -104,6 +105,34 @@ def encode(dtype: DType, numel: int, positions: torch.Tensor, new_bits: torch.Te
         values = {mode: values[mode]}
     m, val_coder, val_bytes = min(((k, *encode_values(v)) for k, v in values.items()), key=lambda c: len(c[2]))
     return Encoded(pos_coder, pos_bytes, m, val_coder, val_bytes)
+
+
+@dataclass
+class ChunkedEncoded:
+    """A big tensor's changes cut into grid cells (:mod:`engine_ext.chunks`), each encoded alone."""
+
+    cuts: list[list[int]]
+    cells: list[tuple[int, int, Encoded]]  # (cell, changes in it, its encoding), cells with changes only
+
+
+def encode_tensor(dtype: DType, shape, positions: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor | None,
+                  mode: str | None = None, min_numel: int | None = chunks.MIN_NUMEL) -> "Encoded | ChunkedEncoded":
+    """A changed tensor's encoding: whole (:func:`encode`), or per grid cell when it has at least
+    ``min_numel`` elements (None: never cut), so that a rank can fetch the cells it holds."""
+    numel = int(np.prod(shape, dtype=np.int64))
+    cuts = None if min_numel is None else chunks.grid(shape, min_numel)
+    if cuts is None:
+        return encode(dtype, numel, positions, new_bits, old_bits, mode)
+    pos = positions.detach().cpu().numpy().astype(np.int64, copy=False)
+    new_bits, old_bits = new_bits.detach().cpu(), None if old_bits is None else old_bits.detach().cpu()
+    cells = chunks.boxes(cuts, shape)
+    out = []
+    for cell, idx in chunks.split(pos, shape, cuts):
+        box, sel = cells[cell], torch.from_numpy(idx)
+        local = torch.from_numpy(chunks.to_local(pos[idx], shape, box))
+        out.append((cell, len(idx), encode(dtype, chunks.box_numel(box), local, new_bits[sel],
+                                           None if old_bits is None else old_bits[sel], mode)))
+    return ChunkedEncoded(cuts, out)
 
 
 def decode_positions(coder: str, data: bytes, nnz: int, numel: int) -> torch.Tensor | None:

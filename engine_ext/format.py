@@ -1,11 +1,12 @@
-"""The manifest of a published version (format version 2; spec in docs/FORMAT.md).
+"""The manifest of a published version (format version 3; spec in docs/FORMAT.md).
 
 A manifest is small JSON naming the versions, fingerprints, blobs and, per tensor,
 where its encoded positions and values lie; a delta also names the manifest(s) of its
-base version by SHA-256. Parsing validates everything a hostile manifest could abuse
-(sizes, counts, offsets, names) before any blob is fetched. Signatures over the raw
-bytes are checked before parsing (:mod:`engine_ext.signing`). Version 1 manifests
-(without base hashes) are still read.
+base version by SHA-256, and a big tensor's changes may come in boxes (``chunks``,
+format 3) that a rank fetches on its own (:mod:`engine_ext.chunks`). Parsing validates
+everything a hostile manifest could abuse (sizes, counts, offsets, names, boxes) before
+any blob is fetched. Signatures over the raw bytes are checked before parsing
+(:mod:`engine_ext.signing`). Versions 1 and 2 are still read.
 """
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from .dtypes import dtype_by_name
 from .errors import ManifestError
 
 FORMAT = "engine-ext-delta"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+
 DELTA, ANCHOR = "delta", "anchor"
 POSITION_CODERS = {"none", "all", "pco", "zstd"}
 VALUE_CODERS = {"none", "raw", "pco", "zstd"}
@@ -58,6 +60,24 @@ class Segment:
 
 
 @dataclass
+class Chunk:
+    """The changes of one cell of a tensor's grid: positions are cell-local row-major indices;
+    bytes, like a whole tensor's, are ``blob[offset : offset + positions + values]``."""
+
+    cell: int  # row-major over the grid's cells
+    nnz: int
+    blob: int
+    offset: int
+    sha256: str
+    positions: Segment
+    values: Segment
+
+    @property
+    def length(self) -> int:
+        return self.positions.length + self.values.length
+
+
+@dataclass
 class TensorEntry:
     name: str
     dtype: str
@@ -70,6 +90,14 @@ class TensorEntry:
     sha256: str | None = None  # of the tensor's bytes [offset, offset + positions + values)
     positions: Segment = field(default_factory=lambda: Segment("none", 0))
     values: Segment = field(default_factory=lambda: Segment("none", 0))
+    grid: list[list[int]] | None = None  # format 3: cut points along the first one or two dimensions
+    chunks: list[Chunk] | None = None  # format 3: the changes per grid cell; then no tensor-level bytes
+
+    def boxes(self) -> list:
+        """The cells of ``grid`` as (start, stop) boxes, in cell order."""
+        from .chunks import boxes
+
+        return boxes(self.grid, self.shape)
 
     @property
     def numel(self) -> int:
@@ -121,6 +149,34 @@ class Manifest:
             raise ManifestError(f"malformed manifest: {type(e).__name__}: {e}") from None
         return m
 
+    def _check_bytes(self, where: str, e, numel: int, dtype: str, per_blob: list) -> None:
+        """The coders, byte range and hash of a changed tensor or chunk ``e`` (``numel`` elements)."""
+        def bad(msg):
+            raise ManifestError(msg)
+
+        p, v = e.positions, e.values
+        if p.coder not in POSITION_CODERS or v.coder not in VALUE_CODERS:
+            bad(f"{where}: unknown coder {p.coder!r}/{v.coder!r}")
+        if not (_is_int(p.length) and _is_int(v.length) and p.length >= 0 and v.length >= 0):
+            bad(f"{where}: bad segment lengths")
+        if v.mode not in MODES:
+            bad(f"{where}: unknown value mode {v.mode!r}")
+        if self.kind == ANCHOR and (v.mode != "abs" or p.coder != "all"):
+            bad(f"{where}: anchors hold every element as absolute bits")
+        if (p.coder == "all") != (e.nnz == numel) or (p.coder == "all" and p.length):
+            bad(f"{where}: positions coder 'all' iff every element changes, with no bytes")
+        if p.coder == "none" or v.coder == "none":
+            bad(f"{where}: changed elements need positions and values")
+        if v.coder == "raw" and v.length != e.nnz * dtype_by_name(dtype).itemsize:
+            bad(f"{where}: raw values must be nnz * itemsize bytes")
+        if not _is_int(e.blob) or not 0 <= e.blob < len(self.blobs):
+            bad(f"{where}: bad blob index {e.blob!r}")
+        if not _is_int(e.offset) or e.offset < 0 or e.offset + e.length > self.blobs[e.blob].size:
+            bad(f"{where}: byte range beyond its blob")
+        if not isinstance(e.sha256, str) or not _SHA_RE.fullmatch(e.sha256):
+            bad(f"{where}: missing or bad sha256")
+        per_blob[e.blob].append((e.offset, e.offset + e.length, where))
+
     def validate(self) -> None:
         """Raise ManifestError unless every field is consistent and within limits."""
         def bad(msg):
@@ -168,39 +224,42 @@ class Manifest:
             if self.kind == DELTA:
                 fpr.parse(t.base_fingerprint)
             tensor_fps.append((t.name, fpr.parse(t.fingerprint)))
-            p, v = t.positions, t.values
-            if p.coder not in POSITION_CODERS or v.coder not in VALUE_CODERS:
-                bad(f"{where}: unknown coder {p.coder!r}/{v.coder!r}")
-            if not (_is_int(p.length) and _is_int(v.length) and p.length >= 0 and v.length >= 0):
-                bad(f"{where}: bad segment lengths")
             if t.nnz == 0:
-                if p.coder != "none" or v.coder != "none" or t.length:
+                if t.positions.coder != "none" or t.values.coder != "none" or t.length or t.chunks or t.grid:
                     bad(f"{where}: an unchanged tensor carries no bytes")
                 if self.kind == DELTA and t.fingerprint != t.base_fingerprint:
                     bad(f"{where}: unchanged but fingerprints differ")
                 continue
-            if v.mode not in MODES:
-                bad(f"{where}: unknown value mode {v.mode!r}")
-            if self.kind == ANCHOR and (v.mode != "abs" or p.coder != "all"):
-                bad(f"{where}: anchors hold every element as absolute bits")
-            if (p.coder == "all") != (t.nnz == t.numel) or (p.coder == "all" and p.length):
-                bad(f"{where}: positions coder 'all' iff every element changes, with no bytes")
-            if p.coder == "none" or v.coder == "none":
-                bad(f"{where}: changed elements need positions and values")
-            if v.coder == "raw" and v.length != t.nnz * dtype_by_name(t.dtype).itemsize:
-                bad(f"{where}: raw values must be nnz * itemsize bytes")
-            if not _is_int(t.blob) or not 0 <= t.blob < len(self.blobs):
-                bad(f"{where}: bad blob index {t.blob!r}")
-            if not _is_int(t.offset) or t.offset < 0 or t.offset + t.length > self.blobs[t.blob].size:
-                bad(f"{where}: byte range beyond its blob")
-            if not isinstance(t.sha256, str) or not _SHA_RE.fullmatch(t.sha256):
-                bad(f"{where}: missing or bad sha256")
-            per_blob[t.blob].append((t.offset, t.offset + t.length, t.name))
+            if t.chunks is None and t.grid is None:
+                self._check_bytes(where, t, t.numel, t.dtype, per_blob)
+                continue
+            from .chunks import box_numel, valid_cuts
+
+            if self.format_version < 3 or self.kind != DELTA:
+                bad(f"{where}: only format-3 deltas come in chunks")
+            if not valid_cuts(t.grid, t.shape) or not isinstance(t.chunks, list) or not t.chunks:
+                bad(f"{where}: a chunked tensor needs a grid and a non-empty chunk list")
+            if t.positions.coder != "none" or t.values.coder != "none" or t.blob is not None or t.sha256 is not None:
+                bad(f"{where}: a chunked tensor carries its bytes in its chunks only")
+            cells = t.boxes()
+            seen, total = set(), 0
+            for c in t.chunks:
+                cw = f"{where} cell {c.cell!r}"
+                if not _is_int(c.cell) or not 0 <= c.cell < len(cells) or c.cell in seen:
+                    bad(f"{cw}: no such cell, or listed twice")
+                seen.add(c.cell)
+                n = box_numel(cells[c.cell])
+                if not _is_int(c.nnz) or not 0 < c.nnz <= n:
+                    bad(f"{cw}: nnz {c.nnz!r} outside [1, {n}]")
+                total += c.nnz
+                self._check_bytes(cw, c, n, t.dtype, per_blob)
+            if total != t.nnz:
+                bad(f"{where}: chunks hold {total} changes, the tensor {t.nnz}")
         for ranges in per_blob:
             ranges.sort()
             for (_, end, a), (start, _, b) in zip(ranges, ranges[1:]):
                 if start < end:
-                    bad(f"tensors {a!r} and {b!r} overlap in their blob")
+                    bad(f"{a} and {b} overlap in their blob")
         if fpr.fmt(fpr.model_fingerprint(tensor_fps)) != self.fingerprint:
             bad("model fingerprint does not match the tensors' fingerprints")
         if self.kind == DELTA:
@@ -228,6 +287,11 @@ def _parse(d: dict) -> Manifest:
         t = dict(t)
         t["positions"] = Segment(**t.get("positions", {"coder": "none", "length": 0}))
         t["values"] = Segment(**t.get("values", {"coder": "none", "length": 0}))
+        if t.get("chunks") is not None:
+            if not isinstance(t["chunks"], list) or len(t["chunks"]) > 256 * 256:
+                raise ManifestError(f"tensor {str(t.get('name'))[:100]!r}: bad chunk list")
+            t["chunks"] = [Chunk(**dict(c, positions=Segment(**c["positions"]), values=Segment(**c["values"])))
+                           for c in t["chunks"]]
         tensors.append(TensorEntry(**t))
     blobs = [Blob(**b) for b in d.get("blobs", [])]
     rest = {k: v for k, v in d.items() if k not in ("tensors", "blobs")}

@@ -1,0 +1,115 @@
+"""Boxes of a tensor that a rank can fetch on its own: a grid over its first two dimensions.
+
+Tensor parallelism shards a checkpoint tensor along one of its first two dimensions
+(column-parallel layers and vocabularies along dim 0, row-parallel ones along dim 1,
+MoE experts along dim 0 and their intermediate along dim 1). A delta of a big tensor is
+therefore cut into a grid of boxes, ``GRID`` parts along each of those dimensions (split
+points ``round(i * n / GRID)``, so that shards of 2, 4 and 8 ranks fall on them), each
+box (a *cell*, numbered row-major) encoded on its own: a rank fetches only the cells that
+meet what it holds (:func:`meets`). Positions inside a box are box-local row-major indices
+(:func:`to_local`, :func:`to_global`), which keeps their gaps as small as in the whole
+tensor. Small tensors (under ``MIN_NUMEL`` elements) are not cut.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+GRID = 8
+MIN_NUMEL = 1 << 16
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, stop) per dimension
+
+
+def _cuts(n: int, parts: int) -> list[int]:
+    parts = max(1, min(parts, n))
+    return sorted({round(i * n / parts) for i in range(parts + 1)})
+
+
+def grid(shape, min_numel: int = MIN_NUMEL, parts: int = GRID) -> list[list[int]] | None:
+    """The cut points along the first (one or two) dimensions a delta of a tensor of ``shape`` is
+    cut at, or None (not cut)."""
+    shape = tuple(int(s) for s in shape)
+    if not shape or math.prod(shape) < min_numel:
+        return None
+    cuts = [_cuts(n, parts) for n in shape[:2]]
+    return cuts if math.prod(len(c) - 1 for c in cuts) > 1 else None
+
+
+def boxes(cuts: list[list[int]], shape) -> list[Box]:
+    """The cells of a grid, row-major: cell ``i * (len(cuts[1]) - 1) + j`` is row part i, column part j."""
+    shape = tuple(int(s) for s in shape)
+    out = [((), ())]
+    for d, c in enumerate(cuts):
+        out = [(s + (a,), e + (b,)) for s, e in out for a, b in zip(c, c[1:])]
+    return [(s + (0,) * (len(shape) - len(cuts)), e + shape[len(cuts):]) for s, e in out]
+
+
+def valid_cuts(cuts, shape) -> bool:
+    """Cut points per leading dimension: 0 = c[0] < c[1] < ... < c[-1] = the dimension."""
+    return (isinstance(cuts, list) and 1 <= len(cuts) <= min(2, len(shape))
+            and all(isinstance(c, list) and 2 <= len(c) <= 1 + 256 and c[0] == 0 and c[-1] == shape[d]
+                    and all(isinstance(x, int) and not isinstance(x, bool) for x in c)
+                    and all(a < b for a, b in zip(c, c[1:])) for d, c in enumerate(cuts)))
+
+
+def box_numel(box: Box) -> int:
+    return math.prod(b - a for a, b in zip(*box))
+
+
+def _strides(shape) -> list[int]:
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= s
+    return out[::-1]
+
+
+def split(positions: np.ndarray, shape, cuts: list[list[int]]) -> list[tuple[int, np.ndarray]]:
+    """For each cell that holds changes: (cell, indices into ``positions`` in that cell).
+
+    ``positions`` are sorted flat indices; within each cell they stay in row-major order.
+    """
+    shape = tuple(shape)
+    st = _strides(shape)
+    cell = np.searchsorted(np.asarray(cuts[0][1:-1]), positions // st[0], side="right")
+    if len(cuts) > 1:
+        col = np.searchsorted(np.asarray(cuts[1][1:-1]), (positions // st[1]) % shape[1], side="right")
+        cell = cell * (len(cuts[1]) - 1) + col
+    order = np.argsort(cell, kind="stable")
+    counts = np.bincount(cell, minlength=math.prod(len(c) - 1 for c in cuts))
+    out, at = [], 0
+    for k, c in enumerate(counts):
+        if c:
+            out.append((k, order[at:at + c]))
+        at += c
+    return out
+
+
+def to_local(positions: np.ndarray, shape, box: Box) -> np.ndarray:
+    """Flat tensor indices (all inside ``box``) -> box-local row-major indices."""
+    st, ext = _strides(shape), [b - a for a, b in zip(*box)]
+    local = np.zeros_like(positions)
+    rem = positions
+    for d, s in enumerate(st):
+        coord = rem // s - box[0][d]
+        rem = rem % s
+        local = local * ext[d] + coord
+    return local
+
+
+def to_global(local: torch.Tensor, shape, box: Box) -> torch.Tensor:
+    """Box-local row-major indices -> flat tensor indices (sorted stays sorted within the box)."""
+    st, ext = _strides(shape), [b - a for a, b in zip(*box)]
+    out = torch.zeros_like(local)
+    rem = local
+    for d in range(len(ext) - 1, -1, -1):
+        out += (rem % ext[d] + box[0][d]) * st[d]
+        rem = rem // ext[d]
+    return out
+
+
+def meets(box: Box, start, stop) -> bool:
+    """Whether ``box`` shares an element with the box ``[start, stop)``."""
+    return all(max(a, c) < min(b, d) for a, b, c, d in zip(box[0], box[1], start, stop))
