@@ -4,8 +4,8 @@ One :class:`Controller` lives where updates are driven from: the process that an
 HTTP (vLLM's API server, SGLang's TokenizerManager process, which also serves the
 in-process ``sglang.Engine`` hook), or rank 0 of an in-process vLLM engine (the
 ``delta`` weight-transfer backend). It checks the source against the allow-list
-before anything is fetched, prepares each update (plan, fetch, stage: an
-:class:`~engine_ext.transaction.UpdateTransaction`) outside its lock, so a slow source
+before anything is fetched, prepares each update (plan, every rank fetches its part:
+an :class:`~engine_ext.transaction.UpdateTransaction`) outside its lock, so a slow source
 holds no other update back, and executes it (pause, apply, verify, commit) under the
 lock on the state it was planned from, planning again if another update committed
 meanwhile. At most ``ENGINE_EXT_MAX_WAITING`` updates wait (429 beyond). It records
@@ -28,7 +28,6 @@ from .errors import BaseMismatchError, DeltaError
 from .protocol import UpdateRequest
 from .signing import Trust
 from .sources import Sources
-from .staging import sweep_stale
 from .transaction import ApplyError, Ranks, ServedState, UpdateTransaction, check_replies, combine_fingerprints
 
 log = logging.getLogger("engine_ext")
@@ -125,11 +124,7 @@ class Controller:
 
     # ---- start-up
     async def start(self) -> None:
-        """Probe every rank and record the start-up fingerprint of the live weights; remove
-        staging left by engine processes that died mid-update."""
-        swept = sweep_stale()
-        if swept:
-            log.info("engine_ext: removed %d staging dir(s) left by dead processes", swept)
+        """Probe every rank and record the start-up fingerprint of the live weights."""
         try:
             self.state = ServedState.from_setup(await self.ranks.call("setup"), self.state.version)
         except Exception as e:
@@ -217,14 +212,13 @@ class Controller:
         """Prepare outside the lock, execute under it; plan again if the state moved meanwhile."""
         for _ in range(self.REPLANS):
             txn = UpdateTransaction(self.ranks, self.state, req, source, self.trust)
-            staged = await txn.prepare()
             try:
+                await txn.prepare()
                 async with self._lock:
                     if self.state.key() == txn.planned_from:
-                        return await txn.execute(staged), txn.phases
+                        return await txn.execute(), txn.phases
             finally:
-                if staged is not None:
-                    staged.remove()
+                await txn.release()
         raise BaseMismatchError("other updates kept changing the served weights while this one was fetched; retry")
 
 

@@ -114,7 +114,9 @@ class RankReply:
     undo_bytes: int = 0  # apply
     seconds: dict[str, float] = field(default_factory=dict)  # setup, apply: time per step on the rank
     version: int | None = None  # commit, status
-    pending: bool = False  # status: an apply is neither committed nor rolled back
+    pending: bool = False  # status: an apply is neither committed nor rolled back; fetched: still fetching
+    fetched_bytes: int = 0  # fetched: bytes this rank read from the store
+    http_status: int | None = None  # a failure's status when it is a DeltaError (422 corrupt, 504 deadline...)
 
     def to_wire(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -139,7 +141,9 @@ class RankReply:
 
     @classmethod
     def failure(cls, rank: int, e: BaseException) -> "RankReply":
-        return cls(False, rank, error=f"{type(e).__name__}: {e}", reason=getattr(e, "reason", "apply"))
+        status = e.http_status if isinstance(e, DeltaError) else None
+        return cls(False, rank, error=f"{type(e).__name__}: {str(e)[:1000]}", reason=getattr(e, "reason", "apply"),
+                   http_status=status)
 
 
 # --------------------------------------------------------------------------- answers
@@ -154,14 +158,15 @@ class UpdateAnswer:
     base_version: int | None
     fingerprint: str
     tensors: int  # tensors the delta changes
-    elements: int  # changed elements in the (composed) delta
+    elements: int  # changed elements in the manifests of the route
     written: int  # checkpoint elements the ranks wrote (counted once per element)
-    payload_bytes: int
+    payload_bytes: int  # the route's blobs, in all
     manifests: list[str]
     fallback: list[str]
     pause_mode: str
     pause_ms: float
     phases_ms: dict[str, float]
+    fetched_bytes: list[int] = field(default_factory=list)  # per rank: what each read from the store
     noop: bool = False
     ok: bool = True
 

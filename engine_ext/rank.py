@@ -1,9 +1,14 @@
-"""The per-rank half of an update, engine-agnostic: map, apply in place, verify, undo.
+"""The per-rank half of an update, engine-agnostic: map, fetch its part, apply in place, verify, undo.
 
 A :class:`RankUpdater` lives in every rank (vLLM worker, SGLang scheduler). At start-up
 it asks the layout probe where the model's own weight loader puts each checkpoint
 element on this rank (:mod:`engine_ext.layout`) and fingerprints the live weights
-through those maps. An apply writes a decoded delta in place through
+through those maps. For an update, the driver sends the verified manifests of the route;
+each rank fetches straight from the store only the tensors, or grid cells of them
+(:mod:`engine_ext.chunks`), that meet what it holds, verifies and decodes them in a
+background thread while the engine keeps serving (:meth:`RankUpdater.fetch`), so no
+rank reads what another holds and nothing passes through the driver. An apply writes
+the fetched delta in place through
 :func:`engine_ext.apply.apply_delta` with an undo log; tensors the probe could not map
 are rebuilt on the host and reloaded densely through the engine's loader. Derived
 state (re-packed copies of weights) is refreshed through a hook. The driver of the
@@ -16,10 +21,13 @@ data, so that a failing rank lets the driver roll the others back.
 """
 from __future__ import annotations
 
+import base64
+import hashlib
 import logging
+import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
@@ -37,7 +45,19 @@ log = logging.getLogger("engine_ext")
 Loader = Callable[[str, torch.Tensor], None]  # load one whole checkpoint tensor via the engine's loader
 Refresh = Callable[["set[int] | None"], None]  # storages (data_ptr) whose derived state must be rebuilt; None: all
 Describe = Callable[[], dict]  # the engine's kernels/paths on this rank, for the start-up log and status
-OPS = ("setup", "apply", "commit", "rollback", "status", "resync")
+OPS = ("setup", "fetch", "fetched", "apply", "discard", "commit", "rollback", "status", "resync")
+MAX_FETCHES = 8  # fetches a rank holds at once (the driver's queue bound keeps it lower)
+
+
+@dataclass
+class _Fetch:
+    """One update's part on this rank, fetched and decoded in a background thread."""
+
+    thread: threading.Thread | None = None
+    deltas: list[TensorDelta] = field(default_factory=list)
+    names: set[str] = field(default_factory=set)  # changed tensors this rank holds (reported after the apply)
+    bytes: int = 0
+    error: BaseException | None = None
 
 
 @dataclass
@@ -69,6 +89,7 @@ class RankUpdater:
         self.covered: dict[str, int] = {}
         self.version: int | None = None
         self._pending: _Pending | None = None
+        self._fetches: dict[str, _Fetch] = {}
         self.setup_s = 0.0
 
     # ---- start-up
@@ -115,15 +136,98 @@ class RankUpdater:
         names = self.fps if names is None else names
         return {n: TensorReport(self.fps[n], self.covered[n], _numel(self.checkpoint[n][0])) for n in names}
 
-    # ---- apply / commit / rollback
-    def apply(self, deltas: list[TensorDelta] | None = None, path: str | None = None) -> RankReply:
-        """Apply in place, keeping an undo log until :meth:`commit` or :meth:`rollback`."""
-        from .staging import load_staged
+    # ---- fetch (while serving)
+    def selection(self, m) -> dict:
+        """What of manifest ``m`` this rank needs: {changed tensor it holds: the grid cells that
+        meet its boxes (a set, maybe empty: it holds the tensor but none of its changes), or
+        None for the whole tensor (not cut, or reloaded densely)}. Its keys are also the
+        tensors whose fingerprints it reports after the apply."""
+        from .chunks import meets
 
+        out = {}
+        for t in m.tensors:
+            if not t.nnz:
+                continue
+            if t.name not in self.checkpoint:
+                raise ValueError(f"{t.name}: not a tensor of the served checkpoint")
+            if t.name in self.host:
+                out[t.name] = None
+                continue
+            pieces = [p for p in self.maps[t.name].pieces if p.numel]
+            if not pieces:
+                continue  # another rank's tensor
+            if t.chunks is None:
+                out[t.name] = None
+                continue
+            out[t.name] = {i for i, box in enumerate(t.boxes()) if any(meets(box, p.start, p.stop) for p in pieces)}
+        return out
+
+    def fetch(self, txn: str, store: str, route: list[dict], timeout_s: float) -> RankReply:
+        """Start fetching this rank's part of a route (the driver's verified manifests, raw bytes in
+        base64) from ``store`` in a background thread; :meth:`fetched` tells when it is done."""
+        self.setup()
+        if len(self._fetches) >= MAX_FETCHES:
+            raise RuntimeError(f"{MAX_FETCHES} fetches already held on this rank")
+        job = _Fetch()
+        job.thread = threading.Thread(target=self._fetch, args=(job, store, route, time.monotonic() + timeout_s),
+                                      name=f"engine-ext-fetch-{txn[:8]}", daemon=True)
+        self._fetches[txn] = job
+        job.thread.start()
+        return RankReply(True, self.rank)
+
+    def _fetch(self, job: _Fetch, store_uri: str, route: list[dict], deadline: float) -> None:
+        from .delta import compose
+        from .format import Manifest
+        from .reader import fetch_selected
+        from .store import open_store
+
+        try:
+            store = open_store(store_uri)
+            store.deadline = deadline
+            parts: dict[str, list[TensorDelta]] = {}
+            for link in route:
+                raw = base64.b64decode(link["manifest"])
+                if hashlib.sha256(raw).hexdigest() != link["sha256"]:
+                    raise ValueError(f"{link['key']}: manifest bytes differ from the driver's")
+                m = Manifest.from_json(raw)
+                sel = self.selection(m)
+                job.names.update(sel)
+                decoded, n = fetch_selected(store, m, sel)
+                job.bytes += n
+                for td in decoded:
+                    parts.setdefault(td.name, []).append(td)
+            job.deltas = [part for chain in parts.values() for part in compose(chain)]
+        except BaseException as e:  # noqa: BLE001 - reported by fetched()
+            job.error = e
+
+    def fetched(self, txn: str) -> RankReply:
+        """Whether this rank's part of ``txn`` is fetched (``pending``), the bytes it read, or its failure."""
+        job = self._fetches[txn]
+        if job.thread.is_alive():
+            return RankReply(True, self.rank, pending=True, fetched_bytes=job.bytes)
+        if job.error is not None:
+            self._fetches.pop(txn, None)
+            raise job.error
+        return RankReply(True, self.rank, fetched_bytes=job.bytes)
+
+    def discard(self, txn: str) -> RankReply:
+        """Drop a fetched (or still fetching) part that will not be applied."""
+        self._fetches.pop(txn, None)
+        return RankReply(True, self.rank)
+
+    # ---- apply / commit / rollback
+    def apply(self, deltas: list[TensorDelta] | None = None, txn: str | None = None) -> RankReply:
+        """Apply in place (``deltas``, or the part fetched for ``txn``), keeping an undo log until
+        :meth:`commit` or :meth:`rollback`. The reply reports every changed tensor this rank holds."""
         self._refuse_pending()
         self.setup()
         t = time.perf_counter()
-        deltas = load_staged(path) if deltas is None else deltas
+        names: set[str] = set()
+        if deltas is None:
+            job = self._fetches.pop(txn, None)
+            if job is None or job.thread.is_alive() or job.error is not None:
+                raise RuntimeError(f"nothing fetched for update {txn}")
+            deltas, names = job.deltas, job.names
         t_load = time.perf_counter() - t
         for td in deltas:
             if td.name not in self.checkpoint:
@@ -156,7 +260,7 @@ class RankUpdater:
             raise
         t_apply = time.perf_counter() - t
         return RankReply(True, self.rank, written=int(sum(res.written.values())) + sum(td.nnz for td in dense),
-                         fingerprints=self.report(td.name for td in deltas), fallback=tuple(sorted(parts)),
+                         fingerprints=self.report(names | {td.name for td in deltas}), fallback=tuple(sorted(parts)),
                          undo_bytes=res.undo.nbytes if res.undo is not None else 0,
                          seconds={"load": t_load, "apply": t_apply})
 

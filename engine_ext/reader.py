@@ -23,7 +23,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from . import codec
+import torch
+
+from . import chunks, codec
 from . import fingerprint as fpr
 from . import settings
 from .delta import TensorDelta, compose
@@ -51,12 +53,14 @@ class Limits:
     @classmethod
     def for_model(cls, tensors: dict) -> "Limits":
         """Limits relative to the served model ``{name: (shape, dtype name)}``: a manifest of
-        at most ~2 KiB per tensor, a route's payload at most twice the model's bytes (an anchor
-        is one model), decoding at most every element of it once."""
+        at most ~2 KiB per tensor and ~400 bytes per grid cell of a big one, a route's payload
+        at most twice the model's bytes (an anchor is one model), decoding at most every
+        element of it once."""
         numel = {n: math.prod(s) for n, (s, _) in tensors.items()}
         model_bytes = sum(numel[n] * dtype_by_name(d).itemsize for n, (_, d) in tensors.items())
         decoded = sum(numel[n] * (8 + dtype_by_name(d).itemsize) for n, (_, d) in tensors.items())
-        return cls(manifest_bytes=min(MAX_MANIFEST_BYTES, (64 << 10) + 2048 * len(tensors)),
+        cells = sum(math.prod(len(c) - 1 for c in cuts) for s, _ in tensors.values() if (cuts := chunks.grid(s)))
+        return cls(manifest_bytes=min(MAX_MANIFEST_BYTES, (64 << 10) + 2048 * len(tensors) + 400 * cells),
                    payload_bytes=2 * model_bytes + (16 << 20),
                    decoded_bytes=min(settings.current().max_decoded_bytes, decoded + (1 << 20)))
 
@@ -69,6 +73,7 @@ class Link:
     manifest: Manifest
     sha256: str
     signed: int  # valid trusted signatures (0: unsigned, accepted only with ENGINE_EXT_ALLOW_UNSIGNED)
+    raw: bytes = field(default=b"", repr=False)  # the manifest's bytes, as signed (sent to the ranks)
 
 
 @dataclass
@@ -101,7 +106,7 @@ def read_link(store: Store, key: str, trust: Trust | None = None, max_bytes: int
         except NotFoundError:
             pass
     signed = trust.verify_detached(raw, sig, store.key_uri(key))
-    return Link(key, Manifest.from_json(raw), sha256_hex(raw), signed)
+    return Link(key, Manifest.from_json(raw), sha256_hex(raw), signed, bytes(raw))
 
 
 def read_manifest(store: Store, key: str, trust: Trust | None = None) -> Manifest:
@@ -163,13 +168,121 @@ def fetch_blobs(store: Store, m: Manifest, workers: int = 8) -> list[bytearray]:
         return list(pool.map(one, m.blobs))
 
 
-def fetch_tensor_ranges(store: Store, m: Manifest, names: set[str], workers: int = 8) -> dict[str, bytes]:
-    """Only the named tensors' bytes, by byte range (verified per tensor when decoded)."""
-    wanted = [t for t in m.tensors if t.nnz and t.name in names]
-    def one(t):
-        return t.name, store.read_range(m.blobs[t.blob].key, t.offset, t.length)
-    with ThreadPoolExecutor(max(1, min(workers, len(wanted) or 1))) as pool:
-        return dict(pool.map(one, wanted))
+Selection = dict  # tensor name -> the grid cells wanted (a set), or None for the whole tensor
+GAP = 64 << 10  # ranges of one blob closer than this (and than 1/8 of what is read) are fetched as one
+
+
+@dataclass(frozen=True)
+class _Part:
+    """The bytes of one changed tensor (``entry`` is its TensorEntry, ``box`` None), or of one
+    cell of it (``entry`` is the Chunk, ``box`` the cell)."""
+
+    tensor: object  # format.TensorEntry
+    entry: object  # format.TensorEntry or format.Chunk: coders, nnz, blob, offset, sha256
+    box: tuple | None
+
+    @property
+    def blob(self) -> int:
+        return self.entry.blob
+
+    @property
+    def offset(self) -> int:
+        return self.entry.offset
+
+    @property
+    def length(self) -> int:
+        return self.entry.length
+
+    @property
+    def sha256(self) -> str:
+        return self.entry.sha256
+
+
+def _parts(m: Manifest, selection: Selection | None) -> list[_Part]:
+    out = []
+    for t in m.tensors:
+        if not t.nnz or (selection is not None and t.name not in selection):
+            continue
+        if t.chunks is None:
+            out.append(_Part(t, t, None))
+            continue
+        cells, boxes = None if selection is None else selection[t.name], t.boxes()
+        out += [_Part(t, c, boxes[c.cell]) for c in t.chunks if cells is None or c.cell in cells]
+    return out
+
+
+def fetch_selected(store: Store, m: Manifest, selection: Selection | None = None,
+                   workers: int = 8) -> tuple[list[TensorDelta], int]:
+    """Fetch, verify and decode the selected tensors (or cells of them) by byte ranges: close
+    ranges of a blob are read together; every part is checked against its SHA-256 from the
+    manifest before it is decoded. Returns the decoded tensors and the bytes read."""
+    parts = _parts(m, selection)
+    by_blob: dict[int, list[_Part]] = {}
+    for p in parts:
+        by_blob.setdefault(p.blob, []).append(p)
+    spans = []  # (blob, start, end, parts)
+    for b, ps in by_blob.items():
+        ps.sort(key=lambda p: p.offset)
+        cur = [ps[0]]
+        for p in ps[1:]:
+            end = cur[-1].offset + cur[-1].length
+            if p.offset - end <= min(GAP, (end - cur[0].offset) // 8):  # a few wasted bytes for one request less
+                cur.append(p)
+            else:
+                spans.append((b, cur[0].offset, cur[-1].offset + cur[-1].length, cur))
+                cur = [p]
+        spans.append((b, cur[0].offset, cur[-1].offset + cur[-1].length, cur))
+    data: dict[tuple[int, int], memoryview] = {}
+
+    def read(span):
+        b, start, end, ps = span
+        raw = memoryview(store.read_range(m.blobs[b].key, start, end - start))
+        for p in ps:
+            piece = raw[p.offset - start:p.offset - start + p.length]
+            if hashlib.sha256(piece).hexdigest() != p.sha256:
+                raise IntegrityError(f"tensor {p.tensor.name!r}: SHA-256 mismatch")
+            data[(p.blob, p.offset)] = piece
+
+    with ThreadPoolExecutor(max(1, min(workers, len(spans) or 1))) as pool:
+        list(pool.map(read, spans))
+    return _decode_parts(parts, data.__getitem__, workers), sum(end - start for _, start, end, _ in spans)
+
+
+def _decode_part(p: _Part, data: memoryview) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(global positions or None for every element, values) of one part."""
+    t, e, box = p.tensor, p.entry, p.box
+    dt = dtype_by_name(t.dtype)
+    numel = t.numel if box is None else chunks.box_numel(box)
+    n = e.positions.length
+    try:
+        pos = codec.decode_positions(e.positions.coder, bytes(data[:n]), e.nnz, numel)
+        vals = codec.decode_values(e.values.coder, bytes(data[n:]), e.nnz, dt)
+    except IntegrityError as err:
+        raise IntegrityError(f"tensor {t.name!r}: {err}") from None
+    if box is not None:
+        pos = chunks.to_global(torch.arange(numel, dtype=torch.int64) if pos is None else pos, t.shape, box)
+    return pos, vals
+
+
+def _decode_parts(parts: list[_Part], data_of, workers: int) -> list[TensorDelta]:
+    """One TensorDelta per tensor from its decoded parts (cells merged into sorted positions)."""
+    with ThreadPoolExecutor(max(1, min(workers, len(parts) or 1))) as pool:
+        decoded = list(pool.map(lambda p: _decode_part(p, data_of((p.blob, p.offset))), parts))
+    by_tensor: dict[str, list] = {}
+    for p, (pos, vals) in zip(parts, decoded):
+        by_tensor.setdefault(p.tensor.name, [p.tensor]).append((pos, vals))
+    out = []
+    for name, (t, *pieces) in by_tensor.items():
+        if len(pieces) == 1:
+            pos, vals = pieces[0]
+        else:
+            pos = torch.cat([q for q, _ in pieces])
+            order = torch.argsort(pos)
+            pos, vals = pos[order], torch.cat([v for _, v in pieces])[order]
+        base = fpr.parse(t.base_fingerprint) if t.base_fingerprint else None
+        out.append(TensorDelta(name, dtype_by_name(t.dtype), tuple(t.shape), (t.values.mode if t.chunks is None else
+                               t.chunks[0].values.mode), pos, vals, base, fpr.parse(t.fingerprint)))
+    return out
 
 
 def check_decode_budget(m: Manifest, limit: int | None = None) -> None:
@@ -184,33 +297,21 @@ def check_decode_budget(m: Manifest, limit: int | None = None) -> None:
                             f"(over {MAX_DECODE_RATIO}x: a decode bomb)")
 
 
-def decode_manifest(m: Manifest, blobs: list | dict[str, bytes], workers: int = 8,
-                    names: set[str] | None = None, limit: int | None = None) -> list[TensorDelta]:
-    """Decode every changed tensor (or those in ``names``) from whole blobs or per-tensor bytes."""
+def decode_manifest(m: Manifest, blobs: list, workers: int = 8, limit: int | None = None) -> list[TensorDelta]:
+    """Decode every changed tensor from whole (verified) blobs."""
     check_decode_budget(m, limit)
+    parts = _parts(m, None)
+    by_key = {(p.blob, p.offset): p for p in parts}
 
-    def one(t):
-        dt = dtype_by_name(t.dtype)
-        if isinstance(blobs, dict):
-            data = memoryview(blobs[t.name])
-            if len(data) != t.length:
-                raise IntegrityError(f"tensor {t.name!r}: {len(data)} bytes, manifest says {t.length}")
-        else:
-            data = memoryview(blobs[t.blob])[t.offset : t.offset + t.length]
-        if hashlib.sha256(data).hexdigest() != t.sha256:
-            raise IntegrityError(f"tensor {t.name!r}: SHA-256 mismatch")
-        p = t.positions.length
-        try:
-            pos = codec.decode_positions(t.positions.coder, bytes(data[:p]), t.nnz, t.numel)
-            vals = codec.decode_values(t.values.coder, bytes(data[p:]), t.nnz, dt)
-        except IntegrityError as e:
-            raise IntegrityError(f"tensor {t.name!r}: {e}") from None
-        base = fpr.parse(t.base_fingerprint) if t.base_fingerprint else None
-        return TensorDelta(t.name, dt, tuple(t.shape), t.values.mode, pos, vals, base, fpr.parse(t.fingerprint))
+    def data_of(key):
+        b, offset = key
+        p = by_key[key]
+        piece = memoryview(blobs[b])[offset:offset + p.length]
+        if hashlib.sha256(piece).hexdigest() != p.sha256:
+            raise IntegrityError(f"tensor {p.tensor.name!r}: SHA-256 mismatch")
+        return piece
 
-    changed = [t for t in m.tensors if t.nnz and (names is None or t.name in names)]
-    with ThreadPoolExecutor(max(1, min(workers, len(changed) or 1))) as pool:
-        return list(pool.map(one, changed))
+    return _decode_parts(parts, data_of, workers)
 
 
 def _decoded(store: Store, m: Manifest, key: str, tensors: list[TensorDelta]) -> DecodedDelta:
@@ -235,8 +336,9 @@ def load_delta(manifest_uri: str, *, expected: dict | None = None, names: set[st
     m = read_manifest(store, key, trust)
     check_expected(m, expected, manifest_uri)
     check_decode_budget(m)
-    data = fetch_blobs(store, m, workers) if names is None else fetch_tensor_ranges(store, m, names, workers)
-    return _decoded(store, m, key, decode_manifest(m, data, workers, names))
+    if names is None:
+        return _decoded(store, m, key, decode_manifest(m, fetch_blobs(store, m, workers), workers))
+    return _decoded(store, m, key, fetch_selected(store, m, {n: None for n in names}, workers)[0])
 
 
 class DowngradeError(BaseMismatchError):

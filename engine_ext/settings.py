@@ -81,9 +81,6 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ENGINE_EXT_BASE_VERSION", "base_version", _int_or_none, None,
              "version of the weights the server starts with (else the file `engine_ext_version` in the model "
              "directory, else unknown)"),
-    Variable("ENGINE_EXT_STAGE_DIR", "stage_dir", str, None,
-             "where decoded deltas are handed to the ranks (default `/dev/shm`, else the temp dir); every rank "
-             "must see it"),
     Variable("ENGINE_EXT_MAX_DECODED_BYTES", "max_decoded_bytes", int, 64 << 30,
              "refuse a delta whose decoded positions and values would take more bytes than this"),
     Variable("ENGINE_EXT_HTTP_TOKEN", "http_token", str, None,
@@ -107,7 +104,6 @@ class Settings:
     fetch_timeout: float = 600.0
     max_waiting: int = 4
     base_version: int | None = None
-    stage_dir: str | None = None
     max_decoded_bytes: int = 64 << 30
     http_token: str | None = None
     s3_endpoint: str | None = None

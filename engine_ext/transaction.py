@@ -8,15 +8,16 @@ small :class:`Ranks` protocol each engine adapter implements. The lifecycle, in 
 (docs/TRANSACTION.md draws it):
 
 1. :meth:`UpdateTransaction.plan`: signed manifests only; the route from the served version.
-2. :meth:`UpdateTransaction.fetch`: blobs fetched, verified, decoded, composed.
-3. :meth:`UpdateTransaction.stage`: the decoded delta handed to the ranks.
-4. :meth:`UpdateTransaction.apply`: paused; every rank writes in place with undo.
-5. :meth:`UpdateTransaction.verify`: per-rank fingerprints combined and checked.
-6. :meth:`UpdateTransaction.commit` or :meth:`UpdateTransaction.rollback`: everywhere.
-7. :meth:`UpdateTransaction.finish`: caches reset, version label set, resumed.
+2. :meth:`UpdateTransaction.fetch`: every rank fetches, verifies and decodes its own part of
+   the route straight from the store (the driver never reads a blob).
+3. :meth:`UpdateTransaction.apply`: paused; every rank writes in place with undo.
+4. :meth:`UpdateTransaction.verify`: per-rank fingerprints combined and checked.
+5. :meth:`UpdateTransaction.commit` or :meth:`UpdateTransaction.rollback`: everywhere.
+6. :meth:`UpdateTransaction.finish`: caches reset, version label set, resumed.
+7. :meth:`UpdateTransaction.release`: whatever a rank fetched and did not apply is dropped.
 
-Steps 1-3 (:meth:`UpdateTransaction.prepare`) touch no rank and may run while other
-updates run; steps 4-7 (:meth:`UpdateTransaction.execute`) run under the driver's
+Steps 1-2 (:meth:`UpdateTransaction.prepare`) run while the engine serves and other
+updates run; steps 3-6 (:meth:`UpdateTransaction.execute`) run under the driver's
 update lock, only if the served state is still the one step 1 planned from. A
 :class:`ServedState` is what the driver knows about the served weights; only a commit
 changes it.
@@ -24,18 +25,19 @@ changes it.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from . import fingerprint as fpr
 from . import reader, settings
-from .errors import BaseMismatchError, DeltaError, VerifyError
+from .errors import BaseMismatchError, DeltaError, FetchTimeoutError, VerifyError
 from .format import ANCHOR
 from .protocol import RankReply, UpdateAnswer, UpdateRequest
 from .signing import Trust
-from .staging import StagedDelta
 
 log = logging.getLogger("engine_ext")
 
@@ -66,10 +68,15 @@ class Ranks(Protocol):
 
 
 def check_replies(replies: list[RankReply]) -> list[RankReply]:
-    """The replies, or :class:`ApplyError` naming every rank that failed and why."""
+    """The replies, or :class:`ApplyError` naming every rank that failed and why (with the reason
+    and status of the first failure that was a refusal, e.g. a corrupt blob a rank fetched: 422)."""
     failed = [r for r in replies if not r.ok]
     if failed:
-        raise ApplyError("; ".join(f"rank {r.rank}: {r.error}" for r in failed))
+        e = ApplyError("; ".join(f"rank {r.rank}: {r.error}" for r in failed))
+        refused = next((r for r in failed if r.http_status), None)
+        if refused is not None:
+            e.reason, e.http_status = refused.reason, refused.http_status
+        raise e
     return replies
 
 
@@ -144,53 +151,55 @@ class UpdateTransaction:
     """Take the served weights from ``state`` to the version at ``source``, on every rank or none.
 
     ``source`` is the request's URL after the allow-list check. :meth:`prepare` then
-    :meth:`execute` (or :meth:`run`, both) perform the steps in order; each records its
-    time in :attr:`phases` (seconds).
+    :meth:`execute`, and :meth:`release` in any case (or :meth:`run`, all three) perform
+    the steps in order; each records its time in :attr:`phases` (seconds).
     """
+
+    POLL_S = 0.05  # between asking the ranks whether their fetch is done (each ask is one cheap RPC)
 
     def __init__(self, ranks: Ranks, state: ServedState, request: UpdateRequest, source: str,
                  trust: Trust | None = None):
         self.ranks, self.state, self.request, self.source = ranks, state, request, source
         self.trust = trust or Trust.from_settings()
+        self.id = uuid.uuid4().hex
         self.phases: dict[str, float] = {}
         self.planned_from: tuple | None = None
         self.store = None
         self.limits = reader.Limits()
         self.chain: list[reader.Link] = []
-        self.delta: reader.DecodedDelta | None = None
+        self.fetched_bytes: list[int] = []  # per rank
         self.replies: list[RankReply] = []
         self.new_fps: dict[str, int] = {}
         self.base_version = state.version
+        self._fetching = False
         self._t0 = time.perf_counter()
 
     async def run(self) -> UpdateAnswer:
-        staged = await self.prepare()
         try:
-            return await self.execute(staged)
+            await self.prepare()
+            return await self.execute()
         finally:
-            if staged is not None:
-                staged.remove()
+            await self.release()
 
-    async def prepare(self) -> StagedDelta | None:
-        """Steps 1-3, touching no rank: the staged delta, or None when the target is already served."""
+    async def prepare(self) -> None:
+        """Steps 1-2, while the engine serves: plan, then every rank fetches its part (nothing
+        to fetch when the target is already served)."""
         self.planned_from = self.state.key()
         await self._timed("plan", asyncio.to_thread(self.plan))
-        if not self.chain:
-            return None
-        await self._timed("fetch_decode", asyncio.to_thread(self.fetch))
-        return await self._timed("stage", asyncio.to_thread(self.stage))
+        if self.chain:
+            await self._timed("fetch", self.fetch())
 
-    async def execute(self, staged: StagedDelta | None) -> UpdateAnswer:
-        """Steps 4-7 on every rank; call with the driver's update lock held, on the state
+    async def execute(self) -> UpdateAnswer:
+        """Steps 3-6 on every rank; call with the driver's update lock held, on the state
         :meth:`prepare` planned from (BaseMismatchError otherwise)."""
         if self.state.key() != self.planned_from:
             raise BaseMismatchError("the served weights changed while this update was being fetched")
-        if staged is None:
+        if not self.chain:
             return self.answer(noop=True)
         t_pause = time.perf_counter()
         await self._timed("pause_enter", self.ranks.pause(self.request.pause_mode))
         try:
-            await self._timed("apply", self.apply(staged))
+            await self._timed("apply", self.apply())
             try:
                 self._timed_sync("verify", self.verify)
             except BaseException:
@@ -210,8 +219,9 @@ class UpdateTransaction:
         chain: the fewest bytes), each verified against the trusted keys before it is parsed and
         bound to the next by SHA-256, within the model's limits, and refuse, from the manifests
         alone, a route that starts elsewhere, a version older than the served one (unless the
-        request says ``rollback``) or a tensor the served model does not hold with that shape
-        and dtype. An empty route: the target is what is served (a replay)."""
+        request says ``rollback``), a tensor the served model does not hold with that shape
+        and dtype, or a decode over the model's budget. An empty route: the target is what is
+        served (a replay)."""
         if self.request.base_version is not None and self.request.base_version != self.state.version:
             raise BaseMismatchError(f"request expects base version {self.request.base_version}, "
                                     f"server holds {self.state.version}")
@@ -232,48 +242,69 @@ class UpdateTransaction:
                     f"server holds version {self.state.version} (fingerprint {fpr.fmt(self.state.model_fingerprint)})")
         for link in self.chain:
             reader.check_expected(link.manifest, self.state.tensors, self.store.key_uri(link.key))
+            reader.check_decode_budget(link.manifest, self.limits.decoded_bytes)
 
-    def fetch(self) -> None:
-        """While the engine still serves, outside the update lock, before the fetch deadline: fetch
-        every planned manifest's blobs, verify their sizes and SHA-256, decode (bounded by the
-        manifests' counts and the model's limits) and compose a chain into one delta per tensor."""
-        self.delta = reader.fetch_planned(self.store, self.chain, limits=self.limits)
+    async def fetch(self) -> None:
+        """While the engine still serves, outside the update lock, before the fetch deadline: send
+        every rank the verified manifests of the route; each fetches from the store only the
+        tensors (or grid cells, :mod:`engine_ext.chunks`) it holds, checks every part's SHA-256,
+        decodes (bounded by the manifests' counts) and composes a chain, in the background,
+        while the driver polls. Any rank's failure fails the update before anything is written."""
+        deadline = time.monotonic() + settings.current().fetch_timeout
+        route = [{"key": link.key, "sha256": link.sha256, "manifest": base64.b64encode(link.raw).decode()}
+                 for link in self.chain]
+        self._fetching = True
+        check_replies(await self.ranks.call("fetch", txn=self.id, store=self.store.uri, route=route,
+                                            timeout_s=settings.current().fetch_timeout))
+        while True:
+            replies = check_replies(await self.ranks.call("fetched", txn=self.id))
+            if not any(r.pending for r in replies):
+                break
+            if time.monotonic() > deadline:
+                raise FetchTimeoutError(f"the ranks did not fetch their part within {settings.current().fetch_timeout:g} s "
+                                        "(ENGINE_EXT_FETCH_TIMEOUT)")
+            await asyncio.sleep(self.POLL_S)
+        self.fetched_bytes = [r.fetched_bytes for r in replies]
 
-    def stage(self) -> StagedDelta:
-        """Still serving: write the decoded delta once where every rank can read it without a copy."""
-        return StagedDelta(self.delta.tensors)
-
-    async def apply(self, staged: StagedDelta) -> None:
-        """Paused: every rank writes its part in place and keeps an undo log; any rank's failure rolls
-        every rank back (ranks that did not fail hold a pending apply)."""
-        self.replies = await self.ranks.call("apply", path=staged.path)
+    async def apply(self) -> None:
+        """Paused: every rank writes its fetched part in place and keeps an undo log; any rank's
+        failure rolls every rank back (ranks that did not fail hold a pending apply)."""
+        self.replies = await self.ranks.call("apply", txn=self.id)
         try:
             check_replies(self.replies)
+            self._fetching = False  # every rank took its part: nothing left to release
         except BaseException:
             await self._timed("rollback", self.rollback())
             raise
 
+    def changed(self) -> list[str]:
+        """Tensors the route changes (every tensor for a route through an anchor)."""
+        if any(link.manifest.kind == ANCHOR for link in self.chain):
+            return [t.name for t in self.chain[-1].manifest.tensors]
+        return sorted({t.name for link in self.chain for t in link.manifest.tensors if t.nnz})
+
     def verify(self) -> None:
         """Paused, after every rank applied: the fingerprints combined over ranks must equal every
-        per-tensor fingerprint and the model fingerprint the manifest promises (a wrong base or a
-        misapplied element shows here)."""
-        names = [td.name for td in self.delta.tensors]
-        got = combine_fingerprints(self.replies, names)
-        bad = [f"{td.name}: {fpr.fmt(got[td.name])} != {fpr.fmt(td.fingerprint)}" for td in self.delta.tensors
-               if td.fingerprint is not None and got[td.name] != td.fingerprint]
+        per-tensor fingerprint and the model fingerprint the last manifest promises (a wrong base,
+        a misapplied element or a rank that missed its part shows here)."""
+        last = self.chain[-1].manifest
+        want = {t.name: fpr.parse(t.fingerprint) for t in last.tensors}
+        got = combine_fingerprints(self.replies, self.changed())
+        bad = [f"{n}: {fpr.fmt(f)} != {fpr.fmt(want[n])}" for n, f in got.items() if f != want[n]]
         if bad:
             raise VerifyError(f"fingerprint mismatch after apply in {len(bad)} tensor(s), rolled back: " + "; ".join(bad[:5]))
         new = dict(self.state.tensor_fps) | got
-        if fpr.model_fingerprint(new) != self.delta.fingerprint:
+        if fpr.model_fingerprint(new) != fpr.parse(last.fingerprint):
             raise VerifyError(f"model fingerprint after apply {fpr.fmt(fpr.model_fingerprint(new))} != "
-                              f"manifest's {fpr.fmt(self.delta.fingerprint)}, rolled back")
+                              f"manifest's {last.fingerprint}, rolled back")
         self.new_fps = new
 
     async def commit(self) -> None:
         """Verified: every rank drops its undo log and records the version; the served state moves
         (and remembers the manifest it came from, which the next delta must name as its base)."""
-        check_replies(await self.ranks.call("commit", version=self.delta.version))
-        self.state.tensor_fps, self.state.version = self.new_fps, self.delta.version
+        version = self.chain[-1].manifest.version
+        check_replies(await self.ranks.call("commit", version=version))
+        self.state.tensor_fps, self.state.version = self.new_fps, version
         self.state.manifests = (self.chain[-1].sha256,)
 
     async def rollback(self) -> None:
@@ -283,27 +314,44 @@ class UpdateTransaction:
     async def finish(self) -> None:
         """Committed: reset the caches the old weights filled and set the weight version label. A failure
         here is logged, not reported as a failed update: the weights are committed."""
+        version = self.chain[-1].manifest.version
         try:
-            await self.ranks.after_update(self.delta.version)
+            await self.ranks.after_update(version)
         except Exception:  # noqa: BLE001
-            log.exception("engine_ext: v%s applied, but resetting caches / setting the weight version failed", self.delta.version)
+            log.exception("engine_ext: v%s applied, but resetting caches / setting the weight version failed", version)
+
+    async def release(self) -> None:
+        """Last, whatever happened (also when the update was planned again or refused): every rank
+        drops what it fetched for this update and did not apply. A failure here is logged only."""
+        if not self._fetching:
+            return
+        self._fetching = False
+        try:
+            bad = [r for r in await self.ranks.call("discard", txn=self.id) if not r.ok]
+            if bad:
+                log.warning("engine_ext: dropping fetched parts failed on ranks %s", [r.rank for r in bad])
+        except Exception:  # noqa: BLE001
+            log.exception("engine_ext: dropping fetched parts of update %s failed", self.id)
 
     # ---- answer
     def answer(self, noop: bool = False) -> UpdateAnswer:
         self.phases["total"] = time.perf_counter() - self._t0
-        d = self.delta
+        phases = {k: _ms(v) for k, v in self.phases.items()}
         if noop:
             return UpdateAnswer(
                 version=self.state.version, base_version=self.base_version,
                 fingerprint=fpr.fmt(self.state.model_fingerprint), tensors=0, elements=0, written=0, payload_bytes=0,
                 manifests=[], fallback=[], pause_mode=self.request.pause_mode, pause_ms=0.0,
-                phases_ms={k: _ms(v) for k, v in self.phases.items()}, noop=True)
+                phases_ms=phases, noop=True)
         return UpdateAnswer(
-            version=d.version, base_version=self.base_version, fingerprint=fpr.fmt(self.state.model_fingerprint),
-            tensors=len({t.name for t in d.tensors}), elements=int(d.nnz), written=int(sum(r.written for r in self.replies)),
-            payload_bytes=int(d.payload_bytes), manifests=list(d.manifests),
+            version=self.chain[-1].manifest.version, base_version=self.base_version,
+            fingerprint=fpr.fmt(self.state.model_fingerprint), tensors=len(self.changed()),
+            elements=sum(t.nnz for link in self.chain for t in link.manifest.tensors),
+            written=int(sum(r.written for r in self.replies)),
+            payload_bytes=sum(link.manifest.payload_bytes for link in self.chain),
+            fetched_bytes=self.fetched_bytes, manifests=[self.store.key_uri(link.key) for link in self.chain],
             fallback=sorted({n for r in self.replies for n in r.fallback}), pause_mode=self.request.pause_mode,
-            pause_ms=_ms(self.phases.get("pause", 0.0)), phases_ms={k: _ms(v) for k, v in self.phases.items()})
+            pause_ms=_ms(self.phases.get("pause", 0.0)), phases_ms=phases)
 
     async def _timed(self, phase: str, awaitable):
         t = time.perf_counter()

@@ -36,8 +36,8 @@ class Rank(torch.nn.Module):
                 p.copy_(t)
 
 
-def make_rank(r: int, sd: dict, sharded=("w",)) -> RankUpdater:
-    m = Rank(r, sd, sharded)
+def make_rank(r: int, sd: dict, sharded=("w",), world: int = 2) -> RankUpdater:
+    m = Rank(r, sd, sharded, world)
     for n, t in sd.items():
         m.load(n, t)
     specs = {n: (tuple(t.shape), BY_TORCH[t.dtype]) for n, t in sd.items()}

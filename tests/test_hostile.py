@@ -524,25 +524,22 @@ def test_errors_do_not_echo_paths_lists_or_megabytes(world):
     _unchanged(world, before)
 
 
-def test_staging_removed_on_failure_and_swept_at_start(world, tmp_path):
-    from engine_ext import staging
-
+def test_fetched_parts_dropped_whatever_happens(world):
+    """What the ranks fetched for an update is dropped when it fails (on a rank, at verify, at a
+    refusal) and when it commits: nothing is held between updates."""
     ctl, fake = world["ctl"], world["ctl"].ranks
-    stage = Path(staging.stage_dir())
-    mine = lambda: sorted(p.name for p in stage.glob(f"{staging.PREFIX}{os.getpid()}_*"))  # noqa: E731
-    assert mine() == []
+    held = lambda: [len(up._fetches) for up in fake.ranks]  # noqa: E731
     with served_at(world, 2):
         fake.fail_rank = 1
         try:
             r = world["srv"].post({"url": str(world["local"] / "v00000003.json")})
         finally:
             fake.fail_rank = None
-        assert r.status_code == 500 and r.json()["reason"] == "apply" and mine() == []
+        assert r.status_code == 500 and r.json()["reason"] == "apply" and held() == [0, 0]
         assert ctl.status()["version"] == 2
-    dead = stage / f"{staging.PREFIX}999999999_leftover"
-    dead.mkdir()
-    (dead / "delta.safetensors").write_bytes(b"x")
-    assert staging.sweep_stale() >= 1 and not dead.exists()
+        assert fake.calls[-1] == "discard"
+        r = world["srv"].post({"url": str(world["local"] / "v00000003.json")})
+        assert r.status_code == 200 and r.json()["version"] == 3 and held() == [0, 0], r.text
 
 
 def test_manifest_keys_are_matched_whole():

@@ -1,4 +1,5 @@
 """DeltaPublisher -> real stores (local, S3 via moto_server, HTTP) -> reader: bit-exact chains."""
+import json
 import sys
 import time
 from pathlib import Path
@@ -190,5 +191,11 @@ def test_partial_fetch_by_range(http_server, states):
     for t in part.tensors:
         ref = next(x for x in full.tensors if x.name == t.name)
         assert torch.equal(t.positions, ref.positions) and torch.equal(t.values, ref.values)
-    ranged = [h for m, _, h in http_server.requests if m == "GET" and "Range" in h]
-    assert len(ranged) == len(names)
+    ranged = [h["Range"] for m, _, h in http_server.requests if m == "GET" and "Range" in h]
+    m = json.loads((http_server.root / "part" / "v00000001.json").read_text())
+    wanted = [t for t in m["tensors"] if t["name"] in names]
+    parts = [(c["offset"], c["positions"]["length"] + c["values"]["length"]) for t in wanted for c in (t.get("chunks") or [t])]
+    fetched = sum(int(b) - int(a) + 1 for a, b in (r.removeprefix("bytes=").split("-") for r in ranged))
+    # close parts are read together (at most GAP bytes between them); nothing else of the blob
+    assert 1 <= len(ranged) <= len(parts) and fetched <= sum(n for _, n in parts) + reader.GAP * len(parts)
+    assert fetched < sum(b["size"] for b in m["blobs"]) // 2

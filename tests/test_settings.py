@@ -14,10 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_from_env_parses_every_variable():
     s = Settings.from_env({"ENGINE_EXT_SOURCES": " /a , s3://b/c ,", "ENGINE_EXT_TOKEN": "t", "ENGINE_EXT_BASE_VERSION": "7",
-                           "ENGINE_EXT_STAGE_DIR": "/dev/shm/x", "ENGINE_EXT_MAX_DECODED_BYTES": "1024",
+                           "ENGINE_EXT_MAX_DECODED_BYTES": "1024",
                            "ENGINE_EXT_HTTP_TOKEN": "h", "ENGINE_EXT_S3_ENDPOINT": "http://127.0.0.1:9000",
                            "UNRELATED": "x"})
-    assert s == Settings(sources=("/a", "s3://b/c"), token="t", base_version=7, stage_dir="/dev/shm/x",
+    assert s == Settings(sources=("/a", "s3://b/c"), token="t", base_version=7,
                          max_decoded_bytes=1024, http_token="h", s3_endpoint="http://127.0.0.1:9000")
     s = Settings.from_env({"ENGINE_EXT_NO_AUTH": "yes", "ENGINE_EXT_ALLOW_UNSIGNED": "0", "ENGINE_EXT_TRUSTED_KEYS": "a.pub,b.pub",
                            "ENGINE_EXT_SIGNATURE_THRESHOLD": "2", "ENGINE_EXT_FETCH_TIMEOUT": "2.5", "ENGINE_EXT_MAX_WAITING": "1"})

@@ -241,7 +241,7 @@ def test_deltas_apply_with_the_answer_format_then_bad_ones_are_refused(server):
         assert a["pause_mode"] == mode and a["fallback"] == [] and a["manifests"]
         assert a["elements"] > 0 and 0 < a["payload_bytes"]
         assert len(a["fingerprint"]) == 16 and a["tensors"] > 0
-        assert {"fetch_decode", "stage", "pause", "apply", "verify", "reset_cache", "resume", "total"} <= set(a["phases_ms"])
+        assert {"plan", "fetch", "pause", "apply", "verify", "reset_cache", "resume", "total"} <= set(a["phases_ms"])
         assert a["pause_ms"] == a["phases_ms"]["pause"]
         # SGLang's pause/continue reached the scheduler (keep = retract; wait = drain in the
         # tokenizer, nothing sent; abort = SGLang's abort-all), the cache was flushed and the

@@ -102,7 +102,7 @@ def test_single_steps(world):
         a = r.json()
         assert a["version"] == n and a["base_version"] == n - 1 and a["elements"] > 0 and a["fallback"] == []
         assert a["fingerprint"] == json.loads(Path(v(root, "run", n)).read_text())["fingerprint"]
-        assert {"fetch_decode", "apply", "verify", "pause", "total"} <= set(a["phases_ms"])
+        assert {"plan", "fetch", "apply", "verify", "pause", "total"} <= set(a["phases_ms"])
     world["at_v2"] = s.outputs()
     assert world["at_v2"] != before  # the served computation really uses the new weights
 
