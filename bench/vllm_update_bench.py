@@ -7,8 +7,8 @@ Methods (all on the same live model, same RL-like deltas, each result verified b
 bit against the manifest's fingerprint before its numbers count):
 
 * ``engine_ext``: what ``POST /update_weights_delta`` runs, minus HTTP and the
-  engine's pause/resume calls: fetch + sha256 + decode from a local store and staging
-  in shared memory (``prepare``, while still serving), then in the pause window the
+  engine's pause/resume calls: the rank's own fetch + sha256 + decode from a local
+  store (``prepare``, in the rank's background thread while still serving), then in the pause window the
   per-rank apply with undo log and fingerprint update, the CPU re-pack of touched
   layers, and the fingerprint check.
 * ``vllm_patches``: ``vllm.model_executor.model_loader.checkpoint_weight_patch.
@@ -28,6 +28,7 @@ The whole model runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TP 1
 from __future__ import annotations
 
 import argparse
+import base64
 import ctypes
 import json
 import os
@@ -132,6 +133,12 @@ def main() -> None:
     from engine_ext.tiny_models import make_model
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="engine_ext_bench_"))
+    from engine_ext.signing import generate_key
+
+    key = work / "bench.key"  # signed and verified, as in production (before anything reads the settings)
+    if not key.exists():
+        generate_key(key)
+    os.environ.update(ENGINE_EXT_SIGNING_KEY=str(key), ENGINE_EXT_TRUSTED_KEYS=f"{key}.pub")
     model_dir = make_model(work / "model", "qwen2", vocab=args.vocab, hidden=args.hidden, layers=args.layers,
                            heads=max(4, args.hidden // 128), kv_heads=max(2, args.hidden // 512))
     store = work / "store"
@@ -156,8 +163,8 @@ def _bench_in_worker(worker, store: str, versions: list[dict], cuda: bool) -> di
     from vllm.model_executor.model_loader.checkpoint_weight_patch import CheckpointWeightPatch, load_checkpoint_weight_patches
 
     from engine_ext import fingerprint as fpr
-    from engine_ext.reader import load_delta
-    from engine_ext.staging import StagedDelta
+    from engine_ext.reader import read_link
+    from engine_ext.store import split_uri
     from engine_ext.transaction import combine_fingerprints
     from engine_ext.vllm.worker import updater_for
 
@@ -178,18 +185,22 @@ def _bench_in_worker(worker, store: str, versions: list[dict], cuda: bool) -> di
     def served_fp() -> str:
         return fpr.fmt(fpr.model_fingerprint(combine_fingerprints([up.resync()])))
 
-    def ours_prepare(v, uri, new, old):
+    def ours_prepare(v, uri, new, old):  # what the rank does while the engine serves: fetch, verify, decode
         t0 = time.perf_counter()
-        delta = load_delta(uri)
-        staged = StagedDelta(delta.tensors)
-        return {"delta": delta, "staged": staged, "prepare_s": time.perf_counter() - t0, "v": v,
-                "held": os.path.getsize(staged.path)}
+        store, key = split_uri(uri)
+        link = read_link(store, key)
+        txn = f"bench-{v}"
+        up.fetch(txn, store.uri, [{"key": key, "sha256": link.sha256, "manifest": base64.b64encode(link.raw).decode()}], 600)
+        while up.fetched(txn).pending:
+            time.sleep(0.002)
+        held = sum(td.values.nbytes + (0 if td.positions is None else td.positions.nbytes) for td in up._fetches[txn].deltas)
+        return {"link": link, "txn": txn, "prepare_s": time.perf_counter() - t0, "v": v, "held": held}
 
     def ours_pause(ctx):
-        with ctx["staged"]:
-            reply = up.apply(path=ctx["staged"].path)
-        got = combine_fingerprints([reply], [t.name for t in ctx["delta"].tensors])
-        if any(got[t.name] != t.fingerprint for t in ctx["delta"].tensors):
+        m = ctx["link"].manifest
+        reply = up.apply(txn=ctx["txn"])
+        got = combine_fingerprints([reply], [t.name for t in m.tensors if t.nnz])
+        if any(got[t.name] != fpr.parse(t.fingerprint) for t in m.tensors if t.nnz):
             up.rollback()
             raise AssertionError("fingerprint mismatch")
         up.commit(ctx["v"])
@@ -239,7 +250,7 @@ def _bench_in_worker(worker, store: str, versions: list[dict], cuda: bool) -> di
             row = {"pause_s": pause_s, "total_s": ctx["prepare_s"] + pause_s, "prepare_s": ctx["prepare_s"], "held_bytes": ctx["held"]}
             if name == "engine_ext":
                 r = ctx["reply"]
-                row.update(elements=r.written, payload_bytes=ctx["delta"].payload_bytes, undo_bytes=r.undo_bytes,
+                row.update(elements=r.written, payload_bytes=ctx["link"].manifest.payload_bytes, undo_bytes=r.undo_bytes,
                            load_s=r.seconds["load"], apply_s=r.seconds["apply"])
             elif name == "dense_reload":
                 row["payload_bytes"] = sum(t.numel() * t.element_size() for _, t in ctx["full"])
@@ -270,8 +281,8 @@ def print_table(report: dict) -> None:
         rows = r[k]
         med = lambda key: statistics.median(x[key] for x in rows)  # noqa: E731
         print(f"| {k} | {med('pause_s') * 1e3:.1f} | {med('total_s') * 1e3:.1f} | {med('extra_bytes') / 2**20:.1f} | {med('held_bytes') / 2**20:.1f} |")
-    print(f"\n(median over {len(e)} steps; engine_ext total includes fetch+verify+decode+stage "
-          f"{statistics.median(x['prepare_s'] for x in e) * 1e3:.1f} ms done while serving; in its pause: read staged "
+    print(f"\n(median over {len(e)} steps; engine_ext total includes fetch+verify+decode "
+          f"{statistics.median(x['prepare_s'] for x in e) * 1e3:.1f} ms done while serving; in its pause: take the fetched part "
           f"{statistics.median(x['load_s'] for x in e) * 1e3:.1f} ms, apply+re-pack {statistics.median(x['apply_s'] for x in e) * 1e3:.1f} ms; "
           f"undo log {statistics.median(x['undo_bytes'] for x in e) / 2**20:.2f} MB)")
 

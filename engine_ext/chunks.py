@@ -8,7 +8,8 @@ points ``round(i * n / GRID)``, so that shards of 2, 4 and 8 ranks fall on them)
 box (a *cell*, numbered row-major) encoded on its own: a rank fetches only the cells that
 meet what it holds (:func:`meets`). Positions inside a box are box-local row-major indices
 (:func:`to_local`, :func:`to_global`), which keeps their gaps as small as in the whole
-tensor. Small tensors (under ``MIN_NUMEL`` elements) are not cut.
+tensor. Every cell costs a fixed decode overhead (~0.1 ms), so cells hold at least
+``MIN_CELL`` elements: a 7B model's big matrices get 8 x 8 cells, small tensors none.
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import math
 import numpy as np
 import torch
 
-GRID = 8
-MIN_NUMEL = 1 << 16
+GRID = 8  # most parts along one dimension
+MIN_CELL = 1 << 16  # fewest elements per cell a publisher cuts to (a cell has a fixed decode cost)
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, stop) per dimension
 
 
@@ -27,13 +28,18 @@ def _cuts(n: int, parts: int) -> list[int]:
     return sorted({round(i * n / parts) for i in range(parts + 1)})
 
 
-def grid(shape, min_numel: int = MIN_NUMEL, parts: int = GRID) -> list[list[int]] | None:
-    """The cut points along the first (one or two) dimensions a delta of a tensor of ``shape`` is
-    cut at, or None (not cut)."""
+def grid(shape, min_cell: int = MIN_CELL, parts: int = GRID) -> list[list[int]] | None:
+    """The cut points along the first (one or two) dimensions a delta of a tensor of ``shape``
+    is cut at, or None (not cut): the same number of parts along each, the largest power of
+    two up to ``parts`` that leaves every cell ``min_cell`` elements or more."""
     shape = tuple(int(s) for s in shape)
-    if not shape or math.prod(shape) < min_numel:
+    if not shape:
         return None
-    cuts = [_cuts(n, parts) for n in shape[:2]]
+    dims, numel = min(2, len(shape)), math.prod(shape)
+    k = 1
+    while k * 2 <= parts and numel // (k * 2) ** dims >= min_cell:
+        k *= 2
+    cuts = [_cuts(n, k) for n in shape[:dims]]
     return cuts if math.prod(len(c) - 1 for c in cuts) > 1 else None
 
 
@@ -100,14 +106,18 @@ def to_local(positions: np.ndarray, shape, box: Box) -> np.ndarray:
 
 
 def to_global(local: torch.Tensor, shape, box: Box) -> torch.Tensor:
-    """Box-local row-major indices -> flat tensor indices (sorted stays sorted within the box)."""
-    st, ext = _strides(shape), [b - a for a, b in zip(*box)]
-    out = torch.zeros_like(local)
-    rem = local
-    for d in range(len(ext) - 1, -1, -1):
-        out += (rem % ext[d] + box[0][d]) * st[d]
-        rem = rem // ext[d]
-    return out
+    """Box-local row-major indices -> flat tensor indices (sorted stays sorted within the box).
+
+    Only the first two dimensions are ever cut, so below them a box is whole: with ``row``
+    the elements under dimension 1 (``strides[1]``), a local index ``i`` lies in box row
+    ``i // (width * row)`` (``width`` the box's extent in dimension 1) and moves by the
+    columns the box skips per row, plus the box's own start: one division, in place."""
+    st = _strides(shape)
+    out = local.clone()
+    if len(shape) > 1 and box[1][1] - box[0][1] != shape[1]:
+        width = (box[1][1] - box[0][1]) * st[1]
+        out += torch.div(local, width, rounding_mode="floor").mul_((shape[1] - (box[1][1] - box[0][1])) * st[1])
+    return out.add_(box[0][0] * st[0] + (box[0][1] * st[1] if len(shape) > 1 else 0))
 
 
 def meets(box: Box, start, stop) -> bool:

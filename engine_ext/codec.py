@@ -116,11 +116,12 @@ class ChunkedEncoded:
 
 
 def encode_tensor(dtype: DType, shape, positions: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor | None,
-                  mode: str | None = None, min_numel: int | None = chunks.MIN_NUMEL) -> "Encoded | ChunkedEncoded":
-    """A changed tensor's encoding: whole (:func:`encode`), or per grid cell when it has at least
-    ``min_numel`` elements (None: never cut), so that a rank can fetch the cells it holds."""
+                  mode: str | None = None, min_cell: int | None = chunks.MIN_CELL) -> "Encoded | ChunkedEncoded":
+    """A changed tensor's encoding: whole (:func:`encode`), or per grid cell (:func:`chunks.grid`,
+    cells of ``min_cell`` elements or more; None: never cut), so that a rank can fetch the
+    cells it holds."""
     numel = int(np.prod(shape, dtype=np.int64))
-    cuts = None if min_numel is None else chunks.grid(shape, min_numel)
+    cuts = None if min_cell is None else chunks.grid(shape, min_cell)
     if cuts is None:
         return encode(dtype, numel, positions, new_bits, old_bits, mode)
     pos = positions.detach().cpu().numpy().astype(np.int64, copy=False)

@@ -82,20 +82,20 @@ class DeltaPublisher:
         signing_key: Ed25519 private key(s) (PEM path or key object) that sign every manifest
             and LATEST; default ``ENGINE_EXT_SIGNING_KEY``. Without one, versions are
             unsigned and servers take them only with ``ENGINE_EXT_ALLOW_UNSIGNED=1``.
-        chunk_min_numel: tensors with at least this many elements are encoded per grid cell,
-            so each tensor-parallel rank fetches only its cells (None: never); see
+        chunk_min_cell: big tensors are encoded per grid cell of at least this many elements,
+            so each tensor-parallel rank fetches only its cells (None: never cut); see
             :mod:`engine_ext.chunks`.
     """
 
     def __init__(self, store: Store | str, model: str = "model", *, anchor_every: int = 50,
                  keep_on_cpu: bool = False, mode: str | None = None, queue_size: int = 2,
                  workers: int | None = None, start_version: int = 0, blob_target: int | None = None,
-                 signing_key=None, chunk_min_numel: int | None = chunks.MIN_NUMEL):
+                 signing_key=None, chunk_min_cell: int | None = chunks.MIN_CELL):
         self.store = open_store(store) if isinstance(store, (str, os.PathLike)) else store
         self.model, self.anchor_every, self.keep_on_cpu, self.mode = model, anchor_every, keep_on_cpu, mode
         self.workers = workers or os.cpu_count() or 1
         self.blob_target = blob_target
-        self.chunk_min_numel = chunk_min_numel
+        self.chunk_min_cell = chunk_min_cell
         self.signer = Signer(signing_key) if signing_key is not None else Signer.from_settings()
         self._manifest_shas: dict[int, list[str]] = {}  # version -> SHA-256 of its published manifests
         self.version: int | None = None
@@ -208,7 +208,7 @@ class DeltaPublisher:
                 if c.positions.numel() == 0:
                     return None
                 return codec.encode_tensor(c.dtype, c.shape, c.positions, c.new_bits, c.old_bits, self.mode,
-                                           self.chunk_min_numel)
+                                           self.chunk_min_cell)
 
             for c, e in zip(payload, self._pool.map(enc, payload)):
                 if e is None:

@@ -53,14 +53,13 @@ class Limits:
     @classmethod
     def for_model(cls, tensors: dict) -> "Limits":
         """Limits relative to the served model ``{name: (shape, dtype name)}``: a manifest of
-        at most ~2 KiB per tensor and ~400 bytes per grid cell of a big one, a route's payload
+        at most ~2 KiB per tensor plus ~400 bytes per grid cell it may be cut into, a route's payload
         at most twice the model's bytes (an anchor is one model), decoding at most every
         element of it once."""
         numel = {n: math.prod(s) for n, (s, _) in tensors.items()}
         model_bytes = sum(numel[n] * dtype_by_name(d).itemsize for n, (_, d) in tensors.items())
         decoded = sum(numel[n] * (8 + dtype_by_name(d).itemsize) for n, (_, d) in tensors.items())
-        cells = sum(math.prod(len(c) - 1 for c in cuts) for s, _ in tensors.values() if (cuts := chunks.grid(s)))
-        return cls(manifest_bytes=min(MAX_MANIFEST_BYTES, (64 << 10) + 2048 * len(tensors) + 400 * cells),
+        return cls(manifest_bytes=min(MAX_MANIFEST_BYTES, (64 << 10) + (2048 + 400 * chunks.GRID ** 2) * len(tensors)),
                    payload_bytes=2 * model_bytes + (16 << 20),
                    decoded_bytes=min(settings.current().max_decoded_bytes, decoded + (1 << 20)))
 
@@ -207,7 +206,7 @@ def _parts(m: Manifest, selection: Selection | None) -> list[_Part]:
             out.append(_Part(t, t, None))
             continue
         cells, boxes = None if selection is None else selection[t.name], t.boxes()
-        out += [_Part(t, c, boxes[c.cell]) for c in t.chunks if cells is None or c.cell in cells]
+        out += [_Part(t, c, boxes[c.cell]) for c in sorted(t.chunks, key=lambda c: c.cell) if cells is None or c.cell in cells]
     return out
 
 
@@ -265,24 +264,34 @@ def _decode_part(p: _Part, data: memoryview) -> tuple[torch.Tensor | None, torch
 
 
 def _decode_parts(parts: list[_Part], data_of, workers: int) -> list[TensorDelta]:
-    """One TensorDelta per tensor from its decoded parts (cells merged into sorted positions)."""
-    with ThreadPoolExecutor(max(1, min(workers, len(parts) or 1))) as pool:
-        decoded = list(pool.map(lambda p: _decode_part(p, data_of((p.blob, p.offset))), parts))
-    by_tensor: dict[str, list] = {}
-    for p, (pos, vals) in zip(parts, decoded):
-        by_tensor.setdefault(p.tensor.name, [p.tensor]).append((pos, vals))
-    out = []
-    for name, (t, *pieces) in by_tensor.items():
-        if len(pieces) == 1:
-            pos, vals = pieces[0]
-        else:
-            pos = torch.cat([q for q, _ in pieces])
-            order = torch.argsort(pos)
-            pos, vals = pos[order], torch.cat([v for _, v in pieces])[order]
+    """One TensorDelta per tensor from its decoded parts (cells merged into sorted positions);
+    one task per tensor, so that small cells do not pay a thread hand-off each."""
+    by_tensor: dict[str, list[_Part]] = {}
+    for p in parts:
+        by_tensor.setdefault(p.tensor.name, []).append(p)
+
+    def one(ps: list[_Part]) -> list[TensorDelta]:  # per value mode: each cell picks its own
+        t, out = ps[0].tensor, []
         base = fpr.parse(t.base_fingerprint) if t.base_fingerprint else None
-        out.append(TensorDelta(name, dtype_by_name(t.dtype), tuple(t.shape), (t.values.mode if t.chunks is None else
-                               t.chunks[0].values.mode), pos, vals, base, fpr.parse(t.fingerprint)))
-    return out
+        by_mode: dict[str, list] = {}
+        for p in ps:
+            by_mode.setdefault(p.entry.values.mode, []).append(_decode_part(p, data_of((p.blob, p.offset))))
+        for mode, pieces in by_mode.items():
+            if len(pieces) == 1:
+                pos, vals = pieces[0]
+            else:
+                pos = torch.cat([q for q, _ in pieces])
+                vals = torch.cat([v for _, v in pieces])
+                if len(t.grid) > 1:  # cells side by side along dimension 1 interleave by row
+                    pos, order = torch.sort(pos)
+                    vals = vals[order]
+            out.append(TensorDelta(t.name, dtype_by_name(t.dtype), tuple(t.shape), mode, pos, vals, base,
+                                   fpr.parse(t.fingerprint)))
+        return out
+
+    groups = list(by_tensor.values())
+    with ThreadPoolExecutor(max(1, min(workers, len(groups) or 1))) as pool:
+        return [td for tds in pool.map(one, groups) for td in tds]
 
 
 def check_decode_budget(m: Manifest, limit: int | None = None) -> None:

@@ -33,9 +33,9 @@ shapes = st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple)
 @given(shapes, st.data())
 def test_split_local_global_round_trip(shape, data):
     numel = math.prod(shape)
-    cuts = chunks.grid(shape, min_numel=1, parts=data.draw(st.integers(2, 8)))
+    cuts = chunks.grid(shape, min_cell=1, parts=data.draw(st.sampled_from([2, 4, 8])))
     if cuts is None:
-        assert numel < 2 or all(s == 1 for s in shape[:2])
+        assert numel // 2 ** min(2, len(shape)) < 1 or all(s == 1 for s in shape[:2])  # no two cells of >= 1 element
         return
     assert chunks.valid_cuts(cuts, shape)
     boxes = chunks.boxes(cuts, shape)
@@ -59,7 +59,8 @@ def test_two_and_four_way_shards_fall_on_cuts():
     for world in (2, 4, 8):
         for r in range(world):
             assert r * 4096 // world in cuts[0] and r * 1024 // world in cuts[1]
-    assert chunks.grid((255, 256)) is None and chunks.grid((1 << 16,)) == [[round(i * (1 << 16) / 8) for i in range(9)]]
+    assert chunks.grid((255, 256)) is None and chunks.grid((1 << 16,)) is None  # cells of at least MIN_CELL
+    assert [len(c) - 1 for c in chunks.grid((1024, 1024))] == [4, 4] and chunks.grid((1 << 19,)) == [[i << 16 for i in range(9)]]
 
 
 def _states(seed=0, steps=2):
@@ -79,13 +80,13 @@ def _states(seed=0, steps=2):
 
 def test_chunked_manifest_and_partial_fetch(tmp_path):
     states = _states()
-    with DeltaPublisher(str(tmp_path), anchor_every=0) as pub:
+    with DeltaPublisher(str(tmp_path), anchor_every=0, chunk_min_cell=1024) as pub:
         for sd in states:
             pub.publish(sd)
     store = open_store(str(tmp_path))
     m = read_manifest(store, "v00000001.json")
     w = next(t for t in m.tensors if t.name == "w")
-    assert m.format_version == 3 and w.grid == chunks.grid((512, 256)) and len(w.chunks) == 64
+    assert m.format_version == 3 and w.grid == chunks.grid((512, 256), 1024) and len(w.chunks) == 64
     assert next(t for t in m.tensors if t.name == "b").chunks is None  # small: not cut
     whole, n_all = fetch_selected(store, m)
     half, n_half = fetch_selected(store, m, {"w": {c for c in range(64) if c < 32}})  # rows 0-255
@@ -105,7 +106,7 @@ def test_chunked_manifest_and_partial_fetch(tmp_path):
 def test_each_rank_fetches_only_its_rows(tmp_path, world):
     """Ranks holding 1/world of ``w``'s rows read well under the whole delta and still end bit-exact."""
     states = _states(steps=3)
-    with DeltaPublisher(str(tmp_path), anchor_every=0) as pub:
+    with DeltaPublisher(str(tmp_path), anchor_every=0, chunk_min_cell=1024) as pub:
         for sd in states:
             pub.publish(sd)
     ranks = [make_rank(r, states[0], sharded=("w",), world=world) for r in range(world)]
