@@ -1,4 +1,4 @@
-"""engine-ext: diff, apply, inspect and anchor safetensors checkpoints against a store; keygen.
+"""engine-ext: diff, apply, inspect and anchor safetensors checkpoints against a store; keygen; push a version to a fleet.
 
 Publishing commands sign with ``--sign KEY`` (or ``ENGINE_EXT_SIGNING_KEY``); reading
 commands verify with ``--trust PUBKEY`` (or ``ENGINE_EXT_TRUSTED_KEYS``) and read unsigned
@@ -190,6 +190,25 @@ def cmd_keygen(a) -> str:
     return f"key {kid}: private {a.out} (keep it secret; ENGINE_EXT_SIGNING_KEY), public {a.out}.pub (ENGINE_EXT_TRUSTED_KEYS)"
 
 
+class PushFailed(Exception):
+    """Some replicas did not reach the version (the table is still printed)."""
+
+
+def cmd_push(a) -> str:
+    from .fleet import Fleet
+
+    urls = [u.strip() for u in ",".join(a.servers).split(",") if u.strip()]
+    token = a.token if a.token is not None else settings.current().token
+    res = Fleet(urls, token, retries=a.retries, timeout_s=a.timeout).update(a.uri, rollback=a.rollback,
+                                                                          progress=not a.json)
+    out = json.dumps(res.to_json(), indent=1) if a.json else f"target v{res.target}\n{res.table()}"
+    if not res.ok:
+        names = ", ".join(r.url for r in res.failed)
+        print(out)
+        raise PushFailed(f"{len(res.failed)} of {len(res.replicas)} replica(s) did not reach v{res.target}: {names}")
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="engine-ext", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -228,6 +247,15 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("manifest"); i.add_argument("--all", action="store_true"); i.add_argument("--json", action="store_true")
     trusts(i)
     i.set_defaults(fn=cmd_inspect)
+    pu = sub.add_parser("push", help="update every replica to a version, concurrently; non-zero exit naming any that did not get there")
+    pu.add_argument("uri", help="manifest URI (or a store root: its LATEST) as the servers see it")
+    pu.add_argument("--servers", action="append", required=True, help="server base URLs, comma-separated (repeatable)")
+    pu.add_argument("--token", help="bearer token of the servers' update routes (default ENGINE_EXT_TOKEN)")
+    pu.add_argument("--retries", type=int, default=4, help="extra attempts per replica for transient failures")
+    pu.add_argument("--timeout", type=float, default=900.0, help="seconds one attempt may take")
+    pu.add_argument("--rollback", action="store_true", help="allow an older version (an explicit rollback)")
+    pu.add_argument("--json", action="store_true", help="print the result as JSON (no progress bar)")
+    pu.set_defaults(fn=cmd_push)
     return p
 
 
@@ -235,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
         print(a.fn(a))
-    except (DeltaError, ValueError, FileNotFoundError, OSError) as e:
+    except (DeltaError, ValueError, FileNotFoundError, OSError, PushFailed) as e:
         print(f"engine-ext {a.cmd}: error: {e}", file=sys.stderr)
         return 1
     return 0

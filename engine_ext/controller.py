@@ -25,6 +25,7 @@ from pathlib import Path
 from . import fingerprint as fpr
 from . import metrics, settings
 from .errors import BaseMismatchError, DeltaError
+from .follow import Follower
 from .protocol import UpdateRequest
 from .signing import Trust
 from .sources import Sources
@@ -121,6 +122,7 @@ class Controller:
         self._inflight = 0
         self.ready = False
         self.start_error: str | None = None
+        self.follower: Follower | None = None
 
     # ---- start-up
     async def start(self) -> None:
@@ -137,6 +139,20 @@ class Controller:
                  "converting maps: %d; engine paths: %s", len(self.state.tensor_fps), len(layout["engine"]),
                  self.state.version, fpr.fmt(self.state.model_fingerprint), layout["fallback"], len(layout["converted"]),
                  layout["engine"][0])
+
+    def start_following(self, get_controller=None) -> Follower | None:
+        """Pull mode (``ENGINE_EXT_FOLLOW``): watch the store's LATEST from this process's event
+        loop; ``get_controller`` (default: this controller) is awaited before each look."""
+        s = settings.current()
+        if not s.follow:
+            return None
+        if self.follower is None:
+            async def me():
+                return self
+
+            self.follower = Follower(get_controller or me, s.follow, s.follow_interval, self.trust)
+        self.follower.start()
+        return self.follower
 
     async def resync(self, reason: str = "weights changed outside engine_ext") -> None:
         """Re-read every rank's live fingerprints after the engine's own weight update.
@@ -171,6 +187,7 @@ class Controller:
             "error": self.start_error,
             "layout": self.state.layout,
             "history": list(self.history),
+            "follow": self.follower.status() if self.follower is not None else None,
         }
 
     # ---- update
@@ -202,7 +219,7 @@ class Controller:
             log.exception("engine_ext: update failed")
             raise ApplyError(f"internal error: {_cut(repr(e))}") from e
         if not answer.noop:
-            metrics.record_success(answer.version, answer.payload_bytes, answer.written, phases)
+            metrics.record_success(answer.version, answer.payload_bytes, sum(answer.fetched_bytes), answer.written, phases)
         self.history.append({"version": answer.version, "base_version": answer.base_version, "elements": answer.elements,
                              "payload_bytes": answer.payload_bytes, "pause_ms": answer.pause_ms, "noop": answer.noop,
                              "url": _cut(req.url, 300), "ok": True, "time": time.time()})

@@ -168,7 +168,7 @@ def fetch_blobs(store: Store, m: Manifest, workers: int = 8) -> list[bytearray]:
 
 
 Selection = dict  # tensor name -> the grid cells wanted (a set), or None for the whole tensor
-GAP = 64 << 10  # ranges of one blob closer than this (and than 1/8 of what is read) are fetched as one
+GAP = 64 << 10  # ranges of one blob closer than this are fetched as one (if at most 1/8 of it is read in vain)
 
 
 @dataclass(frozen=True)
@@ -222,14 +222,15 @@ def fetch_selected(store: Store, m: Manifest, selection: Selection | None = None
     spans = []  # (blob, start, end, parts)
     for b, ps in by_blob.items():
         ps.sort(key=lambda p: p.offset)
-        cur = [ps[0]]
+        cur, useful, wasted = [ps[0]], ps[0].length, 0
         for p in ps[1:]:
-            end = cur[-1].offset + cur[-1].length
-            if p.offset - end <= min(GAP, (end - cur[0].offset) // 8):  # a few wasted bytes for one request less
+            gap = p.offset - (cur[-1].offset + cur[-1].length)
+            if gap <= GAP and 8 * (wasted + gap) <= useful + p.length:  # at most 1/8 read in vain, one request less
                 cur.append(p)
+                useful, wasted = useful + p.length, wasted + gap
             else:
                 spans.append((b, cur[0].offset, cur[-1].offset + cur[-1].length, cur))
-                cur = [p]
+                cur, useful, wasted = [p], p.length, 0
         spans.append((b, cur[0].offset, cur[-1].offset + cur[-1].length, cur))
     data: dict[tuple[int, int], memoryview] = {}
 

@@ -87,6 +87,12 @@ VARIABLES: tuple[Variable, ...] = (
              "bearer token sent to `http(s)://` stores"),
     Variable("ENGINE_EXT_S3_ENDPOINT", "s3_endpoint", str, None,
              "endpoint of `s3://` stores (else `AWS_ENDPOINT_URL`, else AWS)"),
+    Variable("ENGINE_EXT_FOLLOW", "follow", str, None,
+             "pull mode: a store prefix whose `LATEST` the server watches and updates itself to (chain or "
+             "anchor, the fewer bytes); also an allowed source"),
+    Variable("ENGINE_EXT_FOLLOW_INTERVAL", "follow_interval", _positive_float, 5.0,
+             "seconds between two looks at `LATEST` in pull mode (each varied by +-20 %; doubled after each "
+             "failure, up to 5 minutes)"),
 )
 
 
@@ -107,6 +113,8 @@ class Settings:
     max_decoded_bytes: int = 64 << 30
     http_token: str | None = None
     s3_endpoint: str | None = None
+    follow: str | None = None
+    follow_interval: float = 5.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":

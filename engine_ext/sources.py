@@ -75,7 +75,8 @@ class Sources:
 
     @classmethod
     def from_settings(cls, s: "settings.Settings | None" = None) -> "Sources":
-        return cls(list((s or settings.current()).sources))
+        s = s or settings.current()
+        return cls(list(s.sources) + ([s.follow] if s.follow else []))  # the store pull mode follows is allowed
 
     def check(self, uri: str) -> str:
         """Return ``uri`` if it lies under an allowed prefix, else raise (HTTP 403)."""

@@ -66,13 +66,14 @@ def assert_layout_on_this_host(status: dict) -> None:
 
 
 def rl_trajectory(model_dir, store, steps: int, *, seed: int = 1, lr: float = 1e-3, anchor_every: int = 0,
-                  start_version: int = 0) -> dict[str, torch.Tensor]:
-    """Publish an anchor of ``model_dir`` then ``steps`` deltas of a noisy-update trajectory; return the final bf16 weights."""
+                  start_version: int = 0, **publisher) -> dict[str, torch.Tensor]:
+    """Publish an anchor of ``model_dir`` then ``steps`` deltas of a noisy-update trajectory; return the
+    final bf16 weights. ``publisher``: more DeltaPublisher arguments (e.g. ``chunk_min_cell``)."""
     from engine_ext.publish import DeltaPublisher
 
     master = {n: t.float() for n, t in load_state_dict(model_dir).items()}
     g = torch.Generator().manual_seed(seed)
-    with DeltaPublisher(str(store), anchor_every=anchor_every, start_version=start_version) as pub:
+    with DeltaPublisher(str(store), anchor_every=anchor_every, start_version=start_version, **publisher) as pub:
         pub.publish({n: t.to(torch.bfloat16) for n, t in master.items()})
         for _ in range(steps):
             for t in master.values():

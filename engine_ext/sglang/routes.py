@@ -69,6 +69,7 @@ def _start_with_lifespan(app) -> None:
             if tm is not None and getattr(tm, "_engine_ext", None) is not None:
                 task = asyncio.ensure_future(engine.controller(tm))
                 task.add_done_callback(_log_start)
+                tm._engine_ext.start_following(lambda: engine.controller(tm))  # ENGINE_EXT_FOLLOW: pull mode
             yield state
 
     app.router.lifespan_context = lifespan

@@ -96,3 +96,4 @@ class EndpointPlugin:
             await ctl.start()
         except Exception:  # noqa: BLE001 - keep serving; the route answers with the reason
             log.exception("engine_ext: start-up probe failed; /update_weights_delta will refuse updates")
+        ctl.start_following()  # ENGINE_EXT_FOLLOW: pull mode, in the API server's event loop
