@@ -96,7 +96,7 @@ def make_case(tmp: Path, kind: str) -> dict:
     gen = torch.Generator().manual_seed(1234)
     store = tmp / kind / "store"
     urls = []
-    with DeltaPublisher(str(store), model=kind, anchor_every=0, workers=1) as pub:
+    with DeltaPublisher(str(store), model=kind, anchor_every=0, workers=1, chunk_min_cell=256) as pub:  # cells, as a big model's
         pub.publish(sd, version=0)
         for v in range(1, STEPS + 2):
             sd = perturb(sd, gen)
@@ -179,6 +179,9 @@ def test_deltas_reach_every_rank_bit_exact_and_bad_ones_change_nothing(cases, tp
                 assert got["bad"][case]["reason"] == want, (kind, case, got["bad"][case])
                 assert got["bad"][case]["unchanged"] is True, (r, kind, case)
             assert got["after_update"]["version"] == STEPS
+            if r == 0:  # each rank fetched its own part from the store: at TP 2 at most 0.6x of the delta
+                assert len(got["fetched"]) == STEPS and all(len(f) == tp for f, _ in got["fetched"])
+                assert all(max(f) <= (0.6 if tp == 2 else 1.0) * whole for f, whole in got["fetched"]), got["fetched"]
 
 
 # --------------------------------------------------------------------------- worker (one per TP rank)
@@ -321,11 +324,12 @@ def _worker(spec_path: str, rank: int) -> None:
                 eng = _TestRanks(lead, tp)
                 ctl = Controller(eng, Sources(case["sources"]), version=0, engine_name="sglang")
                 await ctl.start()
-                versions, fallback = [], set()
+                versions, fallback, fetched = [], set(), []
                 for url in case["urls"]:
                     ans = await ctl.update(UpdateRequest(url=url))
                     versions.append(ans["version"])
                     fallback.update(ans["fallback"])
+                    fetched.append((ans["fetched_bytes"], ans["payload_bytes"]))
                 assert not fallback, f"dense fallback for {sorted(fallback)}: the probe should map every tensor in place"
                 bad = {}
                 lead(RankOpReq("_snapshot"))
@@ -340,9 +344,9 @@ def _worker(spec_path: str, rank: int) -> None:
                         reason = e.reason
                     bad[name] = {"reason": reason, "unchanged": lead(RankOpReq("_same")), "version": ctl.version}
                 assert ctl.version == len(case["urls"]), ctl.version
-                return versions, bad, eng.events
+                return versions, bad, eng.events, fetched
 
-            versions, bad, events = asyncio.run(drive())
+            versions, bad, events, fetched = asyncio.run(drive())
             broadcast_pyobj([RankOpReq("_stop")], group.rank, group.cpu_group, src=group.ranks[0])
         else:
             while True:
@@ -350,7 +354,7 @@ def _worker(spec_path: str, rank: int) -> None:
                 if req.op == "_stop":
                     break
                 step(req)
-            versions, bad, events = list(range(1, STEPS + 1)), None, []
+            versions, bad, events, fetched = list(range(1, STEPS + 1)), None, [], []
         # Every rank: its own view of the "bad" outcomes comes from rank 0's gathered checks.
         _tick("updates done")
         bad = broadcast_pyobj([bad], group.rank, group.cpu_group, src=group.ranks[0])[0]
@@ -362,7 +366,7 @@ def _worker(spec_path: str, rank: int) -> None:
         sharded = dict(live.named_parameters())["model.embed_tokens.weight"].shape[0] < VOCAB
         results[case["kind"]] = {
             "mismatched_params": mismatched, "moved_params": moved, "versions": versions, "bad": bad,
-            "params": len(ptrs), "sharded": sharded, "events": events,
+            "params": len(ptrs), "sharded": sharded, "events": events, "fetched": fetched,
             "after_update": {"version": int(versions_seen[-1]) if versions_seen else None},
         }
         del live, ref, agent
