@@ -159,7 +159,7 @@ def main() -> None:
     os.environ.update(ENGINE_EXT_SIGNING_KEY=str(work / "k"), ENGINE_EXT_TRUSTED_KEYS=str(work / "k.pub"),
                       ENGINE_EXT_SOURCES=str(work / "store"), ENGINE_EXT_TOKEN=os.environ.get("ENGINE_EXT_TOKEN", "bench"))
     model_dir = make_model(work / "model", "qwen2", vocab=args.vocab, hidden=args.hidden, layers=args.layers,
-                           heads=max(8, args.hidden // 128), kv_heads=8)
+                           heads=max(8, args.hidden // 128), kv_heads=4)
     versions = publish(model_dir, work / "store", args.steps, args.lr)
     numel = sum(t.numel() for t in versions[0].values())
     print(f"Qwen2-shaped, {numel / 1e6:.1f} M params (hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}), "

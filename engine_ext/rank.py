@@ -21,7 +21,6 @@ data, so that a failing rank lets the driver roll the others back.
 """
 from __future__ import annotations
 
-import base64
 import hashlib
 import logging
 import threading
@@ -38,6 +37,7 @@ from .apply_torch import local_fingerprint
 from .maps import ApplyResult, TensorMap, Unmappable, covered_elements
 from .delta import TensorDelta, apply_tensor
 from .dtypes import DType
+from .errors import IntegrityError
 from .protocol import RankReply, TensorReport
 
 log = logging.getLogger("engine_ext")
@@ -163,8 +163,9 @@ class RankUpdater:
         return out
 
     def fetch(self, txn: str, store: str, route: list[dict], timeout_s: float) -> RankReply:
-        """Start fetching this rank's part of a route (the driver's verified manifests, raw bytes in
-        base64) from ``store`` in a background thread; :meth:`fetched` tells when it is done."""
+        """Start fetching this rank's part of a route (manifest keys, each with the SHA-256 of the
+        bytes the driver verified and a size limit) from ``store`` in a background thread;
+        :meth:`fetched` tells when it is done."""
         self.setup()
         if len(self._fetches) >= MAX_FETCHES:
             raise RuntimeError(f"{MAX_FETCHES} fetches already held on this rank")
@@ -186,9 +187,9 @@ class RankUpdater:
             store.deadline = deadline
             parts: dict[str, list[TensorDelta]] = {}
             for link in route:
-                raw = base64.b64decode(link["manifest"])
+                raw = store.read(link["key"], max_bytes=link["max_bytes"])
                 if hashlib.sha256(raw).hexdigest() != link["sha256"]:
-                    raise ValueError(f"{link['key']}: manifest bytes differ from the driver's")
+                    raise IntegrityError(f"{store.key_uri(link['key'])}: the manifest changed since the driver verified it")
                 m = Manifest.from_json(raw)
                 sel = self.selection(m)
                 job.names.update(sel)

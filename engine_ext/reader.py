@@ -72,7 +72,6 @@ class Link:
     manifest: Manifest
     sha256: str
     signed: int  # valid trusted signatures (0: unsigned, accepted only with ENGINE_EXT_ALLOW_UNSIGNED)
-    raw: bytes = field(default=b"", repr=False)  # the manifest's bytes, as signed (sent to the ranks)
 
 
 @dataclass
@@ -105,7 +104,7 @@ def read_link(store: Store, key: str, trust: Trust | None = None, max_bytes: int
         except NotFoundError:
             pass
     signed = trust.verify_detached(raw, sig, store.key_uri(key))
-    return Link(key, Manifest.from_json(raw), sha256_hex(raw), signed, bytes(raw))
+    return Link(key, Manifest.from_json(raw), sha256_hex(raw), signed)
 
 
 def read_manifest(store: Store, key: str, trust: Trust | None = None) -> Manifest:

@@ -25,7 +25,6 @@ changes it.
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import time
 import uuid
@@ -246,13 +245,13 @@ class UpdateTransaction:
 
     async def fetch(self) -> None:
         """While the engine still serves, outside the update lock, before the fetch deadline: send
-        every rank the verified manifests of the route; each fetches from the store only the
-        tensors (or grid cells, :mod:`engine_ext.chunks`) it holds, checks every part's SHA-256,
+        every rank the route (manifest keys and the SHA-256 of the bytes the driver verified);
+        each reads those manifests from the store, checks them against the SHA-256, fetches
+        only the tensors (or grid cells, :mod:`engine_ext.chunks`) it holds, checks every part's SHA-256,
         decodes (bounded by the manifests' counts) and composes a chain, in the background,
         while the driver polls. Any rank's failure fails the update before anything is written."""
         deadline = time.monotonic() + settings.current().fetch_timeout
-        route = [{"key": link.key, "sha256": link.sha256, "manifest": base64.b64encode(link.raw).decode()}
-                 for link in self.chain]
+        route = [{"key": link.key, "sha256": link.sha256, "max_bytes": self.limits.manifest_bytes} for link in self.chain]
         self._fetching = True
         check_replies(await self.ranks.call("fetch", txn=self.id, store=self.store.uri, route=route,
                                             timeout_s=settings.current().fetch_timeout))

@@ -55,12 +55,13 @@ def test_split_local_global_round_trip(shape, data):
 
 
 def test_two_and_four_way_shards_fall_on_cuts():
-    cuts = chunks.grid((4096, 1024))
+    cuts = chunks.grid((8192, 2048))
     for world in (2, 4, 8):
         for r in range(world):
-            assert r * 4096 // world in cuts[0] and r * 1024 // world in cuts[1]
-    assert chunks.grid((255, 256)) is None and chunks.grid((1 << 16,)) is None  # cells of at least MIN_CELL
-    assert [len(c) - 1 for c in chunks.grid((1024, 1024))] == [4, 4] and chunks.grid((1 << 19,)) == [[i << 16 for i in range(9)]]
+            assert r * 8192 // world in cuts[0] and r * 2048 // world in cuts[1]
+    assert chunks.grid((511, 1024)) is None and chunks.grid((1 << 18,)) is None  # cells of at least MIN_CELL
+    assert [len(c) - 1 for c in chunks.grid((1024, 1024))] == [2, 2] and chunks.grid((1 << 21,)) == [[i << 18 for i in range(9)]]
+    assert [len(c) - 1 for c in chunks.grid((3584, 3584))] == [4, 4] and [len(c) - 1 for c in chunks.grid((18944, 3584))] == [8, 8]
 
 
 def _states(seed=0, steps=2):
