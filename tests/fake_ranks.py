@@ -78,3 +78,22 @@ def bits(ranks) -> list:
 
 def same_bits(a, b) -> bool:
     return all(torch.equal(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+class RankActor:
+    """One rank in its own process (a Ray actor in tests/test_ray.py): builds its shard from the
+    checkpoint ``sd`` and answers ops as the engine adapters do (``run_op``, wire format)."""
+
+    def __init__(self, r: int, sd: dict, sharded=("w",), world: int = 2):
+        self.updater = make_rank(r, sd, sharded, world)
+
+    def op(self, name: str, kwargs: dict) -> dict:
+        return run_op(self.updater, name, kwargs)
+
+    def shard(self, name: str) -> torch.Tensor:
+        return getattr(self.updater.module, name).detach().clone()
+
+    def env(self, name: str) -> str | None:
+        import os
+
+        return os.environ.get(name)

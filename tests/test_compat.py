@@ -75,3 +75,22 @@ def test_adapters_reach_the_engine_through_compat_only(engine):
                      else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
             found += [(engine, p.name, n) for n in names if n and n.split(".")[0] == engine and (engine, p.name, n) not in allowed]
     assert found == []
+
+
+def test_ray_workers_get_our_variables(monkeypatch):
+    """vLLM's Ray executor copies only VLLM_* (and a few) variables to its workers; the plugin
+    adds our prefixes, so ranks on other nodes get the settings and the store credentials."""
+    from vllm.ray.ray_env import get_env_vars_to_copy
+
+    from engine_ext.vllm import compat as vc
+
+    monkeypatch.setenv("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", "MINE_")
+    monkeypatch.setenv("ENGINE_EXT_FOLLOW", "s3://b/run")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+    assert "ENGINE_EXT_FOLLOW" not in get_env_vars_to_copy()
+    vc.carry_env_to_ray_workers()
+    vc.carry_env_to_ray_workers()  # idempotent
+    import os
+
+    assert os.environ["VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"] == "MINE_,ENGINE_EXT_,AWS_,HF_"
+    assert {"ENGINE_EXT_FOLLOW", "AWS_SECRET_ACCESS_KEY"} <= get_env_vars_to_copy()

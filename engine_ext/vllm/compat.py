@@ -60,7 +60,24 @@ TOUCHPOINTS = (
     Touchpoint("vllm.engine.protocol", "EngineClient.resume_generation", (), ""),
     Touchpoint("vllm.engine.protocol", "EngineClient.reset_prefix_cache", (), ""),
     Touchpoint("vllm.engine.protocol", "EngineClient.update_weight_version", ("new_version",), ""),
+    # Ray executor: which environment variables reach the Ray workers
+    Touchpoint("vllm.envs", "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", (),
+               "our variables' prefixes are added so Ray workers on other nodes get them"),
+    Touchpoint("vllm.ray.ray_env", "get_env_vars_to_copy", ("exclude_vars", "additional_vars", "destination"),
+               "what the Ray executor copies to its workers"),
 )
+
+RAY_ENV_PREFIXES = ("ENGINE_EXT_", "AWS_", "HF_")  # engine_ext's settings and the store credentials
+
+
+def carry_env_to_ray_workers(prefixes=RAY_ENV_PREFIXES) -> None:
+    """Have vLLM's Ray executor copy our variables to its workers (it copies ``VLLM_*`` and a
+    few others by default): every rank reads the store itself, on whichever node it runs."""
+    import os
+
+    name = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+    have = [p for p in os.environ.get(name, "").split(",") if p]
+    os.environ[name] = ",".join(have + [p for p in prefixes if p not in have])
 
 
 def version_note() -> tuple[bool, str]:

@@ -2,8 +2,9 @@
 
 On the CPU it asks for AMX tile permission (vLLM's AMX attention otherwise can die with
 SIGILL) and keeps the backend's unpacked linear weights (see :mod:`.patches`), adds the
-``engine_ext`` worker RPC method and registers the ``delta`` weight-transfer backend,
-so ``VLLM_PLUGINS=engine_ext`` is the whole set-up.
+``engine_ext`` worker RPC method, registers the ``delta`` weight-transfer backend and
+has the Ray executor copy the ``ENGINE_EXT_*`` (and store credential) variables to its
+workers, so ``VLLM_PLUGINS=engine_ext`` is the whole set-up.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def register() -> None:
         request_amx_permission()
         keep_cpu_linear_weights()
     drain_replies_after_a_failed_rpc()
+    compat.carry_env_to_ray_workers()
     worker.install()
     if not compat.register_weight_transfer_backend("delta", "engine_ext.vllm.backend", "DeltaWeightTransferEngine"):
         log.info("engine_ext: vLLM has no WeightTransferEngineFactory; 'delta' backend not registered")
