@@ -186,7 +186,8 @@ class RankUpdater:
             store = open_store(store_uri)
             store.deadline = deadline
             parts: dict[str, list[TensorDelta]] = {}
-            for link in route:
+            links: dict[str, set[int]] = {}  # which links of the route changed each tensor
+            for i, link in enumerate(route):
                 raw = store.read(link["key"], max_bytes=link["max_bytes"])
                 if hashlib.sha256(raw).hexdigest() != link["sha256"]:
                     raise IntegrityError(f"{store.key_uri(link['key'])}: the manifest changed since the driver verified it")
@@ -197,7 +198,9 @@ class RankUpdater:
                 job.bytes += n
                 for td in decoded:
                     parts.setdefault(td.name, []).append(td)
-            job.deltas = [part for chain in parts.values() for part in compose(chain)]
+                    links.setdefault(td.name, set()).add(i)
+            # one link's parts of a tensor (an absolute and a relative one) are disjoint: composed only across links
+            job.deltas = [part for name, tds in parts.items() for part in (compose(tds) if len(links[name]) > 1 else tds)]
         except BaseException as e:  # noqa: BLE001 - reported by fetched()
             job.error = e
 
