@@ -368,7 +368,13 @@ def test_lifespan_wrapper_starts_the_probe_with_the_server():
     async def fake_controller(tm):
         started.append(tm)
 
-    tm = type("TM", (), {"_engine_ext": object()})()
+    following = []
+
+    class StandInController:  # records the pull-mode start the lifespan performs
+        def start_following(self, get_controller):
+            following.append(get_controller)
+
+    tm = type("TM", (), {"_engine_ext": StandInController()})()
     orig_ctl, orig_tm = engine.controller, compat.http_tokenizer_manager
     engine.controller, compat.http_tokenizer_manager = fake_controller, lambda: tm
     try:
@@ -378,6 +384,7 @@ def test_lifespan_wrapper_starts_the_probe_with_the_server():
     finally:
         engine.controller, compat.http_tokenizer_manager = orig_ctl, orig_tm
     assert seen == ["inner"] and started == [tm]
+    assert len(following) == 1 and callable(following[0])  # ENGINE_EXT_FOLLOW is started with the server
 
 
 def torch_equal_bits(a, b) -> bool:
