@@ -139,6 +139,10 @@ class Controller:
                  "converting maps: %d; engine paths: %s", len(self.state.tensor_fps), len(layout["engine"]),
                  self.state.version, fpr.fmt(self.state.model_fingerprint), layout["fallback"], len(layout["converted"]),
                  layout["engine"][0])
+        if layout["mismatched"]:
+            log.error("engine_ext: %d tensor(s) are served with other weights than the checkpoint they were loaded "
+                      "from (a layout the engine derives after loading?); updates touching them will be refused: %s",
+                      len(layout["mismatched"]), layout["mismatched"][:8])
 
     def start_following(self, get_controller=None) -> Follower | None:
         """Pull mode (``ENGINE_EXT_FOLLOW``): watch the store's LATEST from this process's event

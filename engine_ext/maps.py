@@ -320,6 +320,16 @@ def check_positions(tds: list[TensorDelta]) -> None:
             raise ValueError(f"{td.name}: positions must be sorted, unique and in [0, {td.numel})")
 
 
+def checkpoint_view(m: TensorMap, t: torch.Tensor) -> TensorMap:
+    """``m``'s boxes pointed at the checkpoint tensor ``t`` itself (row-major), so that the
+    fingerprint of the same elements can be computed from the checkpoint and from the live weights."""
+    t = t.detach().contiguous()
+    cs = row_major_strides(m.shape)
+    return TensorMap(m.name, m.shape, m.dtype, [
+        Piece(t, p.start, p.stop, t.storage_offset() + sum(a * s for a, s in zip(p.start, cs)), cs, p.count_fingerprint)
+        for p in m.pieces])
+
+
 def covered_elements(m: TensorMap) -> int:
     """Checkpoint elements the counted pieces cover (== numel: this rank holds the whole tensor)."""
     return sum(p.numel for p in m.pieces if p.count_fingerprint)

@@ -109,6 +109,7 @@ class RankReply:
     tensors: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # setup: checkpoint name -> (shape, dtype)
     fallback: tuple[str, ...] = ()  # setup, apply: tensors reloaded densely through the engine's loader
     converted: tuple[str, ...] = ()  # setup: tensors mapped through a converting map
+    mismatched: tuple[str, ...] = ()  # setup: tensors whose live weights differ from the loaded checkpoint
     engine: dict = field(default_factory=dict)  # setup: the engine's kernels/paths on this rank
     written: int = 0  # apply: checkpoint elements written
     undo_bytes: int = 0  # apply
@@ -122,7 +123,7 @@ class RankReply:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["fingerprints"] = {n: r.to_wire() for n, r in self.fingerprints.items()}
         out["tensors"] = {n: [list(s), d] for n, (s, d) in self.tensors.items()}
-        out["fallback"], out["converted"] = list(self.fallback), list(self.converted)
+        out["fallback"], out["converted"], out["mismatched"] = list(self.fallback), list(self.converted), list(self.mismatched)
         return out
 
     @classmethod
@@ -137,6 +138,7 @@ class RankReply:
         kw["fingerprints"] = {n: TensorReport.from_wire(r) for n, r in w.get("fingerprints", {}).items()}
         kw["tensors"] = {n: (tuple(s), d) for n, (s, d) in w.get("tensors", {}).items()}
         kw["fallback"], kw["converted"] = tuple(w.get("fallback", ())), tuple(w.get("converted", ()))
+        kw["mismatched"] = tuple(w.get("mismatched", ()))
         return cls(**kw)
 
     @classmethod

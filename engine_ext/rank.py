@@ -34,16 +34,18 @@ import torch
 from . import fingerprint as fpr
 from .apply import apply_delta
 from .apply_torch import local_fingerprint
-from .maps import ApplyResult, TensorMap, Unmappable, covered_elements
+from . import settings
+from .maps import ApplyResult, TensorMap, Unmappable, checkpoint_view, covered_elements
 from .delta import TensorDelta, apply_tensor
 from .dtypes import DType
 from .errors import IntegrityError
 from .protocol import RankReply, TensorReport
+from .touched import Touched
 
 log = logging.getLogger("engine_ext")
 
 Loader = Callable[[str, torch.Tensor], None]  # load one whole checkpoint tensor via the engine's loader
-Refresh = Callable[["set[int] | None"], None]  # storages (data_ptr) whose derived state must be rebuilt; None: all
+Refresh = Callable[["Touched | None"], None]  # rebuild derived copies of what an apply wrote; None: of everything
 Describe = Callable[[], dict]  # the engine's kernels/paths on this rank, for the start-up log and status
 OPS = ("setup", "fetch", "fetched", "apply", "discard", "commit", "rollback", "status", "resync")
 MAX_FETCHES = 8  # fetches a rank holds at once (the driver's queue bound keeps it lower)
@@ -67,7 +69,7 @@ class _Pending:
     result: ApplyResult  # its undo log restores the in-place writes
     old_fps: dict[str, int]
     old_host: dict[str, torch.Tensor]  # dense-fallback tensors as they were
-    storages: set[int] | None  # refreshed after a rollback (None: all)
+    touched: Touched | None  # refreshed after a rollback (None: all)
 
 
 class RankUpdater:
@@ -91,6 +93,7 @@ class RankUpdater:
         self._pending: _Pending | None = None
         self._fetches: dict[str, _Fetch] = {}
         self.setup_s = 0.0
+        self.mismatched: tuple[str, ...] = ()
 
     # ---- start-up
     def setup(self) -> RankReply:
@@ -111,11 +114,28 @@ class RankUpdater:
                 else:
                     self.fps[name] = local_fingerprint(m)
                     self.covered[name] = covered_elements(m)
+            if self.read_checkpoint is not None and settings.current().check_load:
+                self.mismatched = tuple(self.check_load())
             self.setup_s = time.perf_counter() - t
         return RankReply(True, self.rank, fingerprints=self.report(), fallback=tuple(sorted(self.host)),
-                         converted=tuple(self.converted()), engine=self.describe() if self.describe else {},
+                         converted=tuple(self.converted()), mismatched=self.mismatched, engine=self.describe() if self.describe else {},
                          tensors={n: (tuple(s), d.name) for n, (s, d) in self.checkpoint.items()},
                          seconds={"setup": self.setup_s})
+
+    def check_load(self) -> list[str]:
+        """Tensors whose live weights, read through this rank's maps, differ from the checkpoint the
+        engine loaded (same boxes, same fingerprint): a layout the engine derives after loading
+        (a repack, a permutation) that the maps do not follow. Named at start-up, so that such a
+        tensor is not first met as a bare base mismatch at the first update."""
+        bad = []
+        for name, m in self.maps.items():
+            if isinstance(m, TensorMap) and m.pieces:
+                if local_fingerprint(checkpoint_view(m, self.read_checkpoint(name))) != self.fps[name]:
+                    bad.append(name)
+        if bad:
+            log.error("engine_ext: rank %s: the live weights of %d tensor(s) differ from the loaded checkpoint, so "
+                      "updates touching them will be refused as base mismatches: %s", self.rank, len(bad), bad[:8])
+        return bad
 
     def converted(self) -> list[str]:
         """Tensors mapped through a converting piece (the engine holds a widened copy, e.g. float32 biases)."""
@@ -241,8 +261,8 @@ class RankUpdater:
         old_fps = {td.name: self.fps[td.name] for td in deltas}
         t = time.perf_counter()
         res = apply_delta(mapped, self.maps, undo=True)
-        storages = None if dense else self._storages(mapped)
-        self._pending = _Pending(res, old_fps, {}, storages)
+        touched = None if dense else Touched(mapped, self.maps)
+        self._pending = _Pending(res, old_fps, {}, touched)
         try:
             for name, d in res.fingerprint_delta.items():
                 self.fps[name] = (self.fps[name] + d) & fpr.MASK64
@@ -257,9 +277,9 @@ class RankUpdater:
                 self.load(name, new)
                 self.host[name] = new
                 self.fps[name] = fpr.tensor_fingerprint(new)
-            self._refresh(storages)
+            self._refresh(touched)
         except BaseException:
-            self._pending.storages = None
+            self._pending.touched = None
             self.rollback()
             raise
         t_apply = time.perf_counter() - t
@@ -289,7 +309,7 @@ class RankUpdater:
             self.load(name, old)
             self.host[name] = old
         self.fps.update(p.old_fps)
-        self._refresh(p.storages)
+        self._refresh(p.touched)
         return RankReply(True, self.rank)
 
     def status(self) -> RankReply:
@@ -301,17 +321,9 @@ class RankUpdater:
         if self._pending is not None:
             raise RuntimeError("an applied update is neither committed nor rolled back")
 
-    def _storages(self, deltas: list[TensorDelta]) -> set[int]:
-        out = set()
-        for td in deltas:
-            for p in getattr(self.maps.get(td.name), "pieces", []):
-                if p.numel:
-                    out.add(p.dest.untyped_storage().data_ptr())
-        return out
-
-    def _refresh(self, storages: set[int] | None) -> None:
+    def _refresh(self, touched: Touched | None) -> None:
         if self.refresh is not None:
-            self.refresh(storages)
+            self.refresh(touched)
 
 
 def _numel(shape) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -387,9 +388,19 @@ def _chain_back(store: Store, target: Link, stop_version: int, read, limit: int)
     return chain
 
 
+def differing_tensors(m: Manifest, tensor_fps: Mapping[str, int] | None, show: int = 5) -> str:
+    """``"; N tensor(s) differ from the delta's base: [...]"``, naming the held tensors whose
+    fingerprint is not the delta's per-tensor base (empty without per-tensor fingerprints)."""
+    if not tensor_fps:
+        return ""
+    differ = sorted(t.name for t in m.tensors if fpr.parse(t.base_fingerprint) != tensor_fps.get(t.name))
+    return f"; {len(differ)} tensor(s) differ from the delta's base: {differ[:show]}" if differ else ""
+
+
 def plan(source: str, have_version: int | None = None, have_fingerprint: int | None = None, *,
          have_manifests: tuple[str, ...] = (), trust: Trust | None = None, limits: Limits = Limits(),
-         allow_older: bool = False, deadline: float | None = None, **store_options) -> tuple[Store, list[Link]]:
+         allow_older: bool = False, deadline: float | None = None, tensor_fps: Mapping[str, int] | None = None,
+         **store_options) -> tuple[Store, list[Link]]:
     """The verified links to fetch to go from what is held to the target, fewest bytes first.
 
     ``source`` is a manifest URI (``.../v00000042.json``) or a store root (its signed LATEST).
@@ -463,7 +474,7 @@ def plan(source: str, have_version: int | None = None, have_fingerprint: int | N
     if first.manifest.kind != ANCHOR:
         if have_fingerprint is not None and fpr.parse(first.manifest.base_fingerprint) != have_fingerprint:
             raise BaseMismatchError(f"{store.key_uri(first.key)} applies to fingerprint {first.manifest.base_fingerprint}, "
-                                    f"held {fpr.fmt(have_fingerprint)}")
+                                    f"held {fpr.fmt(have_fingerprint)}{differing_tensors(first.manifest, tensor_fps)}")
         if have_manifests and first.manifest.format_version >= 2 and not set(first.manifest.base_manifests) & set(have_manifests):
             raise IntegrityError(f"{store.key_uri(first.key)} is not bound to the manifest the served weights came from")
     payload = sum(link.manifest.payload_bytes for link in best)

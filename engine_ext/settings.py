@@ -90,6 +90,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ENGINE_EXT_FOLLOW", "follow", str, None,
              "pull mode: a store prefix whose `LATEST` the server watches and updates itself to (chain or "
              "anchor, the fewer bytes); also an allowed source"),
+    Variable("ENGINE_EXT_CHECK_LOAD", "check_load", _flag, True,
+             "`0` skips the start-up check that every rank's live weights equal the checkpoint it loaded "
+             "(it reads the checkpoint once and names every tensor that differs, e.g. a layout the engine "
+             "derives after loading)"),
     Variable("ENGINE_EXT_FOLLOW_INTERVAL", "follow_interval", _positive_float, 5.0,
              "seconds between two looks at `LATEST` in pull mode (each varied by +-20 %; doubled after each "
              "failure, up to 5 minutes)"),
@@ -115,6 +119,7 @@ class Settings:
     s3_endpoint: str | None = None
     follow: str | None = None
     follow_interval: float = 5.0
+    check_load: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":

@@ -1,4 +1,4 @@
-"""Tiny random checkpoints that real engines load: Qwen2, Llama, tied embeddings.
+"""Tiny random checkpoints that real engines load: Qwen2, Llama, tied embeddings, MoE.
 
 The demo, the benchmarks and the tests make their models here (no download):
 ``make_model(dir, "qwen2")`` writes ``config.json`` + ``model.safetensors`` (bf16) via
@@ -6,7 +6,13 @@ The demo, the benchmarks and the tests make their models here (no download):
 vLLM/SGLang can serve it. Prompts should be given as token ids (the vocabulary is
 synthetic). Needs ``transformers`` and ``tokenizers`` (the ``demo`` extra).
 
-    python -m engine_ext.tiny_models DIR [qwen2|llama|qwen2-tied]
+    python -m engine_ext.tiny_models DIR [qwen2|llama|qwen2-tied|qwen3-moe|qwen3-moe-fused|qwen2-moe]
+
+MoE kinds (8 experts, top 2): ``qwen3-moe`` names each expert
+(``mlp.experts.N.gate_proj.weight``, as most Hub checkpoints do), ``qwen3-moe-fused``
+stores them fused (``mlp.experts.gate_up_proj`` [E, 2*I, H] and ``mlp.experts.down_proj``
+[E, H, I], the transformers 5 in-memory layout), ``qwen2-moe`` adds a shared expert with
+its sigmoid gate.
 """
 from __future__ import annotations
 
@@ -16,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-KINDS = ("qwen2", "llama", "qwen2-tied")
+KINDS = ("qwen2", "llama", "qwen2-tied", "qwen3-moe", "qwen3-moe-fused", "qwen2-moe")
+MOE_KINDS = ("qwen3-moe", "qwen3-moe-fused", "qwen2-moe")
 
 
 def _config(kind: str, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int):
@@ -37,6 +44,14 @@ def _config(kind: str, vocab: int, hidden: int, layers: int, heads: int, kv_head
     )
     if kind == "llama":
         return transformers.LlamaConfig(tie_word_embeddings=False, **common)
+    if kind in ("qwen3-moe", "qwen3-moe-fused"):
+        return transformers.Qwen3MoeConfig(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+                                           moe_intermediate_size=hidden // 2, decoder_sparse_step=1,
+                                           mlp_only_layers=[], head_dim=hidden // heads, **common)
+    if kind == "qwen2-moe":
+        return transformers.Qwen2MoeConfig(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+                                           moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=hidden,
+                                           decoder_sparse_step=1, mlp_only_layers=[], **common)
     if kind in ("qwen2", "qwen2-tied"):
         return transformers.Qwen2Config(tie_word_embeddings=(kind == "qwen2-tied"), **common)
     raise ValueError(f"unknown tiny model kind {kind!r}; one of {KINDS}")
@@ -80,7 +95,9 @@ def make_model(
     path.mkdir(parents=True, exist_ok=True)
     cfg = _config(kind, vocab, hidden, layers, heads, kv_heads)
     torch.manual_seed(seed)
-    cls = transformers.LlamaForCausalLM if kind == "llama" else transformers.Qwen2ForCausalLM
+    cls = {"llama": transformers.LlamaForCausalLM, "qwen3-moe": transformers.Qwen3MoeForCausalLM,
+           "qwen3-moe-fused": transformers.Qwen3MoeForCausalLM,
+           "qwen2-moe": transformers.Qwen2MoeForCausalLM}.get(kind, transformers.Qwen2ForCausalLM)
     model = cls(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -90,6 +107,8 @@ def make_model(
                 p.copy_(std * 50 * torch.randn_like(p) if "embed" in name else std * torch.randn_like(p))
     model = model.to(torch.bfloat16)
     model.save_pretrained(str(path), safe_serialization=True)
+    if kind == "qwen3-moe-fused":
+        save_state_dict(path, fuse_experts(load_state_dict(path)), path)
     write_tokenizer(path, vocab)
     # transformers 5 writes "dtype"; older readers look for "torch_dtype": keep both.
     cfg_path = path / "config.json"
@@ -109,20 +128,50 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_state_dict(path: str | os.PathLike, state: dict[str, torch.Tensor], like: str | os.PathLike) -> Path:
-    """A model dir with ``like``'s config/tokenizer and ``state`` as its weights (cold starts)."""
+def save_state_dict(path: str | os.PathLike, state: dict[str, torch.Tensor], like: str | os.PathLike,
+                    quantize: str | None = None) -> Path:
+    """A model dir with ``like``'s config/tokenizer and ``state`` as its weights (cold starts).
+
+    ``quantize="fp8-block"``: write the fp8 checkpoint of ``state`` (master weights) instead,
+    with its ``quantization_config`` (:mod:`engine_ext.quantize`)."""
     import shutil
 
     from safetensors.torch import save_file
 
     path, like = Path(path), Path(like)
     path.mkdir(parents=True, exist_ok=True)
-    for f in like.iterdir():
+    for f in like.iterdir() if path.resolve() != like.resolve() else ():
         if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
             shutil.copy(f, path / f.name)
+    if quantize is not None:
+        from .quantize import quantization_config, quantizer
+
+        cfg_path = path / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["quantization_config"] = quantization_config(state)
+        cfg_path.write_text(json.dumps(cfg, indent=2))
+        state = quantizer(quantize)(state)
     save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
 
+
+def fuse_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors ``...mlp.experts.N.{gate,up,down}_proj.weight`` -> the fused
+    ``...mlp.experts.gate_up_proj`` [E, 2*I, H] (gate rows first) and ``...mlp.experts.down_proj`` [E, H, I]."""
+    import re
+
+    out, groups = {}, {}
+    for name, t in sd.items():
+        m = re.fullmatch(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", name)
+        if m is None:
+            out[name] = t
+        else:
+            groups.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+    for prefix, experts in groups.items():
+        ids = sorted(experts)
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([experts[e]["gate"], experts[e]["up"]]) for e in ids])
+        out[f"{prefix}.down_proj"] = torch.stack([experts[e]["down"] for e in ids])
+    return out
 
 
 def perturb(sd: dict, gen: torch.Generator, density: float = 0.03) -> dict:

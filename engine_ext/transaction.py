@@ -100,6 +100,9 @@ def combine_fingerprints(replies: list[RankReply], names=None) -> dict[str, int]
             out[name] = whole.pop()
             continue
         covered = sum(e.covered for e in entries)
+        if covered == 0 < numel:
+            raise VerifyError(f"{name}: the engine's loader writes none of this checkpoint tensor on any rank: the engine "
+                              "ignores it (a checkpoint layout it does not load, e.g. fused experts on SGLang 0.5.23)")
         if covered != numel:
             raise VerifyError(f"{name}: ranks cover {covered} of {numel} elements (overlapping or missing shards), cannot verify")
         out[name] = sum(e.fingerprint for e in entries) & fpr.MASK64
@@ -131,6 +134,7 @@ class ServedState:
         check_replies(replies)
         layout = {"fallback": sorted({n for r in replies for n in r.fallback}),
                   "converted": sorted({n for r in replies for n in r.converted}),
+                  "mismatched": sorted({n for r in replies for n in r.mismatched}),
                   "engine": [r.engine for r in replies]}
         return cls(version, combine_fingerprints(replies), replies[0].tensors, layout)
 
@@ -228,7 +232,7 @@ class UpdateTransaction:
         self.store, self.chain = reader.plan(
             self.source, self.state.version, self.state.model_fingerprint, have_manifests=self.state.manifests,
             trust=self.trust, limits=self.limits, allow_older=self.request.rollback,
-            deadline=time.monotonic() + settings.current().fetch_timeout)
+            deadline=time.monotonic() + settings.current().fetch_timeout, tensor_fps=self.state.tensor_fps)
         if not self.chain:
             return
         first = self.chain[0].manifest
@@ -238,7 +242,8 @@ class UpdateTransaction:
                     self.state.version is not None and first.base_version != self.state.version):
                 raise BaseMismatchError(
                     f"v{first.version} applies to version {first.base_version} (fingerprint {first.base_fingerprint}); "
-                    f"server holds version {self.state.version} (fingerprint {fpr.fmt(self.state.model_fingerprint)})")
+                    f"server holds version {self.state.version} (fingerprint {fpr.fmt(self.state.model_fingerprint)})"
+                    f"{reader.differing_tensors(first, self.state.tensor_fps)}")
         for link in self.chain:
             reader.check_expected(link.manifest, self.state.tensors, self.store.key_uri(link.key))
             reader.check_decode_budget(link.manifest, self.limits.decoded_bytes)

@@ -20,6 +20,15 @@ TOUCHPOINTS = (
                "wrapped so the CPU backend keeps the checkpoint-layout weight; re-run to re-pack a layer"),
     Touchpoint("vllm.model_executor.layers.utils", "check_cpu_sgl_kernel", ("n", "k", "dtype"),
                "documents which layers take the sgl path (float32 bias)"),
+    # CPU MoE prepack, wrapped to keep the checkpoint-layout experts (patches.keep_cpu_moe_weights)
+    Touchpoint("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts.process_weights_after_loading",
+               ("layer",), "wrapped: the layer keeps w13_weight/w2_weight unpacked, the kernel gets packed copies"),
+    Touchpoint("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts.apply",
+               ("output", "hidden_states", "w1", "w2"), "wrapped to pass the packed copies as w1/w2"),
+    Touchpoint("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts.isa", (),
+               "the prepack layout ('vec', 'amx', ...)"),
+    Touchpoint("vllm._custom_ops", "cpu_prepack_moe_weight", ("weight", "isa"),
+               "re-packs the touched experts (each expert is packed independently: tests/test_moe.py)"),
     Touchpoint("vllm.v1.attention.backends.cpu_attn", "_get_attn_isa", ("dtype", "block_size"),
                "its choice is read back from the attention layers' `isa` attribute"),
     # worker side
@@ -106,6 +115,20 @@ def cpu_gemm_module():
     from vllm.model_executor.layers import utils
 
     return utils
+
+
+def cpu_moe_experts_class():
+    """vLLM's CPU grouped-GEMM MoE experts (prepacks w13/w2 after loading)."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    return CPUUnquantizedExperts
+
+
+def cpu_prepack_moe_weight(weight: torch.Tensor, isa: str) -> torch.Tensor:
+    """The packed copy of experts ``weight`` [E, N, K] for the CPU MoE kernel of ``isa``."""
+    from vllm import _custom_ops
+
+    return _custom_ops.cpu_prepack_moe_weight(weight, isa)
 
 
 def multiproc_executor_class():

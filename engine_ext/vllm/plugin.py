@@ -27,7 +27,7 @@ def register() -> None:
         log.propagate = False
     from .. import settings
     from . import compat, worker
-    from .patches import drain_replies_after_a_failed_rpc, keep_cpu_linear_weights, request_amx_permission
+    from .patches import drain_replies_after_a_failed_rpc, keep_cpu_linear_weights, keep_cpu_moe_weights, request_amx_permission
 
     settings.current()  # every ENGINE_EXT_* variable read once, here, in every vLLM process
     checked, note = compat.version_note()
@@ -35,6 +35,7 @@ def register() -> None:
     if compat.is_cpu():
         request_amx_permission()
         keep_cpu_linear_weights()
+        keep_cpu_moe_weights()
     drain_replies_after_a_failed_rpc()
     compat.carry_env_to_ray_workers()
     worker.install()

@@ -21,19 +21,43 @@ RPC_METHOD = "engine_ext"
 
 
 def cpu_refresh(model: torch.nn.Module):
-    """Refresh hook for vLLM's CPU backend: re-pack the layers whose weights changed."""
-    from .patches import packed_layers, repack
+    """Refresh hook for vLLM's CPU backend: re-pack the linear layers whose weights changed
+    and the touched experts of MoE layers."""
+    from .patches import moe_layers, packed_layers, repack, repack_experts
 
-    def refresh(storages: set[int] | None) -> None:
+    def refresh(touched) -> None:
         for ptr, layer in packed_layers(model).items():
-            if storages is None or ptr in storages:
+            if touched is None or ptr in touched:
                 repack(layer)
+        for layer in moe_layers(model):
+            repack_experts(layer, touched)
 
     return refresh
 
 
+# Quantisation methods whose served weights are the checkpoint's bytes (or a copy the patches
+# keep in step): everything else derives its served copy at load (fp8 VNNI prepack on the CPU,
+# Marlin repacks...), which an in-place write would not reach.
+IN_PLACE_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedFusedMoEMethod", "UnquantizedEmbeddingMethod"})
+
+
+def derived_layers(model: torch.nn.Module) -> dict[str, str]:
+    """``{layer name: quant method class}`` of the layers whose method is not in :data:`IN_PLACE_METHODS`."""
+    return {name: type(m.quant_method).__name__ for name, m in model.named_modules()
+            if getattr(m, "quant_method", None) is not None and type(m.quant_method).__name__ not in IN_PLACE_METHODS}
+
+
 def build_updater(model: torch.nn.Module, vllm_config, rank: int = 0) -> RankUpdater:
-    """A RankUpdater over ``model`` using its own ``load_weights`` as the loader."""
+    """A RankUpdater over ``model`` using its own ``load_weights`` as the loader.
+
+    On the CPU, refuses (every update then answers 503 with the reason; serving goes on) a
+    model with quantised layers: vLLM's CPU fp8 methods VNNI-prepack the weights into new
+    parameters at load, and no refresh for them is written (docs/MOE_FP8.md)."""
+    if compat.is_cpu() and (derived := derived_layers(model)):
+        methods = sorted(set(derived.values()))
+        raise RuntimeError(f"engine_ext cannot update {len(derived)} quantised layer(s) in place on vLLM CPU: "
+                           f"{methods} derive the served weights at load (e.g. {next(iter(derived))}); "
+                           "serve the bf16 checkpoint on the CPU, or a GPU (docs/MOE_FP8.md)")
     mc = vllm_config.model_config
     ckpt = served_checkpoint(mc.model, getattr(mc, "revision", None))
 
