@@ -21,6 +21,7 @@ from . import chunks, codec
 from . import fingerprint as fpr
 from .builder import VersionBuilder
 from .delta import changed_bits
+from .quantize import quantizer
 from .signing import Signer
 from .dtypes import as_bits, dtype_of
 from .format import ANCHOR, DELTA, manifest_key
@@ -85,17 +86,22 @@ class DeltaPublisher:
         chunk_min_cell: big tensors are encoded per grid cell of at least this many elements,
             so each tensor-parallel rank fetches only its cells (None: never cut); see
             :mod:`engine_ext.chunks`.
+        quantize: None (publish the given weights) or ``"fp8-block"``: publish the fp8 checkpoint
+            the servers load, quantised from the given (master) weights by
+            :func:`engine_ext.quantize.fp8_block_state_dict` at every version, so a delta carries
+            the changed fp8 bytes and scales (:mod:`engine_ext.quantize`).
     """
 
     def __init__(self, store: Store | str, model: str = "model", *, anchor_every: int = 50,
                  keep_on_cpu: bool = False, mode: str | None = None, queue_size: int = 2,
                  workers: int | None = None, start_version: int = 0, blob_target: int | None = None,
-                 signing_key=None, chunk_min_cell: int | None = chunks.MIN_CELL):
+                 signing_key=None, chunk_min_cell: int | None = chunks.MIN_CELL, quantize: str | None = None):
         self.store = open_store(store) if isinstance(store, (str, os.PathLike)) else store
         self.model, self.anchor_every, self.keep_on_cpu, self.mode = model, anchor_every, keep_on_cpu, mode
         self.workers = workers or os.cpu_count() or 1
         self.blob_target = blob_target
         self.chunk_min_cell = chunk_min_cell
+        self.quantize = quantizer(quantize)
         self.signer = Signer(signing_key) if signing_key is not None else Signer.from_settings()
         self._manifest_shas: dict[int, list[str]] = {}  # version -> SHA-256 of its published manifests
         self.version: int | None = None
@@ -114,6 +120,8 @@ class DeltaPublisher:
         """Snapshot the changes since the last version and queue them; returns the manifest URI."""
         self._raise_pending()
         sd = clean_state_dict(model_or_state_dict)
+        if self.quantize is not None:
+            sd = self.quantize(sd)
         version = self.next_version if version is None else version
         if self.version is not None and version <= self.version:
             raise ValueError(f"version {version} must be above the last published {self.version}")

@@ -37,7 +37,15 @@ if __name__ != "__main__":  # the TP workers import SGLang themselves, after the
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 STUBS = HERE / "sglang_stubs"
-KINDS = ("qwen2", "llama", "qwen2-tied")
+# case name -> (tiny model kind, quantize, make_model options). fp8 sizes keep every TP 2 shard a
+# whole number of 128x128 blocks (SGLang's block-fp8 layers refuse other shards).
+CASES = {
+    "qwen2": ("qwen2", None, {}), "llama": ("llama", None, {}), "qwen2-tied": ("qwen2-tied", None, {}),
+    "qwen3-moe": ("qwen3-moe", None, {}),  # fused experts: SGLang 0.5.23 does not load them (docs/MOE_FP8.md)
+    "qwen2-fp8": ("qwen2", "fp8-block", {"hidden": 512, "heads": 4, "kv_heads": 2}),
+    "qwen3-moe-fp8": ("qwen3-moe", "fp8-block", {"hidden": 512, "heads": 4, "kv_heads": 2}),
+}
+KINDS = tuple(CASES)
 STEPS = 3
 VOCAB = 1000  # not a multiple of 64: SGLang pads the vocabulary (and shards the padding)
 
@@ -82,8 +90,11 @@ def _corrupt_blob(store: Path, version: int) -> str:
     return str(bad / key)
 
 
-def make_case(tmp: Path, kind: str) -> dict:
-    """Model dir, K published deltas, the final checkpoint, and three bad deltas."""
+def make_case(tmp: Path, name: str) -> dict:
+    """Model dir, K published deltas, the final checkpoint, and three bad deltas.
+
+    fp8 cases keep float32 master weights, perturb those, and publish (and cold-load) the
+    fp8-block checkpoint quantised from them, as a trainer with ``quantize="fp8-block"`` does."""
     import torch
 
     sys.path.insert(0, str(HERE))
@@ -91,22 +102,29 @@ def make_case(tmp: Path, kind: str) -> dict:
 
     from engine_ext.publish import DeltaPublisher
 
-    model = make_model(tmp / kind / "model", kind, vocab=VOCAB)
+    kind, quantize, options = CASES[name]
+    model = make_model(tmp / name / "model", kind, vocab=VOCAB, **options)
     sd = load_state_dict(model)
+    if quantize:
+        sd = {n: t.float() for n, t in sd.items()}
+        model = save_state_dict(tmp / name / "model-fp8", sd, model, quantize=quantize)
+    kind = name
     gen = torch.Generator().manual_seed(1234)
     store = tmp / kind / "store"
     urls = []
-    with DeltaPublisher(str(store), model=kind, anchor_every=0, workers=1, chunk_min_cell=256) as pub:  # cells, as a big model's
+    with DeltaPublisher(str(store), model=kind, anchor_every=0, workers=1, chunk_min_cell=256,
+                        quantize=quantize) as pub:  # cells, as a big model's
         pub.publish(sd, version=0)
         for v in range(1, STEPS + 2):
             sd = perturb(sd, gen)
             urls.append(pub.publish(sd, version=v))
             if v == STEPS:
-                final = save_state_dict(tmp / kind / "final", sd, model)
+                final = save_state_dict(tmp / kind / "final", sd, model, quantize=quantize)
     # A store whose history started from other weights: its v1 has another base.
     other = tmp / kind / "other"
-    sd2 = perturb(load_state_dict(model), torch.Generator().manual_seed(99), density=0.5)
-    with DeltaPublisher(str(other), model=kind, anchor_every=0, workers=1) as pub:
+    sd2 = perturb({n: t.float() for n, t in sd.items()} if quantize else load_state_dict(model),
+                  torch.Generator().manual_seed(99), density=0.5)
+    with DeltaPublisher(str(other), model=kind, anchor_every=0, workers=1, quantize=quantize) as pub:
         pub.publish(sd2, version=0)
         wrong_base = pub.publish(perturb(sd2, gen), version=STEPS + 1)
     for f in other.glob("*.anchor.json"):  # no anchor to fall back on: the base really mismatches
@@ -173,6 +191,8 @@ def test_deltas_reach_every_rank_bit_exact_and_bad_ones_change_nothing(cases, tp
             assert got["moved_params"] == [], f"rank {r} {kind}: parameter storage moved"
             assert got["versions"] == list(range(1, STEPS + 1))
             assert got["params"] > 0 and got["sharded"] == (tp > 1)
+            assert (got["fp8_params"] > 0) == (CASES[kind][1] == "fp8-block"), (kind, got["fp8_params"])  # served as fp8
+            assert (got["expert_params"] > 0) == ("moe" in kind), (kind, got["expert_params"])
             # Bad deltas: refused with the right reason, nothing changed on any rank.
             for case, want in {"integrity": "integrity", "base_mismatch": "base_mismatch",
                                "verify": "verify", "rank_fault": "apply"}.items():
@@ -272,10 +292,11 @@ def _worker(spec_path: str, rank: int) -> None:
     def bits(model):
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
+    def raw(t):  # the bytes: exact for NaN payloads, -0.0 and dtypes torch.equal lacks (fp8)
+        return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
     def same(model, snap) -> bool:
-        return all(torch.equal(p.detach().view(torch.int16) if p.dtype == torch.bfloat16 else p.detach(),
-                               snap[n].view(torch.int16) if p.dtype == torch.bfloat16 else snap[n])
-                   for n, p in model.named_parameters())
+        return all(torch.equal(raw(p), raw(snap[n])) for n, p in model.named_parameters())
 
     results = {}
     _tick("imports")
@@ -361,12 +382,14 @@ def _worker(spec_path: str, rank: int) -> None:
         ref = load(case["final"])
         ref_p = dict(ref.named_parameters())
         mismatched = [n for n, p in live.named_parameters()
-                      if not torch.equal(p.detach().view(torch.int16), ref_p[n].detach().view(torch.int16))]
+                      if not torch.equal(raw(p), raw(ref_p[n]))]
         moved = [n for n, p in live.named_parameters() if p.data_ptr() != ptrs[n]]
         sharded = dict(live.named_parameters())["model.embed_tokens.weight"].shape[0] < VOCAB
         results[case["kind"]] = {
             "mismatched_params": mismatched, "moved_params": moved, "versions": versions, "bad": bad,
-            "params": len(ptrs), "sharded": sharded, "events": events, "fetched": fetched,
+            "params": len(ptrs), "sharded": sharded,
+            "fp8_params": sum(p.dtype == torch.float8_e4m3fn for p in live.parameters()),
+            "expert_params": sum(".experts." in n for n in ptrs), "events": events, "fetched": fetched,
             "after_update": {"version": int(versions_seen[-1]) if versions_seen else None},
         }
         del live, ref, agent
