@@ -1,7 +1,8 @@
 """Mixture-of-experts models on a real vLLM CPU server, both checkpoint styles, TP 1 and TP 2.
 
 A tiny Qwen3-MoE (8 experts, top 2, router gate) saved per expert
-(``mlp.experts.N.gate_proj.weight``) or fused (``mlp.experts.gate_up_proj`` [E, 2*I, H]).
+(``mlp.experts.N.gate_proj.weight``) or fused (``mlp.experts.gate_up_proj`` [E, 2*I, H]),
+and a Qwen2-MoE (per expert, plus a shared expert with its gate).
 vLLM's CPU MoE prepacks the experts after loading; the plugin keeps the checkpoint-layout
 experts for the loader and our maps, and re-packs only the experts an update touched.
 After K deltas the fingerprint and the greedy outputs with logprobs equal a server
@@ -101,7 +102,8 @@ STEPS = 3
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("kind,tp", [("qwen3-moe", 1), ("qwen3-moe-fused", 1), ("qwen3-moe", 2), ("qwen3-moe-fused", 2)])
+@pytest.mark.parametrize("kind,tp", [("qwen3-moe", 1), ("qwen3-moe-fused", 1), ("qwen3-moe", 2), ("qwen3-moe-fused", 2),
+                                     ("qwen2-moe", 1)])  # qwen2-moe: a shared expert and its sigmoid gate
 def test_moe_updates_equal_a_cold_start(tmp_path, kind, tp):
     pytest.importorskip("vllm")
     from vllm_helpers import Server, copy_store, make_model, rl_trajectory, save_state_dict

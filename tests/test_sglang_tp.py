@@ -42,6 +42,7 @@ STUBS = HERE / "sglang_stubs"
 CASES = {
     "qwen2": ("qwen2", None, {}), "llama": ("llama", None, {}), "qwen2-tied": ("qwen2-tied", None, {}),
     "qwen3-moe": ("qwen3-moe", None, {}),  # fused experts: SGLang 0.5.23 does not load them (docs/MOE_FP8.md)
+    "qwen2-moe": ("qwen2-moe", None, {}),  # a shared expert and its gate
     "qwen2-fp8": ("qwen2", "fp8-block", {"hidden": 512, "heads": 4, "kv_heads": 2}),
     "qwen3-moe-fp8": ("qwen3-moe", "fp8-block", {"hidden": 512, "heads": 4, "kv_heads": 2}),
 }
