@@ -127,7 +127,7 @@ def main() -> None:
                     "step": step, "version": a["version"], "loss": round(loss.item(), 4),
                     "density_pct": 100 * a["elements"] / numel, "payload_bytes": a["payload_bytes"],
                     "dense_bytes": dense_bytes, "publish_ms": publish_ms, "pause_ms": a["pause_ms"],
-                    "apply_ms": a["phases_ms"]["apply"], "fetch_decode_ms": a["phases_ms"]["fetch_decode"],
+                    "apply_ms": a["phases_ms"]["apply"], "fetch_decode_ms": a["phases_ms"]["fetch"],
                     "total_ms": a["phases_ms"]["total"], "served_during": during,
                     "failed": served["failed"], "sample": gen, "fingerprint": a["fingerprint"]})
                 print_row(rows[-1], header=step == 1)
