@@ -273,14 +273,19 @@ def main() -> int:
         print(json.dumps({k: result[k] for k in ("device", "checks", "pause_ms", "ok")}, indent=1))
         return 0 if result["ok"] else 1
     finally:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1, default=str))
-        for log in ("server_live.log", "server_cold.log"):
-            if (work / log).exists():
-                shutil.copy(work / log, out.with_suffix(f".{log}"))
-        if not args.work:
-            shutil.rmtree(work, ignore_errors=True)
+        save_result(Path(args.out), result, work, ("server_live.log", "server_cold.log"), remove_work=not args.work)
+
+
+def save_result(out: Path, result: dict, work: Path, logs: tuple[str, ...], remove_work: bool) -> None:
+    """Write a GPU check's JSON and copy its server logs next to it (kept after a lease ends);
+    remove the working dir unless the caller chose it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=str))
+    for log in logs:
+        if (work / log).exists():
+            shutil.copy(work / log, out.with_suffix(f".{log}"))
+    if remove_work:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

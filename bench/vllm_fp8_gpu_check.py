@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from sglang_gpu_check import save_result  # noqa: E402  (same results layout as the SGLang GPU check)
 PROMPTS = [[5, 17, 99, 3, 250], [100, 200, 300, 400, 17, 9], [9, 9, 9, 9, 9, 9], [999, 17, 450, 3, 77]]
 
 
@@ -61,19 +61,16 @@ def prepare(work: Path, args) -> dict:
             "publish_s": time.perf_counter() - t}
 
 
-def outputs(server) -> list:
+def outputs(server, max_new: int) -> list:
+    """Greedy tokens and logprobs per prompt (compared exactly with the cold start's)."""
     out = []
     for p in PROMPTS:
-        c = server.complete(p, max_tokens=args_max_new, logprobs=3)["choices"][0]
+        c = server.complete(p, max_tokens=max_new, logprobs=3)["choices"][0]
         out.append((c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]))
     return out
 
 
-args_max_new = 16
-
-
 def main() -> int:
-    global args_max_new
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vllm_fp8_gpu.json"))
     ap.add_argument("--kind", default="qwen2", choices=["qwen2", "llama", "qwen3-moe"])
@@ -90,7 +87,6 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="prepare the data and print it; start no server")
     ap.add_argument("server_args", nargs=argparse.REMAINDER, help="extra vLLM server args after --")
     args = ap.parse_args()
-    args_max_new = args.max_new
     work = Path(args.work or tempfile.mkdtemp(prefix="vllm_fp8_check_"))
     work.mkdir(parents=True, exist_ok=True)
     result: dict = {"argv": sys.argv, "ok": False}
@@ -111,14 +107,14 @@ def main() -> int:
                           log=work / "live.log", startup_s=900)
         try:
             result["status_before"] = st = live.status()
-            result["before"] = outputs(live)
+            result["before"] = outputs(live, args.max_new)
             result["answers"] = [dict(status=r.status_code, **r.json())
                                  for r in (live.update({"url": u}) for u in data["urls"])]
-            result["after"], result["status_after"] = outputs(live), live.status()
+            result["after"], result["status_after"] = outputs(live, args.max_new), live.status()
         finally:
             live.stop()
         with VllmServer(data["final"], tp=args.tp, env=env, args=extra, log=work / "cold.log", startup_s=900) as cold:
-            result["cold"], result["status_cold"] = outputs(cold), cold.status()
+            result["cold"], result["status_cold"] = outputs(cold, args.max_new), cold.status()
         layout = st.get("layout") or {}
         last_fp = json.loads(Path(data["urls"][-1]).read_text())["fingerprint"]
         result["checks"] = {
@@ -134,14 +130,7 @@ def main() -> int:
         print(json.dumps({k: result[k] for k in ("device", "deltas", "checks", "ok")}, indent=1))
         return 0 if result["ok"] else 1
     finally:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1, default=str))
-        for log in ("live.log", "cold.log"):
-            if (work / log).exists():
-                shutil.copy(work / log, out.with_suffix(f".{log}"))
-        if not args.work:
-            shutil.rmtree(work, ignore_errors=True)
+        save_result(Path(args.out), result, work, ("live.log", "cold.log"), remove_work=not args.work)
 
 
 if __name__ == "__main__":
