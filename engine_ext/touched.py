@@ -7,7 +7,8 @@ layer is re-packed whole; an MoE layer holds hundreds of experts in one paramete
 re-packing all of them for an update that touched a few would cost O(layer), so the hook
 asks :meth:`Touched.blocks` which experts (blocks of the parameter's storage) were
 written and re-packs only those. The answer uses the executors' own geometry
-(:func:`engine_ext.maps.validate`) and is computed only when a hook asks.
+(:func:`engine_ext.maps.validate`) and is computed only when a hook asks; the set of
+storages comes straight from the maps.
 """
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ class Touched:
     """The storages an apply wrote (by ``data_ptr``), and on demand which blocks of one."""
 
     def __init__(self, deltas: list[TensorDelta], maps: dict):
-        self._segs = [s for s in validate(deltas, maps)[0] if s.n]
-        self._ptrs = {s.piece.dest.untyped_storage().data_ptr() for s in self._segs}
+        self._deltas, self._maps, self._segs = deltas, maps, None
+        self._ptrs = {p.dest.untyped_storage().data_ptr() for td in deltas if td.nnz
+                      for p in getattr(maps.get(td.name), "pieces", ()) if p.numel}
 
     def storages(self) -> set[int]:
         return set(self._ptrs)
@@ -34,6 +36,8 @@ class Touched:
     def blocks(self, ptr: int, block: int) -> torch.Tensor:
         """Sorted unique ``offset // block`` of every storage element written in storage ``ptr``
         (elements of the destination's dtype): with ``block`` = one expert's size, the experts."""
+        if self._segs is None:  # only MoE refresh asks: the apply's pause pays for nothing else
+            self._segs = [s for s in validate(self._deltas, self._maps)[0] if s.n]
         out = []
         for s in self._segs:
             if s.piece.dest.untyped_storage().data_ptr() != ptr:
