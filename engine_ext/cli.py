@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from tqdm import tqdm
@@ -25,7 +26,7 @@ from .dtypes import as_bits, dtype_by_name
 from .errors import BaseMismatchError, DeltaError
 from .format import ANCHOR, DELTA
 from . import settings
-from .reader import load_delta, read_latest, read_link
+from .reader import TensorBases, load_delta, read_latest, read_link
 from .signing import Signer, Trust, generate_key
 from .store import NotFoundError, open_store, split_uri
 
@@ -75,8 +76,9 @@ def cmd_diff(a) -> str:
         if pos.numel() == 0:
             b.add_unchanged(name, dt, n.shape, fn)
         else:
-            b.add_encoded(name, dt, n.shape, pos.numel(), codec.encode_tensor(dt, n.shape, pos, new_at, old_at, a.mode),
-                          fo, fn)
+            base = as_bits(o) if settings.current().context_coder else None
+            b.add_encoded(name, dt, n.shape, pos.numel(),
+                          codec.encode_tensor(dt, n.shape, pos, new_at, old_at, a.mode, base=base), fo, fn)
     base_version, anchor_version, base_manifests = _lineage(store, fpr.model_fingerprint(old_fps), _trust(a))
     if a.base_version is not None and a.base_version != base_version:
         base_version, base_manifests = a.base_version, []
@@ -98,13 +100,32 @@ def cmd_anchor(a) -> str:
     return b.publish(store, _signer(a))
 
 
+class _LazyCheckpoint(Mapping):
+    """A checkpoint's tensors by name, each read when first asked for (context-coded deltas read their base)."""
+
+    def __init__(self, ckpt: "CheckpointDir"):
+        self.ckpt = ckpt
+
+    def __getitem__(self, name):
+        if name not in self.ckpt.tensors:
+            raise KeyError(name)
+        return self.ckpt.load(name)
+
+    def __iter__(self):
+        return iter(self.ckpt.tensors)
+
+    def __len__(self):
+        return len(self.ckpt.tensors)
+
+
 def cmd_apply(a) -> str:
     out = Path(a.out)
     if out.exists():
         raise DeltaError(f"{out} exists; refusing to overwrite it")
-    d = load_delta(a.manifest, trust=_trust(a))
-    by_name = {t.name: t for t in d.tensors}
     base = CheckpointDir(a.base) if a.base else None
+    bases = None if base is None else TensorBases(_LazyCheckpoint(base))
+    d = load_delta(a.manifest, trust=_trust(a), bases=bases)
+    by_name = {t.name: t for t in d.tensors}
     if base is None and d.kind != ANCHOR:
         raise DeltaError("a delta needs --base")
     if base is not None:

@@ -6,7 +6,9 @@ values are either the new raw bits (``abs``) or ordered-space steps (``rel``). B
 are integer sequences that pcodec (``pco``) codes within a few percent of their
 first-order entropy, faster than zstd decodes its larger output (see
 docs/benchmarks.md). ``zstd`` (with byte planes split for values) is kept for tiny
-segments where pco's header dominates. Decoding never allocates more than the
+segments where pco's header dominates. Given the base bits of the whole tensor (or
+cell), the context-conditioned coder (:mod:`engine_ext.context_codec`) is tried too and
+kept when it saves at least ``CONTEXT_GAIN``. Decoding never allocates more than the
 manifest-declared count, which the caller bounds before fetching.
 """
 from __future__ import annotations
@@ -25,6 +27,8 @@ from .errors import IntegrityError
 ZSTD_LEVEL = 3
 SMALL = 4096  # below this many changes also try zstd and keep the smaller
 MODE_SAMPLE = 4096  # values sampled to choose abs or rel on big tensors
+CONTEXT_GAIN = 0.10  # the context coder is kept when it saves at least this fraction of the bytes
+CONTEXT_MIN = 64  # fewer changes than this are never context coded (headers dominate)
 _NP_INT = {8: np.int8, 16: np.int16, 32: np.int32, 64: np.int64}
 _PCO = pcodec.ChunkConfig()
 
@@ -85,11 +89,13 @@ def encode_values(values: np.ndarray) -> tuple[str, bytes]:
 
 
 def encode(dtype: DType, numel: int, positions: torch.Tensor, new_bits: torch.Tensor,
-           old_bits: torch.Tensor | None, mode: str | None = None) -> Encoded:
+           old_bits: torch.Tensor | None, mode: str | None = None, base: torch.Tensor | None = None,
+           shape=None) -> Encoded:
     """Encode changes at ``positions`` (sorted int64) to ``new_bits``.
 
     With ``old_bits`` (the base bits at the same positions) both value modes are
-    tried and the smaller kept, unless ``mode`` forces one. Tensors on any device.
+    tried and the smaller kept, unless ``mode`` forces one. With ``base`` (the flat base
+    bits of the whole part, of ``shape``) the context coder is tried as well. Tensors on any device.
     """
     pos = positions.detach().cpu().numpy().astype(np.int64, copy=False)
     pos_coder, pos_bytes = encode_positions(pos, numel)
@@ -104,7 +110,24 @@ def encode(dtype: DType, numel: int, positions: torch.Tensor, new_bits: torch.Te
     elif mode is not None and mode in values:
         values = {mode: values[mode]}
     m, val_coder, val_bytes = min(((k, *encode_values(v)) for k, v in values.items()), key=lambda c: len(c[2]))
-    return Encoded(pos_coder, pos_bytes, m, val_coder, val_bytes)
+    best = Encoded(pos_coder, pos_bytes, m, val_coder, val_bytes)
+    if base is not None and old_bits is not None and mode != "abs" and CONTEXT_MIN <= pos.size < numel:
+        ctx = encode_context(dtype, shape, base, pos, old_bits, new_bits)
+        if ctx is not None and len(ctx.pos) + len(ctx.val) <= (1 - CONTEXT_GAIN) * (len(best.pos) + len(best.val)):
+            return ctx
+    return best
+
+
+def encode_context(dtype: DType, shape, base: torch.Tensor, pos: np.ndarray, old_bits: torch.Tensor,
+                   new_bits: torch.Tensor) -> Encoded | None:
+    """The context-coded form of a part's changes, or None where the coder does not apply."""
+    from . import context_codec
+
+    if not context_codec.supports(dtype.name):
+        return None
+    steps = step_between(old_bits, new_bits, dtype.is_float).detach().cpu().numpy()
+    e = context_codec.encode(dtype.name, shape, base.detach().cpu().reshape(-1).numpy(), pos, steps)
+    return Encoded("ctx", e.pos, "rel", "ctx", e.val)
 
 
 @dataclass
@@ -116,14 +139,18 @@ class ChunkedEncoded:
 
 
 def encode_tensor(dtype: DType, shape, positions: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor | None,
-                  mode: str | None = None, min_cell: int | None = chunks.MIN_CELL) -> "Encoded | ChunkedEncoded":
+                  mode: str | None = None, min_cell: int | None = chunks.MIN_CELL,
+                  base: torch.Tensor | None = None) -> "Encoded | ChunkedEncoded":
     """A changed tensor's encoding: whole (:func:`encode`), or per grid cell (:func:`chunks.grid`,
     cells of ``min_cell`` elements or more; None: never cut), so that a rank can fetch the
-    cells it holds."""
+    cells it holds. ``base``: the tensor's base bits (any shape of ``numel`` elements), to try
+    the context coder per part."""
     numel = int(np.prod(shape, dtype=np.int64))
     cuts = None if min_cell is None else chunks.grid(shape, min_cell)
+    if base is not None:
+        base = base.detach().cpu().reshape(tuple(shape))
     if cuts is None:
-        return encode(dtype, numel, positions, new_bits, old_bits, mode)
+        return encode(dtype, numel, positions, new_bits, old_bits, mode, base, tuple(shape))
     pos = positions.detach().cpu().numpy().astype(np.int64, copy=False)
     new_bits, old_bits = new_bits.detach().cpu(), None if old_bits is None else old_bits.detach().cpu()
     cells = chunks.boxes(cuts, shape)
@@ -131,8 +158,10 @@ def encode_tensor(dtype: DType, shape, positions: torch.Tensor, new_bits: torch.
     for cell, idx in chunks.split(pos, shape, cuts):
         box, sel = cells[cell], torch.from_numpy(idx)
         local = torch.from_numpy(chunks.to_local(pos[idx], shape, box))
+        part = None if base is None else base[tuple(slice(a, b) for a, b in zip(*box))]
         out.append((cell, len(idx), encode(dtype, chunks.box_numel(box), local, new_bits[sel],
-                                           None if old_bits is None else old_bits[sel], mode)))
+                                           None if old_bits is None else old_bits[sel], mode, part,
+                                           tuple(b - a for a, b in zip(*box)))))
     return ChunkedEncoded(cuts, out)
 
 

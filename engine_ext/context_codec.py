@@ -45,7 +45,7 @@ QMAX = 48  # Golomb quotients >= QMAX escape to 48 raw bits
 EXACT = 8  # zigzag steps below this are symbols of their own; above, one symbol per power of two (a 16-bit step: 21 symbols)
 
 SUB_PARTS = 2  # sub-cells per dimension (tensor parallelism of 2 falls on the cuts)
-SUB_MIN = 1 << 14  # fewest elements per sub-cell
+SUB_MIN = 1  # fewest elements per sub-cell: always cut (a shard of 2 ranks may split any tensor)
 CLASS_COST_BITS = 48  # header bits one more class costs (its edge, rate, counts, step table): merge below that
 
 # exponent field of each float dtype: (shift, mask) of the raw bits

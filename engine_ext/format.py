@@ -1,4 +1,4 @@
-"""The manifest of a published version (format version 3; spec in docs/FORMAT.md).
+"""The manifest of a published version (format version 4; spec in docs/FORMAT.md).
 
 A manifest is small JSON naming the versions, fingerprints, blobs and, per tensor,
 where its encoded positions and values lie; a delta also names the manifest(s) of its
@@ -6,7 +6,9 @@ base version by SHA-256, and a big tensor's changes may come in boxes (``chunks`
 format 3) that a rank fetches on its own (:mod:`engine_ext.chunks`). Parsing validates
 everything a hostile manifest could abuse (sizes, counts, offsets, names, boxes) before
 any blob is fetched. Signatures over the raw bytes are checked before parsing
-(:mod:`engine_ext.signing`). Versions 1 and 2 are still read.
+(:mod:`engine_ext.signing`). Format 4 adds the context-conditioned coder (``ctx``,
+:mod:`engine_ext.context_codec`): a changed tensor or cell coded given its base weights.
+Versions 1 to 3 are still read.
 """
 from __future__ import annotations
 
@@ -20,12 +22,12 @@ from .dtypes import dtype_by_name
 from .errors import ManifestError
 
 FORMAT = "engine-ext-delta"
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 DELTA, ANCHOR = "delta", "anchor"
-POSITION_CODERS = {"none", "all", "pco", "zstd"}
-VALUE_CODERS = {"none", "raw", "pco", "zstd"}
+POSITION_CODERS = {"none", "all", "pco", "zstd", "ctx"}
+VALUE_CODERS = {"none", "raw", "pco", "zstd", "ctx"}
 MODES = {"abs", "rel"}
 
 # Limits that bound the work a hostile manifest can cause.
@@ -167,6 +169,13 @@ class Manifest:
             bad(f"{where}: positions coder 'all' iff every element changes, with no bytes")
         if p.coder == "none" or v.coder == "none":
             bad(f"{where}: changed elements need positions and values")
+        if (p.coder == "ctx") != (v.coder == "ctx"):
+            bad(f"{where}: context-coded positions and values come together")
+        if p.coder == "ctx":
+            from .context_codec import supports
+
+            if self.format_version < 4 or self.kind != DELTA or v.mode != "rel" or not supports(dtype):
+                bad(f"{where}: the context coder needs a format-4 delta of relative steps of a float dtype it supports")
         if v.coder == "raw" and v.length != e.nnz * dtype_by_name(dtype).itemsize:
             bad(f"{where}: raw values must be nnz * itemsize bytes")
         if not _is_int(e.blob) or not 0 <= e.blob < len(self.blobs):

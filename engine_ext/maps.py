@@ -333,3 +333,37 @@ def checkpoint_view(m: TensorMap, t: torch.Tensor) -> TensorMap:
 def covered_elements(m: TensorMap) -> int:
     """Checkpoint elements the counted pieces cover (== numel: this rank holds the whole tensor)."""
     return sum(p.numel for p in m.pieces if p.count_fingerprint)
+
+
+class PartlyHeld(ValueError):
+    """A box this rank holds only some elements of (it cannot read the whole box)."""
+
+
+def read_box(m: TensorMap, start, stop) -> torch.Tensor | None:
+    """The checkpoint bits of box [start, stop) of ``m``'s tensor, read from the live weights
+    (counted pieces, through any exact widening), as a contiguous tensor of the box's shape on
+    the weights' device; None when this rank holds none of it; :class:`PartlyHeld` when only some."""
+    start, stop = tuple(int(x) for x in start), tuple(int(x) for x in stop)
+    ext = tuple(b - a for a, b in zip(start, stop))
+    out, got = None, 0
+    for p in m.pieces:
+        if not p.count_fingerprint or p.numel == 0:
+            continue
+        lo = tuple(max(a, b) for a, b in zip(start, p.start))
+        hi = tuple(min(a, b) for a, b in zip(stop, p.stop))
+        if any(a >= b for a, b in zip(lo, hi)):
+            continue
+        check_piece(m.name, m.shape, m.dtype, p)
+        conv = conversion(m.name, m.dtype, p.dest.dtype)
+        st = storage_bits(p.dest, m.dtype.int_view if conv is None else conv.live_int)
+        view = torch.as_strided(st, tuple(b - a for a, b in zip(lo, hi)), p.strides,
+                                p.offset + sum((a - s) * d for a, s, d in zip(lo, p.start, p.strides)))
+        if out is None:
+            out = torch.empty(ext, dtype=m.dtype.int_view, device=p.dest.device)
+        out[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start))] = view if conv is None else conv.to_checkpoint(view)
+        got += math.prod(b - a for a, b in zip(lo, hi))
+    if out is None:
+        return None
+    if got != math.prod(ext):
+        raise PartlyHeld(f"{m.name}: this rank holds {got} of the {math.prod(ext)} elements of box {start}..{stop}")
+    return out

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import chunks, codec
+from . import chunks, codec, settings
+from .context_codec import supports
 from . import fingerprint as fpr
 from .builder import VersionBuilder
 from .delta import changed_bits
@@ -68,6 +69,7 @@ class _Change:
     old_bits: torch.Tensor  # CPU
     base_fp: int
     fp: int
+    base: torch.Tensor | None = None  # the whole base bits, for the context coder (None: not tried)
 
 
 class DeltaPublisher:
@@ -168,14 +170,18 @@ class DeltaPublisher:
             if self._prev[name].shape != new.shape or self._prev[name].dtype != new.dtype:
                 raise ValueError(f"{name}: shape or dtype changed since the last version")
         changes = []
+        context = settings.current().context_coder
         for name, new in bits.items():
             prev = self._prev[name]
             old = prev if prev.device == new.device else prev.to(new.device, non_blocking=True)
             pos, ob, nb = changed_bits(old, new)
+            # the context coder reads the whole base; kept before the in-place update below (one copy per version in flight)
+            base = prev.to("cpu", copy=True) if context and pos.numel() and supports(dtype_of(sd[name]).name) else None
             prev[pos.to(prev.device)] = nb.to(prev.device)  # the kept bits follow in O(changed)
             fp = fpr.update_fingerprint(self._fps[name], pos, ob, nb)
             t = sd[name]
-            changes.append(_Change(name, dtype_of(t), tuple(t.shape), pos.cpu(), nb.cpu(), ob.cpu(), self._fps[name], fp))
+            changes.append(_Change(name, dtype_of(t), tuple(t.shape), pos.cpu(), nb.cpu(), ob.cpu(), self._fps[name], fp,
+                                   base))
             self._fps[name] = fp
         return ("delta", version, self.version, self.anchor_version, changes)
 
@@ -216,7 +222,7 @@ class DeltaPublisher:
                 if c.positions.numel() == 0:
                     return None
                 return codec.encode_tensor(c.dtype, c.shape, c.positions, c.new_bits, c.old_bits, self.mode,
-                                           self.chunk_min_cell)
+                                           self.chunk_min_cell, c.base)
 
             for c, e in zip(payload, self._pool.map(enc, payload)):
                 if e is None:

@@ -29,6 +29,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+import numpy as np
 import torch
 
 from . import fingerprint as fpr
@@ -60,6 +61,7 @@ class _Fetch:
     names: set[str] = field(default_factory=set)  # changed tensors this rank holds (reported after the apply)
     bytes: int = 0
     error: BaseException | None = None
+    fps: dict[str, int] = field(default_factory=dict)  # this rank's fingerprints the part was decoded against
 
 
 @dataclass
@@ -202,6 +204,7 @@ class RankUpdater:
         from .reader import fetch_selected
         from .store import open_store
 
+        bases = _LiveBases(self)
         try:
             store = open_store(store_uri)
             store.deadline = deadline
@@ -214,7 +217,9 @@ class RankUpdater:
                 m = Manifest.from_json(raw)
                 sel = self.selection(m)
                 job.names.update(sel)
-                decoded, n = fetch_selected(store, m, sel)
+                job.fps.update({name: self.fps[name] for name in sel if name not in job.fps})
+                decoded, n = fetch_selected(store, m, sel, bases=bases)
+                bases.advance(decoded)
                 job.bytes += n
                 for td in decoded:
                     parts.setdefault(td.name, []).append(td)
@@ -252,6 +257,9 @@ class RankUpdater:
             if job is None or job.thread.is_alive() or job.error is not None:
                 raise RuntimeError(f"nothing fetched for update {txn}")
             deltas, names = job.deltas, job.names
+            moved = sorted(n for n, fp in job.fps.items() if self.fps.get(n) != fp)
+            if moved:  # context-coded parts were decoded against the weights as they were
+                raise IntegrityError(f"{len(moved)} tensor(s) changed on this rank since update {txn} was fetched: {moved[:5]}")
         t_load = time.perf_counter() - t
         for td in deltas:
             if td.name not in self.checkpoint:
@@ -324,6 +332,59 @@ class RankUpdater:
     def _refresh(self, touched: Touched | None) -> None:
         if self.refresh is not None:
             self.refresh(touched)
+
+
+class _LiveBases:
+    """The base of context-coded parts on a rank (:class:`engine_ext.reader.Bases`): the live
+    weights read through the maps (or the host copy of a dense-fallback tensor), with the
+    earlier links of the route laid over them."""
+
+    def __init__(self, up: "RankUpdater"):
+        self.up = up
+        self.overlay: dict[str, list[TensorDelta]] = {}
+
+    def bits(self, name, start, stop):
+        from .dtypes import apply_step, as_bits
+        from .maps import PartlyHeld, read_box
+
+        up = self.up
+        if name in up.host:
+            box = as_bits(up.host[name].contiguous())[tuple(slice(a, b) for a, b in zip(start, stop))].clone()
+        else:
+            try:
+                box = read_box(up.maps[name], start, stop)
+            except PartlyHeld as e:
+                raise IntegrityError(f"{e}: a context-coded part needs its whole base on one rank (publish with "
+                                     "ENGINE_EXT_CONTEXT_CODER=0 for this layout)") from None
+            if box is None:
+                return None
+        box = box.cpu()
+        shape = up.checkpoint[name][0]
+        for td in self.overlay.get(name, []):  # earlier links of the route, inside this box
+            idx = td.index().numpy()
+            coords = np.unravel_index(idx, shape) if len(shape) else ()
+            inside = np.ones(idx.size, dtype=bool)
+            for c, a, b in zip(coords, start, stop):
+                inside &= (c >= a) & (c < b)
+            local = np.ravel_multi_index(tuple(c[inside] - a for c, a in zip(coords, start)),
+                                         tuple(b - a for a, b in zip(start, stop))) if len(shape) else idx[inside]
+            flat, sel, vals = box.reshape(-1), torch.from_numpy(local), td.values[torch.from_numpy(inside)]
+            flat[sel] = apply_step(flat[sel], vals, td.dtype.is_float) if td.mode == "rel" else vals
+        return box.reshape(-1).numpy()
+
+    def verify(self, name, fingerprint):
+        from .errors import BaseMismatchError
+
+        up = self.up
+        if self.overlay.get(name) or up.covered.get(name) != _numel(up.checkpoint[name][0]):
+            return  # a later link (hash-chained to the first), or a shard (the driver checked the whole)
+        if up.fps[name] != fingerprint:
+            raise BaseMismatchError(f"tensor {name!r}: this rank holds fingerprint {fpr.fmt(up.fps[name])}, "
+                                    f"the delta's base is {fpr.fmt(fingerprint)}")
+
+    def advance(self, tensors):
+        for td in tensors:
+            self.overlay.setdefault(td.name, []).append(td)
 
 
 def _numel(shape) -> int:

@@ -26,11 +26,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import chunks, codec
+import numpy as np
+
+from . import chunks, codec, context_codec
 from . import fingerprint as fpr
 from . import settings
-from .delta import TensorDelta, compose
-from .dtypes import dtype_by_name
+from .delta import TensorDelta, apply_tensor, compose
+from .dtypes import as_bits, dtype_by_name
 from .errors import BaseMismatchError, IntegrityError, ManifestError, NotFoundError
 from .format import ANCHOR, LATEST_KEY, MAX_LATEST_BYTES, MAX_MANIFEST_BYTES, Latest, Manifest, manifest_key
 from .signing import MAX_SIGNATURE_BYTES, SIG_SUFFIX, SignatureError, Trust, sha256_hex
@@ -211,7 +213,7 @@ def _parts(m: Manifest, selection: Selection | None) -> list[_Part]:
 
 
 def fetch_selected(store: Store, m: Manifest, selection: Selection | None = None,
-                   workers: int = 8) -> tuple[list[TensorDelta], int]:
+                   workers: int = 8, bases: Bases | None = None) -> tuple[list[TensorDelta], int]:
     """Fetch, verify and decode the selected tensors (or cells of them) by byte ranges: close
     ranges of a blob are read together; every part is checked against its SHA-256 from the
     manifest before it is decoded. Returns the decoded tensors and the bytes read."""
@@ -245,16 +247,90 @@ def fetch_selected(store: Store, m: Manifest, selection: Selection | None = None
 
     with ThreadPoolExecutor(max(1, min(workers, len(spans) or 1))) as pool:
         list(pool.map(read, spans))
-    return _decode_parts(parts, data.__getitem__, workers), sum(end - start for _, start, end, _ in spans)
+    return _decode_parts(parts, data.__getitem__, workers, bases), sum(end - start for _, start, end, _ in spans)
 
 
-def _decode_part(p: _Part, data: memoryview) -> tuple[torch.Tensor | None, torch.Tensor]:
+class Bases:
+    """The base weights context-coded parts (:mod:`engine_ext.context_codec`) are decoded
+    against: a decoder reads the base of each part it decodes, after checking the tensor's
+    base fingerprint where it can (a wrong base decodes to garbage)."""
+
+    def bits(self, name: str, start: tuple, stop: tuple) -> np.ndarray | None:
+        """Flat row-major raw bits of box [start, stop) of tensor ``name``; None when none of it is held."""
+        raise NotImplementedError
+
+    def verify(self, name: str, fingerprint: int) -> None:
+        """Raise BaseMismatchError unless the held base of ``name`` has ``fingerprint`` (where checkable)."""
+
+    def advance(self, tensors: list[TensorDelta]) -> None:
+        """The next link of a route is decoded against this base with ``tensors`` applied."""
+        raise NotImplementedError
+
+
+class TensorBases(Bases):
+    """Bases from whole tensors held in memory (a checkpoint, a trainer's copy)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.source = tensors  # read lazily, once per tensor (a checkpoint need not be loaded whole)
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._fps: dict[str, int] = {}
+
+    def _get(self, name: str) -> torch.Tensor | None:
+        if name not in self.tensors:
+            if name not in self.source:
+                return None
+            self.tensors[name] = self.source[name].detach().cpu()
+        return self.tensors[name]
+
+    def bits(self, name, start, stop):
+        t = self._get(name)
+        if t is None:
+            return None
+        box = as_bits(t.contiguous())[tuple(slice(a, b) for a, b in zip(start, stop))]
+        return box.contiguous().reshape(-1).numpy()
+
+    def verify(self, name, fingerprint):
+        if name not in self._fps and self._get(name) is not None:
+            self._fps[name] = fpr.tensor_fingerprint(self.tensors[name])
+        if self._fps.get(name, fingerprint) != fingerprint:
+            raise BaseMismatchError(f"tensor {name!r}: the held base has fingerprint {fpr.fmt(self._fps[name])}, "
+                                    f"the delta's is {fpr.fmt(fingerprint)} (wrong base)")
+
+    def advance(self, tensors):
+        for td in tensors:
+            base = self._get(td.name)
+            if base is not None or (td.positions is None and td.mode == "abs"):  # an anchor's tensor: its own base
+                self.tensors[td.name] = apply_tensor(base, td, check=False)
+                self._fps.pop(td.name, None)
+
+
+def _decode_context(p: _Part, data: memoryview, bases: Bases | None) -> tuple[torch.Tensor, torch.Tensor]:
+    t, e, box = p.tensor, p.entry, p.box
+    if bases is None:
+        raise IntegrityError(f"tensor {t.name!r} is context-coded: decoding needs the base weights")
+    start = (0,) * len(t.shape) if box is None else box[0]
+    shape = tuple(t.shape) if box is None else tuple(b - a for a, b in zip(*box))
+
+    def base_of(sub):
+        return bases.bits(t.name, tuple(a + s for a, s in zip(start, sub[0])), tuple(a + s for a, s in zip(start, sub[1])))
+
+    n = e.positions.length
+    pos, vals = context_codec.decode(t.dtype, shape, bytes(data[:n]), bytes(data[n:]), e.nnz, base_of)
+    pos = torch.from_numpy(pos)
+    if box is not None:
+        pos = chunks.to_global(pos, t.shape, box)
+    return pos, torch.from_numpy(vals)
+
+
+def _decode_part(p: _Part, data: memoryview, bases: Bases | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(global positions or None for every element, values) of one part."""
     t, e, box = p.tensor, p.entry, p.box
     dt = dtype_by_name(t.dtype)
     numel = t.numel if box is None else chunks.box_numel(box)
     n = e.positions.length
     try:
+        if e.positions.coder == "ctx":
+            return _decode_context(p, data, bases)
         pos = codec.decode_positions(e.positions.coder, bytes(data[:n]), e.nnz, numel)
         vals = codec.decode_values(e.values.coder, bytes(data[n:]), e.nnz, dt)
     except IntegrityError as err:
@@ -264,7 +340,7 @@ def _decode_part(p: _Part, data: memoryview) -> tuple[torch.Tensor | None, torch
     return pos, vals
 
 
-def _decode_parts(parts: list[_Part], data_of, workers: int) -> list[TensorDelta]:
+def _decode_parts(parts: list[_Part], data_of, workers: int, bases: Bases | None = None) -> list[TensorDelta]:
     """One TensorDelta per tensor from its decoded parts (cells merged into sorted positions);
     one task per tensor, so that small cells do not pay a thread hand-off each."""
     by_tensor: dict[str, list[_Part]] = {}
@@ -275,8 +351,10 @@ def _decode_parts(parts: list[_Part], data_of, workers: int) -> list[TensorDelta
         t, out = ps[0].tensor, []
         base = fpr.parse(t.base_fingerprint) if t.base_fingerprint else None
         by_mode: dict[str, list] = {}
+        if bases is not None and any(p.entry.positions.coder == "ctx" for p in ps):
+            bases.verify(t.name, base)  # before any context decoding: a wrong base decodes to garbage
         for p in ps:
-            by_mode.setdefault(p.entry.values.mode, []).append(_decode_part(p, data_of((p.blob, p.offset))))
+            by_mode.setdefault(p.entry.values.mode, []).append(_decode_part(p, data_of((p.blob, p.offset)), bases))
         for mode, pieces in by_mode.items():
             if len(pieces) == 1:
                 pos, vals = pieces[0]
@@ -307,7 +385,8 @@ def check_decode_budget(m: Manifest, limit: int | None = None) -> None:
                             f"(over {MAX_DECODE_RATIO}x: a decode bomb)")
 
 
-def decode_manifest(m: Manifest, blobs: list, workers: int = 8, limit: int | None = None) -> list[TensorDelta]:
+def decode_manifest(m: Manifest, blobs: list, workers: int = 8, limit: int | None = None,
+                    bases: Bases | None = None) -> list[TensorDelta]:
     """Decode every changed tensor from whole (verified) blobs."""
     check_decode_budget(m, limit)
     parts = _parts(m, None)
@@ -321,7 +400,7 @@ def decode_manifest(m: Manifest, blobs: list, workers: int = 8, limit: int | Non
             raise IntegrityError(f"tensor {p.tensor.name!r}: SHA-256 mismatch")
         return piece
 
-    return _decode_parts(parts, data_of, workers)
+    return _decode_parts(parts, data_of, workers, bases)
 
 
 def _decoded(store: Store, m: Manifest, key: str, tensors: list[TensorDelta]) -> DecodedDelta:
@@ -336,7 +415,8 @@ def _decoded(store: Store, m: Manifest, key: str, tensors: list[TensorDelta]) ->
 
 
 def load_delta(manifest_uri: str, *, expected: dict | None = None, names: set[str] | None = None,
-               workers: int = 8, trust: Trust | None = None, **store_options) -> DecodedDelta:
+               workers: int = 8, trust: Trust | None = None, bases: Bases | None = None,
+               **store_options) -> DecodedDelta:
     """Fetch, verify and decode one published version (delta or anchor).
 
     With ``names``, only those tensors are fetched (by byte range, each checked against
@@ -347,8 +427,8 @@ def load_delta(manifest_uri: str, *, expected: dict | None = None, names: set[st
     check_expected(m, expected, manifest_uri)
     check_decode_budget(m)
     if names is None:
-        return _decoded(store, m, key, decode_manifest(m, fetch_blobs(store, m, workers), workers))
-    return _decoded(store, m, key, fetch_selected(store, m, {n: None for n in names}, workers)[0])
+        return _decoded(store, m, key, decode_manifest(m, fetch_blobs(store, m, workers), workers, bases=bases))
+    return _decoded(store, m, key, fetch_selected(store, m, {n: None for n in names}, workers, bases)[0])
 
 
 class DowngradeError(BaseMismatchError):
@@ -484,14 +564,19 @@ def plan(source: str, have_version: int | None = None, have_fingerprint: int | N
     return store, best
 
 
-def fetch_planned(store: Store, chain: list[Link], workers: int = 8, limits: Limits = Limits()) -> DecodedDelta:
-    """Fetch, verify and decode every link of a :func:`plan`, composed into one delta."""
+def fetch_planned(store: Store, chain: list[Link], workers: int = 8, limits: Limits = Limits(),
+                  bases: Bases | None = None) -> DecodedDelta:
+    """Fetch, verify and decode every link of a :func:`plan`, composed into one delta
+    (context-coded parts against ``bases``, advanced link by link)."""
     for link in chain:  # every decode budget checked before the first byte of any blob
         check_decode_budget(link.manifest, limits.decoded_bytes)
-    decoded = [_decoded(store, link.manifest, link.key,
-                        decode_manifest(link.manifest, fetch_blobs(store, link.manifest, workers), workers,
-                                        limit=limits.decoded_bytes))
-               for link in chain]
+    decoded = []
+    for i, link in enumerate(chain):
+        tensors = decode_manifest(link.manifest, fetch_blobs(store, link.manifest, workers), workers,
+                                  limit=limits.decoded_bytes, bases=bases)
+        if bases is not None and i + 1 < len(chain):
+            bases.advance(tensors)
+        decoded.append(_decoded(store, link.manifest, link.key, tensors))
     if len(decoded) == 1:
         return decoded[0]
     by_name: dict[str, list[TensorDelta]] = {}
@@ -510,10 +595,10 @@ def fetch_planned(store: Store, chain: list[Link], workers: int = 8, limits: Lim
 
 def resolve(source: str, have_version: int | None = None, have_fingerprint: int | None = None, *,
             expected: dict | None = None, workers: int = 8, trust: Trust | None = None,
-            allow_older: bool = True, **store_options) -> DecodedDelta:
+            allow_older: bool = True, bases: Bases | None = None, **store_options) -> DecodedDelta:
     """Everything needed to go from the held version to ``source``'s, composed into one delta
     (:func:`plan`, each manifest checked against ``expected``, then :func:`fetch_planned`)."""
     store, chain = plan(source, have_version, have_fingerprint, trust=trust, allow_older=allow_older, **store_options)
     for link in chain:
         check_expected(link.manifest, expected, store.key_uri(link.key))
-    return fetch_planned(store, chain, workers)
+    return fetch_planned(store, chain, workers, bases=bases)

@@ -97,6 +97,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ENGINE_EXT_FOLLOW_INTERVAL", "follow_interval", _positive_float, 5.0,
              "seconds between two looks at `LATEST` in pull mode (each varied by +-20 %; doubled after each "
              "failure, up to 5 minutes)"),
+    Variable("ENGINE_EXT_CONTEXT_CODER", "context_coder", _flag, True,
+             "publisher: `0` never uses the context-conditioned coder (format 4 `ctx`: ~25 % fewer bytes on "
+             "real training, but decoding reads the base weights of every changed tensor, and a rank must hold "
+             "whole sub-cells, i.e. tensor parallelism of at most 2 on tensors not cut into cells)"),
 )
 
 
@@ -120,6 +124,7 @@ class Settings:
     follow: str | None = None
     follow_interval: float = 5.0
     check_load: bool = True
+    context_coder: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":

@@ -21,7 +21,7 @@ from engine_ext.errors import ManifestError
 from engine_ext.format import Manifest
 from engine_ext.protocol import UpdateRequest
 from engine_ext.publish import DeltaPublisher
-from engine_ext.reader import fetch_selected, read_manifest
+from engine_ext.reader import TensorBases, fetch_selected, read_manifest
 from engine_ext.sources import Sources
 from engine_ext.store import open_store
 from fake_ranks import FakeRanks, make_rank
@@ -87,10 +87,10 @@ def test_chunked_manifest_and_partial_fetch(tmp_path):
     store = open_store(str(tmp_path))
     m = read_manifest(store, "v00000001.json")
     w = next(t for t in m.tensors if t.name == "w")
-    assert m.format_version == 3 and w.grid == chunks.grid((512, 256), 1024) and len(w.chunks) == 64
+    assert m.format_version == 4 and w.grid == chunks.grid((512, 256), 1024) and len(w.chunks) == 64
     assert next(t for t in m.tensors if t.name == "b").chunks is None  # small: not cut
-    whole, n_all = fetch_selected(store, m)
-    half, n_half = fetch_selected(store, m, {"w": {c for c in range(64) if c < 32}})  # rows 0-255
+    whole, n_all = fetch_selected(store, m, bases=TensorBases(states[0]))
+    half, n_half = fetch_selected(store, m, {"w": {c for c in range(64) if c < 32}}, bases=TensorBases(states[0]))  # rows 0-255
     assert n_half < 0.6 * n_all
     full = next(t for t in whole if t.name == "w")
     mine = half[0]
@@ -115,8 +115,8 @@ def test_each_rank_fetches_only_its_rows(tmp_path, world):
     asyncio.run(ctl.start())
     a = asyncio.run(ctl.update(UpdateRequest.parse({"url": str(tmp_path / "v00000003.json")})))
     assert a["version"] == 3 and len(a["fetched_bytes"]) == world
-    whole = sum(fetch_selected(open_store(str(tmp_path)), read_manifest(open_store(str(tmp_path)), f"v{v:08d}.json"))[1]
-                for v in (1, 2, 3))
+    whole = sum(fetch_selected(open_store(str(tmp_path)), read_manifest(open_store(str(tmp_path)), f"v{v:08d}.json"),
+                               bases=TensorBases(states[v - 1]))[1] for v in (1, 2, 3))
     assert max(a["fetched_bytes"]) <= (0.6 if world == 2 else 0.35) * whole, (a["fetched_bytes"], whole)
     for up in ranks:
         rows = 512 // world
