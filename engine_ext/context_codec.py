@@ -424,10 +424,13 @@ def decode(dtype_name: str, shape, pos_data: bytes, val_data: bytes, nnz: int, b
     ``base_of(box)`` gives the flat raw bits (numpy, row-major) of one sub-cell of the part's
     base, or None when this caller holds none of it (its changes are skipped)."""
     h = parse_positions_header(pos_data, nnz, shape, dtype_name)
-    ranks = decode_ranks(h)
     shift, mask = EXPONENT[dtype_name]
     itemsize = 2 if dtype_name != "float32" else 4
-    steps = decode_steps(val_data, h.counts, itemsize)
+    try:  # the range decoder refuses some invalid words with its own exceptions
+        ranks = decode_ranks(h)
+        steps = decode_steps(val_data, h.counts, itemsize)
+    except (AssertionError, ValueError, RuntimeError, OverflowError) as e:
+        raise IntegrityError(f"corrupt context stream ({type(e).__name__}: {e})") from None
     lut = class_lut(h.edges, dtype_name)
     out_pos, out_val = [], []
     used = np.zeros(h.K, dtype=np.int64)  # steps consumed per class (cell-major)
