@@ -296,7 +296,6 @@ def encode(dtype_name: str, shape, base_bits: np.ndarray, positions: np.ndarray,
         if b:
             _encode_uniform(enc, m, g & ((1 << b) - 1), b)
     pos_bytes = bytes(head) + enc.get_compressed().astype("<u4").tobytes()
-    width = base_bits.itemsize * 8
     vhead = bytearray()
     venc = queue.RangeEncoder()
     for c in range(K):
