@@ -114,7 +114,7 @@ def test_hostile_bytes_fail_cleanly():
 
 def test_the_base_fingerprint_is_checked_before_decoding(tmp_path):
     old, new = _pair((256, 256))
-    with DeltaPublisher(str(tmp_path), anchor_every=0) as pub:
+    with settings.override(context_coder=True), DeltaPublisher(str(tmp_path), anchor_every=0) as pub:
         pub.publish({"w": old})
         pub.publish({"w": new})
     m = reader.read_manifest(reader.open_store(str(tmp_path)), "v00000001.json")
@@ -129,7 +129,7 @@ def test_the_base_fingerprint_is_checked_before_decoding(tmp_path):
 
 def test_manifest_rules(tmp_path):
     old, new = _pair((256, 256))
-    with DeltaPublisher(str(tmp_path), anchor_every=0) as pub:
+    with settings.override(context_coder=True), DeltaPublisher(str(tmp_path), anchor_every=0) as pub:
         pub.publish({"w": old})
         pub.publish({"w": new})
     doc = json.loads((tmp_path / "v00000001.json").read_text())
