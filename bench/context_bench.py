@@ -48,19 +48,10 @@ def encode_all(ch, context: bool):
 
 def decode_all(ch, encs, backend="auto"):
     for (_, shape, ob, pos, _, _), e in zip(ch, encs):
-        if e.pos_coder == "ctx":
+        if e.pos_coder == "ctx":  # what a rank runs, the base read from memory
             base = ob.numpy()
-            h = context_codec.parse_positions_header(e.pos, pos.numel(), shape, "bfloat16")
-            ranks = context_codec.decode_ranks(h)
-            steps = context_codec.decode_steps(e.val, h.counts, 2)
-            lut = context_codec.class_lut(h.edges, "bfloat16")
-            for j, box in enumerate(h.cells):
-                k = h.counts[j]
-                flat = np.concatenate(ranks[j]) if k.sum() else np.empty(0, np.int64)
-                starts = np.concatenate([[0], np.cumsum(k)]).astype(np.int64)
-                bits = base if len(h.cells) == 1 else base[context_codec._cell_index(shape, box)]
-                context_codec.scan(bits, 7, 0xFF, lut, flat, starts, backend=backend)
-            del steps
+            context_codec.decode("bfloat16", shape, e.pos, e.val, pos.numel(),
+                                 lambda box: context_codec.box_of(base, shape, box), backend)
         else:
             codec.decode_positions(e.pos_coder, e.pos, pos.numel(), ob.numel())
             codec.decode_values(e.val_coder, e.val, pos.numel(), BF16)

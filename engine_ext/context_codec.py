@@ -36,7 +36,9 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from . import chunks
 from .errors import IntegrityError
 
 MAGIC = b"X1"
@@ -72,20 +74,17 @@ def class_lut(edges, dtype_name: str) -> np.ndarray:
 
 def sub_cells(shape) -> list:
     """The part's sub-cells as (start, stop) boxes (row-major order), at most 2 x 2."""
-    from .chunks import boxes, grid
-
     shape = tuple(int(s) for s in shape) or (1,)
-    cuts = grid(shape, SUB_MIN, SUB_PARTS)
+    cuts = chunks.grid(shape, SUB_MIN, SUB_PARTS)
     if cuts is None:
         return [(tuple(0 for _ in shape), tuple(shape))]
-    return boxes(cuts, shape)
+    return chunks.boxes(cuts, shape)
 
 
-def _cell_index(shape, box) -> np.ndarray:
-    """Part-local row-major indices of a box's elements, in the box's row-major order."""
+def box_of(flat: np.ndarray, shape, box) -> np.ndarray:
+    """The elements of a part's flat row-major array that lie in ``box``, in the box's row-major order."""
     shape = tuple(int(s) for s in shape) or (1,)
-    idx = np.arange(math.prod(shape), dtype=np.int64).reshape(shape)
-    return idx[tuple(slice(a, b) for a, b in zip(*box))].reshape(-1)
+    return flat.reshape(shape)[tuple(slice(a, b) for a, b in zip(*box))].reshape(-1)
 
 
 def golomb_bits(p16: int) -> int:
@@ -265,15 +264,14 @@ def encode(dtype_name: str, shape, base_bits: np.ndarray, positions: np.ndarray,
     gaps = [[] for _ in range(K)]  # per class, cell-major
     cell_steps = [[] for _ in range(K)]
     for j, box in enumerate(cells):
-        idx = _cell_index(shape, box)
-        c_cell, ch_cell = cls[idx], changed[idx]
+        c_cell, ch_cell, s_cell = (box_of(a, shape, box) for a in (cls, changed, step_at))
         for c in range(K):
-            members = ch_cell[c_cell == c]
-            r = np.flatnonzero(members)
+            in_class = c_cell == c
+            r = np.flatnonzero(ch_cell[in_class])
             counts[j, c] = r.size
             if r.size:
                 gaps[c].append(np.diff(r, prepend=-1) - 1)
-                cell_steps[c].append(step_at[idx][(c_cell == c) & ch_cell])
+                cell_steps[c].append(s_cell[in_class & ch_cell])
     totals = counts.sum(axis=0)
     pops = np.bincount(cls, minlength=K)
     p16 = [0 if not totals[c] else int(min(65535, max(1, round(65536 * totals[c] / pops[c])))) for c in range(K)]
@@ -417,11 +415,13 @@ def decode_steps(data: bytes, counts: np.ndarray, itemsize: int) -> list[np.ndar
     return out
 
 
-def decode(dtype_name: str, shape, pos_data: bytes, val_data: bytes, nnz: int, base_of) -> tuple[np.ndarray, np.ndarray]:
+def decode(dtype_name: str, shape, pos_data: bytes, val_data: bytes, nnz: int, base_of,
+           backend: str = "auto") -> tuple[np.ndarray, np.ndarray]:
     """(sorted part-local positions, steps) of the changes in the sub-cells the caller holds.
 
     ``base_of(box)`` gives the flat raw bits (numpy, row-major) of one sub-cell of the part's
-    base, or None when this caller holds none of it (its changes are skipped)."""
+    base, or None when this caller holds none of it (its changes are skipped). ``backend``:
+    the context pass's (:func:`scan`)."""
     h = parse_positions_header(pos_data, nnz, shape, dtype_name)
     shift, mask = EXPONENT[dtype_name]
     itemsize = 2 if dtype_name != "float32" else 4
@@ -439,13 +439,13 @@ def decode(dtype_name: str, shape, pos_data: bytes, val_data: bytes, nnz: int, b
         if bits is not None:
             flat_ranks = np.concatenate(ranks[j]) if k.sum() else np.empty(0, np.int64)
             starts = np.concatenate([[0], np.cumsum(k)]).astype(np.int64)
-            p, src = scan(bits, shift, mask, lut, flat_ranks, starts)
+            p, src = scan(bits, shift, mask, lut, flat_ranks, starts, backend)
             cls_of = np.searchsorted(starts, src, side="right") - 1
             vals = np.empty(p.size, dtype=steps[0].dtype if steps else np.int16)
             for c in range(h.K):
                 sel = cls_of == c
                 vals[sel] = steps[c][used[c] + src[sel] - starts[c]]
-            out_pos.append(_cell_index(shape, box)[p])
+            out_pos.append(chunks.to_global(torch.from_numpy(p), tuple(shape) or (1,), box).numpy())
             out_val.append(vals)
         used += k
     if not out_pos:

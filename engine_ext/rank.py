@@ -344,7 +344,8 @@ class _LiveBases:
         self.overlay: dict[str, list[TensorDelta]] = {}
 
     def bits(self, name, start, stop):
-        from .dtypes import apply_step, as_bits
+        from . import chunks
+        from .dtypes import as_bits
         from .maps import PartlyHeld, read_box
 
         up = self.up
@@ -359,17 +360,16 @@ class _LiveBases:
             if box is None:
                 return None
         box = box.cpu()
-        shape = up.checkpoint[name][0]
+        shape, ext = up.checkpoint[name][0], tuple(b - a for a, b in zip(start, stop))
         for td in self.overlay.get(name, []):  # earlier links of the route, inside this box
             idx = td.index().numpy()
             coords = np.unravel_index(idx, shape) if len(shape) else ()
             inside = np.ones(idx.size, dtype=bool)
             for c, a, b in zip(coords, start, stop):
                 inside &= (c >= a) & (c < b)
-            local = np.ravel_multi_index(tuple(c[inside] - a for c, a in zip(coords, start)),
-                                         tuple(b - a for a, b in zip(start, stop))) if len(shape) else idx[inside]
-            flat, sel, vals = box.reshape(-1), torch.from_numpy(local), td.values[torch.from_numpy(inside)]
-            flat[sel] = apply_step(flat[sel], vals, td.dtype.is_float) if td.mode == "rel" else vals
+            local = torch.from_numpy(chunks.to_local(idx[inside], shape, (start, stop)))
+            part = TensorDelta(td.name, td.dtype, ext, td.mode, local, td.values[torch.from_numpy(inside)])
+            box = as_bits(apply_tensor(box.view(td.dtype.torch), part, check=False))
         return box.reshape(-1).numpy()
 
     def verify(self, name, fingerprint):
