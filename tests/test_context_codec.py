@@ -15,11 +15,11 @@ from engine_ext.format import Manifest
 from engine_ext.publish import DeltaPublisher
 
 
-def _pair(shape, dtype=torch.bfloat16, seed=0, density=0.02):
-    """A base and a version where small weights change more often, as in real training."""
+def _pair(shape, dtype=torch.bfloat16, seed=0, density=0.02, base=None):
+    """A base (``base``, else drawn) and a version where small weights change more often, as in real training."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g)) * 0.02
-    old = w.to(dtype)
+    old = w.to(dtype) if base is None else base
     rate = (density * 0.01 / old.float().abs().clamp(min=1e-4)).clamp(max=0.9)  # an update of fixed size: small weights move
     chg = torch.rand(shape, generator=g) < rate
     step = torch.where(torch.rand(shape, generator=g) < 0.5, 1, -1) * (1 + (torch.rand(shape, generator=g) < rate / 2).int())
@@ -41,7 +41,7 @@ def test_round_trip_exact(dtype, shape):
     pos, steps, base = _changes(old, new)
     name = BY_NAME[str(dtype).removeprefix("torch.")].name
     e = cc.encode(name, shape, base, pos, steps)
-    got_pos, got_steps = cc.decode(name, shape, e.pos, e.val, pos.size, lambda box: base[cc._cell_index(shape, box)])
+    got_pos, got_steps = cc.decode(name, shape, e.pos, e.val, pos.size, lambda box: cc.box_of(base, shape, box))
     assert np.array_equal(got_pos, pos) and np.array_equal(got_steps, steps)
 
 
@@ -54,7 +54,7 @@ def test_a_rank_holding_some_sub_cells_decodes_those():
     assert len(cells) == 4  # 2 x 2: a shard of 2 ranks along either dimension holds whole sub-cells
     top = [c for c in cells if c[0][0] == 0]
     got_pos, got_steps = cc.decode("bfloat16", shape, e.pos, e.val, pos.size,
-                                   lambda box: base[cc._cell_index(shape, box)] if box in top else None)
+                                   lambda box: cc.box_of(base, shape, box) if box in top else None)
     mine = pos < 32 * 96
     assert np.array_equal(got_pos, pos[mine]) and np.array_equal(got_steps, steps[mine])
 
@@ -89,7 +89,7 @@ def test_hostile_bytes_fail_cleanly():
     e = cc.encode("bfloat16", shape, base, pos, steps)
 
     def dec(p, v, nnz=pos.size):
-        return cc.decode("bfloat16", shape, p, v, nnz, lambda box: base[cc._cell_index(shape, box)])
+        return cc.decode("bfloat16", shape, p, v, nnz, lambda box: cc.box_of(base, shape, box))
 
     for bad in (b"", b"X", b"Y1" + e.pos[2:], e.pos[:7], e.pos[:2] + b"\x00" + e.pos[3:],
                 e.pos[:2] + b"\x11" + e.pos[3:], e.pos + b"\x00"):
@@ -162,3 +162,41 @@ def test_publisher_choice_and_switch(tmp_path):
         pub.publish({"w": new})
     doc = json.loads((tmp_path / "v00000001.json").read_text())
     assert doc["tensors"][0]["positions"]["coder"] != "ctx"
+
+
+@pytest.mark.parametrize("world,chunked", [(1, False), (2, False), (2, True)])
+def test_ranks_decode_a_chained_route_against_their_live_weights(tmp_path, world, chunked):
+    """Fake ranks (this process) holding all or half the rows of ``w`` take versions 1-3 in one
+    route of context-coded links: each link decoded against the live weights with the earlier
+    links laid over them, then applied; the result is bit-exact."""
+    import asyncio
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from fake_ranks import FakeRanks, make_rank
+
+    from engine_ext.controller import Controller
+    from engine_ext.protocol import UpdateRequest
+    from engine_ext.sources import Sources
+
+    states = [{"w": _pair((512, 256), seed=0)[0]}]
+    for k in range(3):
+        states.append({"w": _pair((512, 256), seed=k + 1, base=states[-1]["w"])[1]})
+    with settings.override(context_coder=True), DeltaPublisher(
+            str(tmp_path), anchor_every=0, chunk_min_cell=1 << 14 if chunked else None) as pub:
+        for sd in states:
+            pub.publish(sd)
+    for v in (1, 2, 3):
+        doc = json.loads((tmp_path / f"v{v:08d}.json").read_text())
+        parts = doc["tensors"][0]["chunks"] or [doc["tensors"][0]]
+        assert {p["positions"]["coder"] for p in parts} == {"ctx"}
+    ranks = [make_rank(r, states[0], sharded=("w",) if world > 1 else (), world=world) for r in range(world)]
+    ctl = Controller(FakeRanks(ranks), Sources([str(tmp_path)]), version=0)
+    asyncio.run(ctl.start())
+    a = asyncio.run(ctl.update(UpdateRequest.parse({"url": str(tmp_path / "v00000003.json")})))
+    assert a["version"] == 3
+    rows = 512 // world
+    for up in ranks:
+        want = states[3]["w"][up.rank * rows:(up.rank + 1) * rows] if world > 1 else states[3]["w"]
+        assert torch.equal(as_bits(up.module.w), as_bits(want))
