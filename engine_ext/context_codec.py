@@ -367,12 +367,16 @@ def decode_ranks(h: Header) -> list[list[np.ndarray]]:
         esc = q == QMAX
         if esc.any():
             q[esc] += _decode_uniform(dec, m, int(esc.sum()), 48)
+        if int(q.max()) > (1 << 40) >> b:  # a gap beyond any tensor (MAX_NUMEL): the shift below stays exact
+            raise IntegrityError("context positions: a gap beyond the tensor")
         g = q << b
         if b:
             g |= _decode_uniform(dec, m, n, b)
         at = 0
-        for j in range(len(h.cells)):
+        for j, box in enumerate(h.cells):
             k = int(h.counts[j, c])
+            if k and float(g[at:at + k].sum()) + k > math.prod(e - s for s, e in zip(*box)):
+                raise IntegrityError("context positions: ranks beyond their sub-cell")  # and no int64 overflow
             out[j][c] = np.cumsum(g[at:at + k] + 1) - 1
             at += k
     return out
