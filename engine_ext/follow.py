@@ -21,6 +21,7 @@ import time
 from typing import Awaitable, Callable
 
 from . import metrics, reader
+from .errors import NotFoundError
 from .protocol import UpdateRequest
 from .signing import Trust
 from .store import open_store
@@ -45,6 +46,7 @@ class Follower:
         self.failures = 0  # in a row
         self.last_error: str | None = None
         self.last_check: float | None = None
+        self.waiting = False  # the store has no LATEST yet: nothing published to follow
         self.updates = 0
         self._task: asyncio.Task | None = None
 
@@ -80,7 +82,14 @@ class Follower:
             ctl = await self.controller()
             self.served_version = ctl.version
             store = open_store(self.source)
-            latest = await asyncio.to_thread(reader.read_latest, store, self.trust)
+            try:
+                latest = await asyncio.to_thread(reader.read_latest, store, self.trust)
+            except NotFoundError:
+                if not self.waiting:
+                    log.info("engine_ext: %s has no LATEST yet; looking again every %.3g s", self.source, self.interval_s)
+                self.waiting, self.failures, self.last_error = True, 0, None
+                return
+            self.waiting = False
             self.latest_version = latest.version
             if ctl.version is None or latest.version > ctl.version:  # an older LATEST: a push got ahead; wait
                 if self.behind_since is None:
@@ -114,8 +123,17 @@ class Follower:
         """Seconds since a newer ``LATEST`` was first seen and not yet served (0 when caught up)."""
         return 0.0 if self.behind_since is None else time.time() - self.behind_since
 
+    def state(self) -> str:
+        """``waiting`` (nothing published yet), ``failing`` (the last look failed), ``behind`` or ``following``."""
+        if self.failures:
+            return "failing"
+        if self.waiting:
+            return "waiting"
+        return "behind" if self.lag_versions() > 0 else "following"
+
     def status(self) -> dict:
-        return {"source": self.source, "interval_s": self.interval_s, "latest_version": self.latest_version,
+        return {"source": self.source, "state": self.state(), "interval_s": self.interval_s,
+                "latest_version": self.latest_version,
                 "served_version": self.served_version, "lag_versions": self.lag_versions(),
                 "lag_seconds": round(self.lag_seconds(), 3), "updates": self.updates, "failures_in_a_row": self.failures,
                 "last_error": self.last_error, "last_check_unix": self.last_check}

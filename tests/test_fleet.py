@@ -91,6 +91,36 @@ def test_follower_catches_up_backs_off_and_keeps_serving(tmp_path):
         assert torch.equal(up.module.b.view(torch.int16), states[4]["b"].view(torch.int16))
 
 
+def test_follower_started_before_the_first_version_waits_without_backing_off(tmp_path):
+    """A store with no LATEST yet is not a failure: the follower says it is waiting, keeps its
+    interval (no backoff), and takes the first version at its next look."""
+    states = _steps(1)
+    store = tmp_path / "run"
+    ranks = [make_rank(0, states[0], world=1)]
+    ctl = Controller(FakeRanks(ranks), Sources([str(store)]), version=None)
+
+    async def me():
+        return ctl
+
+    f = ctl.follower = Follower(me, str(store), interval_s=2.0)
+
+    async def scenario():
+        await ctl.start()
+        for _ in range(3):
+            await f.check()
+        st = ctl.status()["follow"]
+        assert (st["state"], st["failures_in_a_row"], st["last_error"]) == ("waiting", 0, None), st
+        assert 2.0 * 0.8 <= f.delay() <= 2.0 * 1.2  # the interval, not a backoff
+        with DeltaPublisher(str(store), anchor_every=0) as pub:
+            pub.publish(states[0])
+            pub.publish(states[1])
+        await f.check()
+        assert (ctl.version, f.state(), f.failures) == (1, "following", 0)
+
+    asyncio.run(scenario())
+    assert torch.equal(ranks[0].module.w.view(torch.int16), states[1]["w"].view(torch.int16))
+
+
 # --------------------------------------------------------------------------- push, no engine
 
 
