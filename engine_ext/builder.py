@@ -1,8 +1,11 @@
 """Assemble one published version: encoded tensors -> blobs + manifest.
 
 Blobs are spooled to temporary files (bounded memory for anchors and big deltas)
-and handed to :func:`engine_ext.store.publish_version`, which writes blobs first,
-the manifest next and moves ``LATEST`` last.
+and handed to :func:`engine_ext.store.publish_version`, which creates blobs first,
+the manifest next and moves ``LATEST`` last, never writing a published object twice.
+A blob's key names its content (``v00000007.0.<first 32 hex digits of its SHA-256>.bin``):
+where a backend cannot create an object exclusively (a multipart S3 upload, Hugging
+Face Buckets), a second writer of that key can only write the same bytes.
 
 A delta blob is the concatenation of each tensor's positions then values bytes
 (independently decodable pco/zstd streams); an anchor blob is a plain safetensors
@@ -41,6 +44,7 @@ class VersionBuilder:
                                  anchor_version=anchor_version,
                                  base_manifests=list(base_manifests or []) if kind == DELTA else [])
         self.manifest_sha256: str | None = None  # of the published manifest's bytes
+        self.latest: Latest | None = None  # the LATEST pointer published with it
         self.tmp = tempfile.TemporaryDirectory(prefix="engine-ext-")
         self.blob_target = blob_target
         self.files: list[str] = []
@@ -156,8 +160,8 @@ class VersionBuilder:
         keys = []
         for i, path in enumerate(self.files):
             ext = "safetensors" if path.endswith(".safetensors") else "bin"
-            key = f"{version_tag}.{i}.{ext}"
             sha, size = _sha256_file(path)
+            key = f"{version_tag}.{i}.{sha[:32]}.{ext}"
             m.blobs.append(Blob(key, size, sha))
             keys.append((key, path))
         for t in m.tensors:  # anchors hash tensor ranges after the file is complete
@@ -173,11 +177,16 @@ class VersionBuilder:
         self.manifest_sha256 = hashlib.sha256(raw).hexdigest()
         latest = Latest(m.version, mkey, m.fingerprint, m.anchor_version, self.manifest_sha256,
                         time.time() + latest_ttl_s if signer is not None else None)
-        publish_version(store, keys, mkey, raw,
-                        latest.to_json(signer.signatures(latest.signed_bytes()) if signer else None),
+        self.latest = latest
+        publish_version(store, keys, mkey, raw, sign_latest(latest, signer), m.version,
                         signature=signer.sign_detached(raw) if signer else None)
         self.tmp.cleanup()
         return store.key_uri(mkey)
+
+
+def sign_latest(latest: Latest, signer: Signer | None) -> bytes:
+    """The bytes of ``LATEST``: the pointer and, with a signer, its signatures."""
+    return latest.to_json(signer.signatures(latest.signed_bytes()) if signer else None)
 
 
 def _sha256_file(path: str) -> tuple[str, int]:

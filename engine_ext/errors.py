@@ -32,6 +32,14 @@ class FetchTimeoutError(SourceError):
     http_status = 504
 
 
+class ConflictError(SourceError):
+    """An object that is written once already exists (a version's manifest, signature or blob:
+    another publisher took that version), or LATEST moved past the version being published."""
+
+    reason = "conflict"
+    http_status = 409
+
+
 class ManifestError(DeltaError):
     """The manifest is malformed, of an unknown format version, or exceeds limits."""
 

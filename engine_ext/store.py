@@ -7,9 +7,15 @@ names under that root (``v00000003.json``, ``LATEST``). Every failure surfaces a
 ``NotFoundError`` (object absent), ``IntegrityError`` (object shorter than the bytes asked
 for) and ``SourceError`` (everything else: network, auth, misconfiguration).
 
-Publishing relies on one property of every writable backend: ``write`` is atomic per
-object (readers see the old or the new bytes, never a prefix). ``publish_version``
-builds the all-or-nothing version on top of it by ordering the writes.
+Publishing relies on three properties of every writable backend: ``write`` is atomic per
+object (readers see the old or the new bytes, never a prefix); ``create`` writes an
+object only if it does not exist yet (``ConflictError`` otherwise), so that a published
+version is never written twice; and ``write_if`` replaces ``LATEST`` only if what it
+holds still allows it (compare-and-swap), so that it only moves forward. Local
+directories and S3 (``If-None-Match``/``If-Match``) give all three atomically; an HTTP PUT
+server does as far as it honours those headers; Hugging Face Buckets offer no conditional
+write, so there they are a check before the write (docs/RELIABILITY.md).
+``publish_version`` builds the all-or-nothing version on top of them by ordering the writes.
 """
 
 from __future__ import annotations
@@ -23,11 +29,11 @@ import threading
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from . import settings
-from .errors import FetchTimeoutError, ForbiddenSourceError, IntegrityError, NotFoundError, SourceError
-from .format import LATEST_KEY
+from .errors import ConflictError, FetchTimeoutError, ForbiddenSourceError, IntegrityError, NotFoundError, SourceError
+from .format import LATEST_KEY, MAX_LATEST_BYTES
 
 __all__ = [
     "Store", "LocalStore", "HttpStore", "S3Store", "HfBucketStore",
@@ -62,6 +68,10 @@ def _short(uri: str, start: int, want: int, got: int) -> IntegrityError:
     return IntegrityError(f"short read of {uri}: asked {want} bytes at offset {start}, object holds {got}")
 
 
+class ReadCut(SourceError):
+    """The connection dropped in the middle of a body (a cut read): retried by the store."""
+
+
 def _too_large(uri: str, size: int, limit: int) -> SourceError:
     return SourceError(f"{uri} is {size} bytes, over the limit of {limit} bytes for this read")
 
@@ -75,6 +85,22 @@ class Store:
     #: ``time.monotonic()`` after which every read fails with FetchTimeoutError (None: no deadline);
     #: a reader sets it for the whole of one update, so a slow source cannot stretch it
     deadline: float | None = None
+    #: a read cut mid-body (:class:`ReadCut`) is tried again this many times, after ``backoff`` * 2^k
+    #: seconds, while the deadline allows; then it fails (502)
+    retries: int = 3
+    backoff: float = 0.25
+
+    def _retry_cuts(self, what: str, read):
+        """``read()``, again after a :class:`ReadCut` (the network's own retries stop at the headers)."""
+        for attempt in range(self.retries + 1):
+            try:
+                return read()
+            except ReadCut:
+                pause = min(self.backoff * 2 ** attempt, 10.0)
+                left = self.remaining(what)
+                if attempt == self.retries or (left is not None and pause >= left):
+                    raise
+                time.sleep(pause)
 
     def remaining(self, what: str) -> float | None:
         """Seconds left before the deadline (None: no deadline); FetchTimeoutError once it passed."""
@@ -115,6 +141,34 @@ class Store:
         with open(path, "rb") as f:
             self.write(key, f.read())
 
+    def create(self, key: str, data: bytes) -> None:
+        """Write ``key`` only if it does not exist yet (:class:`ConflictError` otherwise): a version's
+        objects are written with it, so that nothing published is ever written twice. This default,
+        for backends with no conditional write, checks before it writes (not atomic against a racer)."""
+        if self.exists(key):
+            raise ConflictError(f"{self.key_uri(key)} already exists")
+        self.write(key, data)
+
+    def create_file(self, key: str, path: str | os.PathLike) -> None:
+        """:meth:`create` from a (large) local file."""
+        if self.exists(key):
+            raise ConflictError(f"{self.key_uri(key)} already exists")
+        self.write_file(key, path)
+
+    def write_if(self, key: str, data: bytes, check: Callable[[bytes | None], None],
+                 max_bytes: int = MAX_LATEST_BYTES) -> None:
+        """Replace the small object ``key`` (``LATEST``) with ``data`` if ``check(what it holds now, or
+        None)`` does not raise, and only if it did not change between that read and the write. This
+        default, for backends with no compare-and-swap, reads then writes (not atomic against a racer)."""
+        check(self._read_or_none(key, max_bytes))
+        self.write(key, data)
+
+    def _read_or_none(self, key: str, max_bytes: int) -> bytes | None:
+        try:
+            return self.read(key, max_bytes=max_bytes)
+        except NotFoundError:
+            return None
+
     def exists(self, key: str) -> bool:
         raise NotImplementedError
 
@@ -135,7 +189,10 @@ class Store:
 class LocalStore(Store):
     """A directory. Writes go to a temp file in the target's directory, are fsynced, then
     ``os.replace``d over the target (atomic on POSIX), and the directory is fsynced so the
-    rename survives a crash."""
+    rename survives a crash. ``create`` hard-links the temp file to the target instead
+    (``link`` fails if the target exists: exclusive and atomic, the ``O_EXCL`` of a complete
+    file); ``write_if`` holds an ``flock`` on a lock file beside the target while it reads,
+    checks and replaces (processes on one host, or a shared filesystem with working locks)."""
 
     def __init__(self, root: str, *, file_uri: bool = False, max_object_bytes: int | None = None):
         self.path = os.path.abspath(root)
@@ -215,7 +272,7 @@ class LocalStore(Store):
             with ThreadPoolExecutor(max_workers=min(workers, len(ranges))) as pool:
                 return list(pool.map(lambda r: self._pread(f, key, r[0], r[1]), ranges))
 
-    def _atomic(self, key: str, fill) -> None:
+    def _atomic(self, key: str, fill, exclusive: bool = False) -> None:
         dest = self._p(key)
         d = os.path.dirname(dest)
         try:
@@ -229,7 +286,14 @@ class LocalStore(Store):
                 f.flush()
                 os.fsync(f.fileno())
             os.chmod(tmp, 0o644)  # mkstemp makes 0600; published files are meant to be served
-            os.replace(tmp, dest)
+            if exclusive:
+                try:
+                    os.link(tmp, dest)  # fails if dest exists: never replaces a published object
+                except FileExistsError:
+                    raise ConflictError(f"{self.key_uri(key)} already exists") from None
+                os.unlink(tmp)
+            else:
+                os.replace(tmp, dest)
         except BaseException as e:
             try:
                 os.unlink(tmp)
@@ -253,6 +317,30 @@ class LocalStore(Store):
     def write_file(self, key: str, path: str | os.PathLike) -> None:
         with open(path, "rb") as src:
             self._atomic(key, lambda f: shutil.copyfileobj(src, f, 1 << 20))
+
+    def create(self, key: str, data: bytes) -> None:
+        self._atomic(key, lambda f: f.write(data), exclusive=True)
+
+    def create_file(self, key: str, path: str | os.PathLike) -> None:
+        with open(path, "rb") as src:
+            self._atomic(key, lambda f: shutil.copyfileobj(src, f, 1 << 20), exclusive=True)
+
+    def write_if(self, key: str, data: bytes, check: Callable[[bytes | None], None],
+                 max_bytes: int = MAX_LATEST_BYTES) -> None:
+        import fcntl
+
+        dest = self._p(key)
+        try:
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            fd = os.open(os.path.join(os.path.dirname(dest), f"{_TMP_PREFIX}{os.path.basename(dest)}.lock"),
+                         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise SourceError(f"cannot lock {self.key_uri(key)}: {e}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            super().write_if(key, data, check, max_bytes)
+        finally:
+            os.close(fd)  # releases the lock
 
     def exists(self, key: str) -> bool:
         return os.path.isfile(self._p(key))
@@ -314,7 +402,7 @@ class HttpStore(Store):
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self.max_object_bytes = max_object_bytes
         self.writable = writable
-        self.retries = retries
+        self.retries, self.backoff = retries, backoff
         self.session = requests.Session()
         retry = Retry(total=retries, connect=retries, read=retries, status=retries, other=0, redirect=0,
                       backoff_factor=backoff, backoff_max=10.0,
@@ -403,7 +491,7 @@ class HttpStore(Store):
                 buf += chunk
                 yield buf
         except (requests.RequestException, HTTPError, OSError) as e:
-            raise SourceError(f"reading {url} failed mid-body: {type(e).__name__}: {str(e)[:300]}") from e
+            raise ReadCut(f"reading {url} failed mid-body: {type(e).__name__}: {str(e)[:300]}") from e
         finally:
             r.close()
 
@@ -421,10 +509,13 @@ class HttpStore(Store):
                 r.close()
                 raise _too_large(url, len(buf), limit)
         if n is not None and len(buf) != int(n):
-            raise SourceError(f"reading {url}: got {len(buf)} bytes, Content-Length said {n}")
+            raise ReadCut(f"reading {url}: got {len(buf)} bytes, Content-Length said {n}")
         return bytes(buf)
 
     def read(self, key: str, max_bytes: int | None = None) -> bytes:
+        return self._retry_cuts(f"GET {self.key_uri(key)}", lambda: self._read(key, max_bytes))
+
+    def _read(self, key: str, max_bytes: int | None) -> bytes:
         r = self._request("GET", key, stream=True)
         if r.status_code != 200:
             raise self._fail(r, "GET", key)
@@ -435,6 +526,9 @@ class HttpStore(Store):
         _check_range(start, length)
         if length == 0:
             return b""
+        return self._retry_cuts(f"GET {self.key_uri(key)}", lambda: self._read_range(key, start, length))
+
+    def _read_range(self, key: str, start: int, length: int) -> bytes:
         url = self.key_uri(key)
         end = start + length - 1
         r = self._request("GET", key, stream=True, headers={"Range": f"bytes={start}-{end}"})
@@ -483,14 +577,38 @@ class HttpStore(Store):
             return int(m.group(3))
         raise SourceError(f"{self.key_uri(key)}: server reports no object size")
 
-    def write(self, key: str, data: bytes) -> None:
+    def write(self, key: str, data: bytes, headers: dict | None = None) -> None:
+        """HTTP PUT; ``headers`` carry the conditions of :meth:`create` and :meth:`write_if`
+        (412 Precondition Failed: :class:`ConflictError`)."""
         if not self.writable:
             raise SourceError(f"{self.uri} is a read-only HTTP store; publish to a local dir or s3:// "
                               "and serve that (or open it with writable=True for an HTTP PUT server)")
-        r = self._request("PUT", key, data=data)
+        r = self._request("PUT", key, data=data, headers=headers)
+        if r.status_code == 412:
+            r.close()
+            raise ConflictError(f"PUT {self.key_uri(key)}: precondition failed ({(headers or {})}): it changed or exists")
         if r.status_code not in (200, 201, 204):
             raise self._fail(r, "PUT", key)
         r.close()
+
+    def create(self, key: str, data: bytes) -> None:
+        self.write(key, data, headers={"If-None-Match": "*"})
+
+    def write_if(self, key: str, data: bytes, check: Callable[[bytes | None], None],
+                 max_bytes: int = MAX_LATEST_BYTES) -> None:
+        """GET (with its ETag), check, then PUT with ``If-Match`` (or ``If-None-Match: *`` where there
+        was nothing); a server that sends no ETag gets a plain PUT (not atomic against a racer)."""
+        r = self._request("GET", key, stream=True)
+        if r.status_code == 200:
+            etag = r.headers.get("ETag")
+            current = self._body(r, max_bytes, self.key_uri(key))
+        elif r.status_code in (404, 410):
+            r.close()
+            etag, current = None, None
+        else:
+            raise self._fail(r, "GET", key)
+        check(current)
+        self.write(key, data, headers={"If-Match": etag} if etag else ({"If-None-Match": "*"} if current is None else None))
 
 
 # --------------------------------------------------------------------------- S3
@@ -543,6 +661,7 @@ class S3Store(Store):
         region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
         style = addressing_style or ("path" if self.endpoint_url else "auto")
         self.client = _s3_client(self.endpoint_url, region, style, connect_timeout, read_timeout, retries, pool_size)
+        self.retries = retries
         self.max_object_bytes = max_object_bytes
         self.multipart = (multipart_threshold, multipart_chunksize)
         self.list_page_size = 1000
@@ -568,6 +687,8 @@ class S3Store(Store):
                 raise SourceError(f"{msg} (bucket {self.bucket!r} does not exist at {self.endpoint_url or 'AWS'})") from e
             if code in ("NoSuchKey", "404", "NotFound") or status == 404:
                 raise NotFoundError(f"not found: {where}") from e
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
+                raise ConflictError(f"{what} {where}: it exists or changed meanwhile ({code or status})") from e
             if code == "InvalidRange" or status == 416:
                 raise IntegrityError(f"{what} {where}: range not satisfiable, object is shorter than asked") from e
             raise SourceError(msg) from e
@@ -590,9 +711,12 @@ class S3Store(Store):
                     if limit is not None and len(buf) > limit:
                         raise _too_large(where, len(buf), limit)
         except (BotoCoreError, OSError) as e:
-            raise SourceError(f"reading {where} failed mid-body: {e}") from e
+            raise ReadCut(f"reading {where} failed mid-body: {e}") from e
 
     def read(self, key: str, max_bytes: int | None = None) -> bytes:
+        return self._retry_cuts(f"GetObject {self.key_uri(key)}", lambda: self._read(key, max_bytes))
+
+    def _read(self, key: str, max_bytes: int | None) -> bytes:
         resp = self._call("GetObject", key, self.client.get_object, Bucket=self.bucket, Key=self._k(key))
         limit = max_bytes if max_bytes is not None else self.max_object_bytes
         if limit is not None and resp["ContentLength"] > limit:
@@ -604,6 +728,9 @@ class S3Store(Store):
         _check_range(start, length)
         if length == 0:
             return b""
+        return self._retry_cuts(f"GetObject {self.key_uri(key)}", lambda: self._read_range(key, start, length))
+
+    def _read_range(self, key: str, start: int, length: int) -> bytes:
         end = start + length - 1
         resp = self._call("GetObject", key, self.client.get_object, Bucket=self.bucket,
                           Key=self._k(key), Range=f"bytes={start}-{end}")
@@ -618,6 +745,40 @@ class S3Store(Store):
 
     def write(self, key: str, data: bytes) -> None:
         self._call("PutObject", key, self.client.put_object, Bucket=self.bucket, Key=self._k(key), Body=data)
+
+    def create(self, key: str, data: bytes) -> None:
+        """PutObject with ``If-None-Match: *`` (S3's conditional write: 412 if the key exists)."""
+        self._call("PutObject", key, self.client.put_object, Bucket=self.bucket, Key=self._k(key), Body=data,
+                   IfNoneMatch="*")
+
+    def create_file(self, key: str, path: str | os.PathLike) -> None:
+        """Conditional PutObject up to ``multipart_threshold``; above it a check before the multipart
+        upload (boto3's transfer manager sends no ``If-None-Match``). Publishers write blobs under
+        content-addressed keys, so even a racer that slips in writes the same bytes."""
+        if os.path.getsize(path) <= self.multipart[0]:
+            with open(path, "rb") as f:
+                return self.create(key, f.read())
+        if self.exists(key):
+            raise ConflictError(f"{self.key_uri(key)} already exists")
+        self.write_file(key, path)
+
+    def write_if(self, key: str, data: bytes, check: Callable[[bytes | None], None],
+                 max_bytes: int = MAX_LATEST_BYTES) -> None:
+        """GetObject (bytes and ETag), check, then PutObject with ``If-Match`` (``If-None-Match: *``
+        where there was nothing); when another writer got in between, read and check again."""
+        for _ in range(8):
+            try:
+                resp = self._call("GetObject", key, self.client.get_object, Bucket=self.bucket, Key=self._k(key))
+                current, cond = self._read_body(resp, self.key_uri(key), max_bytes), {"IfMatch": resp["ETag"]}
+            except NotFoundError:
+                current, cond = None, {"IfNoneMatch": "*"}
+            check(current)
+            try:
+                self._call("PutObject", key, self.client.put_object, Bucket=self.bucket, Key=self._k(key), Body=data, **cond)
+                return
+            except ConflictError:
+                continue  # it moved between our read and our write: look again
+        raise ConflictError(f"{self.key_uri(key)} kept changing while it was being replaced")
 
     def write_file(self, key: str, path: str | os.PathLike) -> None:
         """Streams from disk; multipart above ``multipart_threshold`` (S3 completes a
@@ -725,6 +886,9 @@ class HfBucketStore(HttpStore):
                 raise NotFoundError(f"not found: {where}") from e
             raise SourceError(f"{what} {where} failed: {type(e).__name__}: {e}") from e
 
+    # No conditional writes in the bucket API: check, then write (the Store defaults; not atomic).
+    create, create_file, write_if = Store.create, Store.create_file, Store.write_if
+
     def write(self, key: str, data: bytes) -> None:
         api = self._api("batch_bucket_files")
         self._hub("upload", key, lambda: api.batch_bucket_files(self.bucket_id, add=[(data, self._path(key))]))
@@ -792,15 +956,21 @@ def split_uri(object_uri: str | os.PathLike, **options) -> tuple[Store, str]:
 
 
 def publish_version(store: Store, blobs: Mapping[str, bytes | os.PathLike] | Iterable[tuple[str, bytes | os.PathLike]],
-                    manifest_key: str, manifest_bytes: bytes, latest_bytes: bytes,
+                    manifest_key: str, manifest_bytes: bytes, latest_bytes: bytes, version: int,
                     latest_key: str = LATEST_KEY, workers: int = 4, signature: bytes | None = None) -> str:
-    """Publish one version all-or-nothing: every blob, the manifest's signature, the manifest, then LATEST.
+    """Publish one version all-or-nothing and write-once: every blob, the manifest's signature, the
+    manifest, then LATEST.
 
-    Each write is atomic per object, and each step starts only after the previous one
-    succeeded, so a publisher killed at any point leaves LATEST on the old version and,
-    if it got that far, a new manifest whose blobs and signature are all complete. Blob
-    values are bytes or a local file path (streamed via ``write_file``). Returns the
-    manifest URI.
+    Blobs, signature and manifest are *created* (:meth:`Store.create`: never over an existing
+    object), so a version is written once: a second publisher of the same version (a restarted
+    trainer that did not resume, two trainers on one store) gets :class:`ConflictError` naming
+    the version and the store, and its half-written objects stay invisible (no manifest names
+    them, or no LATEST names the manifest). LATEST moves only forward (:meth:`Store.write_if`):
+    it is left alone, with ConflictError, when it already names a newer version, or ``version``
+    with other weights. Each
+    step starts only after the previous one succeeded, so a publisher killed at any point
+    leaves LATEST on the old version. Blob values are bytes or a local file path (streamed).
+    Returns the manifest URI.
     """
     items = list(blobs.items() if isinstance(blobs, Mapping) else blobs)
     keys = [k for k, _ in items]
@@ -810,15 +980,30 @@ def publish_version(store: Store, blobs: Mapping[str, bytes | os.PathLike] | Ite
     def put(item):
         key, value = item
         if isinstance(value, (bytes, bytearray, memoryview)):
-            store.write(key, bytes(value))
+            store.create(key, bytes(value))
         else:
-            store.write_file(key, value)
+            store.create_file(key, value)
 
-    if items:
-        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(items)))) as pool:
-            list(pool.map(put, items))  # re-raises the first failure after all finish
-    if signature is not None:
-        store.write(manifest_key + ".sig", signature)
-    store.write(manifest_key, manifest_bytes)
-    store.write(latest_key, latest_bytes)
+    def forward_only(current: bytes | None) -> None:
+        """LATEST moves to a newer version, or to a second manifest of its own version with the
+        same weights (the delta published beside an anchor)."""
+        if current is None:
+            return
+        from .format import Latest
+
+        held, new = Latest.from_json(current)[0], Latest.from_json(latest_bytes)[0]
+        if held.version > version or (held.version == version and held.fingerprint != new.fingerprint):
+            raise ConflictError(f"LATEST names v{held.version}, not older than v{version}")
+
+    try:
+        if items:
+            with ThreadPoolExecutor(max_workers=max(1, min(workers, len(items)))) as pool:
+                list(pool.map(put, items))  # re-raises the first failure after all finish
+        if signature is not None:
+            store.create(manifest_key + ".sig", signature)
+        store.create(manifest_key, manifest_bytes)
+        store.write_if(latest_key, latest_bytes, forward_only)
+    except ConflictError as e:
+        raise ConflictError(f"version {version} cannot be published to {store.uri}: {e}; another publisher wrote "
+                            "this version or a newer one (resume after the store's LATEST: DeltaPublisher(resume=...))") from e
     return store.key_uri(manifest_key)

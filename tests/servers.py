@@ -58,6 +58,7 @@ class HttpServer:
     fail_status: int = 503
     delay: float = 0.0  # seconds to sleep before answering GET/HEAD (to observe overlap)
     trickle: float = 0.0  # seconds between single body bytes (a slow-loris source)
+    cut_next: int = 0  # the next N GET bodies stop half way and the connection is dropped (a read cut mid-body)
     redirects: dict = field(default_factory=dict)  # request path -> Location (answered with 302)
     inflight: int = 0
     max_inflight: int = 0  # most GET/HEAD requests served at once since the last reset
@@ -67,10 +68,18 @@ class HttpServer:
     def reset(self) -> None:
         with self.lock:
             self.honor_range, self.require_token, self.allow_put = True, None, False
-            self.fail_next, self.fail_status = 0, 503
+            self.fail_next, self.fail_status, self.cut_next = 0, 503, 0
             self.delay, self.max_inflight, self.trickle = 0.0, 0, 0.0
             self.redirects.clear()
             self.requests.clear()
+
+
+def _etag(path: str) -> str:
+    """A strong ETag: the SHA-256 of the file's bytes (fine for the small objects tests replace)."""
+    import hashlib
+
+    with open(path, "rb") as f:
+        return '"' + hashlib.sha256(f.read()).hexdigest()[:32] + '"'
 
 
 class RangeHandler(SimpleHTTPRequestHandler):
@@ -151,16 +160,26 @@ class RangeHandler(SimpleHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Accept-Ranges", "bytes")
+        self.send_header("ETag", _etag(path))
         self.send_header("Content-Length", str(end - start + 1))
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
         self.end_headers()
         if not body:
             return
+        with self.state.lock:
+            cut = self.state.cut_next > 0
+            if cut:
+                self.state.cut_next -= 1
         try:
             with open(path, "rb") as f:
                 f.seek(start)
                 left = end - start + 1
+                if cut:  # promise the whole range, send half of it, hang up
+                    self.wfile.write(f.read(left // 2))
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
                 while left > 0:
                     chunk = f.read(1 if self.state.trickle else min(left, 1 << 16))
                     if not chunk:
@@ -185,10 +204,16 @@ class RangeHandler(SimpleHTTPRequestHandler):
         data = self.rfile.read(n)
         dest = self.translate_path(self.path)
         os.makedirs(os.path.dirname(dest), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".put-", dir=os.path.dirname(dest))
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, dest)
+        with self.state.lock:  # conditional PUT (RFC 9110): If-None-Match: * creates, If-Match replaces that ETag only
+            exists = os.path.isfile(dest)
+            if (self.headers.get("If-None-Match") == "*" and exists) or (
+                    "If-Match" in self.headers and (not exists or _etag(dest) != self.headers["If-Match"])):
+                self.send_error(412)
+                return
+            fd, tmp = tempfile.mkstemp(prefix=".put-", dir=os.path.dirname(dest))
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, dest)
         self.send_response(201)
         self.send_header("Content-Length", "0")
         self.end_headers()

@@ -5,6 +5,7 @@ HTTP server laid out like the Hub's bucket URLs; its writes are not tested."""
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +15,8 @@ import time
 import pytest
 
 from engine_ext import settings
-from engine_ext.errors import ForbiddenSourceError, IntegrityError, NotFoundError, SourceError
+from engine_ext.errors import ConflictError, ForbiddenSourceError, IntegrityError, NotFoundError, SourceError
+from engine_ext.format import Latest
 from engine_ext.store import (HfBucketStore, HttpStore, LocalStore, S3Store, open_store,
                               publish_version, split_uri)
 from servers import free_port
@@ -184,6 +186,22 @@ def test_http_retries_exhausted(http):
     assert len(gets(srv)) == 3  # first try + 2 retries
 
 
+def test_http_reads_cut_mid_body_are_retried_then_reported(http):
+    """A connection dropped half way through a body (whole object or range) is read again; past
+    the retries it is a SourceError (502 on a server), never a short or spliced result."""
+    srv, root = http
+    store = open_store(root, retries=2, backoff=0.01)
+    srv.cut_next = 2
+    assert store.read("a/b/blob.bin") == DATA
+    srv.cut_next = 1
+    assert store.read_range("a/b/blob.bin", 1000, 50_000) == DATA[1000:51_000]
+    srv.cut_next = 100
+    with pytest.raises(SourceError, match="mid-body|Content-Length said") as e:
+        store.read_range("a/b/blob.bin", 0, 60_000)
+    assert not isinstance(e.value, IntegrityError)
+    assert sum(1 for r in gets(srv) if r[2].get("Range") == "bytes=0-59999") == 3  # first try + 2 retries
+
+
 def test_http_read_timeout_is_retried_then_reported(http):
     srv, root = http
     srv.delay = 1.0  # the server stalls longer than the read timeout on every request
@@ -291,18 +309,30 @@ class CrashingStore:
     def __init__(self, inner, crash_on):
         self.inner, self.crash_on, self.written = inner, crash_on, []
 
-    def write(self, key, data):
-        if key == self.crash_on:
-            raise RuntimeError(f"publisher died before writing {key}")
-        self.inner.write(key, data)
-        self.written.append(key)
+    def _writer(self, name):
+        def write(key, *args):
+            if key == self.crash_on:
+                raise RuntimeError(f"publisher died before writing {key}")
+            getattr(self.inner, name)(key, *args)
+            self.written.append(key)
+        return write
 
     def __getattr__(self, name):
+        if name in ("write", "write_file", "create", "create_file", "write_if"):
+            return self._writer(name)
         return getattr(self.inner, name)
 
 
-def publish_v1(store):
-    return publish_version(store, {"v00000001.blob": b"one"}, "v00000001.json", b'{"v":1}', b"v00000001.json")
+def latest(v: int, fingerprint: str = "0" * 16) -> bytes:
+    return Latest(v, f"v{v:08d}.json", fingerprint).to_json()
+
+
+def publish(store, v: int, blobs):
+    return publish_version(store, blobs, f"v{v:08d}.json", b'{"v":%d}' % v, latest(v), v)
+
+
+def held(store) -> int:
+    return Latest.from_json(store.read("LATEST"))[0].version
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
@@ -311,51 +341,113 @@ def test_publish_order_survives_crash(backend, tmp_path, request):
         store = open_store(f"s3://{request.getfixturevalue('s3_bucket')}/run")
     else:
         store = open_store(tmp_path / "run")
-    assert publish_v1(store) == store.key_uri("v00000001.json")
+    assert publish(store, 1, {"v00000001.blob": b"one"}) == store.key_uri("v00000001.json")
     blobs = {"v00000002.0.blob": DATA, "v00000002.1.blob": DATA[::-1]}
 
     crashing = CrashingStore(store, crash_on="v00000002.json")  # dies after the blobs
     with pytest.raises(RuntimeError):
-        publish_version(crashing, blobs, "v00000002.json", b'{"v":2}', b"v00000002.json")
+        publish(crashing, 2, blobs)
     assert sorted(crashing.written) == sorted(blobs)
-    assert store.read("LATEST") == b"v00000001.json" and not store.exists("v00000002.json")
+    assert held(store) == 1 and not store.exists("v00000002.json")
 
     crashing = CrashingStore(store, crash_on="v00000003.1.blob")  # dies among the blobs
     with pytest.raises(RuntimeError):
-        publish_version(crashing, {"v00000003.0.blob": b"a", "v00000003.1.blob": b"b"},
-                        "v00000003.json", b'{"v":3}', b"v00000003.json")
+        publish(crashing, 3, {"v00000003.0.blob": b"a", "v00000003.1.blob": b"b"})
     assert "v00000003.json" not in crashing.written and "LATEST" not in crashing.written
-    assert store.read("LATEST") == b"v00000001.json" and not store.exists("v00000003.json")
+    assert held(store) == 1 and not store.exists("v00000003.json")
 
     src = tmp_path / "big.blob"
     src.write_bytes(DATA)
-    uri = publish_version(store, [("v00000002.0.blob", src), ("v00000002.1.blob", DATA[::-1])],
-                          "v00000002.json", b'{"v":2}', b"v00000002.json")
-    assert uri == store.key_uri("v00000002.json")
-    assert store.read("LATEST") == b"v00000002.json" and store.read("v00000002.0.blob") == DATA
+    uri = publish(store, 4, [("v00000004.0.blob", src), ("v00000004.1.blob", DATA[::-1])])
+    assert uri == store.key_uri("v00000004.json")
+    assert held(store) == 4 and store.read("v00000004.0.blob") == DATA
+
+
+@pytest.mark.parametrize("backend", ["local", "s3", "http"])
+def test_published_objects_are_written_once_and_latest_only_moves_forward(backend, tmp_path, request):
+    """A version's blobs, signature and manifest are created, never replaced: a second publisher
+    of the same version fails with ConflictError naming the version and the store, and changes no
+    byte of what was published; LATEST is never moved back."""
+    if backend == "s3":
+        store = open_store(f"s3://{request.getfixturevalue('s3_bucket')}/run")
+    elif backend == "http":
+        srv = request.getfixturevalue("http_server")
+        srv.reset()
+        srv.allow_put = True
+        store = HttpStore(f"{srv.url}/run-{tmp_path.name}", writable=True)
+    else:
+        store = open_store(tmp_path / "run")
+    publish_version(store, {"v00000002.0.bin": b"first"}, "v00000002.json", b'{"v":2}', latest(2), 2,
+                    signature=b"sig-1")
+    before = {k: store.read(k) for k in ("v00000002.0.bin", "v00000002.json", "v00000002.json.sig", "LATEST")}
+    for blobs, sig in (({"v00000002.0.bin": b"other"}, None), ({"v00000002.9.bin": b"x"}, b"sig-2"), ({}, None)):
+        with pytest.raises(ConflictError, match=f"version 2 cannot be published to {re.escape(store.uri)}"):
+            publish_version(store, blobs, "v00000002.json", b'{"v":"other"}', latest(2), 2, signature=sig)
+    with pytest.raises(ConflictError, match="LATEST names v2, not older than v1"):
+        publish_version(store, {}, "v00000001.json", b'{"v":1}', latest(1), 1)
+    with pytest.raises(ConflictError, match="LATEST names v2, not older than v2"):  # same version, other weights
+        publish_version(store, {}, "v00000002.anchor.json", b'{"v":2}', latest(2, "1" * 16), 2)
+    assert {k: store.read(k) for k in before} == before
+    with pytest.raises(ConflictError):
+        store.create("v00000002.json", b"again")
+    store.write_if("LATEST", latest(3), lambda cur: None)
+    assert held(store) == 3
+
+
+def test_latest_compare_and_swap_holds_against_racing_processes(tmp_path):
+    """Eight processes each try to move a local LATEST from the version they read to the next:
+    every move that succeeds is seen by the next one (no update is lost under flock)."""
+    store = open_store(tmp_path)
+    store.write("LATEST", latest(0))
+    script = textwrap.dedent("""
+        import sys
+        from engine_ext.errors import ConflictError
+        from engine_ext.format import Latest
+        from engine_ext.store import open_store
+        store, done = open_store(sys.argv[1]), 0
+        for _ in range(25):
+            cur = store.read("LATEST")
+            v = Latest.from_json(cur)[0].version + 1
+            def only_from(now, want=cur):
+                if now != want:
+                    raise ConflictError("moved")
+            try:
+                store.write_if("LATEST", Latest(v, "m", "0" * 16).to_json(), only_from)
+                done += 1
+            except ConflictError:
+                pass
+        print(done)
+    """)
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, env=env, text=True)
+             for _ in range(8)]
+    done = sum(int(p.communicate(timeout=120)[0]) for p in procs)
+    assert held(store) == done > 0
 
 
 def test_publish_rejects_clashing_keys(tmp_path):
     store = open_store(tmp_path)
     with pytest.raises(ValueError):
-        publish_version(store, {"LATEST": b"x"}, "v1.json", b"{}", b"v1.json")
+        publish_version(store, {"LATEST": b"x"}, "v1.json", b"{}", latest(1), 1)
     with pytest.raises(ValueError):
-        publish_version(store, [("b", b"1"), ("b", b"2")], "v1.json", b"{}", b"v1.json")
+        publish_version(store, [("b", b"1"), ("b", b"2")], "v1.json", b"{}", latest(1), 1)
     assert os.listdir(tmp_path) == []
 
 
 KILLED_PUBLISHER = textwrap.dedent("""
     import os, signal, sys
+    from engine_ext.format import Latest
     from engine_ext.store import open_store, publish_version
     root, die_at = sys.argv[1], sys.argv[2]
-    real_replace = os.replace
-    def replace(src, dst):  # SIGKILL ourselves at the moment ``die_at`` would appear
-        if os.path.basename(dst) == die_at:
-            os.kill(os.getpid(), signal.SIGKILL)
-        real_replace(src, dst)
-    os.replace = replace
+    def dying(real):
+        def call(src, dst, *a, **kw):  # SIGKILL ourselves at the moment ``die_at`` would appear
+            if os.path.basename(dst) == die_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(src, dst, *a, **kw)
+        return call
+    os.replace, os.link = dying(os.replace), dying(os.link)  # LATEST is replaced, the rest created (linked)
     publish_version(open_store(root), {"v00000002.blob": b"x" * 1_000_000}, "v00000002.json",
-                    b'{"v":2}', b"v00000002.json")
+                    b'{"v":2}', Latest(2, "v00000002.json", "0" * 16).to_json(), 2)
 """)
 
 
@@ -364,15 +456,16 @@ def test_publisher_sigkilled_midway(tmp_path, die_at, manifest_visible):
     """A real publisher process is SIGKILLed mid-write (data written and fsynced, rename
     not yet done): LATEST still names v1, v2's manifest appears only if complete."""
     store = open_store(tmp_path)
-    publish_v1(store)
+    publish(store, 1, {"v00000001.blob": b"one"})
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, "-c", KILLED_PUBLISHER, str(tmp_path), die_at], env=env, timeout=120)
     assert proc.returncode == -signal.SIGKILL
-    assert store.read("LATEST") == b"v00000001.json"
+    assert held(store) == 1
     assert store.exists("v00000002.json") == manifest_visible
     assert store.read("v00000002.blob") == b"x" * 1_000_000  # blobs are complete before any manifest
     assert "LATEST" in store.list() and not any(".tmp" in k for k in store.list())
-    assert len(os.listdir(tmp_path)) == len(store.list()) + 1  # the dead writer's temp file, unlisted
+    hidden = [n for n in os.listdir(tmp_path) if n.startswith(".engine-ext-tmp-")]
+    assert len(os.listdir(tmp_path)) == len(store.list()) + len(hidden)  # the dead writer's temp file, a lock file: unlisted
 
 
 # --------------------------------------------------------------------------- URIs

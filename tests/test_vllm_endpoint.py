@@ -26,7 +26,7 @@ pytest.importorskip("vllm")
 from vllm_helpers import (PROMPTS, Server, assert_layout_on_this_host, copy_store, make_model, rl_trajectory,  # noqa: E402
                           save_state_dict)
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm_endpoint")]  # one module-scoped server
 K = 4
 
 
@@ -39,12 +39,13 @@ def world(tmp_path_factory, http_server):
     rl_trajectory(model, root / "other", 3, seed=2)
     (root / "other" / "v00000000.anchor.json").unlink()  # no anchor: nothing leads from our weights there
     corrupt = copy_store(root / "run", root / "corrupt")
-    blob = corrupt / "v00000003.0.bin"
+    blob = next(corrupt.glob("v00000003.0.*.bin"))
     b = bytearray(blob.read_bytes())
     b[len(b) // 2] ^= 0x40
     blob.write_bytes(bytes(b))
     trunc = copy_store(root / "run", root / "trunc")
-    (trunc / "v00000003.0.bin").write_bytes((trunc / "v00000003.0.bin").read_bytes()[:-100])
+    blob = next(trunc.glob("v00000003.0.*.bin"))
+    blob.write_bytes(blob.read_bytes()[:-100])
     tampered = copy_store(root / "run", root / "tampered")  # valid blobs, a lying per-tensor fingerprint
     m = json.loads((tampered / "v00000003.json").read_text())
     fp = m["tensors"][0]["fingerprint"]
