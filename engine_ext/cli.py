@@ -26,9 +26,10 @@ from .dtypes import as_bits, dtype_by_name
 from .errors import BaseMismatchError, DeltaError
 from .format import ANCHOR, DELTA
 from . import settings
-from .reader import TensorBases, load_delta, read_latest, read_link
+from .lineage import read_head
+from .reader import TensorBases, load_delta, read_link
 from .signing import Signer, Trust, generate_key
-from .store import NotFoundError, open_store, split_uri
+from .store import open_store, split_uri
 
 
 def _bar(items, desc, total=None):
@@ -39,22 +40,29 @@ def _signer(a) -> Signer | None:
     return Signer(a.sign) if a.sign else Signer.from_settings()
 
 
-def _trust(a) -> Trust:
+def _trust(a, publisher: Signer | None | bool = False) -> Trust:
+    """``--trust`` (else ``ENGINE_EXT_TRUSTED_KEYS``); a publishing command (``publisher``: its
+    signer, or None when it publishes unsigned) reading back its own store also trusts what it
+    signed, or, unsigned, its own bytes."""
     s = settings.current()
     keys = a.trust or list(s.trusted_keys)
-    return Trust.from_public_keys(keys, threshold=s.signature_threshold if not a.trust else 1,
-                                  allow_unsigned=a.allow_unsigned or s.allow_unsigned)
+    unsigned_publisher = publisher is None
+    trust = Trust.from_public_keys(keys, threshold=s.signature_threshold if not a.trust else 1,
+                                   allow_unsigned=a.allow_unsigned or s.allow_unsigned or unsigned_publisher)
+    return trust.also_trusting(publisher) if isinstance(publisher, Signer) else trust
 
 
-def _lineage(store, old_fp: int | None, trust: Trust):
-    """(base version, anchor version, base manifest SHA-256s) from the store's LATEST when it holds ``old_fp``."""
-    try:
-        latest = read_latest(store, trust)
-    except NotFoundError:
-        return None, None, []
-    if old_fp is not None and fpr.parse(latest.fingerprint) != old_fp:
-        return None, None, []
-    return latest.version, latest.anchor_version, [read_link(store, latest.manifest, trust).sha256]
+def _next_version(head, asked: int | None, at_least: int = 0) -> int:
+    """``asked`` (refused at or below a version the store holds), else the first free version."""
+    if asked is not None and asked < head.next_version:
+        raise DeltaError(f"version {asked}: the store already holds versions up to v{head.next_version - 1}; "
+                         "version numbers only grow (leave --version out to take the next free one)")
+    return asked if asked is not None else max(head.next_version, at_least)
+
+
+def _note(cmd: str, text: str) -> None:
+    """What a publishing command did with the store it found (stderr: stdout ends with the URI)."""
+    print(f"engine-ext {cmd}: {text}", file=sys.stderr)
 
 
 def cmd_diff(a) -> str:
@@ -79,25 +87,35 @@ def cmd_diff(a) -> str:
             base = as_bits(o) if settings.current().context_coder else None
             b.add_encoded(name, dt, n.shape, pos.numel(),
                           codec.encode_tensor(dt, n.shape, pos, new_at, old_at, a.mode, base=base), fo, fn)
-    base_version, anchor_version, base_manifests = _lineage(store, fpr.model_fingerprint(old_fps), _trust(a))
-    if a.base_version is not None and a.base_version != base_version:
-        base_version, base_manifests = a.base_version, []
-    m = b.manifest
-    m.base_version = 0 if base_version is None else base_version
-    m.version = a.version if a.version is not None else m.base_version + 1
-    m.anchor_version = anchor_version
-    m.base_manifests = base_manifests
-    return b.publish(store, _signer(a))
+    signer = _signer(a)
+    trust = _trust(a, signer)
+    head = read_head(store, trust)
+    latest, m = head.latest, b.manifest
+    if latest is not None and fpr.parse(latest.fingerprint) == fpr.model_fingerprint(old_fps) and a.base_version in (None, latest.version):
+        m.base_version, m.anchor_version = latest.version, latest.anchor_version
+        m.base_manifests = [latest.sha256 or read_link(store, latest.manifest, trust).sha256]
+        how = f"a delta on top of the store's LATEST (v{latest.version}), bound to its manifest"
+    else:
+        m.base_version = a.base_version if a.base_version is not None else 0
+        where = "an empty store" if latest is None else f"the store's LATEST is v{latest.version} with other weights"
+        how = f"a delta from OLD as v{m.base_version}, bound to it by fingerprint only ({where})"
+    m.version = _next_version(head, a.version, m.base_version + 1)
+    _note("diff", f"v{m.version}: {how}")
+    return b.publish(store, signer)
 
 
 def cmd_anchor(a) -> str:
     ck = CheckpointDir(a.checkpoint)
     store = open_store(a.out)
-    b = VersionBuilder(ANCHOR, a.model or Path(a.checkpoint).name, a.version, anchor_version=a.version)
+    signer = _signer(a)
+    head = read_head(store, _trust(a, signer))
+    version = _next_version(head, a.version)
+    b = VersionBuilder(ANCHOR, a.model or Path(a.checkpoint).name, version, anchor_version=version)
     infos = [(n, i.dtype, i.shape) for n, i in ck.tensors.items()]
     with _bar(None, "anchor", total=len(infos)) as bar:
         b.add_anchor(infos, ck.load, lambda _, t: fpr.tensor_fingerprint(t), bar.update)
-    return b.publish(store, _signer(a))
+    _note("anchor", f"v{version}: an anchor" + ("" if head.latest is None else f", after the store's LATEST (v{head.latest.version})"))
+    return b.publish(store, signer)
 
 
 class _LazyCheckpoint(Mapping):
@@ -248,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("old"); d.add_argument("new")
     d.add_argument("--out", required=True, help="store root: path, file://, http(s)://, s3://bucket/prefix")
     d.add_argument("--base-version", type=int, help="version of OLD (default: the store's LATEST if it is OLD, else 0)")
-    d.add_argument("--version", type=int, help="version of NEW (default: base + 1)")
+    d.add_argument("--version", type=int, help="version of NEW (default: the first free version, at least base + 1)")
     d.add_argument("--mode", choices=["abs", "rel"], help="force a value mode (default: smaller per tensor)")
     d.add_argument("--model", help="model identity written into the manifest")
     signs(d)
@@ -256,8 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=cmd_diff)
     an = sub.add_parser("anchor", help="publish a full anchor of a checkpoint directory")
     an.add_argument("checkpoint"); an.add_argument("--out", required=True)
-    an.add_argument("--version", type=int, default=0); an.add_argument("--model")
+    an.add_argument("--version", type=int, help="default: 0 on an empty store, else the first free version")
+    an.add_argument("--model")
     signs(an)
+    trusts(an)
     an.set_defaults(fn=cmd_anchor)
     ap = sub.add_parser("apply", help="materialise the checkpoint a manifest produces")
     ap.add_argument("manifest"); ap.add_argument("--base", help="checkpoint the delta applies to")

@@ -6,27 +6,41 @@ changed positions and values ever leave the device; fingerprints are updated in
 O(changed). Encoding (all cores) and upload run on a background thread behind a
 bounded queue: ``publish`` returns the manifest URI at once and blocks only when the
 queue is full (backpressure); ``wait()`` drains it and re-raises upload errors.
+
+Versions are write-once and only grow. A publisher on a store that already holds
+versions (a restarted trainer) continues after them (:mod:`engine_ext.lineage`): its first
+version is a delta against LATEST's weights, rebuilt from the store and proven, or an
+anchor; ``resumed`` says which. A second publisher racing it for a version gets a
+:class:`~engine_ext.errors.ConflictError`. While it lives, a signing publisher re-signs
+``LATEST`` before it expires (heartbeat), so followers never see a live run go stale.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from . import chunks, codec, settings
+from . import chunks, codec, lineage, settings
 from .context_codec import supports
 from . import fingerprint as fpr
-from .builder import VersionBuilder
+from .builder import LATEST_TTL_S, VersionBuilder, sign_latest
 from .delta import changed_bits
+from .errors import ConflictError, DeltaError
 from .quantize import quantizer
-from .signing import Signer
+from .signing import Signer, Trust
 from .dtypes import as_bits, dtype_of
-from .format import ANCHOR, DELTA, manifest_key
+from .format import ANCHOR, DELTA, LATEST_KEY, MAX_LATEST_BYTES, Latest, manifest_key
 from .store import Store, open_store
+
+log = logging.getLogger("engine_ext")
+RESUME_MODES = ("auto", "delta", "anchor")
 
 # Wrappers around the whole model (torch.compile, DDP): a prefix on every name.
 WHOLE_MODEL_PREFIXES = ("_orig_mod.", "module.")
@@ -92,12 +106,22 @@ class DeltaPublisher:
             the servers load, quantised from the given (master) weights by
             :func:`engine_ext.quantize.fp8_block_state_dict` at every version, so a delta carries
             the changed fp8 bytes and scales (:mod:`engine_ext.quantize`).
+        start_version: the first version (default: 0 on an empty store, else the first free
+            version after the store's LATEST); never at or below a version the store holds.
+        resume: on a store that already holds versions, what the first version is: ``"auto"``
+            a delta against LATEST where its weights can be rebuilt from the store and proven,
+            else an anchor; ``"delta"`` that delta or an error; ``"anchor"`` an anchor.
+        latest_ttl_s: how long a signed LATEST stays valid; while the publisher lives it re-signs
+            LATEST when half of that has passed (heartbeat).
     """
 
     def __init__(self, store: Store | str, model: str = "model", *, anchor_every: int = 50,
                  keep_on_cpu: bool = False, mode: str | None = None, queue_size: int = 2,
-                 workers: int | None = None, start_version: int = 0, blob_target: int | None = None,
-                 signing_key=None, chunk_min_cell: int | None = chunks.MIN_CELL, quantize: str | None = None):
+                 workers: int | None = None, start_version: int | None = None, blob_target: int | None = None,
+                 signing_key=None, chunk_min_cell: int | None = chunks.MIN_CELL, quantize: str | None = None,
+                 resume: str = "auto", latest_ttl_s: float = LATEST_TTL_S):
+        if resume not in RESUME_MODES:
+            raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
         self.store = open_store(store) if isinstance(store, (str, os.PathLike)) else store
         self.model, self.anchor_every, self.keep_on_cpu, self.mode = model, anchor_every, keep_on_cpu, mode
         self.workers = workers or os.cpu_count() or 1
@@ -105,10 +129,22 @@ class DeltaPublisher:
         self.chunk_min_cell = chunk_min_cell
         self.quantize = quantizer(quantize)
         self.signer = Signer(signing_key) if signing_key is not None else Signer.from_settings()
+        # Reading back its own store, a publisher trusts what it signed (and, unsigned, its own bytes).
+        trust = Trust.from_settings()
+        self.trust = trust.also_trusting(self.signer) if self.signer else dataclasses.replace(trust, allow_unsigned=True)
+        self.resume, self.latest_ttl_s = resume, latest_ttl_s
+        self.head = lineage.read_head(self.store, self.trust)
+        if start_version is not None and start_version < self.head.next_version:
+            raise ValueError(f"start_version {start_version}: {self.store.uri} already holds versions up to "
+                             f"v{self.head.next_version - 1}; version numbers only grow")
+        self.resumed: lineage.Resumed | None = None  # set by the first publish on a store that held versions
         self._manifest_shas: dict[int, list[str]] = {}  # version -> SHA-256 of its published manifests
         self.version: int | None = None
-        self.next_version = start_version
+        self.next_version = self.head.next_version if start_version is None else start_version
         self.anchor_version: int | None = None
+        self._latest: Latest | None = None  # the last LATEST this publisher wrote (the heartbeat re-signs it)
+        self._latest_lock = threading.Lock()
+        self._closed = threading.Event()
         self._prev: dict[str, torch.Tensor] = {}  # raw bits of the last published version
         self._fps: dict[str, int] = {}
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -116,6 +152,10 @@ class DeltaPublisher:
         self._pool = ThreadPoolExecutor(self.workers)
         self._thread = threading.Thread(target=self._upload_loop, name="engine-ext-publisher", daemon=True)
         self._thread.start()
+        self._heartbeat = None
+        if self.signer is not None:
+            self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="engine-ext-latest-heartbeat", daemon=True)
+            self._heartbeat.start()
 
     # -- trainer-facing -------------------------------------------------------
     def publish(self, model_or_state_dict, version: int | None = None) -> str:
@@ -125,8 +165,12 @@ class DeltaPublisher:
         if self.quantize is not None:
             sd = self.quantize(sd)
         version = self.next_version if version is None else version
+        if self.version is None and self.head.latest is not None:
+            self._resume_from_latest(sd, version)
         if self.version is not None and version <= self.version:
             raise ValueError(f"version {version} must be above the last published {self.version}")
+        if version < self.head.next_version:
+            raise ValueError(f"version {version}: {self.store.uri} already holds versions up to v{self.head.next_version - 1}")
         first = self.version is None
         is_anchor = first or bool(self.anchor_every and version % self.anchor_every == 0)
         if is_anchor:
@@ -149,10 +193,75 @@ class DeltaPublisher:
         self._raise_pending()
 
     def close(self) -> None:
+        self._closed.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
         self.wait()
         self._queue.put(None)
         self._thread.join()
         self._pool.shutdown()
+
+    # -- resuming a store that already holds versions -----------------------------
+    def _resume_from_latest(self, sd: dict, version: int) -> None:
+        """Before the first version on a store that holds versions: take LATEST's weights as the
+        previous version when they can be rebuilt from the store and proven (the first version is
+        then a delta against them), else leave the first version an anchor; record which."""
+        latest = self.head.latest
+        reason = "resume='anchor'"
+        if self.resume != "anchor":
+            try:
+                link, weights = lineage.rebuild(self.store, latest, self.trust)
+                want = {n: (tuple(t.shape), t.dtype) for n, t in weights.items()}
+                have = {n: (tuple(t.shape), t.dtype) for n, t in sd.items()}
+                if want != have:
+                    differ = sorted(n for n in set(want) | set(have) if want.get(n) != have.get(n))
+                    raise ValueError(f"{len(differ)} tensor(s) differ in name, shape or dtype from LATEST's: {differ[:5]}")
+            except (DeltaError, ValueError) as e:
+                if self.resume == "delta":
+                    raise ValueError(f"cannot resume {self.store.uri} with a delta against v{latest.version}: {e}") from e
+                reason = f"LATEST's weights cannot serve as the base: {str(e)[:300]}"
+            else:
+                self._remember({n: w.to(sd[n].device) for n, w in weights.items()})
+                self._fps = {t.name: fpr.parse(t.fingerprint) for t in link.manifest.tensors}
+                self.version, self.anchor_version = latest.version, link.manifest.anchor_version
+                self._manifest_shas[latest.version] = [link.sha256]
+                reason = "LATEST's weights rebuilt from the store, every fingerprint proven"
+        self.resumed = lineage.Resumed(latest.version, version, "delta" if self.version is not None else "anchor", reason)
+        log.info("engine_ext: %s: %s", self.store.uri, self.resumed)
+
+    # -- heartbeat: a live publisher's LATEST never expires ------------------------
+    def _heartbeat_loop(self) -> None:
+        while not self._closed.wait(min(self.latest_ttl_s / 4, 3600.0)):
+            try:
+                self.refresh_latest()
+            except Exception as e:  # noqa: BLE001 - the next beat tries again; publishing goes on
+                log.warning("engine_ext: re-signing %s failed: %s", self.store.key_uri(LATEST_KEY), e)
+
+    def refresh_latest(self, force: bool = False) -> bool:
+        """Re-sign the LATEST this publisher wrote with a new expiry, once half its time has passed
+        (or ``force``), unless another publisher moved it; returns whether it was re-signed."""
+        with self._latest_lock:
+            mine = self._latest
+            if mine is None or self.signer is None:
+                return False
+            if not force and mine.expires_unix - time.time() > self.latest_ttl_s / 2:
+                return False
+            fresh = dataclasses.replace(mine, expires_unix=time.time() + self.latest_ttl_s)
+
+            def still_mine(current: bytes | None) -> None:
+                held = None if current is None else Latest.from_json(current)[0]
+                if held is None or (held.version, held.sha256) != (mine.version, mine.sha256):
+                    raise ConflictError(f"LATEST of {self.store.uri} moved to "
+                                        f"{'nothing' if held is None else f'v{held.version}'}; not re-signed")
+
+            try:
+                self.store.write_if(LATEST_KEY, sign_latest(fresh, self.signer), still_mine, MAX_LATEST_BYTES)
+            except ConflictError as e:
+                self._latest = None  # another publisher owns LATEST now: stop beating
+                log.warning("engine_ext: %s", e)
+                return False
+            self._latest = fresh
+            return True
 
     def __enter__(self):
         return self
@@ -229,7 +338,9 @@ class DeltaPublisher:
                     b.add_unchanged(c.name, c.dtype, c.shape, c.fp)
                 else:
                     b.add_encoded(c.name, c.dtype, c.shape, c.positions.numel(), e, c.base_fp, c.fp)
-        b.publish(self.store, self.signer)
+        with self._latest_lock:
+            b.publish(self.store, self.signer, self.latest_ttl_s)
+            self._latest = b.latest
         self._manifest_shas.setdefault(version, []).append(b.manifest_sha256)
         for old in sorted(self._manifest_shas)[:-2]:  # the next delta's base is one of the two newest
             del self._manifest_shas[old]

@@ -114,13 +114,13 @@ def read_manifest(store: Store, key: str, trust: Trust | None = None) -> Manifes
     return read_link(store, key, trust).manifest
 
 
-def read_latest(store: Store, trust: Trust | None = None) -> Latest:
+def read_latest(store: Store, trust: Trust | None = None, allow_expired: bool = False) -> Latest:
     """The LATEST pointer, its signature verified and its expiry checked (a stale pointer is a
-    frozen store: refused)."""
+    frozen store: refused; ``allow_expired`` only for a publisher resuming its own store)."""
     trust = trust or Trust.from_settings()
     latest, signatures = Latest.from_json(store.read(LATEST_KEY, max_bytes=MAX_LATEST_BYTES))
     if trust.verify(latest.signed_bytes(), signatures, store.key_uri(LATEST_KEY)):
-        if latest.expires_unix is None or latest.expires_unix < time.time():
+        if latest.expires_unix is None or (latest.expires_unix < time.time() and not allow_expired):
             raise SignatureError(f"{store.key_uri(LATEST_KEY)} has expired (the publisher stopped refreshing it, "
                                  "or an old pointer is being replayed)")
         if latest.sha256 is None:
@@ -437,7 +437,7 @@ class DowngradeError(BaseMismatchError):
     reason = "downgrade"
 
 
-def _check_link(prev: Link, cur: Link, where: str) -> None:
+def check_link(prev: Link, cur: Link, where: str) -> None:
     """``cur`` (a delta) continues ``prev``: same version and fingerprint, and (format 2) names
     ``prev``'s bytes among its base manifests, so no other manifest with the same fingerprint
     can stand in for it (mix-and-match)."""
@@ -448,7 +448,7 @@ def _check_link(prev: Link, cur: Link, where: str) -> None:
         raise IntegrityError(f"{where}: {cur.key} is not bound to {prev.key} (its base manifests are others)")
 
 
-def _chain_back(store: Store, target: Link, stop_version: int, read, limit: int) -> list[Link] | None:
+def chain_back(store: Store, target: Link, stop_version: int, read, limit: int) -> list[Link] | None:
     """The links from the one based on ``stop_version`` up to ``target``, each checked against
     the next; None if no such chain (or longer than ``limit`` links)."""
     chain = [target]
@@ -460,7 +460,7 @@ def _chain_back(store: Store, target: Link, stop_version: int, read, limit: int)
             prev = read(manifest_key(cur.manifest.base_version))
         except NotFoundError:
             return None
-        _check_link(prev, cur, store.uri)
+        check_link(prev, cur, store.uri)
         chain.insert(0, prev)
         cur = prev
     if cur.manifest.kind == ANCHOR and cur.manifest.version != stop_version:
@@ -530,17 +530,17 @@ def plan(source: str, have_version: int | None = None, have_fingerprint: int | N
         if have_version is None and fpr.parse(tm.base_fingerprint) == have_fingerprint:
             candidates.append([target])
         elif have_version is not None and have_version < tm.version:
-            chain = _chain_back(store, target, have_version, read, limits.chain)
+            chain = chain_back(store, target, have_version, read, limits.chain)
             if chain:
                 candidates.append(chain)
     if tm.kind != ANCHOR and tm.anchor_version is not None:
         try:
             anchor = read(manifest_key(tm.anchor_version, ANCHOR))
-            rest = [] if anchor.manifest.version == tm.version else _chain_back(
+            rest = [] if anchor.manifest.version == tm.version else chain_back(
                 store, target, anchor.manifest.version, read, limits.chain)
             if rest is not None:
                 if rest:
-                    _check_link(anchor, rest[0], store.uri)
+                    check_link(anchor, rest[0], store.uri)
                 candidates.append([anchor] + rest)
         except NotFoundError:
             pass

@@ -84,6 +84,10 @@ class Signer:
         paths = (s or settings.current()).signing_keys
         return cls(list(paths)) if paths else None
 
+    def public_keys(self) -> list:
+        """The public halves of the signing keys (a publisher trusts what it signed itself)."""
+        return [k.public_key() for k in self.keys]
+
     def signatures(self, data: bytes) -> list[dict]:
         return [{"keyid": key_id(_public_raw(k.public_key())), "sig": k.sign(data).hex()} for k in self.keys]
 
@@ -141,6 +145,16 @@ class Trust:
         if threshold < 1 or (keys and threshold > len(keys)):
             raise ValueError(f"signature threshold {threshold} needs 1..{len(keys)} trusted keys")
         return cls(keys, threshold, allow_unsigned)
+
+    def also_trusting(self, signer: "Signer | None") -> "Trust":
+        """This trust plus ``signer``'s own public keys: a publisher reading back its own store
+        (its LATEST, the chain it resumes from) trusts what it signed, whatever else is configured."""
+        if signer is None:
+            return self
+        keys = dict(self.keys)
+        for k in signer.public_keys():
+            keys[key_id(_public_raw(k))] = k
+        return Trust(keys, self.threshold if self.keys else 1, self.allow_unsigned)
 
     @property
     def configured(self) -> bool:

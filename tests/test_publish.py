@@ -135,7 +135,7 @@ def test_wrong_base_refused(tmp_path, states):
 
 def test_corrupt_blob_refused(tmp_path, states):
     publish_all(str(tmp_path), states[:2])
-    blob = tmp_path / "v00000001.0.bin"
+    blob = next(tmp_path.glob("v00000001.0.*.bin"))
     data = bytearray(blob.read_bytes())
     data[-1] ^= 1
     blob.write_bytes(bytes(data))
@@ -152,14 +152,28 @@ class SlowStore:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def write(self, key, data):
+    def _slow(self):
         time.sleep(self.delay)
         if self.fail:
             raise OSError("disk full (simulated)")
+
+    def write(self, key, data):
+        self._slow()
         self.inner.write(key, data)
+
+    def create(self, key, data):
+        self._slow()
+        self.inner.create(key, data)
+
+    def write_if(self, key, data, check, max_bytes=None):
+        self._slow()
+        self.inner.write_if(key, data, check)
 
     def write_file(self, key, path):
         self.write(key, Path(path).read_bytes())
+
+    def create_file(self, key, path):
+        self.create(key, Path(path).read_bytes())
 
 
 def test_backpressure_and_wait(tmp_path, states):

@@ -30,6 +30,9 @@ class Server(VllmServer):
     """A test server: logs noted for failure reports, CPU paths noted for the run summary."""
 
     def __init__(self, model, *, warmup: bool = True, log=None, **kw):
+        if kw.get("tp", 1) == 1:  # under pytest-xdist, each worker's servers compute on a core of their own
+            worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+            kw["env"] = {"VLLM_CPU_OMP_THREADS_BIND": str(worker % (os.cpu_count() or 1)), **(kw.get("env") or {})}
         port = free_port()
         log = log or f"/tmp/engine_ext_vllm_{port}.log"
         server_report.note_log(log)  # before the start: a server that fails to start shows its log too
@@ -66,7 +69,7 @@ def assert_layout_on_this_host(status: dict) -> None:
 
 
 def rl_trajectory(model_dir, store, steps: int, *, seed: int = 1, lr: float = 1e-3, anchor_every: int = 0,
-                  start_version: int = 0, **publisher) -> dict[str, torch.Tensor]:
+                  start_version: int | None = None, **publisher) -> dict[str, torch.Tensor]:
     """Publish an anchor of ``model_dir`` then ``steps`` deltas of a noisy-update trajectory; return the
     final bf16 weights. ``publisher``: more DeltaPublisher arguments (e.g. ``chunk_min_cell``)."""
     from engine_ext.publish import DeltaPublisher
