@@ -146,9 +146,27 @@ def pytest_runtest_makereport(item, call):
             report.sections.append((title, tail))
 
 
+def pytest_configure(config):
+    """In the controlling process (not an xdist worker): the file the workers note their engines in."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        import tempfile
+
+        fd, path = tempfile.mkstemp(prefix="engine_ext_engines_", suffix=".jsonl")
+        os.close(fd)
+        os.environ["ENGINE_EXT_TEST_REPORT"] = path
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that start real vLLM servers (marker ``vllm``) start an engine: ``engine`` too."""
+    for item in items:
+        if item.get_closest_marker("vllm") is not None:
+            item.add_marker(pytest.mark.engine)
+
+
 def pytest_terminal_summary(terminalreporter):
     """Which CPU kernels the engine servers of this run used (the suite must pass on AVX2-only and AMX hosts)."""
-    if server_report.ENGINES:
+    engines = server_report.engines()
+    if engines:
         terminalreporter.section("engine CPU paths in this run")
-        for desc, servers in server_report.ENGINES.items():
+        for desc, servers in engines.items():
             terminalreporter.write_line(f"{desc}  <- {len(servers)} server(s): {', '.join(sorted(set(servers)))}")

@@ -4,10 +4,14 @@
 started since its module began are attached to the failure, so a red CI explains
 itself. ``note_engine``: which CPU kernels a server ran on (GEMM path, attention ISA,
 AMX permission), printed once per distinct set at the end of the run, whichever host
-CI got.
+CI got. Under pytest-xdist the servers run in worker processes, so each note is also a
+line in the file ``ENGINE_EXT_TEST_REPORT`` names (set by conftest.py in the controlling
+process before the workers start), which the run's summary reads.
 """
 from __future__ import annotations
 
+import json
+import os
 import time
 from pathlib import Path
 
@@ -21,6 +25,22 @@ def note_log(path: str | Path) -> None:
 
 def note_engine(description: str, server: str) -> None:
     ENGINES.setdefault(description, []).append(server)
+    path = os.environ.get("ENGINE_EXT_TEST_REPORT")
+    if path:
+        with open(path, "a") as f:  # one short line per write: appends from several workers stay whole
+            f.write(json.dumps([description, server]) + "\n")
+
+
+def engines() -> dict[str, list[str]]:
+    """Every note of this run, from all workers (the report file), else from this process."""
+    path = os.environ.get("ENGINE_EXT_TEST_REPORT")
+    if not path or not os.path.exists(path):
+        return ENGINES
+    out: dict[str, list[str]] = {}
+    for line in Path(path).read_text().splitlines():
+        description, server = json.loads(line)
+        out.setdefault(description, []).append(server)
+    return out
 
 
 def tails_since(t0: float, lines: int = 40, most: int = 3) -> list[tuple[str, str]]:
