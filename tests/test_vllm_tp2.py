@@ -3,12 +3,17 @@
 Each rank holds half of the (tied) embedding rows, of q/k/v and of the MLP; the
 padded vocabulary (1000 -> 1024 rows) leaves padding rows on rank 1. The deltas are cut
 into small cells (as a big model's are at the default size), so each rank fetches only
-the rows or columns it holds: at most 0.6x of the delta. After K deltas through the
-endpoint the outputs equal a TP 2 server cold-started on the final weights.
+the rows or columns it holds: at most 0.6x of the delta. Then rank 1 fails in the middle
+of an update, after writing its part (tests/fault_hook): every rank rolls back, the
+served weights and outputs are those of before, and the same update lands next time.
+After K + 1 deltas through the endpoint the outputs equal a TP 2 server cold-started on
+the final weights.
 """
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -22,9 +27,12 @@ K = 3
 def test_tp2_tied_embeddings(tmp_path):
     model = make_model(tmp_path / "model", "qwen2-tied", vocab=1000)
     root = tmp_path / "stores"
-    final = rl_trajectory(model, root / "run", K, seed=3, chunk_min_cell=256)
+    final = rl_trajectory(model, root / "run", K + 1, seed=3, chunk_min_cell=256)
     assert not any(n.startswith("lm_head") for n in final)
-    server = Server(model, sources=str(root), tp=2, log=tmp_path / "tp2.log")  # version unknown: matched by fingerprint
+    fault = tmp_path / "fault"  # tests/fault_hook: rank N fails its next apply while this file holds N
+    hook = str(Path(__file__).parent / "fault_hook")
+    env = {"PYTHONPATH": os.pathsep.join([hook, os.environ.get("PYTHONPATH", "")]), "ENGINE_EXT_TEST_FAULT": str(fault)}
+    server = Server(model, sources=str(root), tp=2, env=env, log=tmp_path / "tp2.log")  # version unknown: matched by fingerprint
     try:
         before = server.outputs()
         assert server.status()["version"] is None
@@ -35,11 +43,20 @@ def test_tp2_tied_embeddings(tmp_path):
             a = r.json()
             assert a["version"] == n and a["fallback"] == []
             assert len(a["fetched_bytes"]) == 2 and max(a["fetched_bytes"]) <= 0.6 * a["payload_bytes"], a["fetched_bytes"]
-        updated, st = server.outputs(), server.status()
+        at_k, st = server.outputs(), server.status()
         assert st["fingerprint"] == json.loads((root / "run" / f"v{K:08d}.json").read_text())["fingerprint"]
+        fault.write_text("1")
+        r = server.update({"url": str(root / "run" / f"v{K + 1:08d}.json")})
+        assert r.status_code == 500 and r.json()["reason"] == "apply" and "injected fault on rank 1" in r.json()["error"], r.text
+        assert not fault.exists()  # rank 1 did fail, after writing its part
+        assert (server.status()["fingerprint"], server.outputs()) == (st["fingerprint"], at_k)  # both ranks rolled back
+        r = server.update({"url": str(root / "run" / f"v{K + 1:08d}.json")})
+        assert r.status_code == 200 and r.json()["version"] == K + 1, r.text
+        updated, st = server.outputs(), server.status()
+        assert st["fingerprint"] == json.loads((root / "run" / f"v{K + 1:08d}.json").read_text())["fingerprint"]
     finally:
         server.stop()
-    assert updated != before
+    assert updated != before and at_k != before
     cold_dir = save_state_dict(tmp_path / "final", final, model)
     with Server(cold_dir, tp=2, log=tmp_path / "tp2_cold.log") as cold:
         assert cold.status()["fingerprint"] == st["fingerprint"]
