@@ -57,14 +57,23 @@ def _config(kind: str, vocab: int, hidden: int, layers: int, heads: int, kv_head
     raise ValueError(f"unknown tiny model kind {kind!r}; one of {KINDS}")
 
 
-def write_tokenizer(path: str | os.PathLike, vocab: int) -> None:
-    """A WordLevel tokenizer: token ``t{i}`` has id ``i`` (ids 0-2 are pad/bos/eos)."""
+def word_ids(words: list[str] | tuple[str, ...]) -> dict[str, int]:
+    """The ids :func:`write_tokenizer` gives ``words``: 4, 5, ... in order (prompts are given as ids)."""
+    return {w: 4 + i for i, w in enumerate(words)}
+
+
+def write_tokenizer(path: str | os.PathLike, vocab: int, words: list[str] | tuple[str, ...] = ()) -> None:
+    """A WordLevel tokenizer: ``words`` take ids 4, 5, ... (readable samples), every other id ``i``
+    is the token ``t{i}`` (ids 0-3 are pad/bos/eos/unk)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    words.update({f"t{i}": i for i in range(4, vocab)})
-    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    if len(set(words)) != len(words) or 4 + len(words) > vocab:
+        raise ValueError(f"{len(words)} words must be distinct and fit in a vocabulary of {vocab} after the 4 special tokens")
+    vocab_ids = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab_ids.update(word_ids(words))
+    vocab_ids.update({f"t{i}": i for i in range(4 + len(words), vocab)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab_ids, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
@@ -83,6 +92,7 @@ def make_model(
     kv_heads: int = 2,
     seed: int = 0,
     std: float = 0.02,
+    words: list[str] | tuple[str, ...] = (),
 ) -> Path:
     """Write a tiny random ``kind`` model (bf16) with tokenizer into ``path``; return it.
 
@@ -109,7 +119,7 @@ def make_model(
     model.save_pretrained(str(path), safe_serialization=True)
     if kind == "qwen3-moe-fused":
         save_state_dict(path, fuse_experts(load_state_dict(path)), path)
-    write_tokenizer(path, vocab)
+    write_tokenizer(path, vocab, words)
     # transformers 5 writes "dtype"; older readers look for "torch_dtype": keep both.
     cfg_path = path / "config.json"
     cfg_json = json.loads(cfg_path.read_text())
