@@ -78,6 +78,7 @@ def main() -> None:
     prompt, target = [ids[w] for w in PROMPT.split()], [ids[w] for w in TARGET.split()]
     store = out / "store"
     torch.manual_seed(0)
+    torch.set_num_threads(1)  # the server computes on the other core: a second thread here would fight it
     trainer = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     opt = torch.optim.SGD(trainer.parameters(), lr=args.lr)
     batch = torch.tensor([prompt + target])
