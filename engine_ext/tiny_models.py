@@ -26,7 +26,7 @@ KINDS = ("qwen2", "llama", "qwen2-tied", "qwen3-moe", "qwen3-moe-fused", "qwen2-
 MOE_KINDS = ("qwen3-moe", "qwen3-moe-fused", "qwen2-moe")
 
 
-def _config(kind: str, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int):
+def _config(kind: str, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, moe_intermediate: int | None = None):
     import transformers
 
     common = dict(
@@ -46,11 +46,11 @@ def _config(kind: str, vocab: int, hidden: int, layers: int, heads: int, kv_head
         return transformers.LlamaConfig(tie_word_embeddings=False, **common)
     if kind in ("qwen3-moe", "qwen3-moe-fused"):
         return transformers.Qwen3MoeConfig(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
-                                           moe_intermediate_size=hidden // 2, decoder_sparse_step=1,
+                                           moe_intermediate_size=moe_intermediate or hidden // 2, decoder_sparse_step=1,
                                            mlp_only_layers=[], head_dim=hidden // heads, **common)
     if kind == "qwen2-moe":
         return transformers.Qwen2MoeConfig(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
-                                           moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=hidden,
+                                           moe_intermediate_size=moe_intermediate or hidden // 2, shared_expert_intermediate_size=hidden,
                                            decoder_sparse_step=1, mlp_only_layers=[], **common)
     if kind in ("qwen2", "qwen2-tied"):
         return transformers.Qwen2Config(tie_word_embeddings=(kind == "qwen2-tied"), **common)
@@ -93,8 +93,12 @@ def make_model(
     seed: int = 0,
     std: float = 0.02,
     words: list[str] | tuple[str, ...] = (),
+    moe_intermediate: int | None = None,
 ) -> Path:
     """Write a tiny random ``kind`` model (bf16) with tokenizer into ``path``; return it.
+
+    MoE kinds: each expert's intermediate width is ``moe_intermediate`` (default hidden / 2);
+    vLLM's CPU MoE pads a width per rank that is not a multiple of 32 (96 at TP 2: 48 -> 64).
 
     Weights are N(0, std) (norm weights 1 + small noise) so that greedy decoding is
     sensitive to small changes, which makes "outputs identical" a meaningful check.
@@ -103,7 +107,7 @@ def make_model(
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = _config(kind, vocab, hidden, layers, heads, kv_heads)
+    cfg = _config(kind, vocab, hidden, layers, heads, kv_heads, moe_intermediate)
     torch.manual_seed(seed)
     cls = {"llama": transformers.LlamaForCausalLM, "qwen3-moe": transformers.Qwen3MoeForCausalLM,
            "qwen3-moe-fused": transformers.Qwen3MoeForCausalLM,

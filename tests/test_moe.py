@@ -1,10 +1,12 @@
-"""Mixture-of-experts models on a real vLLM CPU server, both checkpoint styles, TP 1 and TP 2.
+"""Mixture-of-experts models on a real vLLM CPU server, both checkpoint styles, TP 1 and TP 2,
+expert widths the engine pads and ones it does not.
 
 A tiny Qwen3-MoE (8 experts, top 2, router gate) saved per expert
 (``mlp.experts.N.gate_proj.weight``) or fused (``mlp.experts.gate_up_proj`` [E, 2*I, H]),
 and a Qwen2-MoE (per expert, plus a shared expert with its gate).
-vLLM's CPU MoE prepacks the experts after loading; the plugin keeps the checkpoint-layout
-experts for the loader and our maps, and re-packs only the experts an update touched.
+vLLM's CPU MoE pads each rank's expert width to its GEMM alignment and prepacks the experts
+after loading; the plugin keeps the checkpoint-layout experts for the loader and our maps,
+and pads and re-packs only the experts an update touched.
 After K deltas the fingerprint and the greedy outputs with logprobs equal a server
 cold-started on the final checkpoint; a corrupt delta and a delta for other weights
 change nothing, and the latter names the tensors that differ.
@@ -101,14 +103,20 @@ def test_vllm_packs_each_expert_independently():
 STEPS = 3
 
 
+# (kind, TP, expert width): 64 wide experts split into 32 rows per rank, which vLLM's CPU grouped GEMM
+# takes as they are; 96 wide ones into 48, which it zero-pads to 64 (the maps follow the checkpoint-layout
+# experts the plugin keeps; the touched experts are padded and re-packed). qwen2-moe: a shared expert and its gate.
+MOE_CASES = [("qwen3-moe", 1, 64), ("qwen3-moe", 2, 64), ("qwen3-moe-fused", 2, 64),
+             ("qwen3-moe", 2, 96), ("qwen3-moe-fused", 2, 96), ("qwen2-moe", 2, 96)]
+
+
 @pytest.mark.vllm
-@pytest.mark.parametrize("kind,tp", [("qwen3-moe", 1), ("qwen3-moe-fused", 1), ("qwen3-moe", 2), ("qwen3-moe-fused", 2),
-                                     ("qwen2-moe", 1)])  # qwen2-moe: a shared expert and its sigmoid gate
-def test_moe_updates_equal_a_cold_start(tmp_path, kind, tp):
+@pytest.mark.parametrize("kind,tp,width", MOE_CASES)
+def test_moe_updates_equal_a_cold_start(tmp_path, kind, tp, width):
     pytest.importorskip("vllm")
     from vllm_helpers import Server, copy_store, make_model, rl_trajectory, save_state_dict
 
-    model = make_model(tmp_path / "model", kind)
+    model = make_model(tmp_path / "model", kind, moe_intermediate=width)
     root = tmp_path / "stores"
     final = rl_trajectory(model, root / "run", STEPS, seed=7, chunk_min_cell=256)
     rl_trajectory(model, root / "other", 2, seed=8)
@@ -124,6 +132,9 @@ def test_moe_updates_equal_a_cold_start(tmp_path, kind, tp):
     try:
         st = server.status()
         assert st["layout"]["fallback"] == [] and st["layout"]["mismatched"] == [], st["layout"]
+        padded = (width // tp) % 32 != 0  # vLLM CPU's grouped GEMM aligns the per-rank width to 32
+        for engine in st["layout"]["engine"]:
+            assert engine["moe"]["layers"] > 0 and bool(engine["moe"]["padded"]) == padded, engine
         r = server.update({"url": str(root / "run" / "v00000001.json")})
         assert r.status_code == 200, r.text
         at_v1 = (server.status()["fingerprint"], server.outputs())
@@ -143,7 +154,7 @@ def test_moe_updates_equal_a_cold_start(tmp_path, kind, tp):
         server.stop()
     assert updated != at_v1[1]
     with Server(save_state_dict(tmp_path / "final", final, model), tp=tp, log=tmp_path / "cold.log") as cold:
-        assert cold.status()["fingerprint"] == st["fingerprint"]
+        assert cold.status()["fingerprint"] == st["fingerprint"] and cold.status()["layout"]["mismatched"] == []
         assert cold.outputs() == updated
 
 

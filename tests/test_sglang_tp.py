@@ -43,6 +43,9 @@ CASES = {
     "qwen2": ("qwen2", None, {}), "llama": ("llama", None, {}), "qwen2-tied": ("qwen2-tied", None, {}),
     "qwen3-moe": ("qwen3-moe", None, {}),  # fused experts: SGLang 0.5.23 does not load them (docs/MOE_FP8.md)
     "qwen2-moe": ("qwen2-moe", None, {}),  # a shared expert and its gate
+    # expert widths vLLM's CPU MoE pads at TP 2 (48 rows per rank): the same widths on SGLang
+    "qwen3-moe-96": ("qwen3-moe", None, {"moe_intermediate": 96}),
+    "qwen2-moe-96": ("qwen2-moe", None, {"moe_intermediate": 96}),
     "qwen2-fp8": ("qwen2", "fp8-block", {"hidden": 512, "heads": 4, "kv_heads": 2}),
     "qwen3-moe-fp8": ("qwen3-moe", "fp8-block", {"hidden": 512, "heads": 4, "kv_heads": 2}),
 }

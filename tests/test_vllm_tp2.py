@@ -4,7 +4,7 @@ Each rank holds half of the (tied) embedding rows, of q/k/v and of the MLP; the
 padded vocabulary (1000 -> 1024 rows) leaves padding rows on rank 1. The deltas are cut
 into small cells (as a big model's are at the default size), so each rank fetches only
 the rows or columns it holds: at most 0.6x of the delta. Then rank 1 fails in the middle
-of an update, after writing its part (tests/fault_hook): every rank rolls back, the
+of an update, after writing its part (tests/server_hooks): every rank rolls back, the
 served weights and outputs are those of before, and the same update lands next time.
 After K + 1 deltas through the endpoint the outputs equal a TP 2 server cold-started on
 the final weights.
@@ -12,13 +12,11 @@ the final weights.
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
-from vllm_helpers import Server, assert_layout_on_this_host, make_model, rl_trajectory, save_state_dict  # noqa: E402
+from vllm_helpers import HOOKS, Server, assert_layout_on_this_host, make_model, rl_trajectory, save_state_dict  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 K = 3
@@ -29,9 +27,8 @@ def test_tp2_tied_embeddings(tmp_path):
     root = tmp_path / "stores"
     final = rl_trajectory(model, root / "run", K + 1, seed=3, chunk_min_cell=256)
     assert not any(n.startswith("lm_head") for n in final)
-    fault = tmp_path / "fault"  # tests/fault_hook: rank N fails its next apply while this file holds N
-    hook = str(Path(__file__).parent / "fault_hook")
-    env = {"PYTHONPATH": os.pathsep.join([hook, os.environ.get("PYTHONPATH", "")]), "ENGINE_EXT_TEST_FAULT": str(fault)}
+    fault = tmp_path / "fault"  # tests/server_hooks: rank N fails its next apply while this file holds N
+    env = HOOKS | {"ENGINE_EXT_TEST_FAULT": str(fault)}
     server = Server(model, sources=str(root), tp=2, env=env, log=tmp_path / "tp2.log")  # version unknown: matched by fingerprint
     try:
         before = server.outputs()

@@ -23,6 +23,8 @@ from engine_ext.tiny_models import load_state_dict, make_model, save_state_dict 
 from engine_ext.vllm.launcher import ServerDied, VllmServer, cpu_flags, free_port  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [9, 9, 9, 9, 9, 9], [999, 17, 450, 3, 77]]
+# tests/server_hooks on a server's PYTHONPATH: test-only faults and switches (its docstring), set by ENGINE_EXT_TEST_* variables
+HOOKS = {"PYTHONPATH": os.pathsep.join(p for p in [str(Path(__file__).parent / "server_hooks"), os.environ.get("PYTHONPATH")] if p)}
 WARMUP_PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]  # > 4 tokens: oneDNN asks for AMX permission on the way
 
 
@@ -37,14 +39,18 @@ class Server(VllmServer):
         log = log or f"/tmp/engine_ext_vllm_{port}.log"
         server_report.note_log(log)  # before the start: a server that fails to start shows its log too
         super().__init__(model, log=log, port=port, **kw)
-        layout = self.status().get("layout") or {}
-        engine = (layout.get("engine") or [{}])[0]
-        server_report.note_engine(
-            f"CPU flags [{' '.join(cpu_flags())}]: GEMM paths {engine.get('gemm')}, attention ISA {engine.get('attention_isa')}, "
-            f"AMX permission {engine.get('amx')}, converting maps {len(layout.get('converted', []))}, "
-            f"dense fallback {layout.get('fallback')}", f"{Path(self.model).name} tp={kw.get('tp', 1)}")
-        if warmup:
-            self.complete(WARMUP_PROMPT, max_tokens=1, logprobs=0)
+        try:
+            layout = self.status().get("layout") or {}
+            engine = (layout.get("engine") or [{}])[0]
+            server_report.note_engine(
+                f"CPU flags [{' '.join(cpu_flags())}]: GEMM paths {engine.get('gemm')}, attention ISA {engine.get('attention_isa')}, "
+                f"AMX permission {engine.get('amx')}, converting maps {len(layout.get('converted', []))}, "
+                f"dense fallback {layout.get('fallback')}", f"{Path(self.model).name} tp={kw.get('tp', 1)}")
+            if warmup:
+                self.complete(WARMUP_PROMPT, max_tokens=1, logprobs=0)
+        except BaseException:
+            self.stop()  # a server that started but cannot be used is not left running
+            raise
 
     def outputs(self) -> list:
         """Greedy token ids, logprobs and top-k alternatives per prompt: compared bit for bit."""

@@ -27,6 +27,8 @@ TOUCHPOINTS = (
                ("output", "hidden_states", "w1", "w2"), "wrapped to pass the packed copies as w1/w2"),
     Touchpoint("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts.isa", (),
                "the prepack layout ('vec', 'amx', ...)"),
+    Touchpoint("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts._pad_moe_intermediate",
+               ("layer",), "pads the touched experts before they are re-packed (private)"),
     Touchpoint("vllm._custom_ops", "cpu_prepack_moe_weight", ("weight", "isa"),
                "re-packs the touched experts (each expert is packed independently: tests/test_moe.py)"),
     Touchpoint("vllm.v1.attention.backends.cpu_attn", "_get_attn_isa", ("dtype", "block_size"),
@@ -122,6 +124,17 @@ def cpu_moe_experts_class():
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     return CPUUnquantizedExperts
+
+
+def cpu_pad_moe_experts(experts, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``rows`` ({"w13_weight": [n, 2I, H], "w2_weight": [n, H, I]}, some experts of a layer) padded
+    as vLLM's CPU MoE pads the whole layer after loading (``_pad_moe_intermediate`` of ``experts``,
+    run on a module holding just those experts)."""
+    holder = torch.nn.Module()
+    for name, w in rows.items():
+        holder.register_parameter(name, torch.nn.Parameter(w, requires_grad=False))
+    experts._pad_moe_intermediate(holder)
+    return {name: getattr(holder, name).data for name in rows}
 
 
 def cpu_prepack_moe_weight(weight: torch.Tensor, isa: str) -> torch.Tensor:

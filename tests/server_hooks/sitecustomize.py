@@ -1,11 +1,12 @@
-"""Test-only fault injection into the engine servers the tests start (never part of the package).
+"""Test-only hooks into the engine servers the tests start (never part of the package).
 
-A test puts this directory on a server's ``PYTHONPATH`` and names a flag file in
-``ENGINE_EXT_TEST_FAULT``. In every process of the server, once the per-rank updater
-module is imported, ``RankUpdater.apply`` runs as usual (its part is written in place
-and an undo log kept) and then, on the rank whose number the flag file holds, deletes
-the file and raises: a rank that fails in the middle of an update, after writing. One
-fault per arming (write the rank number into the file to arm it).
+A test puts this directory on a server's ``PYTHONPATH`` and sets, in the server's environment:
+
+- ``ENGINE_EXT_TEST_FAULT=<file>``: once the per-rank updater module is imported,
+  ``RankUpdater.apply`` runs as usual (its part is written in place and an undo log kept)
+  and then, on the rank whose number the file holds, deletes the file and raises: a rank
+  that fails in the middle of an update, after writing. One fault per arming (write the
+  rank number into the file to arm it).
 """
 import importlib.abc
 import importlib.util
@@ -13,7 +14,6 @@ import os
 import sys
 
 FLAG = os.environ.get("ENGINE_EXT_TEST_FAULT")
-MODULE = "engine_ext.rank"  # where RankUpdater lives
 
 
 def _armed_for() -> int | None:
@@ -24,7 +24,7 @@ def _armed_for() -> int | None:
         return None
 
 
-def _patch(module) -> None:
+def _fail_after_apply(module) -> None:
     original = module.RankUpdater.apply
 
     def apply(self, *args, **kwargs):
@@ -37,21 +37,30 @@ def _patch(module) -> None:
     module.RankUpdater.apply = apply
 
 
+PATCHES = {}  # module name -> what to do once it is imported
+if FLAG:
+    PATCHES["engine_ext.rank"] = _fail_after_apply
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != MODULE:
+        patch = PATCHES.get(name)
+        if patch is None:
             return None
         sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
         exec_module = spec.loader.exec_module
 
         def exec_and_patch(module):
             exec_module(module)
-            _patch(module)
+            patch(module)
 
         spec.loader.exec_module = exec_and_patch
         return spec
 
 
-if FLAG:
+if PATCHES:
     sys.meta_path.insert(0, _PatchOnImport())
