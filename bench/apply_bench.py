@@ -5,7 +5,7 @@
 Methods (each in a fresh subprocess, so peak memory is its own; each is warmed up by one
 call first and the model brought back to the same base, then 3 calls are measured, each
 from that base: median time, largest peak memory):
-  ours     engine_ext.apply.apply_delta, torch path, undo log + fingerprint deltas on
+  ours     engine_ext.server.apply.apply_delta, torch path, undo log + fingerprint deltas on
   indexput a per-tensor ``index_put_`` loop (no undo, no fingerprints): the naive floor
   vllm     vllm's ``load_checkpoint_weight_patches`` (sparse patches: NaN-filled
            checkpoint-shaped staging + the model's ``load_weights`` with ``copy_`` patched)
@@ -14,7 +14,7 @@ The model is a plain torch module with Qwen2.5-shaped bf16 parameters packed the
 vLLM packs them (``qkv_proj`` = q|k|v, ``gate_up_proj`` = gate|up, tied embeddings) and a
 ``load_weights`` that routes checkpoint names through vLLM-style loaders (narrow +
 ``copy_``, vLLM's own ``default_weight_loader`` when installed); our maps come from
-:func:`engine_ext.layout.probe_layout` on that loader. The delta changes ``density`` of
+:func:`engine_ext.server.layout.probe_layout` on that loader. The delta changes ``density`` of
 each tensor's elements by +-1..2 ULP (relative steps; vLLM gets the same change as
 absolute new values). Extra memory = peak RSS during the apply minus RSS before it
 (``/proc/self/clear_refs`` resets the peak), so it includes every temporary and the undo
@@ -37,9 +37,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from synthetic import llm_shapes  # noqa: E402
 
-from engine_ext import dtypes  # noqa: E402
-from engine_ext import fingerprint as fpr  # noqa: E402
-from engine_ext.delta import TensorDelta  # noqa: E402
+from engine_ext.format import dtypes  # noqa: E402
+from engine_ext.format import fingerprint as fpr  # noqa: E402
+from engine_ext.format.delta import TensorDelta  # noqa: E402
 
 PRESETS = {  # Qwen2.5 shapes (hidden, layers, vocab, intermediate, kv dim)
     "0.5b": dict(hidden=896, layers=24, vocab=151936, inter=4864, kv=128),
@@ -162,8 +162,8 @@ def run_method(method: str, preset: str, density: float) -> dict:
     nnz = sum(d.nnz for d in deltas)
     extra = {}
     if method == "ours":
-        from engine_ext.apply import apply_delta
-        from engine_ext.layout import probe_layout
+        from engine_ext.server.apply import apply_delta
+        from engine_ext.server.layout import probe_layout
 
         t0 = time.perf_counter()
         maps = probe_layout(model, lambda n, t: model.load_weights([(n, t)]), [(d.name, d.shape, d.dtype) for d in deltas])

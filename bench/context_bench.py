@@ -4,7 +4,7 @@ side by side on real training (bench/train_data.py).
     python bench/context_bench.py [--lr 1e-6 3e-6] [--pairs 4]
 
 Per lr, over consecutive bf16 version pairs: bytes per changed element of v1
-(``engine_ext.codec`` without a base), of v2 (the publisher's choice per tensor: the context
+(``engine_ext.format.codec`` without a base), of v2 (the publisher's choice per tensor: the context
 coder where it saves >= 10 %, headers included), of arc_v3 (``fireworks-delta-compression``,
 only where installed: ``bench/fireworks_codec.py`` says how; blob + checksum), and the
 first-order entropy bound (gaps + steps; the smaller of pooled over the model and per tensor).
@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.codec_bench import entropy_bits  # noqa: E402
 from bench.train_data import versions  # noqa: E402
-from engine_ext import codec, context_codec  # noqa: E402
-from engine_ext.dtypes import BY_NAME, as_bits, step_between  # noqa: E402
+from engine_ext.format import codec, context_codec  # noqa: E402
+from engine_ext.format.dtypes import BY_NAME, as_bits, step_between  # noqa: E402
 
 BF16 = BY_NAME["bfloat16"]
 

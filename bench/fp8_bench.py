@@ -10,7 +10,7 @@ tile. Which effect wins depends on how often tile maxima move, which synthetic s
 not model, so this measures real AdamW training (bench/train_data.py).
 
 Three checkpoints per version of one run, each published with the real
-:class:`~engine_ext.publish.DeltaPublisher` into a local store (anchor at version 0,
+:class:`~engine_ext.trainer.publisher.DeltaPublisher` into a local store (anchor at version 0,
 then one delta per step); every number comes from the published manifests and blobs:
 
 * **bf16**: the bf16 cast of the fp32 masters.
@@ -37,9 +37,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.train_data import size_args, spec_kwargs, versions  # noqa: E402
-from engine_ext.format import Manifest, manifest_key  # noqa: E402
-from engine_ext.publish import DeltaPublisher  # noqa: E402
-from engine_ext.quantize import BLOCK, FP8, SCALE_SUFFIX, fp8_block_state_dict, quantizes, scale_name  # noqa: E402
+from engine_ext.format.manifest import Manifest, manifest_key  # noqa: E402
+from engine_ext.trainer.publisher import DeltaPublisher  # noqa: E402
+from engine_ext.format.quantize import BLOCK, FP8, SCALE_SUFFIX, fp8_block_state_dict, quantizes, scale_name  # noqa: E402
 
 PARTS = ("linear", "scale", "other")  # quantisable linear weights, their scales, everything else
 

@@ -57,11 +57,11 @@ def _shim_triton_kernels():
 
 _shim_triton_kernels()
 
-from engine_ext import dtypes  # noqa: E402
-from engine_ext import fingerprint as fpr  # noqa: E402
-from engine_ext.apply import apply_delta  # noqa: E402
-from engine_ext.maps import Piece, TensorMap, row_major_strides, validate  # noqa: E402
-from engine_ext.delta import TensorDelta  # noqa: E402
+from engine_ext.format import dtypes  # noqa: E402
+from engine_ext.format import fingerprint as fpr  # noqa: E402
+from engine_ext.server.apply import apply_delta  # noqa: E402
+from engine_ext.server.maps import Piece, TensorMap, row_major_strides, validate  # noqa: E402
+from engine_ext.format.delta import TensorDelta  # noqa: E402
 
 BF16 = dtypes.BY_NAME["bfloat16"]
 
@@ -229,7 +229,7 @@ class KernelTimer:
 
             return launch
 
-        ak.apply_segments = timed_launch(ak.apply_segments)  # engine_ext.apply_fused calls them by module attribute
+        ak.apply_segments = timed_launch(ak.apply_segments)  # engine_ext.server.apply_fused calls them by module attribute
         ak.rollback_segments = timed_launch(ak.rollback_segments)
 
     def take(self) -> float:

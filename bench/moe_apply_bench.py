@@ -18,7 +18,7 @@ bf16; only elements whose bf16 bits change are in the delta (their count is prin
 
 Methods (all from the same base weights, all must end at bitwise the expected new
 weights: checked after every run, and the layer is reset to the base between runs):
-  fused            ``engine_ext.apply.apply_delta(all 3*E deltas, maps, undo=False)``: one call
+  fused            ``engine_ext.server.apply.apply_delta(all 3*E deltas, maps, undo=False)``: one call
                    (``backend="auto"``: the torch path on CPU tensors; the fused Triton kernel,
                    one launch per dtype width, is what it picks on CUDA; not measured here)
   fused+undo       the same with ``undo=True`` (production: old bits kept for rollback)
@@ -37,8 +37,8 @@ weights: checked after every run, and the layer is reset to the base between run
   dense            baseline: the loader re-run for every checkpoint tensor with the full new
                    tensor (a non-sparse refit, excluding reading the checkpoint)
 
-Maps come from :func:`engine_ext.layout.probe_layout` on the loader; deltas from
-:func:`engine_ext.delta.diff_tensor` (mode ABS: sorted int64 positions, new bits as int16).
+Maps come from :func:`engine_ext.server.layout.probe_layout` on the loader; deltas from
+:func:`engine_ext.format.delta.diff_tensor` (mode ABS: sorted int64 positions, new bits as int16).
 Each method is warmed up once, then ``--reps`` rounds run every method once, in an order
 that rotates per round, so the ratios come from one run on one machine state. Reported:
 median wall and CPU (process) time per method and their ratios to ``fused``. On a shared
@@ -59,10 +59,10 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from engine_ext.apply import apply_delta  # noqa: E402
-from engine_ext.delta import ABS, TensorDelta, diff_tensor  # noqa: E402
-from engine_ext.layout import probe_layout  # noqa: E402
-from engine_ext.maps import TensorMap  # noqa: E402
+from engine_ext.server.apply import apply_delta  # noqa: E402
+from engine_ext.format.delta import ABS, TensorDelta, diff_tensor  # noqa: E402
+from engine_ext.server.layout import probe_layout  # noqa: E402
+from engine_ext.server.maps import TensorMap  # noqa: E402
 
 CKPT = "model.layers.0.mlp.experts.{e}.{proj}_proj.weight"
 PROJS = ("gate", "up", "down")

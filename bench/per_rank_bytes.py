@@ -9,7 +9,7 @@ bf16: a few % of the elements change), published to a local store with the defau
 size. The torch path shards every tensor as vLLM's Qwen2 does (vocabulary, q/k/v, gate and
 up along dimension 0; o_proj and down_proj along dimension 1; norms replicated) over
 ``world`` in-process ranks, drives each update through the real
-:class:`~engine_ext.controller.Controller` and checks every rank's shard against the
+:class:`~engine_ext.server.controller.Controller` and checks every rank's shard against the
 final weights bit for bit. ``--vllm`` serves the same model at TP 2 on vLLM's CPU build
 and takes the per-rank figures from the endpoint's answers (``fetched_bytes``).
 """
@@ -63,14 +63,14 @@ class ShardedRank(torch.nn.Module):
 
 
 class InProcessRanks:
-    """:class:`engine_ext.transaction.Ranks` over ranks in this process (replies cross the wire format)."""
+    """:class:`engine_ext.server.transaction.Ranks` over ranks in this process (replies cross the wire format)."""
 
     def __init__(self, updaters):
         self.updaters = updaters
 
     async def call(self, op, **kw):
-        from engine_ext.protocol import RankReply
-        from engine_ext.rank import run_op
+        from engine_ext.server.protocol import RankReply
+        from engine_ext.server.rank import run_op
 
         return [RankReply.from_wire(run_op(up, op, kw)) for up in self.updaters]
 
@@ -85,7 +85,7 @@ class InProcessRanks:
 
 
 def publish(model_dir: Path, store: Path, steps: int, lr: float) -> list[dict]:
-    from engine_ext.publish import DeltaPublisher
+    from engine_ext.trainer.publisher import DeltaPublisher
     from engine_ext.tiny_models import load_state_dict
 
     master = {n: t.float() for n, t in load_state_dict(model_dir).items()}
@@ -102,11 +102,11 @@ def publish(model_dir: Path, store: Path, steps: int, lr: float) -> list[dict]:
 
 
 def torch_path(store: Path, versions: list[dict], world: int) -> list[dict]:
-    from engine_ext.controller import Controller
-    from engine_ext.dtypes import BY_TORCH
-    from engine_ext.protocol import UpdateRequest
-    from engine_ext.rank import RankUpdater
-    from engine_ext.sources import Sources
+    from engine_ext.server.controller import Controller
+    from engine_ext.format.dtypes import BY_TORCH
+    from engine_ext.server.protocol import UpdateRequest
+    from engine_ext.server.rank import RankUpdater
+    from engine_ext.store.sources import Sources
 
     base = versions[0]
     specs = {n: (tuple(t.shape), BY_TORCH[t.dtype]) for n, t in base.items()}
@@ -128,7 +128,7 @@ def torch_path(store: Path, versions: list[dict], world: int) -> list[dict]:
 
 
 def vllm_path(model_dir: Path, store: Path, steps: int, log: Path) -> list[dict]:
-    from engine_ext.vllm.launcher import VllmServer
+    from engine_ext.engines.vllm.launcher import VllmServer
 
     rows = []
     with VllmServer(model_dir, sources=str(store), tp=2, base_version=0, log=log) as srv:
@@ -151,7 +151,7 @@ def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="also a real vLLM CPU server at TP 2")
     args = ap.parse_args()
 
-    from engine_ext.signing import generate_key
+    from engine_ext.store.signing import generate_key
     from engine_ext.tiny_models import make_model
 
     work = Path(tempfile.mkdtemp(prefix="engine_ext_rank_bytes_"))

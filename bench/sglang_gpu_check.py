@@ -49,8 +49,8 @@ def prepare(work: Path, args) -> dict:
     """Model dir, store with v0 + K deltas, and the final checkpoint for the cold start."""
     import torch
 
-    from engine_ext.publish import DeltaPublisher
-    from engine_ext.signing import generate_key
+    from engine_ext.trainer.publisher import DeltaPublisher
+    from engine_ext.store.signing import generate_key
     from engine_ext.tiny_models import load_state_dict, make_model, perturb, save_state_dict
 
     if args.model_dir:

@@ -36,7 +36,7 @@ def prepare(work: Path, args) -> dict:
     """bf16 masters -> fp8 model dir, store with v0 + K fp8 deltas, final fp8 checkpoint."""
     import torch
 
-    from engine_ext.publish import DeltaPublisher
+    from engine_ext.trainer.publisher import DeltaPublisher
     from engine_ext.tiny_models import load_state_dict, make_model, perturb, save_state_dict
 
     base = make_model(work / "bf16", args.kind, vocab=args.vocab, hidden=args.hidden, layers=args.layers,
@@ -99,7 +99,7 @@ def main() -> int:
         if args.dry_run:
             print(json.dumps({"model": data["model"], "urls": data["urls"], "deltas": data["deltas"]}, indent=1))
             return 0
-        from engine_ext.vllm.launcher import VllmServer
+        from engine_ext.engines.vllm.launcher import VllmServer
 
         extra = [a for a in args.server_args if a != "--"]
         env = {"ENGINE_EXT_ALLOW_UNSIGNED": "1", "ENGINE_EXT_NO_AUTH": "1"}

@@ -98,7 +98,7 @@ def make_versions(model_dir: Path, store: Path, steps: int, lr: float, seed: int
     """Publish v0 (anchor) .. v{steps}: Adam-like steps (size lr, random sign) on fp32 masters, cast to bf16."""
     from safetensors.torch import save_file
 
-    from engine_ext.publish import DeltaPublisher
+    from engine_ext.trainer.publisher import DeltaPublisher
     from engine_ext.tiny_models import load_state_dict
 
     master = {n: t.float() for n, t in load_state_dict(model_dir).items()}
@@ -132,7 +132,7 @@ def main() -> None:
     from engine_ext.tiny_models import make_model
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="engine_ext_bench_"))
-    from engine_ext.signing import generate_key
+    from engine_ext.store.signing import generate_key
 
     key = work / "bench.key"  # signed and verified, as in production (before anything reads the settings)
     if not key.exists():
@@ -161,11 +161,11 @@ def _bench_in_worker(worker, store: str, versions: list[dict], cuda: bool) -> di
     """Runs inside the (in-process) vLLM worker: the three methods, timed and verified."""
     from vllm.model_executor.model_loader.checkpoint_weight_patch import CheckpointWeightPatch, load_checkpoint_weight_patches
 
-    from engine_ext import fingerprint as fpr
-    from engine_ext.reader import read_link
+    from engine_ext.format import fingerprint as fpr
+    from engine_ext.store.reader import read_link
     from engine_ext.store import split_uri
-    from engine_ext.transaction import combine_fingerprints
-    from engine_ext.vllm.worker import updater_for
+    from engine_ext.server.transaction import combine_fingerprints
+    from engine_ext.engines.vllm.worker import updater_for
 
     model = worker.model_runner.get_model()
     dev = next(model.parameters()).device

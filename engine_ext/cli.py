@@ -17,18 +17,18 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import codec
-from . import fingerprint as fpr
-from .builder import VersionBuilder
-from .checkpoint import CheckpointDir, SafetensorsWriter
-from .delta import apply_tensor, changed_bits
-from .dtypes import as_bits, dtype_by_name
+from .format import codec
+from .format import fingerprint as fpr
+from .trainer.builder import VersionBuilder
+from .store.checkpoint import CheckpointDir, SafetensorsWriter
+from .format.delta import apply_tensor, changed_bits
+from .format.dtypes import as_bits, dtype_by_name
 from .errors import BaseMismatchError, DeltaError
-from .format import ANCHOR, DELTA
+from .format.manifest import ANCHOR, DELTA
 from . import settings
-from .lineage import read_head
-from .reader import TensorBases, load_delta, read_link
-from .signing import Signer, Trust, generate_key
+from .trainer.lineage import read_head
+from .store.reader import TensorBases, load_delta, read_link
+from .store.signing import Signer, Trust, generate_key
 from .store import open_store, split_uri
 
 

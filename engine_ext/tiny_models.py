@@ -147,7 +147,7 @@ def save_state_dict(path: str | os.PathLike, state: dict[str, torch.Tensor], lik
     """A model dir with ``like``'s config/tokenizer and ``state`` as its weights (cold starts).
 
     ``quantize="fp8-block"``: write the fp8 checkpoint of ``state`` (master weights) instead,
-    with its ``quantization_config`` (:mod:`engine_ext.quantize`)."""
+    with its ``quantization_config`` (:mod:`engine_ext.format.quantize`)."""
     import shutil
 
     from safetensors.torch import save_file
@@ -158,7 +158,7 @@ def save_state_dict(path: str | os.PathLike, state: dict[str, torch.Tensor], lik
         if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
             shutil.copy(f, path / f.name)
     if quantize is not None:
-        from .quantize import quantization_config, quantizer
+        from .format.quantize import quantization_config, quantizer
 
         cfg_path = path / "config.json"
         cfg = json.loads(cfg_path.read_text())

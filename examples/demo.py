@@ -12,7 +12,7 @@ What it does (all local, nothing downloaded):
    the server takes only signed versions, and only from callers with the token);
 3. trains a copy of the model (fp32 master weights, plain SGD) to continue the prompt
    "the zen of python says" with "beautiful is better than ugly ..."; after every step it
-   casts the weights to bf16 and publishes the version with ``engine_ext.publish.DeltaPublisher``;
+   casts the weights to bf16 and publishes the version with ``engine_ext.trainer.publisher.DeltaPublisher``;
 4. asks the server to take each version while a client keeps generating;
 5. after each update asks the *server* how likely it finds the target and what it says
    itself (greedy): the served model moves toward the target, version by version;
@@ -60,11 +60,11 @@ def main() -> None:
     import requests
     import transformers
 
-    from engine_ext import fingerprint as fpr
-    from engine_ext.publish import DeltaPublisher
-    from engine_ext.signing import generate_key
+    from engine_ext.format import fingerprint as fpr
+    from engine_ext.trainer.publisher import DeltaPublisher
+    from engine_ext.store.signing import generate_key
     from engine_ext.tiny_models import make_model, word_ids
-    from engine_ext.vllm.launcher import VllmServer
+    from engine_ext.engines.vllm.launcher import VllmServer
 
     out = Path(args.out).resolve()
     if out.exists():

@@ -31,9 +31,9 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
-    from engine_ext import fingerprint as fpr
-    from engine_ext.protocol import RankReply
-    from engine_ext.transaction import combine_fingerprints
+    from engine_ext.format import fingerprint as fpr
+    from engine_ext.server.protocol import RankReply
+    from engine_ext.server.transaction import combine_fingerprints
 
     llm = LLM(args.model, dtype="bfloat16", max_model_len=256, enforce_eager=True, tensor_parallel_size=args.tp,
               weight_transfer_config={"backend": "delta"})

@@ -24,7 +24,7 @@ def _secure_by_default_for_the_whole_run():
     """
     import tempfile
 
-    from engine_ext.signing import generate_key
+    from engine_ext.store.signing import generate_key
 
     d = tempfile.mkdtemp(prefix="engine_ext_test_keys_")
     generate_key(os.path.join(d, "publisher.key"))

@@ -11,9 +11,9 @@ import asyncio
 
 import torch
 
-from engine_ext.dtypes import BY_TORCH
-from engine_ext.protocol import RankReply
-from engine_ext.rank import RankUpdater, run_op
+from engine_ext.format.dtypes import BY_TORCH
+from engine_ext.server.protocol import RankReply
+from engine_ext.server.rank import RankUpdater, run_op
 
 
 class Rank(torch.nn.Module):
@@ -45,7 +45,7 @@ def make_rank(r: int, sd: dict, sharded=("w",), world: int = 2) -> RankUpdater:
 
 
 class FakeRanks:
-    """:class:`engine_ext.transaction.Ranks` over ranks in this process; records every call."""
+    """:class:`engine_ext.server.transaction.Ranks` over ranks in this process; records every call."""
 
     def __init__(self, ranks, fail_rank=None, pause_s=0.0):
         self.ranks, self.fail_rank, self.pause_s, self.calls = ranks, fail_rank, pause_s, []

@@ -2,7 +2,7 @@
 
 Random segments (boxes of 0-4-d checkpoint tensors mapped into packed, transposed,
 padded destinations; sparse and dense; absolute and relative; every width) become
-kernel table rows through ``engine_ext.apply_fused``; the kernel (in Triton's
+kernel table rows through ``engine_ext.server.apply_fused``; the kernel (in Triton's
 interpreter on the CPU) and ``reference_apply`` then run on copies of the same
 destination and must agree bit for bit: the written storage, the undo slots, the
 fingerprint change and the count. Rollback restores the storage.
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_ext import dtypes
-from engine_ext.maps import validate
+from engine_ext.format import dtypes
+from engine_ext.server.maps import validate
 
 from test_kernels import make_case  # noqa: E402  (tests/ is on sys.path via conftest)
 
@@ -35,7 +35,7 @@ def test_kernel_is_a_leaf():
 @pytest.mark.parametrize("seed", range(24))
 def test_kernel_equals_reference(interp, seed):
     K = interp
-    from engine_ext.apply_fused import _row
+    from engine_ext.server.apply_fused import _row
 
     d = [x for x in dtypes.BY_NAME.values()][seed % len(dtypes.BY_NAME)]
     td, m, buf = make_case(1000 + seed, d, ndim=min(4, seed % 5), dense=seed % 3 == 0)

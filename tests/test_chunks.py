@@ -15,14 +15,14 @@ import pytest
 import torch
 from hypothesis import given, settings as hsettings, strategies as st
 
-from engine_ext import chunks
-from engine_ext.controller import Controller
+from engine_ext.format import chunks
+from engine_ext.server.controller import Controller
 from engine_ext.errors import ManifestError
-from engine_ext.format import Manifest
-from engine_ext.protocol import UpdateRequest
-from engine_ext.publish import DeltaPublisher
-from engine_ext.reader import TensorBases, fetch_selected, read_manifest
-from engine_ext.sources import Sources
+from engine_ext.format.manifest import Manifest
+from engine_ext.server.protocol import UpdateRequest
+from engine_ext.trainer.publisher import DeltaPublisher
+from engine_ext.store.reader import TensorBases, fetch_selected, read_manifest
+from engine_ext.store.sources import Sources
 from engine_ext.store import open_store
 from fake_ranks import FakeRanks, make_rank
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine_ext.checkpoint import CheckpointDir
+from engine_ext.store.checkpoint import CheckpointDir
 from engine_ext.cli import main
-from engine_ext.dtypes import as_bits
+from engine_ext.format.dtypes import as_bits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.synthetic import AdamRL, llm_shapes  # noqa: E402

@@ -8,12 +8,12 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_ext import codec
-from engine_ext import fingerprint as fpr
-from engine_ext.delta import ABS, REL, apply_tensor, compose, diff_tensor
-from engine_ext.dtypes import BY_NAME, apply_step, as_bits, step_between
+from engine_ext.format import codec
+from engine_ext.format import fingerprint as fpr
+from engine_ext.format.delta import ABS, REL, apply_tensor, compose, diff_tensor
+from engine_ext.format.dtypes import BY_NAME, apply_step, as_bits, step_between
 from engine_ext.errors import IntegrityError, ManifestError
-from engine_ext.format import Manifest
+from engine_ext.format.manifest import Manifest
 
 DTYPES = list(BY_NAME.values())
 SPECIAL_F16 = [0x0000, 0x8000, 0x0001, 0x8001, 0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFFFF, 0x7BFF, 0x03FF]
@@ -119,7 +119,7 @@ def test_pco_count_mismatch():
 
 
 def _manifest(**over):
-    from engine_ext.format import Blob, Segment, TensorEntry
+    from engine_ext.format.manifest import Blob, Segment, TensorEntry
     fp = fpr.fmt(5)
     t = TensorEntry("w", "bfloat16", [10], 2, fp, fp, blob=0, offset=0, sha256="0" * 64,
                     positions=Segment("zstd", 4), values=Segment("zstd", 4, "rel"))

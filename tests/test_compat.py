@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_ext.compat import SourceTree, Touchpoint, check
-from engine_ext.vllm import compat as vllm_compat
+from engine_ext.engines.compat import SourceTree, Touchpoint, check
+from engine_ext.engines.vllm import compat as vllm_compat
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("ENGINE_EXT_TEST_CACHE", Path.home() / ".cache" / "engine_ext"))
@@ -82,7 +82,7 @@ def test_ray_workers_get_our_variables(monkeypatch):
     adds our prefixes, so ranks on other nodes get the settings and the store credentials."""
     from vllm.ray.ray_env import get_env_vars_to_copy
 
-    from engine_ext.vllm import compat as vc
+    from engine_ext.engines.vllm import compat as vc
 
     monkeypatch.setenv("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", "MINE_")
     monkeypatch.setenv("ENGINE_EXT_FOLLOW", "s3://b/run")

@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine_ext import codec, context_codec as cc, reader, settings
-from engine_ext.dtypes import BY_NAME, as_bits, step_between
+from engine_ext.format import codec, context_codec as cc
+from engine_ext.store import reader
+from engine_ext import settings
+from engine_ext.format.dtypes import BY_NAME, as_bits, step_between
 from engine_ext.errors import BaseMismatchError, IntegrityError, ManifestError
-from engine_ext.format import Manifest
-from engine_ext.publish import DeltaPublisher
+from engine_ext.format.manifest import Manifest
+from engine_ext.trainer.publisher import DeltaPublisher
 
 
 def _pair(shape, dtype=torch.bfloat16, seed=0, density=0.02, base=None):
@@ -176,9 +178,9 @@ def test_ranks_decode_a_chained_route_against_their_live_weights(tmp_path, world
     sys.path.insert(0, str(Path(__file__).parent))
     from fake_ranks import FakeRanks, make_rank
 
-    from engine_ext.controller import Controller
-    from engine_ext.protocol import UpdateRequest
-    from engine_ext.sources import Sources
+    from engine_ext.server.controller import Controller
+    from engine_ext.server.protocol import UpdateRequest
+    from engine_ext.store.sources import Sources
 
     states = [{"w": _pair((512, 256), seed=0)[0]}]
     for k in range(3):

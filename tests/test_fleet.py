@@ -25,11 +25,11 @@ import pytest
 import requests
 import torch
 
-from engine_ext.controller import ROUTE, Controller
+from engine_ext.server.controller import ROUTE, Controller
 from engine_ext.fleet import Fleet, version_of
-from engine_ext.follow import Follower
-from engine_ext.publish import DeltaPublisher
-from engine_ext.sources import Sources
+from engine_ext.server.follow import Follower
+from engine_ext.trainer.publisher import DeltaPublisher
+from engine_ext.store.sources import Sources
 from fake_ranks import FakeRanks, make_rank
 
 TOKEN = os.environ["ENGINE_EXT_TOKEN"]  # conftest: the run's token and signing key

@@ -1,8 +1,8 @@
 """The attack suite: every way a hostile store, network or caller tried to make a server serve
 weights of their choosing (docs/SECURITY.md), against the real routes.
 
-The routes are vLLM's (``engine_ext.vllm.endpoint``: the same router the plugin attaches)
-served by uvicorn on loopback, driving a real :class:`~engine_ext.controller.Controller`
+The routes are vLLM's (``engine_ext.engines.vllm.endpoint``: the same router the plugin attaches)
+served by uvicorn on loopback, driving a real :class:`~engine_ext.server.controller.Controller`
 over two in-process ranks (``tests/fake_ranks.py``: a tensor-parallel shard and replicated
 tensors, one of them 8 M elements so that size bounds are real). Stores are a local
 directory and the test HTTP server (redirects, a trickling source). Every refusal asserts
@@ -25,12 +25,12 @@ import pytest
 import requests
 import torch
 
-from engine_ext import fingerprint as fpr
-from engine_ext.controller import Auth, Controller
-from engine_ext.publish import DeltaPublisher
-from engine_ext.signing import Signer, generate_key
-from engine_ext.sources import Sources
-from engine_ext.vllm.endpoint import EndpointPlugin
+from engine_ext.format import fingerprint as fpr
+from engine_ext.server.controller import Auth, Controller
+from engine_ext.trainer.publisher import DeltaPublisher
+from engine_ext.store.signing import Signer, generate_key
+from engine_ext.store.sources import Sources
+from engine_ext.engines.vllm.endpoint import EndpointPlugin
 from fake_ranks import FakeRanks, bits, make_rank, same_bits  # noqa: E402
 from servers import free_port  # noqa: E402
 
@@ -355,7 +355,7 @@ def test_oversized_manifest_and_payload_refused(world):
 
 
 def test_chain_length_is_bounded(world, monkeypatch):
-    from engine_ext import reader
+    from engine_ext.store import reader
 
     before = _snapshot(world)
     d = _copy_run(world, "longchain")
@@ -544,7 +544,7 @@ def test_fetched_parts_dropped_whatever_happens(world):
 
 def test_manifest_keys_are_matched_whole():
     from engine_ext.errors import ManifestError
-    from engine_ext.format import Latest
+    from engine_ext.format.manifest import Latest
 
     with pytest.raises(ManifestError):
         Latest.from_json(json.dumps({"version": 1, "manifest": "v00000001.json\n", "fingerprint": "0" * 16}).encode())

@@ -15,12 +15,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_ext import dtypes
-from engine_ext import fingerprint as fpr
-from engine_ext.apply import apply_delta, decode_gaps
-from engine_ext.apply_torch import local_fingerprint
-from engine_ext.maps import Piece, TensorMap, Unmappable, covered_elements, row_major_strides
-from engine_ext.delta import TensorDelta, diff_tensor
+from engine_ext.format import dtypes
+from engine_ext.format import fingerprint as fpr
+from engine_ext.server.apply import apply_delta, decode_gaps
+from engine_ext.server.apply_torch import local_fingerprint
+from engine_ext.server.maps import Piece, TensorMap, Unmappable, covered_elements, row_major_strides
+from engine_ext.format.delta import TensorDelta, diff_tensor
 
 ALL = list(dtypes.BY_NAME.values())
 M64 = (1 << 64) - 1
@@ -228,7 +228,7 @@ def test_whole_tensor_fingerprint_matches_full_recomputation():
     new = w.clone()
     mask = torch.rand(w.shape, generator=g) < 0.02
     new[mask] = (new[mask].float() * 1.01).to(torch.bfloat16)
-    from engine_ext.delta import diff_tensor
+    from engine_ext.format.delta import diff_tensor
 
     td = diff_tensor("w", w, new)
     dest = w.clone()
@@ -318,7 +318,7 @@ def test_decode_gaps():
 
 
 def test_auto_backend_is_torch_on_cpu(monkeypatch):
-    import engine_ext.apply as ap
+    import engine_ext.server.apply as ap
 
     td, m, _ = make_case(1, dtypes.BY_NAME["float32"], npieces=1)
     monkeypatch.setattr(ap, "apply_torch", lambda *a, **k: (_ for _ in ()).throw(AssertionError("torch path used")))
@@ -329,7 +329,7 @@ def test_auto_backend_is_torch_on_cpu(monkeypatch):
 def test_composed_mixed_parts_apply_together():
     """A chain composed to an absolute and a relative part of one tensor applies in one call,
     and the result equals applying the chain step by step (reader.compose -> apply_delta)."""
-    from engine_ext.delta import REL, ABS, compose, diff_tensor
+    from engine_ext.format.delta import REL, ABS, compose, diff_tensor
 
     g = torch.Generator().manual_seed(7)
     states = [torch.randn(64, 32, generator=g).to(torch.bfloat16)]
@@ -356,7 +356,7 @@ def test_composed_mixed_parts_apply_together():
 
 def test_failure_midway_rolls_back(monkeypatch):
     """If the torch path fails after writing some segments, what it wrote is undone."""
-    import engine_ext.apply_torch as ap
+    import engine_ext.server.apply_torch as ap
 
     a, b = torch.zeros(100, dtype=torch.bfloat16), torch.zeros(100, dtype=torch.bfloat16)
     bf = dtypes.BY_NAME["bfloat16"]

@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_ext import dtypes
-from engine_ext import fingerprint as fpr
-from engine_ext.apply import apply_delta
-from engine_ext.apply_torch import local_fingerprint
-from engine_ext.maps import Piece, TensorMap, Unmappable, covered_elements
-from engine_ext.delta import diff_tensor
-from engine_ext.layout import probe_layout
+from engine_ext.format import dtypes
+from engine_ext.format import fingerprint as fpr
+from engine_ext.server.apply import apply_delta
+from engine_ext.server.apply_torch import local_fingerprint
+from engine_ext.server.maps import Piece, TensorMap, Unmappable, covered_elements
+from engine_ext.format.delta import diff_tensor
+from engine_ext.server.layout import probe_layout
 
 BF16 = dtypes.BY_NAME["bfloat16"]
 H, Q, KV, I, V, VPAD = 8, 8, 4, 12, 10, 16  # hidden, q rows, kv rows, intermediate, vocab, padded vocab

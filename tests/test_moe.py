@@ -12,7 +12,7 @@ cold-started on the final checkpoint; a corrupt delta and a delta for other weig
 change nothing, and the latter names the tensors that differ.
 
 The unit tests below check the two facts the re-pack relies on without a server: vLLM
-packs each expert independently, and :class:`engine_ext.touched.Touched` names exactly
+packs each expert independently, and :class:`engine_ext.server.touched.Touched` names exactly
 the experts an apply wrote; and that a layout derived after loading is named at start-up.
 """
 from __future__ import annotations
@@ -22,12 +22,12 @@ import json
 import pytest
 import torch
 
-from engine_ext import fingerprint as fpr
-from engine_ext.delta import ABS, TensorDelta
-from engine_ext.dtypes import BY_TORCH
-from engine_ext.layout import probe_layout
-from engine_ext.rank import RankUpdater
-from engine_ext.touched import Touched
+from engine_ext.format import fingerprint as fpr
+from engine_ext.format.delta import ABS, TensorDelta
+from engine_ext.format.dtypes import BY_TORCH
+from engine_ext.server.layout import probe_layout
+from engine_ext.server.rank import RankUpdater
+from engine_ext.server.touched import Touched
 
 BF16 = BY_TORCH[torch.bfloat16]
 E, N, K_DIM = 8, 16, 32
@@ -87,7 +87,7 @@ def test_vllm_packs_each_expert_independently():
     """The CPU MoE prepack of [E, N, K] is, expert by expert, the prepack of that expert alone
     (so re-packing only the touched experts gives the whole layer's packing)."""
     pytest.importorskip("vllm")
-    from engine_ext.vllm import compat
+    from engine_ext.engines.vllm import compat
 
     torch.manual_seed(0)
     w = (0.02 * torch.randn(E, 64, 96)).to(torch.bfloat16)
@@ -161,7 +161,7 @@ def test_moe_updates_equal_a_cold_start(tmp_path, kind, tp, width):
 def test_vllm_cpu_refuses_layers_whose_method_derives_the_served_weights(monkeypatch):
     """vLLM's CPU fp8 methods VNNI-prepack weights into new parameters at load; with no refresh
     for them, the start-up refuses (naming the method) instead of writing where nothing is served."""
-    from engine_ext.vllm import compat, worker
+    from engine_ext.engines.vllm import compat, worker
 
     Fp8LinearMethod = type("Fp8LinearMethod", (), {})
     UnquantizedLinearMethod = type("UnquantizedLinearMethod", (), {})
@@ -177,8 +177,8 @@ def test_a_checkpoint_tensor_the_engine_ignores_is_named():
     """SGLang 0.5.23's Qwen3-MoE loader silently skips fused experts (``mlp.experts.gate_up_proj``):
     no rank holds any element, and the start-up says so by name."""
     from engine_ext.errors import VerifyError
-    from engine_ext.protocol import RankReply, TensorReport
-    from engine_ext.transaction import combine_fingerprints
+    from engine_ext.server.protocol import RankReply, TensorReport
+    from engine_ext.server.transaction import combine_fingerprints
 
     replies = [RankReply(True, r, fingerprints={"m.experts.gate_up_proj": TensorReport(0, 0, 64)}) for r in range(2)]
     with pytest.raises(VerifyError, match="m.experts.gate_up_proj: the engine's loader writes none"):

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_ext import fingerprint as fpr
-from engine_ext import reader
-from engine_ext.delta import apply_tensor
-from engine_ext.dtypes import as_bits
+from engine_ext.format import fingerprint as fpr
+from engine_ext.store import reader
+from engine_ext.format.delta import apply_tensor
+from engine_ext.format.dtypes import as_bits
 from engine_ext.errors import BaseMismatchError, IntegrityError
-from engine_ext.publish import DeltaPublisher, clean_state_dict
+from engine_ext.trainer.publisher import DeltaPublisher, clean_state_dict
 from engine_ext.store import open_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

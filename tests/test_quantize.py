@@ -1,4 +1,4 @@
-"""fp8 block quantisation (engine_ext/quantize.py) and the publisher's ``quantize="fp8-block"``.
+"""fp8 block quantisation (engine_ext/format/quantize.py) and the publisher's ``quantize="fp8-block"``.
 
 The recipe is the DeepSeek-V3 / Qwen3-FP8 one: per 128x128 tile, scale = amax / 448, weights
 cast to e4m3fn; partial edge tiles; router gates, norms, embeddings, ``lm_head`` kept (bf16).
@@ -7,11 +7,10 @@ back and applied gives, byte for byte, the fp8 checkpoint of the final master we
 """
 import torch
 
-from engine_ext import reader
-from engine_ext.dtypes import as_bits
-from engine_ext.publish import DeltaPublisher
-from engine_ext.quantize import (FP8, FP8_MAX, dequantize_fp8_block, fp8_block_state_dict, quantization_config,
-                                 quantize_fp8_block)
+from engine_ext.store import reader
+from engine_ext.format.dtypes import as_bits
+from engine_ext.trainer.publisher import DeltaPublisher
+from engine_ext.format.quantize import FP8, FP8_MAX, dequantize_fp8_block, fp8_block_state_dict, quantization_config, quantize_fp8_block
 from test_publish import materialise
 
 

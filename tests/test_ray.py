@@ -20,16 +20,16 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from engine_ext.controller import Controller  # noqa: E402
-from engine_ext.protocol import RankReply, UpdateRequest  # noqa: E402
-from engine_ext.publish import DeltaPublisher  # noqa: E402
-from engine_ext.sources import Sources  # noqa: E402
+from engine_ext.server.controller import Controller  # noqa: E402
+from engine_ext.server.protocol import RankReply, UpdateRequest  # noqa: E402
+from engine_ext.trainer.publisher import DeltaPublisher  # noqa: E402
+from engine_ext.store.sources import Sources  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
 
 class RayRanks:
-    """:class:`engine_ext.transaction.Ranks` over Ray actors (pause and resume: no engine here)."""
+    """:class:`engine_ext.server.transaction.Ranks` over Ray actors (pause and resume: no engine here)."""
 
     def __init__(self, actors):
         self.actors = actors

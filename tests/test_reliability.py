@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_ext import fingerprint as fpr
-from engine_ext import reader
+from engine_ext.format import fingerprint as fpr
+from engine_ext.store import reader
 from engine_ext.errors import ConflictError
-from engine_ext.format import LATEST_KEY
-from engine_ext.publish import DeltaPublisher
-from engine_ext.signing import SignatureError
+from engine_ext.format.manifest import LATEST_KEY
+from engine_ext.trainer.publisher import DeltaPublisher
+from engine_ext.store.signing import SignatureError
 from engine_ext.store import open_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -62,7 +62,7 @@ def rebuilt(root: str) -> dict:
     assert d.kind == "anchor"
     out = {}
     for t in d.tensors:
-        from engine_ext.delta import apply_tensor
+        from engine_ext.format.delta import apply_tensor
 
         out[t.name] = apply_tensor(None, t)
     return out
@@ -133,7 +133,7 @@ RACER = textwrap.dedent("""
     import json, os, sys, time
     import torch
     from engine_ext.errors import ConflictError
-    from engine_ext.publish import DeltaPublisher
+    from engine_ext.trainer.publisher import DeltaPublisher
     root, me, barrier = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     g = torch.Generator().manual_seed(me)
     sd = {"w": torch.randn(64, 64, generator=g).to(torch.bfloat16)}

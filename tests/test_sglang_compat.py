@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("sglang", reason="needs the SGLang virtualenv (.ci/setup-sglang.sh)")
 
-from engine_ext.compat import SourceTree, check  # noqa: E402
-from engine_ext.sglang import compat  # noqa: E402
+from engine_ext.engines.compat import SourceTree, check  # noqa: E402
+from engine_ext.engines.sglang import compat  # noqa: E402
 from test_compat import installed  # noqa: E402
 
 pytestmark = pytest.mark.sglang

@@ -51,7 +51,7 @@ class SchedulerLoop:
         from sglang.srt.utils.network import get_zmq_socket
         from sglang.utils import TypeBasedDispatcher
 
-        from engine_ext.sglang import plugin
+        from engine_ext.engines.sglang import plugin
 
         self.events, self.versions, self.flushes = [], [], 0
         ctx = zmq.Context.instance()
@@ -178,9 +178,9 @@ def test_plugin_is_loaded_by_sglang_and_hooks_applied(server):
 
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from engine_ext.sglang import plugin
+    from engine_ext.engines.sglang import plugin
 
-    assert any(ep.name == "engine_ext" and ep.value == "engine_ext.sglang.plugin:register"
+    assert any(ep.name == "engine_ext" and ep.value == "engine_ext.engines.sglang.plugin:register"
                for ep in entry_points(group="sglang.srt.plugins"))
     assert {plugin.SCHEDULER_TARGET, plugin.TOKENIZER_TARGET} <= HookRegistry._patched
     assert server["tm"]._engine_ext is not None  # installed by the TokenizerManager hook
@@ -191,7 +191,7 @@ def test_plugin_is_loaded_by_sglang_and_hooks_applied(server):
 def test_status_before_any_update(server):
     from engine_ext.tiny_models import load_state_dict
 
-    from engine_ext import fingerprint as fpr
+    from engine_ext.format import fingerprint as fpr
 
     r = server["client"].get(ROUTE)
     assert r.status_code == 200, r.text
@@ -295,7 +295,7 @@ def test_full_sync_through_sglangs_own_api_then_deltas(server, tmp_path):
     from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
     from engine_ext.tiny_models import load_state_dict, perturb, save_state_dict
 
-    from engine_ext.publish import DeltaPublisher
+    from engine_ext.trainer.publisher import DeltaPublisher
 
     client, case, tm = server["client"], server["case"], server["tm"]
     outside = perturb(load_state_dict(case["final"]), torch.Generator().manual_seed(7), density=0.5)
@@ -329,7 +329,7 @@ def test_messages_survive_sglang_msgpack_ipc(monkeypatch):
     import zmq
     from sglang.srt.managers import io_struct
 
-    from engine_ext.sglang.messages import RankOpReply, RankOpReq
+    from engine_ext.engines.sglang.messages import RankOpReply, RankOpReq
 
     ctx = zmq.Context.instance()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
@@ -353,7 +353,7 @@ def test_lifespan_wrapper_starts_the_probe_with_the_server():
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from engine_ext.sglang import compat, engine, routes
+    from engine_ext.engines.sglang import compat, engine, routes
 
     seen = []
 
@@ -394,7 +394,7 @@ def torch_equal_bits(a, b) -> bool:
 
 
 def test_in_process_engine_hook(server, tmp_path, engine_settings):
-    """``engine_ext.sglang.update_weights_delta(engine, url)`` for in-process ``sglang.Engine``
+    """``engine_ext.engines.sglang.update_weights_delta(engine, url)`` for in-process ``sglang.Engine``
     users: the same controller, reached through ``engine.tokenizer_manager`` on
     ``engine.loop`` (the two attributes of ``sglang.Engine`` it uses). Runs last: it
     publishes a second model's config in this process."""
@@ -407,7 +407,7 @@ def test_in_process_engine_hook(server, tmp_path, engine_settings):
     from sglang.srt.server_args import PortArgs, ServerArgs
 
     from engine_ext.errors import DeltaError
-    from engine_ext.sglang import delta_status, update_weights_delta
+    from engine_ext.engines.sglang import delta_status, update_weights_delta
 
     case = make_case(tmp_path, "llama")
     engine_settings(sources=tuple(case["sources"]))  # ENGINE_EXT_SOURCES

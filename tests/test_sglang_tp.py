@@ -60,7 +60,7 @@ VOCAB = 1000  # not a multiple of 64: SGLang pads the vocabulary (and shards the
 def _rewrite_manifest_fp(store: Path, version: int) -> str:
     """A copy of version ``version`` whose first changed tensor promises a wrong result fingerprint
     (the model fingerprint recomputed, so the manifest is valid and only the apply's verify can tell)."""
-    from engine_ext import fingerprint as fpr
+    from engine_ext.format import fingerprint as fpr
 
     key = f"v{version:08d}.json"
     m = json.loads((store / key).read_text())
@@ -73,7 +73,7 @@ def _rewrite_manifest_fp(store: Path, version: int) -> str:
         if f.name != key and f.is_file():
             (bad / f.name).write_bytes(f.read_bytes())
     (bad / key).write_text(json.dumps(m))
-    from engine_ext.signing import Signer
+    from engine_ext.store.signing import Signer
 
     Signer.from_settings().sign_file(bad / key)  # signed by the trusted key: only the apply's verify can tell
     return str(bad / key)
@@ -104,7 +104,7 @@ def make_case(tmp: Path, name: str) -> dict:
     sys.path.insert(0, str(HERE))
     from engine_ext.tiny_models import load_state_dict, make_model, perturb, save_state_dict
 
-    from engine_ext.publish import DeltaPublisher
+    from engine_ext.trainer.publisher import DeltaPublisher
 
     kind, quantize, options = CASES[name]
     model = make_model(tmp / name / "model", kind, vocab=VOCAB, **options)
@@ -230,8 +230,8 @@ class _TestRanks:
     async def call(self, op, **kwargs):
         from sglang.srt.managers.io_struct import sock_recv, sock_send, wrap_as_pickle
 
-        from engine_ext.protocol import RankReply
-        from engine_ext.sglang.messages import RankOpReply, RankOpReq
+        from engine_ext.server.protocol import RankReply
+        from engine_ext.engines.sglang.messages import RankOpReply, RankOpReq
 
         sock_send(self.a, wrap_as_pickle(RankOpReq(op, kwargs)))  # tokenizer -> scheduler rank 0
         req = sock_recv(self.b)
@@ -273,11 +273,11 @@ def _worker(spec_path: str, rank: int) -> None:
     from sglang.srt.utils.common import broadcast_pyobj
 
     from engine_ext.errors import DeltaError
-    from engine_ext.controller import Controller
-    from engine_ext.protocol import UpdateRequest
-    from engine_ext.sources import Sources
-    from engine_ext.sglang.messages import RankOpReq
-    from engine_ext.sglang.rank import RankAgent
+    from engine_ext.server.controller import Controller
+    from engine_ext.server.protocol import UpdateRequest
+    from engine_ext.store.sources import Sources
+    from engine_ext.engines.sglang.messages import RankOpReq
+    from engine_ext.engines.sglang.rank import RankAgent
 
     spec = json.loads(Path(spec_path).read_text())
     tp = spec["tp"]

@@ -1,4 +1,4 @@
-"""Signed versions: what the publisher writes and what a reader accepts (engine_ext.signing,
+"""Signed versions: what the publisher writes and what a reader accepts (engine_ext.store.signing,
 the format-2 manifest fields, reader.plan's binding)."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_ext import reader
-from engine_ext.format import Latest
-from engine_ext.publish import DeltaPublisher
-from engine_ext.signing import SignatureError, Signer, Trust, generate_key
+from engine_ext.store import reader
+from engine_ext.format.manifest import Latest
+from engine_ext.trainer.publisher import DeltaPublisher
+from engine_ext.store.signing import SignatureError, Signer, Trust, generate_key
 from engine_ext.store import open_store
 
 

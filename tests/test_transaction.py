@@ -2,7 +2,7 @@
 
 Two "ranks" are plain torch modules whose loader keeps half of the rows of ``w``
 (a tensor-parallel shard) and a full copy of ``b``; the controller talks to them
-through a tiny in-process :class:`~engine_ext.transaction.Ranks` that passes every
+through a tiny in-process :class:`~engine_ext.server.transaction.Ranks` that passes every
 reply through the wire format, as the engine adapters do. Stores are real local stores written by
 the publisher. What no engine is needed for is tested here; the same code runs
 inside real vLLM servers in tests/test_vllm_*.py.
@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from engine_ext.errors import BaseMismatchError, ForbiddenSourceError, VerifyError
-from engine_ext.publish import DeltaPublisher
-from engine_ext.controller import Auth, Busy, Controller, Unauthorized, error_answer
+from engine_ext.trainer.publisher import DeltaPublisher
+from engine_ext.server.controller import Auth, Busy, Controller, Unauthorized, error_answer
 from engine_ext.settings import Settings
 from fake_ranks import FakeRanks, bits, make_rank, same_bits  # noqa: E402
-from engine_ext.protocol import RankReply, RequestError, TensorReport, UpdateRequest
-from engine_ext.rank import run_op
-from engine_ext.sources import Sources
-from engine_ext.transaction import combine_fingerprints
+from engine_ext.server.protocol import RankReply, RequestError, TensorReport, UpdateRequest
+from engine_ext.server.rank import run_op
+from engine_ext.store.sources import Sources
+from engine_ext.server.transaction import combine_fingerprints
 
 parse_request = UpdateRequest.parse
 
@@ -199,7 +199,7 @@ def test_verify_failure_rolls_back(world):
     ctl = Controller(FakeRanks(ranks), Sources([str(store)]), version=0)
     run(ctl.start())
     before = bits(ranks)
-    from engine_ext import reader
+    from engine_ext.store import reader
 
     real = reader.fetch_selected
 
@@ -239,7 +239,7 @@ def test_forbidden_before_fetch(world, monkeypatch):
     store, versions = world
     ctl = Controller(FakeRanks([make_rank(0, versions[0]), make_rank(1, versions[0])]), Sources([str(store / "nothing")]), version=0)
     run(ctl.start())
-    from engine_ext import reader
+    from engine_ext.store import reader
 
     monkeypatch.setattr(reader, "plan", lambda *a, **k: pytest.fail("read a forbidden source"))
     with pytest.raises(ForbiddenSourceError):

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from engine_ext import fingerprint as fpr
-from engine_ext.signing import Signer
+from engine_ext.format import fingerprint as fpr
+from engine_ext.store.signing import Signer
 
 pytest.importorskip("vllm")
 from vllm_helpers import (PROMPTS, Server, assert_layout_on_this_host, copy_store, make_model, rl_trajectory,  # noqa: E402

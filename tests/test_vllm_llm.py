@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_ext import fingerprint as fpr
-from engine_ext.signing import Signer
+from engine_ext.format import fingerprint as fpr
+from engine_ext.store.signing import Signer
 
 pytest.importorskip("vllm")
 from vllm_helpers import Server, copy_store, make_model, rl_trajectory  # noqa: E402

@@ -1,5 +1,5 @@
 """Real vLLM CPU servers for the tests, on the package's launcher
-(:class:`engine_ext.vllm.launcher.VllmServer`), plus the trajectories they serve.
+(:class:`engine_ext.engines.vllm.launcher.VllmServer`), plus the trajectories they serve.
 
 Every server is warmed up with one 8-token request right after start unless the test
 asks otherwise (``warmup=False``): on AMX hosts vLLM 0.32's CPU attention dies with
@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import server_report  # noqa: E402
 from engine_ext.tiny_models import load_state_dict, make_model, save_state_dict  # noqa: E402
-from engine_ext.vllm.launcher import ServerDied, VllmServer, cpu_flags, free_port  # noqa: E402
+from engine_ext.engines.vllm.launcher import ServerDied, VllmServer, cpu_flags, free_port  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [9, 9, 9, 9, 9, 9], [999, 17, 450, 3, 77]]
 # tests/server_hooks on a server's PYTHONPATH: test-only faults and switches (its docstring), set by ENGINE_EXT_TEST_* variables
@@ -78,7 +78,7 @@ def rl_trajectory(model_dir, store, steps: int, *, seed: int = 1, lr: float = 1e
                   start_version: int | None = None, **publisher) -> dict[str, torch.Tensor]:
     """Publish an anchor of ``model_dir`` then ``steps`` deltas of a noisy-update trajectory; return the
     final bf16 weights. ``publisher``: more DeltaPublisher arguments (e.g. ``chunk_min_cell``)."""
-    from engine_ext.publish import DeltaPublisher
+    from engine_ext.trainer.publisher import DeltaPublisher
 
     master = {n: t.float() for n, t in load_state_dict(model_dir).items()}
     g = torch.Generator().manual_seed(seed)

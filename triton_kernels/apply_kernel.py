@@ -1,6 +1,6 @@
 """Fused in-place apply of a weight delta: one Triton launch per dtype width.
 
-A leaf: this module imports torch and Triton only. ``engine_ext.apply_fused`` builds
+A leaf: this module imports torch and Triton only. ``engine_ext.server.apply_fused`` builds
 its inputs from the package's segments; :func:`reference_apply` is the same
 computation in torch, and ``tests/test_apply_kernel.py`` holds the two side by side.
 

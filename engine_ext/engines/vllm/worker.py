@@ -1,0 +1,100 @@
+"""Worker-side glue: one :class:`~engine_ext.server.rank.RankUpdater` per vLLM worker.
+
+The general plugin adds one method, ``engine_ext(op, **kwargs)``, to vLLM's worker base
+class in every process, so the engine client's ordinary
+``collective_rpc("engine_ext", args=(op,), kwargs=...)`` reaches it by name (no pickled
+functions, no ``--worker-extension-cls``). It answers :func:`engine_ext.server.rank.run_op`'s
+wire data and never raises.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ...store.checkpoint import served_checkpoint
+from ...server.rank import RankUpdater, run_op
+from . import compat
+
+log = logging.getLogger("engine_ext")
+RPC_METHOD = "engine_ext"
+
+
+def cpu_refresh(model: torch.nn.Module):
+    """Refresh hook for vLLM's CPU backend: re-pack the linear layers whose weights changed
+    and the touched experts of MoE layers."""
+    from .patches import moe_layers, packed_layers, repack, repack_experts
+
+    def refresh(touched) -> None:
+        for ptr, layer in packed_layers(model).items():
+            if touched is None or ptr in touched:
+                repack(layer)
+        for layer in moe_layers(model):
+            repack_experts(layer, touched)
+
+    return refresh
+
+
+# Quantisation methods whose served weights are the checkpoint's bytes (or a copy the patches
+# keep in step): everything else derives its served copy at load (fp8 VNNI prepack on the CPU,
+# Marlin repacks...), which an in-place write would not reach.
+IN_PLACE_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedFusedMoEMethod", "UnquantizedEmbeddingMethod"})
+
+
+def derived_layers(model: torch.nn.Module) -> dict[str, str]:
+    """``{layer name: quant method class}`` of the layers whose method is not in :data:`IN_PLACE_METHODS`."""
+    return {name: type(m.quant_method).__name__ for name, m in model.named_modules()
+            if getattr(m, "quant_method", None) is not None and type(m.quant_method).__name__ not in IN_PLACE_METHODS}
+
+
+def build_updater(model: torch.nn.Module, vllm_config, rank: int = 0) -> RankUpdater:
+    """A RankUpdater over ``model`` using its own ``load_weights`` as the loader.
+
+    On the CPU, refuses (every update then answers 503 with the reason; serving goes on) a
+    model with quantised layers: vLLM's CPU fp8 methods VNNI-prepack the weights into new
+    parameters at load, and no refresh for them is written (docs/MOE_FP8.md)."""
+    if compat.is_cpu() and (derived := derived_layers(model)):
+        methods = sorted(set(derived.values()))
+        raise RuntimeError(f"engine_ext cannot update {len(derived)} quantised layer(s) in place on vLLM CPU: "
+                           f"{methods} derive the served weights at load (e.g. {next(iter(derived))}); "
+                           "serve the bf16 checkpoint on the CPU, or a GPU (docs/MOE_FP8.md)")
+    mc = vllm_config.model_config
+    ckpt = served_checkpoint(mc.model, getattr(mc, "revision", None))
+
+    def load(name: str, tensor: torch.Tensor) -> None:
+        model.load_weights([(name, tensor)])
+
+    if compat.is_cpu():
+        from .patches import cpu_paths
+
+        refresh, describe = cpu_refresh(model), (lambda: {"platform": "cpu", **cpu_paths(model)})
+    else:
+        refresh, describe = None, (lambda: {"platform": compat.device_type()})
+    return RankUpdater(model, load, ckpt.specs(), ckpt.load, refresh, rank=rank, describe=describe)
+
+
+def updater_for(model: torch.nn.Module, vllm_config, rank: int = 0) -> RankUpdater:
+    """The one RankUpdater of ``model`` (shared by the worker RPC and the ``delta`` backend).
+
+    Kept in the model's ``__dict__`` (not a submodule or parameter): it lives and dies
+    with the model, so a dropped model frees its maps and undo logs.
+    """
+    up = model.__dict__.get("_engine_ext_updater")
+    if up is None:
+        up = build_updater(model, vllm_config, rank)
+        model.__dict__["_engine_ext_updater"] = up
+    return up
+
+
+def engine_ext(self, op: str, **kwargs) -> dict:
+    """``collective_rpc("engine_ext", args=(op,), kwargs=...)`` entry on every worker."""
+    def updater() -> RankUpdater:
+        return updater_for(compat.worker_model(self), self.vllm_config, getattr(self, "rank", 0))
+
+    with compat.current_config(self.vllm_config):
+        return run_op(updater, op, kwargs, rank=getattr(self, "rank", 0))
+
+
+def install() -> None:
+    """Add the ``engine_ext`` RPC method to vLLM's worker base class (idempotent)."""
+    compat.install_worker_method(RPC_METHOD, engine_ext)

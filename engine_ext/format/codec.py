@@ -1,0 +1,238 @@
+"""Encode and decode one tensor's changed positions and values (lossless, bounded).
+
+Positions are gaps ``p[k] - p[k-1]`` (``p[-1] = 0``) of the sorted flat indices, so a
+single cumulative sum decodes them;
+values are either the new raw bits (``abs``) or ordered-space steps (``rel``). Both
+are integer sequences that pcodec (``pco``) codes within a few percent of their
+first-order entropy, faster than zstd decodes its larger output (see
+docs/benchmarks.md). ``zstd`` (with byte planes split for values) is kept for tiny
+segments where pco's header dominates. Given the base bits of the whole tensor (or
+cell), the context-conditioned coder (:mod:`engine_ext.format.context_codec`) is tried too and
+kept when it saves at least ``CONTEXT_GAIN``. Decoding never allocates more than the
+manifest-declared count, which the caller bounds before fetching.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pcodec
+import torch
+import zstandard
+
+from . import chunks
+from .dtypes import DType, step_between
+from ..errors import IntegrityError
+
+ZSTD_LEVEL = 3
+SMALL = 4096  # below this many changes also try zstd and keep the smaller
+MODE_SAMPLE = 4096  # values sampled to choose abs or rel on big tensors
+CONTEXT_GAIN = 0.10  # the context coder is kept when it saves at least this fraction of the bytes
+CONTEXT_MIN = 64  # fewer changes than this are never context coded (headers dominate)
+_NP_INT = {8: np.int8, 16: np.int16, 32: np.int32, 64: np.int64}
+_PCO = pcodec.ChunkConfig()
+
+
+@dataclass
+class Encoded:
+    pos_coder: str
+    pos: bytes
+    mode: str
+    val_coder: str
+    val: bytes
+
+
+def _gap_dtype(numel: int):
+    return np.uint32 if numel <= 1 << 32 else np.uint64
+
+
+def _pco(arr: np.ndarray) -> bytes:
+    return pcodec.standalone.simple_compress(np.ascontiguousarray(arr), _PCO)
+
+
+def _planes(arr: np.ndarray) -> bytes:
+    """Bytes of ``arr`` with byte k of every element stored together (zstd likes it)."""
+    b = arr.view(np.uint8).reshape(-1, arr.itemsize)
+    return np.ascontiguousarray(b.T).tobytes()
+
+
+def _unplanes(data: bytes, dtype, n: int) -> np.ndarray:
+    size = np.dtype(dtype).itemsize
+    b = np.frombuffer(data, np.uint8).reshape(size, n)
+    return np.array(b.T, order="C").view(dtype).reshape(n)
+
+
+def _zstd(data: bytes) -> bytes:
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(data)
+
+
+def _for_pco(bits: np.ndarray) -> np.ndarray:
+    return bits.astype(np.int16) if bits.itemsize == 1 else bits
+
+
+def encode_positions(pos: np.ndarray, numel: int) -> tuple[str, bytes]:
+    if pos.size == numel:
+        return "all", b""
+    gaps = np.diff(pos, prepend=np.int64(0)).astype(_gap_dtype(numel))
+    best = ("pco", _pco(gaps))
+    if pos.size < SMALL:
+        z = ("zstd", _zstd(gaps.tobytes()))
+        best = min(best, z, key=lambda c: len(c[1]))
+    return best
+
+
+def encode_values(values: np.ndarray) -> tuple[str, bytes]:
+    best = ("pco", _pco(_for_pco(values)))
+    if values.size < SMALL:
+        best = min(best, ("zstd", _zstd(_planes(values))), key=lambda c: len(c[1]))
+    return best
+
+
+def encode(dtype: DType, numel: int, positions: torch.Tensor, new_bits: torch.Tensor,
+           old_bits: torch.Tensor | None, mode: str | None = None, base: torch.Tensor | None = None,
+           shape=None) -> Encoded:
+    """Encode changes at ``positions`` (sorted int64) to ``new_bits``.
+
+    With ``old_bits`` (the base bits at the same positions) both value modes are
+    tried and the smaller kept, unless ``mode`` forces one. With ``base`` (the flat base
+    bits of the whole part, of ``shape``) the context coder is tried as well. Tensors on any device.
+    """
+    pos = positions.detach().cpu().numpy().astype(np.int64, copy=False)
+    pos_coder, pos_bytes = encode_positions(pos, numel)
+    values = {"abs": new_bits.detach().cpu().numpy()}
+    if old_bits is not None and mode != "abs":
+        values["rel"] = step_between(old_bits, new_bits, dtype.is_float).detach().cpu().numpy()
+    if mode is None and len(values) == 2 and pos.size > 4 * MODE_SAMPLE:
+        # pick the mode on an evenly spread sample: halves the encode time, same choice in practice
+        pick = np.linspace(0, pos.size - 1, MODE_SAMPLE).astype(np.int64)
+        m = min(values, key=lambda k: len(encode_values(values[k][pick])[1]))
+        values = {m: values[m]}
+    elif mode is not None and mode in values:
+        values = {mode: values[mode]}
+    m, val_coder, val_bytes = min(((k, *encode_values(v)) for k, v in values.items()), key=lambda c: len(c[2]))
+    best = Encoded(pos_coder, pos_bytes, m, val_coder, val_bytes)
+    if base is not None and old_bits is not None and mode != "abs" and CONTEXT_MIN <= pos.size < numel:
+        ctx = encode_context(dtype, shape, base, pos, old_bits, new_bits)
+        if ctx is not None and len(ctx.pos) + len(ctx.val) <= (1 - CONTEXT_GAIN) * (len(best.pos) + len(best.val)):
+            return ctx
+    return best
+
+
+def encode_context(dtype: DType, shape, base: torch.Tensor, pos: np.ndarray, old_bits: torch.Tensor,
+                   new_bits: torch.Tensor) -> Encoded | None:
+    """The context-coded form of a part's changes, or None where the coder does not apply."""
+    from . import context_codec
+
+    if not context_codec.supports(dtype.name):
+        return None
+    steps = step_between(old_bits, new_bits, dtype.is_float).detach().cpu().numpy()
+    e = context_codec.encode(dtype.name, shape, base.detach().cpu().reshape(-1).numpy(), pos, steps)
+    return Encoded("ctx", e.pos, "rel", "ctx", e.val)
+
+
+@dataclass
+class ChunkedEncoded:
+    """A big tensor's changes cut into grid cells (:mod:`engine_ext.format.chunks`), each encoded alone."""
+
+    cuts: list[list[int]]
+    cells: list[tuple[int, int, Encoded]]  # (cell, changes in it, its encoding), cells with changes only
+
+
+def encode_tensor(dtype: DType, shape, positions: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor | None,
+                  mode: str | None = None, min_cell: int | None = chunks.MIN_CELL,
+                  base: torch.Tensor | None = None) -> "Encoded | ChunkedEncoded":
+    """A changed tensor's encoding: whole (:func:`encode`), or per grid cell (:func:`chunks.grid`,
+    cells of ``min_cell`` elements or more; None: never cut), so that a rank can fetch the
+    cells it holds. ``base``: the tensor's base bits (any shape of ``numel`` elements), to try
+    the context coder per part."""
+    numel = int(np.prod(shape, dtype=np.int64))
+    cuts = None if min_cell is None else chunks.grid(shape, min_cell)
+    if base is not None:
+        base = base.detach().cpu().reshape(tuple(shape))
+    if cuts is None:
+        return encode(dtype, numel, positions, new_bits, old_bits, mode, base, tuple(shape))
+    pos = positions.detach().cpu().numpy().astype(np.int64, copy=False)
+    new_bits, old_bits = new_bits.detach().cpu(), None if old_bits is None else old_bits.detach().cpu()
+    cells = chunks.boxes(cuts, shape)
+    out = []
+    for cell, idx in chunks.split(pos, shape, cuts):
+        box, sel = cells[cell], torch.from_numpy(idx)
+        local = torch.from_numpy(chunks.to_local(pos[idx], shape, box))
+        part = None if base is None else base[tuple(slice(a, b) for a, b in zip(*box))]
+        out.append((cell, len(idx), encode(dtype, chunks.box_numel(box), local, new_bits[sel],
+                                           None if old_bits is None else old_bits[sel], mode, part,
+                                           tuple(b - a for a, b in zip(*box)))))
+    return ChunkedEncoded(cuts, out)
+
+
+def decode_positions(coder: str, data: bytes, nnz: int, numel: int) -> torch.Tensor | None:
+    """Sorted unique int64 positions in [0, numel); None for 'all'. Raises IntegrityError."""
+    if coder == "all":
+        if nnz != numel or data:
+            raise IntegrityError("'all' positions with a count other than numel")
+        return None
+    gdt = _gap_dtype(numel)
+    if coder == "pco":
+        gaps = _pco_decode(data, gdt, nnz, "positions")
+    elif coder == "zstd":
+        gaps = np.frombuffer(_zstd_decode(data, nnz * np.dtype(gdt).itemsize, "positions"), gdt)
+    else:
+        raise IntegrityError(f"unknown positions coder {coder!r}")
+    if nnz == 0:
+        return torch.empty(0, dtype=torch.int64)
+    if gdt == np.uint64 and int(gaps.max()) >= numel:  # the int64 sum below could wrap
+        raise IntegrityError("position gap beyond the tensor")
+    if nnz > 1 and gaps[1:].min() == 0:
+        raise IntegrityError("repeated position")
+    pos = np.cumsum(gaps, dtype=np.int64)
+    if pos[-1] >= numel:
+        raise IntegrityError(f"position {int(pos[-1])} beyond the tensor's {numel} elements")
+    return torch.from_numpy(pos)
+
+
+def decode_values(coder: str, data: bytes, nnz: int, dtype: DType) -> torch.Tensor:
+    np_int = _NP_INT[dtype.bits]
+    if coder == "raw":
+        if len(data) != nnz * dtype.itemsize:
+            raise IntegrityError("raw values of the wrong length")
+        vals = np.frombuffer(data, np_int).copy()
+    elif coder == "pco":
+        wide = _pco_decode(data, np.int16 if dtype.bits == 8 else np_int, nnz, "values")
+        if dtype.bits == 8:
+            if nnz and (wide.min() < -128 or wide.max() > 127):
+                raise IntegrityError("8-bit values out of range")
+            wide = wide.astype(np.int8)
+        vals = wide
+    elif coder == "zstd":
+        raw = _zstd_decode(data, nnz * dtype.itemsize, "values")
+        vals = _unplanes(raw, np_int, nnz)
+    else:
+        raise IntegrityError(f"unknown values coder {coder!r}")
+    return torch.from_numpy(vals)
+
+
+def _pco_decode(data: bytes, dtype, n: int, what: str) -> np.ndarray:
+    out = np.empty(n, dtype=dtype)
+    try:
+        progress = pcodec.standalone.simple_decompress_into(data, out)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise IntegrityError(f"{what}: corrupt pco stream ({e})") from None
+    if progress.n_processed != n or not progress.finished:
+        raise IntegrityError(f"{what}: pco stream holds a different count than the manifest's {n}")
+    return out
+
+
+def _zstd_decode(data: bytes, expected: int, what: str) -> bytes:
+    try:
+        params = zstandard.get_frame_parameters(data)
+    except zstandard.ZstdError as e:
+        raise IntegrityError(f"{what}: corrupt zstd frame ({e})") from None
+    if params.content_size != expected:
+        raise IntegrityError(f"{what}: zstd frame declares {params.content_size} bytes, expected {expected}")
+    try:
+        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=expected)
+    except zstandard.ZstdError as e:
+        raise IntegrityError(f"{what}: corrupt zstd frame ({e})") from None
+    if len(out) != expected:
+        raise IntegrityError(f"{what}: zstd frame decoded to {len(out)} bytes, expected {expected}")
+    return out

@@ -1,0 +1,350 @@
+"""The manifest of a published version (format version 4; spec in docs/FORMAT.md).
+
+A manifest is small JSON naming the versions, fingerprints, blobs and, per tensor,
+where its encoded positions and values lie; a delta also names the manifest(s) of its
+base version by SHA-256, and a big tensor's changes may come in boxes (``chunks``,
+format 3) that a rank fetches on its own (:mod:`engine_ext.format.chunks`). Parsing validates
+everything a hostile manifest could abuse (sizes, counts, offsets, names, boxes) before
+any blob is fetched. Signatures over the raw bytes are checked before parsing
+(:mod:`engine_ext.store.signing`). Format 4 adds the context-conditioned coder (``ctx``,
+:mod:`engine_ext.format.context_codec`): a changed tensor or cell coded given its base weights.
+Versions 1 to 3 are still read.
+"""
+from __future__ import annotations
+
+import math
+import json
+import re
+from dataclasses import asdict, dataclass, field
+
+from . import fingerprint as fpr
+from .dtypes import dtype_by_name
+from ..errors import ManifestError
+
+FORMAT = "engine-ext-delta"
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
+
+DELTA, ANCHOR = "delta", "anchor"
+POSITION_CODERS = {"none", "all", "pco", "zstd", "ctx"}
+VALUE_CODERS = {"none", "raw", "pco", "zstd", "ctx"}
+MODES = {"abs", "rel"}
+
+# Limits that bound the work a hostile manifest can cause.
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_TENSORS = 1_000_000
+MAX_NUMEL = 1 << 40
+MAX_NDIM = 8
+MAX_LATEST_BYTES = 16 << 10
+_SHA_RE = re.compile(r"[0-9a-f]{64}")
+_KEY_RE = re.compile(r"[A-Za-z0-9._-]+")  # blob keys are plain names next to the manifest (fullmatch)
+
+
+def manifest_key(version: int, kind: str = DELTA) -> str:
+    return f"v{version:08d}.json" if kind == DELTA else f"v{version:08d}.anchor.json"
+
+
+LATEST_KEY = "LATEST"
+
+
+@dataclass
+class Blob:
+    key: str
+    size: int
+    sha256: str
+
+
+@dataclass
+class Segment:
+    coder: str
+    length: int
+    mode: str | None = None  # values only
+
+
+@dataclass
+class Chunk:
+    """The changes of one cell of a tensor's grid: positions are cell-local row-major indices;
+    bytes, like a whole tensor's, are ``blob[offset : offset + positions + values]``."""
+
+    cell: int  # row-major over the grid's cells
+    nnz: int
+    blob: int
+    offset: int
+    sha256: str
+    positions: Segment
+    values: Segment
+
+    @property
+    def length(self) -> int:
+        return self.positions.length + self.values.length
+
+
+@dataclass
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: list[int]
+    nnz: int
+    fingerprint: str
+    base_fingerprint: str | None = None
+    blob: int | None = None
+    offset: int = 0  # positions bytes first, values right after
+    sha256: str | None = None  # of the tensor's bytes [offset, offset + positions + values)
+    positions: Segment = field(default_factory=lambda: Segment("none", 0))
+    values: Segment = field(default_factory=lambda: Segment("none", 0))
+    grid: list[list[int]] | None = None  # format 3: cut points along the first one or two dimensions
+    chunks: list[Chunk] | None = None  # format 3: the changes per grid cell; then no tensor-level bytes
+
+    def boxes(self) -> list:
+        """The cells of ``grid`` as (start, stop) boxes, in cell order."""
+        from .chunks import boxes
+
+        return boxes(self.grid, self.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def length(self) -> int:
+        return self.positions.length + self.values.length
+
+
+@dataclass
+class Manifest:
+    kind: str
+    model: str
+    version: int
+    fingerprint: str
+    base_version: int | None = None
+    base_fingerprint: str | None = None
+    anchor_version: int | None = None  # newest anchor at or before this version
+    base_manifests: list[str] = field(default_factory=list)  # deltas: SHA-256 of every manifest of the base version
+    created_unix: float = 0.0
+    blobs: list[Blob] = field(default_factory=list)
+    tensors: list[TensorEntry] = field(default_factory=list)
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(b.size for b in self.blobs)
+
+    def to_json(self) -> bytes:
+        d = asdict(self)
+        return json.dumps(d, indent=1, sort_keys=False).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "Manifest":
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
+        try:
+            d = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"manifest is not valid JSON: {e}") from None
+        try:
+            m = _parse(d)
+            m.validate()
+        except ManifestError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ManifestError(f"malformed manifest: {type(e).__name__}: {e}") from None
+        return m
+
+    def _check_bytes(self, where: str, e, numel: int, dtype: str, per_blob: list) -> None:
+        """The coders, byte range and hash of a changed tensor or chunk ``e`` (``numel`` elements)."""
+        def bad(msg):
+            raise ManifestError(msg)
+
+        p, v = e.positions, e.values
+        if p.coder not in POSITION_CODERS or v.coder not in VALUE_CODERS:
+            bad(f"{where}: unknown coder {p.coder!r}/{v.coder!r}")
+        if not (_is_int(p.length) and _is_int(v.length) and p.length >= 0 and v.length >= 0):
+            bad(f"{where}: bad segment lengths")
+        if v.mode not in MODES:
+            bad(f"{where}: unknown value mode {v.mode!r}")
+        if self.kind == ANCHOR and (v.mode != "abs" or p.coder != "all"):
+            bad(f"{where}: anchors hold every element as absolute bits")
+        if (p.coder == "all") != (e.nnz == numel) or (p.coder == "all" and p.length):
+            bad(f"{where}: positions coder 'all' iff every element changes, with no bytes")
+        if p.coder == "none" or v.coder == "none":
+            bad(f"{where}: changed elements need positions and values")
+        if (p.coder == "ctx") != (v.coder == "ctx"):
+            bad(f"{where}: context-coded positions and values come together")
+        if p.coder == "ctx":
+            from .context_codec import supports
+
+            if self.format_version < 4 or self.kind != DELTA or v.mode != "rel" or not supports(dtype):
+                bad(f"{where}: the context coder needs a format-4 delta of relative steps of a float dtype it supports")
+        if v.coder == "raw" and v.length != e.nnz * dtype_by_name(dtype).itemsize:
+            bad(f"{where}: raw values must be nnz * itemsize bytes")
+        if not _is_int(e.blob) or not 0 <= e.blob < len(self.blobs):
+            bad(f"{where}: bad blob index {e.blob!r}")
+        if not _is_int(e.offset) or e.offset < 0 or e.offset + e.length > self.blobs[e.blob].size:
+            bad(f"{where}: byte range beyond its blob")
+        if not isinstance(e.sha256, str) or not _SHA_RE.fullmatch(e.sha256):
+            bad(f"{where}: missing or bad sha256")
+        per_blob[e.blob].append((e.offset, e.offset + e.length, where))
+
+    def validate(self) -> None:
+        """Raise ManifestError unless every field is consistent and within limits."""
+        def bad(msg):
+            raise ManifestError(msg)
+
+        if self.format != FORMAT or self.format_version not in READABLE_VERSIONS:
+            bad(f"unknown format {self.format!r} version {self.format_version!r} (this reader: {FORMAT} {READABLE_VERSIONS})")
+        if not isinstance(self.base_manifests, list) or len(self.base_manifests) > 4 or not all(
+                isinstance(h, str) and _SHA_RE.fullmatch(h) for h in self.base_manifests):
+            bad(f"bad base_manifests {self.base_manifests!r:.100}")
+        if self.base_manifests and (self.kind != DELTA or self.format_version < 2):
+            bad("only format-2 deltas name base manifests")
+        if self.kind not in (DELTA, ANCHOR):
+            bad(f"unknown kind {self.kind!r}")
+        if not _is_int(self.version) or self.version < 0:
+            bad(f"bad version {self.version!r}")
+        if self.kind == DELTA and (not _is_int(self.base_version) or not 0 <= self.base_version < self.version):
+            bad(f"a delta needs a base_version below its version, got {self.base_version!r} -> {self.version}")
+        fpr.parse(self.fingerprint)
+        if self.kind == DELTA:
+            fpr.parse(self.base_fingerprint)
+        if len(self.tensors) > MAX_TENSORS:
+            bad(f"{len(self.tensors)} tensors, over the {MAX_TENSORS} limit")
+        for b in self.blobs:
+            if not isinstance(b.key, str) or not _KEY_RE.fullmatch(b.key) or b.key.startswith("."):
+                bad(f"bad blob key {b.key!r:.100}")
+            if not _is_int(b.size) or b.size < 0 or not isinstance(b.sha256, str) or not _SHA_RE.fullmatch(b.sha256):
+                bad(f"bad blob entry {b.key!r}")
+        names = set()
+        per_blob = [[] for _ in self.blobs]
+        tensor_fps = []
+        for t in self.tensors:
+            where = f"tensor {t.name!r}"
+            if not isinstance(t.name, str) or not t.name or len(t.name) > 1024 or t.name in names:
+                bad(f"bad or duplicate tensor name {t.name!r:.100}")
+            names.add(t.name)
+            dtype_by_name_checked(t.dtype, where)
+            if not isinstance(t.shape, list) or len(t.shape) > MAX_NDIM or not all(_is_int(s) and s >= 0 for s in t.shape):
+                bad(f"{where}: bad shape {t.shape!r}")
+            if t.numel > MAX_NUMEL:
+                bad(f"{where}: {t.numel} elements, over the {MAX_NUMEL} limit")
+            if not _is_int(t.nnz) or not 0 <= t.nnz <= t.numel:
+                bad(f"{where}: nnz {t.nnz!r} outside [0, {t.numel}]")
+            fpr.parse(t.fingerprint)
+            if self.kind == DELTA:
+                fpr.parse(t.base_fingerprint)
+            tensor_fps.append((t.name, fpr.parse(t.fingerprint)))
+            if t.nnz == 0:
+                if t.positions.coder != "none" or t.values.coder != "none" or t.length or t.chunks or t.grid:
+                    bad(f"{where}: an unchanged tensor carries no bytes")
+                if self.kind == DELTA and t.fingerprint != t.base_fingerprint:
+                    bad(f"{where}: unchanged but fingerprints differ")
+                continue
+            if t.chunks is None and t.grid is None:
+                self._check_bytes(where, t, t.numel, t.dtype, per_blob)
+                continue
+            from .chunks import box_numel, valid_cuts
+
+            if self.format_version < 3 or self.kind != DELTA:
+                bad(f"{where}: only format-3 deltas come in chunks")
+            if not valid_cuts(t.grid, t.shape) or not isinstance(t.chunks, list) or not t.chunks:
+                bad(f"{where}: a chunked tensor needs a grid and a non-empty chunk list")
+            if t.positions.coder != "none" or t.values.coder != "none" or t.blob is not None or t.sha256 is not None:
+                bad(f"{where}: a chunked tensor carries its bytes in its chunks only")
+            cells = t.boxes()
+            seen, total = set(), 0
+            for c in t.chunks:
+                cw = f"{where} cell {c.cell!r}"
+                if not _is_int(c.cell) or not 0 <= c.cell < len(cells) or c.cell in seen:
+                    bad(f"{cw}: no such cell, or listed twice")
+                seen.add(c.cell)
+                n = box_numel(cells[c.cell])
+                if not _is_int(c.nnz) or not 0 < c.nnz <= n:
+                    bad(f"{cw}: nnz {c.nnz!r} outside [1, {n}]")
+                total += c.nnz
+                self._check_bytes(cw, c, n, t.dtype, per_blob)
+            if total != t.nnz:
+                bad(f"{where}: chunks hold {total} changes, the tensor {t.nnz}")
+        for ranges in per_blob:
+            ranges.sort()
+            for (_, end, a), (start, _, b) in zip(ranges, ranges[1:]):
+                if start < end:
+                    bad(f"{a} and {b} overlap in their blob")
+        if fpr.fmt(fpr.model_fingerprint(tensor_fps)) != self.fingerprint:
+            bad("model fingerprint does not match the tensors' fingerprints")
+        if self.kind == DELTA:
+            base = fpr.model_fingerprint((t.name, fpr.parse(t.base_fingerprint)) for t in self.tensors)
+            if fpr.fmt(base) != self.base_fingerprint:
+                bad("base model fingerprint does not match the tensors' base fingerprints")
+
+
+def dtype_by_name_checked(name, where):
+    try:
+        return dtype_by_name(name)
+    except (ValueError, TypeError):
+        raise ManifestError(f"{where}: unsupported dtype {name!r}") from None
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _parse(d: dict) -> Manifest:
+    if not isinstance(d, dict):
+        raise ManifestError("manifest must be a JSON object")
+    tensors = []
+    for t in d["tensors"]:
+        t = dict(t)
+        t["positions"] = Segment(**t.get("positions", {"coder": "none", "length": 0}))
+        t["values"] = Segment(**t.get("values", {"coder": "none", "length": 0}))
+        if t.get("chunks") is not None:
+            if not isinstance(t["chunks"], list) or len(t["chunks"]) > 256 * 256:
+                raise ManifestError(f"tensor {str(t.get('name'))[:100]!r}: bad chunk list")
+            t["chunks"] = [Chunk(**dict(c, positions=Segment(**c["positions"]), values=Segment(**c["values"])))
+                           for c in t["chunks"]]
+        tensors.append(TensorEntry(**t))
+    blobs = [Blob(**b) for b in d.get("blobs", [])]
+    rest = {k: v for k, v in d.items() if k not in ("tensors", "blobs")}
+    return Manifest(blobs=blobs, tensors=tensors, **rest)
+
+
+@dataclass
+class Latest:
+    """The LATEST pointer: the newest complete version, its manifest (key and SHA-256), the
+    newest anchor, and until when the pointer may be trusted (a signed pointer that stops
+    being refreshed goes stale: TUF's freeze protection)."""
+
+    version: int
+    manifest: str
+    fingerprint: str
+    anchor_version: int | None = None
+    sha256: str | None = None  # of the manifest's bytes
+    expires_unix: float | None = None
+
+    def signed_bytes(self) -> bytes:
+        """What the pointer's signatures cover (canonical JSON of its fields)."""
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    def to_json(self, signatures: list | None = None) -> bytes:
+        return json.dumps({"signed": asdict(self), "signatures": signatures or []}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> tuple["Latest", list]:
+        """(pointer, signatures); a format-1 pointer (a bare object) has no signatures."""
+        if len(data) > MAX_LATEST_BYTES:
+            raise ManifestError(f"LATEST is {len(data)} bytes, over the {MAX_LATEST_BYTES} limit")
+        try:
+            d = json.loads(data)
+            if isinstance(d, dict) and "signed" in d:
+                if set(d) != {"signed", "signatures"} or not isinstance(d["signatures"], list):
+                    raise ValueError("unexpected fields")
+                lt, sigs = cls(**d["signed"]), d["signatures"]
+            else:
+                lt, sigs = cls(**d), []
+        except (ValueError, TypeError, UnicodeDecodeError) as e:
+            raise ManifestError(f"bad LATEST pointer: {type(e).__name__}: {str(e)[:200]}") from None
+        if (not _is_int(lt.version) or lt.version < 0 or not isinstance(lt.manifest, str)
+                or not _KEY_RE.fullmatch(lt.manifest) or lt.manifest.startswith(".")
+                or (lt.sha256 is not None and not (isinstance(lt.sha256, str) and _SHA_RE.fullmatch(lt.sha256)))
+                or (lt.expires_unix is not None and not isinstance(lt.expires_unix, (int, float)))):
+            raise ManifestError("bad LATEST pointer: a field is malformed")
+        return lt, sigs

@@ -1,0 +1,246 @@
+"""The driver of updates for one engine: one apply at a time, with history and metrics.
+
+One :class:`Controller` lives where updates are driven from: the process that answers
+HTTP (vLLM's API server, SGLang's TokenizerManager process, which also serves the
+in-process ``sglang.Engine`` hook), or rank 0 of an in-process vLLM engine (the
+``delta`` weight-transfer backend). It checks the source against the allow-list
+before anything is fetched, prepares each update (plan, every rank fetches its part:
+an :class:`~engine_ext.server.transaction.UpdateTransaction`) outside its lock, so a slow source
+holds no other update back, and executes it (pause, apply, verify, commit) under the
+lock on the state it was planned from, planning again if another update committed
+meanwhile. At most ``ENGINE_EXT_MAX_WAITING`` updates wait (429 beyond). It records
+the outcome (bounded history, Prometheus metrics). :class:`Auth` and
+:func:`error_answer` serve the HTTP routes of both engines.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import hmac
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..format import fingerprint as fpr
+from .. import metrics, settings
+from ..errors import BaseMismatchError, DeltaError
+from .follow import Follower
+from .protocol import UpdateRequest
+from ..store.signing import Trust
+from ..store.sources import Sources
+from .transaction import ApplyError, Ranks, ServedState, UpdateTransaction, check_replies, combine_fingerprints
+
+log = logging.getLogger("engine_ext")
+
+ROUTE = "/update_weights_delta"
+VERSION_SIDECAR = "engine_ext_version"  # optional file in the model dir holding the checkpoint's version
+
+
+class Unauthorized(DeltaError):
+    reason, http_status = "unauthorized", 401
+
+
+class Busy(DeltaError):
+    reason, http_status = "busy", 409
+
+
+class QueueFull(DeltaError):
+    reason, http_status = "queue_full", 429
+
+
+@dataclass(frozen=True)
+class Auth:
+    """Who may use the update routes: a bearer token among ``tokens``; everybody only when
+    ``open`` was asked for explicitly (``ENGINE_EXT_NO_AUTH=1``). Secure by default: with
+    neither, every request is refused."""
+
+    tokens: tuple[str, ...] = ()
+    open: bool = False
+
+    @classmethod
+    def from_settings(cls, engine_tokens=(), s: "settings.Settings | None" = None) -> "Auth":
+        """``ENGINE_EXT_TOKEN`` plus the engine's own API keys (vLLM ``--api-key``, SGLang
+        ``--api-key``/``--admin-api-key``), and ``ENGINE_EXT_NO_AUTH``."""
+        s = s or settings.current()
+        tokens = tuple(t for t in ((s.token,) if s.token else ()) + tuple(engine_tokens) if t)
+        return cls(tokens, s.no_auth)
+
+    def check(self, authorization: str | None) -> None:
+        """Raise :class:`Unauthorized` unless ``authorization`` is ``Bearer <a token>`` (scheme in any case)."""
+        if self.open and not self.tokens:
+            return
+        if not self.tokens:
+            raise Unauthorized("no token is configured for this route: set ENGINE_EXT_TOKEN (or the engine's API key), "
+                               "or ENGINE_EXT_NO_AUTH=1 to open it explicitly")
+        scheme, _, given = (authorization or "").strip().partition(" ")
+        ok = scheme.lower() == "bearer" and any(hmac.compare_digest(given.strip().encode(), t.encode()) for t in self.tokens)
+        if not ok:
+            raise Unauthorized("missing or wrong bearer token")
+
+
+def error_answer(e: Exception) -> tuple[int, dict]:
+    """HTTP status and JSON body for an exception (DeltaError carries both)."""
+    if isinstance(e, DeltaError):
+        return e.http_status, {"ok": False, "reason": e.reason, "error": str(e)}
+    return 500, {"ok": False, "reason": "internal", "error": repr(e)}
+
+
+def initial_version(model_dir: str | None) -> int | None:
+    """``ENGINE_EXT_BASE_VERSION``, else the ``engine_ext_version`` file in the model dir."""
+    v = settings.current().base_version
+    if v is None and model_dir and Path(model_dir, VERSION_SIDECAR).is_file():
+        text = Path(model_dir, VERSION_SIDECAR).read_text().strip()
+        try:
+            v = int(text)
+        except ValueError:
+            raise ValueError(f"{Path(model_dir, VERSION_SIDECAR)}: version {text!r} is not an integer") from None
+    return v
+
+
+def _cut(text, n: int = 500) -> str:
+    text = str(text)
+    return text if len(text) <= n else text[:n] + "..."
+
+
+class Controller:
+    """One apply at a time, all ranks or none; keeps the served state and the history."""
+
+    REPLANS = 3  # times an update plans again when others commit while it fetches
+
+    def __init__(self, ranks: Ranks, sources: Sources | None = None, version: int | None = None,
+                 history: int = 32, engine_name: str = "vllm", trust: Trust | None = None,
+                 max_waiting: int | None = None):
+        self.ranks = ranks
+        self.sources = sources or Sources.from_settings()
+        self.trust = trust or Trust.from_settings()
+        self.engine_name = engine_name
+        self.state = ServedState(version, {}, {})
+        self.history: collections.deque = collections.deque(maxlen=history)
+        self.max_waiting = settings.current().max_waiting if max_waiting is None else max_waiting
+        self._lock = asyncio.Lock()
+        self._inflight = 0
+        self.ready = False
+        self.start_error: str | None = None
+        self.follower: Follower | None = None
+
+    # ---- start-up
+    async def start(self) -> None:
+        """Probe every rank and record the start-up fingerprint of the live weights."""
+        try:
+            self.state = ServedState.from_setup(await self.ranks.call("setup"), self.state.version)
+        except Exception as e:
+            self.start_error = str(e)
+            raise
+        self.ready = True
+        metrics.VERSION.set(-1 if self.state.version is None else self.state.version)
+        layout = self.state.layout
+        log.info("engine_ext: %d checkpoint tensors mapped on %d rank(s); version %s, fingerprint %s; dense fallback: %s; "
+                 "converting maps: %d; engine paths: %s", len(self.state.tensor_fps), len(layout["engine"]),
+                 self.state.version, fpr.fmt(self.state.model_fingerprint), layout["fallback"], len(layout["converted"]),
+                 layout["engine"][0])
+        if layout["mismatched"]:
+            log.error("engine_ext: %d tensor(s) are served with other weights than the checkpoint they were loaded "
+                      "from (a layout the engine derives after loading?); updates touching them will be refused: %s",
+                      len(layout["mismatched"]), layout["mismatched"][:8])
+
+    def start_following(self, get_controller=None) -> Follower | None:
+        """Pull mode (``ENGINE_EXT_FOLLOW``): watch the store's LATEST from this process's event
+        loop; ``get_controller`` (default: this controller) is awaited before each look."""
+        s = settings.current()
+        if not s.follow:
+            return None
+        if self.follower is None:
+            async def me():
+                return self
+
+            self.follower = Follower(get_controller or me, s.follow, s.follow_interval, self.trust)
+        self.follower.start()
+        return self.follower
+
+    async def resync(self, reason: str = "weights changed outside engine_ext") -> None:
+        """Re-read every rank's live fingerprints after the engine's own weight update.
+
+        The version becomes unknown; a delta whose base fingerprint matches the new
+        weights is still accepted.
+        """
+        async with self._lock:
+            replies = check_replies(await self.ranks.call("resync"))
+            self.state.tensor_fps, self.state.version = combine_fingerprints(replies), None
+            self.state.manifests = ()  # no manifest produced these weights: the next delta is bound by fingerprint
+            metrics.VERSION.set(-1)
+            self.history.append({"ok": True, "outside_update": True, "version": None,
+                                 "fingerprint": fpr.fmt(self.state.model_fingerprint), "time": time.time()})
+            log.info("engine_ext: %s; fingerprint now %s", reason, fpr.fmt(self.state.model_fingerprint))
+
+    @property
+    def version(self) -> int | None:
+        return self.state.version
+
+    @property
+    def model_fingerprint(self) -> int:
+        return self.state.model_fingerprint
+
+    def status(self) -> dict:
+        return {
+            "engine": self.engine_name,
+            "version": self.state.version,
+            "fingerprint": fpr.fmt(self.state.model_fingerprint) if self.ready else None,
+            "tensors": len(self.state.tensor_fps),
+            "busy": self._lock.locked(),
+            "error": self.start_error,
+            "layout": self.state.layout,
+            "history": list(self.history),
+            "follow": self.follower.status() if self.follower is not None else None,
+        }
+
+    # ---- update
+    async def update(self, req: UpdateRequest) -> dict:
+        """Run one update transaction; the answer as JSON, or a DeltaError saying why nothing changed."""
+        try:
+            source = self.sources.check(req.url)  # 403 before anything is fetched
+            if self._lock.locked() and not req.wait:
+                raise Busy("another update is being applied; retry, or send \"wait\": true to queue")
+            if self._inflight > self.max_waiting:
+                raise QueueFull(f"{self._inflight} updates are already in flight (ENGINE_EXT_MAX_WAITING="
+                                f"{self.max_waiting}); retry later")
+            if not self.ready:
+                raise ApplyError(f"the engine_ext start-up probe did not complete: {self.start_error or 'still running'}")
+            self._inflight += 1
+            try:
+                answer, phases = await self._prepare_and_execute(req, source)
+            finally:
+                self._inflight -= 1
+        except DeltaError as e:
+            metrics.record_failure(e.reason)
+            self.history.append({"url": _cut(req.url, 300), "ok": False, "reason": e.reason, "error": _cut(e),
+                                 "time": time.time()})
+            raise
+        except Exception as e:  # noqa: BLE001 - an unexpected failure is still an answer, never a crash
+            metrics.record_failure("internal")
+            self.history.append({"url": _cut(req.url, 300), "ok": False, "reason": "internal", "error": _cut(repr(e)),
+                                 "time": time.time()})
+            log.exception("engine_ext: update failed")
+            raise ApplyError(f"internal error: {_cut(repr(e))}") from e
+        if not answer.noop:
+            metrics.record_success(answer.version, answer.payload_bytes, sum(answer.fetched_bytes), answer.written, phases)
+        self.history.append({"version": answer.version, "base_version": answer.base_version, "elements": answer.elements,
+                             "payload_bytes": answer.payload_bytes, "pause_ms": answer.pause_ms, "noop": answer.noop,
+                             "url": _cut(req.url, 300), "ok": True, "time": time.time()})
+        return answer.to_json()
+
+    async def _prepare_and_execute(self, req: UpdateRequest, source: str):
+        """Prepare outside the lock, execute under it; plan again if the state moved meanwhile."""
+        for _ in range(self.REPLANS):
+            txn = UpdateTransaction(self.ranks, self.state, req, source, self.trust)
+            try:
+                await txn.prepare()
+                async with self._lock:
+                    if self.state.key() == txn.planned_from:
+                        return await txn.execute(), txn.phases
+            finally:
+                await txn.release()
+        raise BaseMismatchError("other updates kept changing the served weights while this one was fetched; retry")
+
+
+__all__ = ["Controller", "Auth", "ROUTE", "Busy", "QueueFull", "Unauthorized", "error_answer", "initial_version"]

@@ -1,0 +1,416 @@
+"""The per-rank half of an update, engine-agnostic: map, fetch its part, apply in place, verify, undo.
+
+A :class:`RankUpdater` lives in every rank (vLLM worker, SGLang scheduler). At start-up
+it asks the layout probe where the model's own weight loader puts each checkpoint
+element on this rank (:mod:`engine_ext.server.layout`) and fingerprints the live weights
+through those maps. For an update, the driver sends the verified manifests of the route;
+each rank fetches straight from the store only the tensors, or grid cells of them
+(:mod:`engine_ext.format.chunks`), that meet what it holds, verifies and decodes them in a
+background thread while the engine keeps serving (:meth:`RankUpdater.fetch`), so no
+rank reads what another holds and nothing passes through the driver. An apply writes
+the fetched delta in place through
+:func:`engine_ext.server.apply.apply_delta` with an undo log; tensors the probe could not map
+are rebuilt on the host and reloaded densely through the engine's loader. Derived
+state (re-packed copies of weights) is refreshed through a hook. The driver of the
+update (:mod:`engine_ext.server.transaction`) combines the per-rank fingerprints and then
+calls :meth:`RankUpdater.commit` or :meth:`RankUpdater.rollback` on every rank.
+
+:func:`run_op` is the one entry every engine adapter calls with an op name from the
+wire: it never raises, and answers a :class:`~engine_ext.server.protocol.RankReply` as plain
+data, so that a failing rank lets the driver roll the others back.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from ..format import fingerprint as fpr
+from .apply import apply_delta
+from .apply_torch import local_fingerprint
+from .. import settings
+from .maps import ApplyResult, TensorMap, Unmappable, checkpoint_view, covered_elements
+from ..format.delta import TensorDelta, apply_tensor
+from ..format.dtypes import DType
+from ..errors import IntegrityError
+from .protocol import RankReply, TensorReport
+from .touched import Touched
+
+log = logging.getLogger("engine_ext")
+
+Loader = Callable[[str, torch.Tensor], None]  # load one whole checkpoint tensor via the engine's loader
+Refresh = Callable[["Touched | None"], None]  # rebuild derived copies of what an apply wrote; None: of everything
+Describe = Callable[[], dict]  # the engine's kernels/paths on this rank, for the start-up log and status
+OPS = ("setup", "fetch", "fetched", "apply", "discard", "commit", "rollback", "status", "resync")
+MAX_FETCHES = 8  # fetches a rank holds at once (the driver's queue bound keeps it lower)
+
+
+@dataclass
+class _Fetch:
+    """One update's part on this rank, fetched and decoded in a background thread."""
+
+    thread: threading.Thread | None = None
+    deltas: list[TensorDelta] = field(default_factory=list)
+    names: set[str] = field(default_factory=set)  # changed tensors this rank holds (reported after the apply)
+    bytes: int = 0
+    error: BaseException | None = None
+    fps: dict[str, int] = field(default_factory=dict)  # this rank's fingerprints the part was decoded against
+
+
+@dataclass
+class _Pending:
+    """An applied update awaiting commit or rollback: what rollback restores."""
+
+    result: ApplyResult  # its undo log restores the in-place writes
+    old_fps: dict[str, int]
+    old_host: dict[str, torch.Tensor]  # dense-fallback tensors as they were
+    touched: Touched | None  # refreshed after a rollback (None: all)
+
+
+class RankUpdater:
+    """This rank's maps, fingerprints and pending undo.
+
+    ``checkpoint``: {name: (shape, dtype)} of the served checkpoint; ``read_checkpoint``
+    reads one tensor of it (the dense fallback starts from it); ``refresh`` rebuilds
+    derived copies of the storages an apply wrote; ``describe`` reports the engine's paths.
+    """
+
+    def __init__(self, module: torch.nn.Module, load: Loader, checkpoint: dict[str, tuple[tuple[int, ...], DType]],
+                 read_checkpoint: Callable[[str], torch.Tensor] | None = None, refresh: Refresh | None = None,
+                 rank: int = 0, describe: Describe | None = None):
+        self.module, self.load, self.checkpoint = module, load, checkpoint
+        self.read_checkpoint, self.refresh, self.rank, self.describe = read_checkpoint, refresh, rank, describe
+        self.maps: dict[str, TensorMap | Unmappable] = {}
+        self.host: dict[str, torch.Tensor] = {}  # checkpoint copies of unmappable tensors (dense fallback)
+        self.fps: dict[str, int] = {}  # rank-local partial fingerprints (whole for host tensors)
+        self.covered: dict[str, int] = {}
+        self.version: int | None = None
+        self._pending: _Pending | None = None
+        self._fetches: dict[str, _Fetch] = {}
+        self.setup_s = 0.0
+        self.mismatched: tuple[str, ...] = ()
+
+    # ---- start-up
+    def setup(self) -> RankReply:
+        """Probe the loader's layout and fingerprint the live weights (idempotent)."""
+        if not self.maps:
+            from .layout import probe_layout
+
+            t = time.perf_counter()
+            specs = [(n, tuple(s), d) for n, (s, d) in self.checkpoint.items()]
+            self.maps = probe_layout(self.module, self.load, specs)
+            for name, m in self.maps.items():
+                if isinstance(m, Unmappable):
+                    if self.read_checkpoint is None:
+                        raise RuntimeError(f"{name}: unmappable ({m.reason}) and no checkpoint reader for a dense fallback")
+                    self.host[name] = self.read_checkpoint(name).cpu()
+                    self.fps[name] = fpr.tensor_fingerprint(self.host[name])
+                    self.covered[name] = self.host[name].numel()
+                else:
+                    self.fps[name] = local_fingerprint(m)
+                    self.covered[name] = covered_elements(m)
+            if self.read_checkpoint is not None and settings.current().check_load:
+                self.mismatched = tuple(self.check_load())
+            self.setup_s = time.perf_counter() - t
+        return RankReply(True, self.rank, fingerprints=self.report(), fallback=tuple(sorted(self.host)),
+                         converted=tuple(self.converted()), mismatched=self.mismatched, engine=self.describe() if self.describe else {},
+                         tensors={n: (tuple(s), d.name) for n, (s, d) in self.checkpoint.items()},
+                         seconds={"setup": self.setup_s})
+
+    def check_load(self) -> list[str]:
+        """Tensors whose live weights, read through this rank's maps, differ from the checkpoint the
+        engine loaded (same boxes, same fingerprint): a layout the engine derives after loading
+        (a repack, a permutation) that the maps do not follow. Named at start-up, so that such a
+        tensor is not first met as a bare base mismatch at the first update."""
+        bad = []
+        for name, m in self.maps.items():
+            if isinstance(m, TensorMap) and m.pieces:
+                if local_fingerprint(checkpoint_view(m, self.read_checkpoint(name))) != self.fps[name]:
+                    bad.append(name)
+        if bad:
+            log.error("engine_ext: rank %s: the live weights of %d tensor(s) differ from the loaded checkpoint, so "
+                      "updates touching them will be refused as base mismatches: %s", self.rank, len(bad), bad[:8])
+        return bad
+
+    def converted(self) -> list[str]:
+        """Tensors mapped through a converting piece (the engine holds a widened copy, e.g. float32 biases)."""
+        return sorted(n for n, m in self.maps.items() if isinstance(m, TensorMap)
+                      and any(p.dest.dtype != m.dtype.torch for p in m.pieces))
+
+    def resync(self) -> RankReply:
+        """Recompute the fingerprints from the live weights (after an outside dense reload)."""
+        self._refuse_pending()
+        self.setup()
+        for name, m in self.maps.items():
+            if name not in self.host:
+                self.fps[name] = local_fingerprint(m)
+        return RankReply(True, self.rank, fingerprints=self.report())
+
+    def report(self, names: Iterable[str] | None = None) -> dict[str, TensorReport]:
+        """This rank's view of each tensor's fingerprint, for the driver to combine."""
+        names = self.fps if names is None else names
+        return {n: TensorReport(self.fps[n], self.covered[n], _numel(self.checkpoint[n][0])) for n in names}
+
+    # ---- fetch (while serving)
+    def selection(self, m) -> dict:
+        """What of manifest ``m`` this rank needs: {changed tensor it holds: the grid cells that
+        meet its boxes (a set, maybe empty: it holds the tensor but none of its changes), or
+        None for the whole tensor (not cut, or reloaded densely)}. Its keys are also the
+        tensors whose fingerprints it reports after the apply."""
+        from ..format.chunks import meets
+
+        out = {}
+        for t in m.tensors:
+            if not t.nnz:
+                continue
+            if t.name not in self.checkpoint:
+                raise ValueError(f"{t.name}: not a tensor of the served checkpoint")
+            if t.name in self.host:
+                out[t.name] = None
+                continue
+            pieces = [p for p in self.maps[t.name].pieces if p.numel]
+            if not pieces:
+                continue  # another rank's tensor
+            if t.chunks is None:
+                out[t.name] = None
+                continue
+            out[t.name] = {i for i, box in enumerate(t.boxes()) if any(meets(box, p.start, p.stop) for p in pieces)}
+        return out
+
+    def fetch(self, txn: str, store: str, route: list[dict], timeout_s: float) -> RankReply:
+        """Start fetching this rank's part of a route (manifest keys, each with the SHA-256 of the
+        bytes the driver verified and a size limit) from ``store`` in a background thread;
+        :meth:`fetched` tells when it is done."""
+        self.setup()
+        if len(self._fetches) >= MAX_FETCHES:
+            raise RuntimeError(f"{MAX_FETCHES} fetches already held on this rank")
+        job = _Fetch()
+        job.thread = threading.Thread(target=self._fetch, args=(job, store, route, time.monotonic() + timeout_s),
+                                      name=f"engine-ext-fetch-{txn[:8]}", daemon=True)
+        self._fetches[txn] = job
+        job.thread.start()
+        return RankReply(True, self.rank)
+
+    def _fetch(self, job: _Fetch, store_uri: str, route: list[dict], deadline: float) -> None:
+        from ..format.delta import compose
+        from ..format.manifest import Manifest
+        from ..store.reader import fetch_selected
+        from ..store import open_store
+
+        bases = _LiveBases(self)
+        try:
+            store = open_store(store_uri)
+            store.deadline = deadline
+            parts: dict[str, list[TensorDelta]] = {}
+            links: dict[str, set[int]] = {}  # which links of the route changed each tensor
+            for i, link in enumerate(route):
+                raw = store.read(link["key"], max_bytes=link["max_bytes"])
+                if hashlib.sha256(raw).hexdigest() != link["sha256"]:
+                    raise IntegrityError(f"{store.key_uri(link['key'])}: the manifest changed since the driver verified it")
+                m = Manifest.from_json(raw)
+                sel = self.selection(m)
+                job.names.update(sel)
+                job.fps.update({name: self.fps[name] for name in sel if name not in job.fps})
+                decoded, n = fetch_selected(store, m, sel, bases=bases)
+                bases.advance(decoded)
+                job.bytes += n
+                for td in decoded:
+                    parts.setdefault(td.name, []).append(td)
+                    links.setdefault(td.name, set()).add(i)
+            # one link's parts of a tensor (an absolute and a relative one) are disjoint: composed only across links
+            job.deltas = [part for name, tds in parts.items() for part in (compose(tds) if len(links[name]) > 1 else tds)]
+        except BaseException as e:  # noqa: BLE001 - reported by fetched()
+            job.error = e
+
+    def fetched(self, txn: str) -> RankReply:
+        """Whether this rank's part of ``txn`` is fetched (``pending``), the bytes it read, or its failure."""
+        job = self._fetches[txn]
+        if job.thread.is_alive():
+            return RankReply(True, self.rank, pending=True, fetched_bytes=job.bytes)
+        if job.error is not None:
+            self._fetches.pop(txn, None)
+            raise job.error
+        return RankReply(True, self.rank, fetched_bytes=job.bytes)
+
+    def discard(self, txn: str) -> RankReply:
+        """Drop a fetched (or still fetching) part that will not be applied."""
+        self._fetches.pop(txn, None)
+        return RankReply(True, self.rank)
+
+    # ---- apply / commit / rollback
+    def apply(self, deltas: list[TensorDelta] | None = None, txn: str | None = None) -> RankReply:
+        """Apply in place (``deltas``, or the part fetched for ``txn``), keeping an undo log until
+        :meth:`commit` or :meth:`rollback`. The reply reports every changed tensor this rank holds."""
+        self._refuse_pending()
+        self.setup()
+        t = time.perf_counter()
+        names: set[str] = set()
+        if deltas is None:
+            job = self._fetches.pop(txn, None)
+            if job is None or job.thread.is_alive() or job.error is not None:
+                raise RuntimeError(f"nothing fetched for update {txn}")
+            deltas, names = job.deltas, job.names
+            moved = sorted(n for n, fp in job.fps.items() if self.fps.get(n) != fp)
+            if moved:  # context-coded parts were decoded against the weights as they were
+                raise IntegrityError(f"{len(moved)} tensor(s) changed on this rank since update {txn} was fetched: {moved[:5]}")
+        t_load = time.perf_counter() - t
+        for td in deltas:
+            if td.name not in self.checkpoint:
+                raise ValueError(f"{td.name}: not a tensor of the served checkpoint")
+        mapped = [td for td in deltas if td.name not in self.host]
+        dense = [td for td in deltas if td.name in self.host]
+        old_fps = {td.name: self.fps[td.name] for td in deltas}
+        t = time.perf_counter()
+        res = apply_delta(mapped, self.maps, undo=True)
+        touched = None if dense else Touched(mapped, self.maps)
+        self._pending = _Pending(res, old_fps, {}, touched)
+        try:
+            for name, d in res.fingerprint_delta.items():
+                self.fps[name] = (self.fps[name] + d) & fpr.MASK64
+            parts: dict[str, list[TensorDelta]] = {}
+            for td in dense:  # a composed chain may hold an absolute and a relative part of one tensor
+                parts.setdefault(td.name, []).append(td)
+            for name, tds in parts.items():  # rebuild on the host, reload the whole tensor through the engine's loader
+                new = self.host[name]
+                for td in tds:
+                    new = apply_tensor(new, td, check=td is tds[-1])
+                self._pending.old_host[name] = self.host[name]
+                self.load(name, new)
+                self.host[name] = new
+                self.fps[name] = fpr.tensor_fingerprint(new)
+            self._refresh(touched)
+        except BaseException:
+            self._pending.touched = None
+            self.rollback()
+            raise
+        t_apply = time.perf_counter() - t
+        return RankReply(True, self.rank, written=int(sum(res.written.values())) + sum(td.nnz for td in dense),
+                         fingerprints=self.report(names | {td.name for td in deltas}), fallback=tuple(sorted(parts)),
+                         undo_bytes=res.undo.nbytes if res.undo is not None else 0,
+                         seconds={"load": t_load, "apply": t_apply})
+
+    def commit(self, version: int | None = None) -> RankReply:
+        """Keep the applied update: drop its undo log; record the version."""
+        if self._pending is not None:
+            if self._pending.result.undo is not None:
+                self._pending.result.undo.discard()
+            self._pending = None
+        if version is not None:
+            self.version = version
+        return RankReply(True, self.rank, version=self.version)
+
+    def rollback(self) -> RankReply:
+        """Restore the exact old bits of the last apply (no-op when nothing is pending)."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return RankReply(True, self.rank)
+        if p.result.undo is not None and not p.result.undo.done:
+            p.result.undo.rollback()
+        for name, old in p.old_host.items():
+            self.load(name, old)
+            self.host[name] = old
+        self.fps.update(p.old_fps)
+        self._refresh(p.touched)
+        return RankReply(True, self.rank)
+
+    def status(self) -> RankReply:
+        return RankReply(True, self.rank, version=self.version, fallback=tuple(sorted(self.host)),
+                         pending=self._pending is not None)
+
+    # ---- helpers
+    def _refuse_pending(self) -> None:
+        if self._pending is not None:
+            raise RuntimeError("an applied update is neither committed nor rolled back")
+
+    def _refresh(self, touched: Touched | None) -> None:
+        if self.refresh is not None:
+            self.refresh(touched)
+
+
+class _LiveBases:
+    """The base of context-coded parts on a rank (:class:`engine_ext.store.reader.Bases`): the live
+    weights read through the maps (or the host copy of a dense-fallback tensor), with the
+    earlier links of the route laid over them."""
+
+    def __init__(self, up: "RankUpdater"):
+        self.up = up
+        self.overlay: dict[str, list[TensorDelta]] = {}
+
+    def bits(self, name, start, stop):
+        from ..format import chunks
+        from ..format.dtypes import as_bits
+        from .maps import PartlyHeld, read_box
+
+        up = self.up
+        if name in up.host:
+            box = as_bits(up.host[name].contiguous())[tuple(slice(a, b) for a, b in zip(start, stop))].clone()
+        else:
+            try:
+                box = read_box(up.maps[name], start, stop)
+            except PartlyHeld as e:
+                raise IntegrityError(f"{e}: a context-coded part needs its whole base on one rank (publish with "
+                                     "ENGINE_EXT_CONTEXT_CODER=0 for this layout)") from None
+            if box is None:
+                return None
+        box = box.cpu()
+        shape, ext = up.checkpoint[name][0], tuple(b - a for a, b in zip(start, stop))
+        for td in self.overlay.get(name, []):  # earlier links of the route, inside this box
+            idx = td.index().numpy()
+            coords = np.unravel_index(idx, shape) if len(shape) else ()
+            inside = np.ones(idx.size, dtype=bool)
+            for c, a, b in zip(coords, start, stop):
+                inside &= (c >= a) & (c < b)
+            local = torch.from_numpy(chunks.to_local(idx[inside], shape, (start, stop)))
+            part = TensorDelta(td.name, td.dtype, ext, td.mode, local, td.values[torch.from_numpy(inside)])
+            box = as_bits(apply_tensor(box.view(td.dtype.torch), part, check=False))
+        return box.reshape(-1).numpy()
+
+    def verify(self, name, fingerprint):
+        from ..errors import BaseMismatchError
+
+        up = self.up
+        if self.overlay.get(name) or up.covered.get(name) != _numel(up.checkpoint[name][0]):
+            return  # a later link (hash-chained to the first), or a shard (the driver checked the whole)
+        if up.fps[name] != fingerprint:
+            raise BaseMismatchError(f"tensor {name!r}: this rank holds fingerprint {fpr.fmt(up.fps[name])}, "
+                                    f"the delta's base is {fpr.fmt(fingerprint)}")
+
+    def advance(self, tensors):
+        for td in tensors:
+            self.overlay.setdefault(td.name, []).append(td)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def run_op(updater: RankUpdater | Callable[[], RankUpdater], op: str, kwargs: dict | None = None,
+           rank: int = 0) -> dict:
+    """Run ``op`` of this rank's updater and answer its :class:`RankReply` as wire data; never raises.
+
+    ``updater`` may be a factory (built on first use inside the guard, so a failing
+    start-up is an answer too). Engine adapters call this from their RPC handler.
+    """
+    try:
+        if op not in OPS:
+            raise ValueError(f"unknown op {op!r}; one of {OPS}")
+        up = updater() if callable(updater) and not isinstance(updater, RankUpdater) else updater
+        rank = up.rank
+        with torch.no_grad():
+            return getattr(up, op)(**(kwargs or {})).to_wire()
+    except Exception as e:  # noqa: BLE001 - reported to the driver, which rolls every rank back
+        log.error("engine_ext: %s failed on rank %s: %s", op, rank, traceback.format_exc())
+        return RankReply.failure(rank, e).to_wire()
+
+
+__all__ = ["RankUpdater", "run_op", "OPS", "Loader", "Refresh", "Describe"]

@@ -1,0 +1,157 @@
+"""HF-style safetensors checkpoint directories, read and written tensor by tensor.
+
+Reading goes through ``safetensors.safe_open`` (memory-mapped, one tensor at a
+time). Writing streams too: the header is computed from the known names, dtypes and
+shapes first, then each tensor's bytes are appended, so memory stays bounded by the
+largest tensor rather than the shard (``safetensors.torch.save_file`` needs the whole
+shard in memory).
+"""
+from __future__ import annotations
+
+import math
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from ..format.dtypes import BY_SAFETENSORS, DType, as_bits
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    file: str  # shard file name within the directory
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def read_header(path: str | Path) -> dict:
+    """The JSON header of a safetensors file (without reading its data)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > 100 << 20:
+            raise ValueError(f"{path}: safetensors header of {n} bytes is implausible")
+        return json.loads(f.read(n))
+
+
+class CheckpointDir:
+    """A directory with model.safetensors, or shards named by model.safetensors.index.json."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        index = self.path / INDEX_NAME
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif (self.path / SINGLE_NAME).exists():
+            files = [SINGLE_NAME]
+        else:
+            found = sorted(p.name for p in self.path.glob("*.safetensors"))
+            if not found:
+                raise FileNotFoundError(f"{self.path}: no safetensors checkpoint here")
+            files = found
+        self.files = files
+        self.tensors: dict[str, TensorInfo] = {}
+        for fname in files:
+            for name, meta in read_header(self.path / fname).items():
+                if name == "__metadata__":
+                    continue
+                dt = BY_SAFETENSORS.get(meta["dtype"])
+                if dt is None:
+                    raise ValueError(f"{fname}:{name}: unsupported dtype {meta['dtype']}")
+                self.tensors[name] = TensorInfo(name, dt, tuple(meta["shape"]), fname)
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def specs(self) -> dict[str, tuple[tuple[int, ...], DType]]:
+        """{name: (shape, dtype)} from the headers only."""
+        return {n: (i.shape, i.dtype) for n, i in self.tensors.items()}
+
+    def load(self, name: str) -> torch.Tensor:
+        info = self.tensors[name]
+        with safe_open(self.path / info.file, framework="pt") as f:
+            return f.get_tensor(name)
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) one at a time, shard by shard."""
+        for fname in self.files:
+            with safe_open(self.path / fname, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+
+def served_checkpoint(model: str, revision: str | None = None) -> CheckpointDir:
+    """The checkpoint an engine serves: ``model`` is a local directory or a Hugging Face id
+    already in the local cache (engines download it before the plugin looks)."""
+    if os.path.isdir(model):
+        return CheckpointDir(model)
+    from huggingface_hub import snapshot_download
+
+    return CheckpointDir(snapshot_download(model, revision=revision, allow_patterns=["*.safetensors", "*.json"],
+                                           local_files_only=True))
+
+
+class SafetensorsWriter:
+    """Write a safetensors file whose tensors are known up front, one tensor at a time."""
+
+    def __init__(self, path: str | Path, infos: list[tuple[str, DType, tuple[int, ...]]], metadata: dict | None = None):
+        header, offset = {}, 0
+        self.order = []
+        for name, dt, shape in infos:
+            n = dt.itemsize
+            for s in shape:
+                n *= s
+            header[name] = {"dtype": dt.safetensors, "shape": list(shape), "data_offsets": [offset, offset + n]}
+            self.order.append((name, n))
+            offset += n
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.header = header
+        self.data_start = 8 + len(raw)
+        self.path = Path(path)
+        self.f = open(self.path, "wb")
+        self.f.write(struct.pack("<Q", len(raw)) + raw)
+        self.next = 0
+
+    def data_range(self, name: str) -> tuple[int, int]:
+        """(file offset, length) of a tensor's bytes."""
+        a, b = self.header[name]["data_offsets"]
+        return self.data_start + a, b - a
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        expected, n = self.order[self.next]
+        if name != expected:
+            raise ValueError(f"tensors must be written in header order: expected {expected!r}, got {name!r}")
+        data = as_bits(t.detach().contiguous()).reshape(-1).cpu().numpy().tobytes()
+        if len(data) != n:
+            raise ValueError(f"{name}: {len(data)} bytes, header says {n}")
+        self.f.write(data)
+        self.next += 1
+
+    def close(self) -> None:
+        if self.next != len(self.order) and not self.f.closed:
+            self.f.close()
+            raise ValueError(f"{self.path}: only {self.next} of {len(self.order)} tensors written")
+        if not self.f.closed:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()

@@ -1,0 +1,604 @@
+"""Fetch, verify and decode published versions; resolve chains and anchors.
+
+Trust comes before use, and every size is bounded before it is spent (TUF's order):
+
+1. a manifest's raw bytes are verified against the trusted keys (:mod:`engine_ext.store.signing`)
+   before they are parsed, and ``LATEST`` before it is followed (signed, unexpired, naming
+   its manifest by SHA-256);
+2. a route (a chain of deltas, or an anchor and a chain) is checked link by link, each
+   delta naming its base manifest by SHA-256, and against :class:`Limits` (links,
+   manifest bytes, payload bytes) before any blob is read;
+3. each blob is read into a buffer of its declared size and checked against its
+   SHA-256 from the manifest; nothing is decoded before that, and decoding is bounded by
+   the declared counts, by the served model's size and by a ratio to the payload (a
+   decode bomb is refused before it allocates).
+
+Corrupt, truncated or hostile input fails fast with an :mod:`engine_ext.errors` exception.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+import numpy as np
+
+from ..format import chunks, codec, context_codec
+from ..format import fingerprint as fpr
+from .. import settings
+from ..format.delta import TensorDelta, apply_tensor, compose
+from ..format.dtypes import as_bits, dtype_by_name
+from ..errors import BaseMismatchError, IntegrityError, ManifestError, NotFoundError
+from ..format.manifest import ANCHOR, LATEST_KEY, MAX_LATEST_BYTES, MAX_MANIFEST_BYTES, Latest, Manifest, manifest_key
+from .signing import MAX_SIGNATURE_BYTES, SIG_SUFFIX, SignatureError, Trust, sha256_hex
+from . import Store, open_store, split_uri
+
+FETCH_CHUNK = 16 << 20  # blobs above this are fetched as parallel ranges
+MAX_CHAIN = 256  # links in one route; anchors keep real routes far shorter
+MAX_DECODE_RATIO = 256  # decoded bytes per payload byte (a real delta stays far below; a bomb does not)
+DECODE_SLACK = 16 << 20  # decoded bytes allowed on top of the ratio (tiny tensors, dense flags)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What reading one update may cost, fixed before anything is fetched."""
+
+    manifest_bytes: int = MAX_MANIFEST_BYTES
+    chain: int = MAX_CHAIN
+    payload_bytes: int | None = None  # all blobs of the route
+    decoded_bytes: int | None = None  # per manifest
+
+    @classmethod
+    def for_model(cls, tensors: dict) -> "Limits":
+        """Limits relative to the served model ``{name: (shape, dtype name)}``: a manifest of
+        at most ~2 KiB per tensor plus ~400 bytes per grid cell it may be cut into, a route's payload
+        at most twice the model's bytes (an anchor is one model), decoding at most every
+        element of it once."""
+        numel = {n: math.prod(s) for n, (s, _) in tensors.items()}
+        model_bytes = sum(numel[n] * dtype_by_name(d).itemsize for n, (_, d) in tensors.items())
+        decoded = sum(numel[n] * (8 + dtype_by_name(d).itemsize) for n, (_, d) in tensors.items())
+        return cls(manifest_bytes=min(MAX_MANIFEST_BYTES, (64 << 10) + (2048 + 400 * chunks.GRID ** 2) * len(tensors)),
+                   payload_bytes=2 * model_bytes + (16 << 20),
+                   decoded_bytes=min(settings.current().max_decoded_bytes, decoded + (1 << 20)))
+
+
+@dataclass
+class Link:
+    """One manifest of a route, verified: where it is, what it says, the SHA-256 of its bytes."""
+
+    key: str
+    manifest: Manifest
+    sha256: str
+    signed: int  # valid trusted signatures (0: unsigned, accepted only with ENGINE_EXT_ALLOW_UNSIGNED)
+
+
+@dataclass
+class DecodedDelta:
+    kind: str
+    model: str
+    base_version: int | None
+    version: int
+    base_fingerprint: int | None
+    fingerprint: int
+    tensors: list[TensorDelta]
+    payload_bytes: int
+    manifests: list[str] = field(default_factory=list)
+    tensor_fingerprints: dict[str, int] = field(default_factory=dict)  # every tensor's result fp
+    tensor_base_fingerprints: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def nnz(self) -> int:
+        return sum(t.nnz for t in self.tensors)
+
+
+def read_link(store: Store, key: str, trust: Trust | None = None, max_bytes: int = MAX_MANIFEST_BYTES) -> Link:
+    """A manifest, verified against the trusted keys before it is parsed."""
+    trust = trust or Trust.from_settings()
+    raw = store.read(key, max_bytes=max_bytes)
+    sig = None
+    if trust.keys:
+        try:
+            sig = store.read(key + SIG_SUFFIX, max_bytes=MAX_SIGNATURE_BYTES)
+        except NotFoundError:
+            pass
+    signed = trust.verify_detached(raw, sig, store.key_uri(key))
+    return Link(key, Manifest.from_json(raw), sha256_hex(raw), signed)
+
+
+def read_manifest(store: Store, key: str, trust: Trust | None = None) -> Manifest:
+    return read_link(store, key, trust).manifest
+
+
+def read_latest(store: Store, trust: Trust | None = None, allow_expired: bool = False) -> Latest:
+    """The LATEST pointer, its signature verified and its expiry checked (a stale pointer is a
+    frozen store: refused; ``allow_expired`` only for a publisher resuming its own store)."""
+    trust = trust or Trust.from_settings()
+    latest, signatures = Latest.from_json(store.read(LATEST_KEY, max_bytes=MAX_LATEST_BYTES))
+    if trust.verify(latest.signed_bytes(), signatures, store.key_uri(LATEST_KEY)):
+        if latest.expires_unix is None or (latest.expires_unix < time.time() and not allow_expired):
+            raise SignatureError(f"{store.key_uri(LATEST_KEY)} has expired (the publisher stopped refreshing it, "
+                                 "or an old pointer is being replayed)")
+        if latest.sha256 is None:
+            raise SignatureError(f"{store.key_uri(LATEST_KEY)} does not name its manifest by SHA-256")
+    return latest
+
+
+def check_expected(m: Manifest, expected: dict | None, where: str) -> None:
+    """Refuse (as a delta for another model) a manifest whose tensors differ from ``expected``
+    {name: (shape, dtype name)}: checked from the manifest alone, before any blob is read."""
+    if expected is None:
+        return
+    for t in m.tensors:
+        want = expected.get(t.name)
+        if want is None:
+            raise BaseMismatchError(f"{where}: tensor {t.name!r} is not in the served model")
+        shape, dtype = want
+        if tuple(shape) != tuple(t.shape) or dtype != t.dtype:
+            raise BaseMismatchError(f"{where}: tensor {t.name!r} is {list(t.shape)}/{t.dtype}, "
+                                    f"the served model has {list(shape)}/{dtype}")
+
+
+def fetch_blobs(store: Store, m: Manifest, workers: int = 8) -> list[bytearray]:
+    """Every blob of ``m``, read into a buffer of its declared size (ranges in parallel for big
+    ones, no joined copy) and verified by size and SHA-256 before anything uses it."""
+    def one(b):
+        buf = bytearray(b.size)
+        if b.size > FETCH_CHUNK:
+            ranges = [(o, min(FETCH_CHUNK, b.size - o)) for o in range(0, b.size, FETCH_CHUNK)]
+
+            def part(r):
+                buf[r[0]:r[0] + r[1]] = store.read_range(b.key, r[0], r[1])
+
+            with ThreadPoolExecutor(min(workers, len(ranges))) as pool:
+                list(pool.map(part, ranges))
+        else:
+            data = store.read(b.key, max_bytes=b.size)
+            if len(data) != b.size:
+                raise IntegrityError(f"{store.key_uri(b.key)}: {len(data)} bytes, manifest says {b.size}")
+            buf[:] = data
+        if hashlib.sha256(buf).hexdigest() != b.sha256:
+            raise IntegrityError(f"{store.key_uri(b.key)}: SHA-256 mismatch (corrupt blob)")
+        return buf
+
+    with ThreadPoolExecutor(max(1, min(workers, len(m.blobs)))) as pool:
+        return list(pool.map(one, m.blobs))
+
+
+Selection = dict  # tensor name -> the grid cells wanted (a set), or None for the whole tensor
+GAP = 64 << 10  # ranges of one blob closer than this are fetched as one (if at most 1/8 of it is read in vain)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """The bytes of one changed tensor (``entry`` is its TensorEntry, ``box`` None), or of one
+    cell of it (``entry`` is the Chunk, ``box`` the cell)."""
+
+    tensor: object  # format.TensorEntry
+    entry: object  # format.TensorEntry or format.Chunk: coders, nnz, blob, offset, sha256
+    box: tuple | None
+
+    @property
+    def blob(self) -> int:
+        return self.entry.blob
+
+    @property
+    def offset(self) -> int:
+        return self.entry.offset
+
+    @property
+    def length(self) -> int:
+        return self.entry.length
+
+    @property
+    def sha256(self) -> str:
+        return self.entry.sha256
+
+
+def _parts(m: Manifest, selection: Selection | None) -> list[_Part]:
+    out = []
+    for t in m.tensors:
+        if not t.nnz or (selection is not None and t.name not in selection):
+            continue
+        if t.chunks is None:
+            out.append(_Part(t, t, None))
+            continue
+        cells, boxes = None if selection is None else selection[t.name], t.boxes()
+        out += [_Part(t, c, boxes[c.cell]) for c in sorted(t.chunks, key=lambda c: c.cell) if cells is None or c.cell in cells]
+    return out
+
+
+def fetch_selected(store: Store, m: Manifest, selection: Selection | None = None,
+                   workers: int = 8, bases: Bases | None = None) -> tuple[list[TensorDelta], int]:
+    """Fetch, verify and decode the selected tensors (or cells of them) by byte ranges: close
+    ranges of a blob are read together; every part is checked against its SHA-256 from the
+    manifest before it is decoded. Returns the decoded tensors and the bytes read."""
+    parts = _parts(m, selection)
+    by_blob: dict[int, list[_Part]] = {}
+    for p in parts:
+        by_blob.setdefault(p.blob, []).append(p)
+    spans = []  # (blob, start, end, parts)
+    for b, ps in by_blob.items():
+        ps.sort(key=lambda p: p.offset)
+        cur, useful, wasted = [ps[0]], ps[0].length, 0
+        for p in ps[1:]:
+            gap = p.offset - (cur[-1].offset + cur[-1].length)
+            if gap <= GAP and 8 * (wasted + gap) <= useful + p.length:  # at most 1/8 read in vain, one request less
+                cur.append(p)
+                useful, wasted = useful + p.length, wasted + gap
+            else:
+                spans.append((b, cur[0].offset, cur[-1].offset + cur[-1].length, cur))
+                cur, useful, wasted = [p], p.length, 0
+        spans.append((b, cur[0].offset, cur[-1].offset + cur[-1].length, cur))
+    data: dict[tuple[int, int], memoryview] = {}
+
+    def read(span):
+        b, start, end, ps = span
+        raw = memoryview(store.read_range(m.blobs[b].key, start, end - start))
+        for p in ps:
+            piece = raw[p.offset - start:p.offset - start + p.length]
+            if hashlib.sha256(piece).hexdigest() != p.sha256:
+                raise IntegrityError(f"tensor {p.tensor.name!r}: SHA-256 mismatch")
+            data[(p.blob, p.offset)] = piece
+
+    with ThreadPoolExecutor(max(1, min(workers, len(spans) or 1))) as pool:
+        list(pool.map(read, spans))
+    return _decode_parts(parts, data.__getitem__, workers, bases), sum(end - start for _, start, end, _ in spans)
+
+
+class Bases:
+    """The base weights context-coded parts (:mod:`engine_ext.format.context_codec`) are decoded
+    against: a decoder reads the base of each part it decodes, after checking the tensor's
+    base fingerprint where it can (a wrong base decodes to garbage)."""
+
+    def bits(self, name: str, start: tuple, stop: tuple) -> np.ndarray | None:
+        """Flat row-major raw bits of box [start, stop) of tensor ``name``; None when none of it is held."""
+        raise NotImplementedError
+
+    def verify(self, name: str, fingerprint: int) -> None:
+        """Raise BaseMismatchError unless the held base of ``name`` has ``fingerprint`` (where checkable)."""
+
+    def advance(self, tensors: list[TensorDelta]) -> None:
+        """The next link of a route is decoded against this base with ``tensors`` applied."""
+        raise NotImplementedError
+
+
+class TensorBases(Bases):
+    """Bases from whole tensors held in memory (a checkpoint, a trainer's copy)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.source = tensors  # read lazily, once per tensor (a checkpoint need not be loaded whole)
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._fps: dict[str, int] = {}
+
+    def _get(self, name: str) -> torch.Tensor | None:
+        if name not in self.tensors:
+            if name not in self.source:
+                return None
+            self.tensors[name] = self.source[name].detach().cpu()
+        return self.tensors[name]
+
+    def bits(self, name, start, stop):
+        t = self._get(name)
+        if t is None:
+            return None
+        box = as_bits(t.contiguous())[tuple(slice(a, b) for a, b in zip(start, stop))]
+        return box.contiguous().reshape(-1).numpy()
+
+    def verify(self, name, fingerprint):
+        if name not in self._fps and self._get(name) is not None:
+            self._fps[name] = fpr.tensor_fingerprint(self.tensors[name])
+        if self._fps.get(name, fingerprint) != fingerprint:
+            raise BaseMismatchError(f"tensor {name!r}: the held base has fingerprint {fpr.fmt(self._fps[name])}, "
+                                    f"the delta's is {fpr.fmt(fingerprint)} (wrong base)")
+
+    def advance(self, tensors):
+        for td in tensors:
+            base = self._get(td.name)
+            if base is not None or (td.positions is None and td.mode == "abs"):  # an anchor's tensor: its own base
+                self.tensors[td.name] = apply_tensor(base, td, check=False)
+                self._fps.pop(td.name, None)
+
+
+def _decode_context(p: _Part, data: memoryview, bases: Bases | None) -> tuple[torch.Tensor, torch.Tensor]:
+    t, e, box = p.tensor, p.entry, p.box
+    if bases is None:
+        raise IntegrityError(f"tensor {t.name!r} is context-coded: decoding needs the base weights")
+    start = (0,) * len(t.shape) if box is None else box[0]
+    shape = tuple(t.shape) if box is None else tuple(b - a for a, b in zip(*box))
+
+    def base_of(sub):
+        return bases.bits(t.name, tuple(a + s for a, s in zip(start, sub[0])), tuple(a + s for a, s in zip(start, sub[1])))
+
+    n = e.positions.length
+    pos, vals = context_codec.decode(t.dtype, shape, bytes(data[:n]), bytes(data[n:]), e.nnz, base_of)
+    pos = torch.from_numpy(pos)
+    if box is not None:
+        pos = chunks.to_global(pos, t.shape, box)
+    return pos, torch.from_numpy(vals)
+
+
+def _decode_part(p: _Part, data: memoryview, bases: Bases | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(global positions or None for every element, values) of one part."""
+    t, e, box = p.tensor, p.entry, p.box
+    dt = dtype_by_name(t.dtype)
+    numel = t.numel if box is None else chunks.box_numel(box)
+    n = e.positions.length
+    try:
+        if e.positions.coder == "ctx":
+            return _decode_context(p, data, bases)
+        pos = codec.decode_positions(e.positions.coder, bytes(data[:n]), e.nnz, numel)
+        vals = codec.decode_values(e.values.coder, bytes(data[n:]), e.nnz, dt)
+    except IntegrityError as err:
+        raise IntegrityError(f"tensor {t.name!r}: {err}") from None
+    if box is not None:
+        pos = chunks.to_global(torch.arange(numel, dtype=torch.int64) if pos is None else pos, t.shape, box)
+    return pos, vals
+
+
+def _decode_parts(parts: list[_Part], data_of, workers: int, bases: Bases | None = None) -> list[TensorDelta]:
+    """One TensorDelta per tensor from its decoded parts (cells merged into sorted positions);
+    one task per tensor, so that small cells do not pay a thread hand-off each."""
+    by_tensor: dict[str, list[_Part]] = {}
+    for p in parts:
+        by_tensor.setdefault(p.tensor.name, []).append(p)
+
+    def one(ps: list[_Part]) -> list[TensorDelta]:  # per value mode: each cell picks its own
+        t, out = ps[0].tensor, []
+        base = fpr.parse(t.base_fingerprint) if t.base_fingerprint else None
+        by_mode: dict[str, list] = {}
+        if bases is not None and any(p.entry.positions.coder == "ctx" for p in ps):
+            bases.verify(t.name, base)  # before any context decoding: a wrong base decodes to garbage
+        for p in ps:
+            by_mode.setdefault(p.entry.values.mode, []).append(_decode_part(p, data_of((p.blob, p.offset)), bases))
+        for mode, pieces in by_mode.items():
+            if len(pieces) == 1:
+                pos, vals = pieces[0]
+            else:
+                pos = torch.cat([q for q, _ in pieces])
+                vals = torch.cat([v for _, v in pieces])
+                if len(t.grid) > 1:  # cells side by side along dimension 1 interleave by row
+                    pos, order = torch.sort(pos)
+                    vals = vals[order]
+            out.append(TensorDelta(t.name, dtype_by_name(t.dtype), tuple(t.shape), mode, pos, vals, base,
+                                   fpr.parse(t.fingerprint)))
+        return out
+
+    groups = list(by_tensor.values())
+    with ThreadPoolExecutor(max(1, min(workers, len(groups) or 1))) as pool:
+        return [td for tds in pool.map(one, groups) for td in tds]
+
+
+def check_decode_budget(m: Manifest, limit: int | None = None) -> None:
+    """Refuse, from the manifest alone, a decode that would take more than ``limit`` bytes (default
+    ``ENGINE_EXT_MAX_DECODED_BYTES``) or far more than the payload could honestly expand to."""
+    total = sum(t.nnz * (8 + dtype_by_name(t.dtype).itemsize) for t in m.tensors)
+    limit = settings.current().max_decoded_bytes if limit is None else limit
+    if total > limit:
+        raise ManifestError(f"decoding would take {total} bytes, over the {limit}-byte limit for this model")
+    if total > MAX_DECODE_RATIO * m.payload_bytes + DECODE_SLACK:
+        raise ManifestError(f"decoding would take {total} bytes from a {m.payload_bytes}-byte payload "
+                            f"(over {MAX_DECODE_RATIO}x: a decode bomb)")
+
+
+def decode_manifest(m: Manifest, blobs: list, workers: int = 8, limit: int | None = None,
+                    bases: Bases | None = None) -> list[TensorDelta]:
+    """Decode every changed tensor from whole (verified) blobs."""
+    check_decode_budget(m, limit)
+    parts = _parts(m, None)
+    by_key = {(p.blob, p.offset): p for p in parts}
+
+    def data_of(key):
+        b, offset = key
+        p = by_key[key]
+        piece = memoryview(blobs[b])[offset:offset + p.length]
+        if hashlib.sha256(piece).hexdigest() != p.sha256:
+            raise IntegrityError(f"tensor {p.tensor.name!r}: SHA-256 mismatch")
+        return piece
+
+    return _decode_parts(parts, data_of, workers, bases)
+
+
+def _decoded(store: Store, m: Manifest, key: str, tensors: list[TensorDelta]) -> DecodedDelta:
+    return DecodedDelta(
+        kind=m.kind, model=m.model, base_version=m.base_version, version=m.version,
+        base_fingerprint=fpr.parse(m.base_fingerprint) if m.base_fingerprint else None,
+        fingerprint=fpr.parse(m.fingerprint), tensors=tensors, payload_bytes=m.payload_bytes,
+        manifests=[store.key_uri(key)],
+        tensor_fingerprints={t.name: fpr.parse(t.fingerprint) for t in m.tensors},
+        tensor_base_fingerprints={t.name: fpr.parse(t.base_fingerprint) for t in m.tensors if t.base_fingerprint},
+    )
+
+
+def load_delta(manifest_uri: str, *, expected: dict | None = None, names: set[str] | None = None,
+               workers: int = 8, trust: Trust | None = None, bases: Bases | None = None,
+               **store_options) -> DecodedDelta:
+    """Fetch, verify and decode one published version (delta or anchor).
+
+    With ``names``, only those tensors are fetched (by byte range, each checked against
+    its own SHA-256) and decoded: what a rank holding part of the model needs.
+    """
+    store, key = split_uri(manifest_uri, **store_options)
+    m = read_manifest(store, key, trust)
+    check_expected(m, expected, manifest_uri)
+    check_decode_budget(m)
+    if names is None:
+        return _decoded(store, m, key, decode_manifest(m, fetch_blobs(store, m, workers), workers, bases=bases))
+    return _decoded(store, m, key, fetch_selected(store, m, {n: None for n in names}, workers, bases)[0])
+
+
+class DowngradeError(BaseMismatchError):
+    """The target is older than the served version; going back must be asked for explicitly."""
+
+    reason = "downgrade"
+
+
+def check_link(prev: Link, cur: Link, where: str) -> None:
+    """``cur`` (a delta) continues ``prev``: same version and fingerprint, and (format 2) names
+    ``prev``'s bytes among its base manifests, so no other manifest with the same fingerprint
+    can stand in for it (mix-and-match)."""
+    m = cur.manifest
+    if prev.manifest.fingerprint != m.base_fingerprint or prev.manifest.version != m.base_version:
+        raise IntegrityError(f"{where}: {prev.key} does not lead to {cur.key}: versions or fingerprints differ")
+    if m.format_version >= 2 and prev.sha256 not in m.base_manifests:
+        raise IntegrityError(f"{where}: {cur.key} is not bound to {prev.key} (its base manifests are others)")
+
+
+def chain_back(store: Store, target: Link, stop_version: int, read, limit: int) -> list[Link] | None:
+    """The links from the one based on ``stop_version`` up to ``target``, each checked against
+    the next; None if no such chain (or longer than ``limit`` links)."""
+    chain = [target]
+    cur = target
+    while cur.manifest.kind != ANCHOR and cur.manifest.base_version != stop_version:
+        if cur.manifest.base_version < stop_version or len(chain) >= limit:
+            return None
+        try:
+            prev = read(manifest_key(cur.manifest.base_version))
+        except NotFoundError:
+            return None
+        check_link(prev, cur, store.uri)
+        chain.insert(0, prev)
+        cur = prev
+    if cur.manifest.kind == ANCHOR and cur.manifest.version != stop_version:
+        return None
+    return chain
+
+
+def differing_tensors(m: Manifest, tensor_fps: Mapping[str, int] | None, show: int = 5) -> str:
+    """``"; N tensor(s) differ from the delta's base: [...]"``, naming the held tensors whose
+    fingerprint is not the delta's per-tensor base (empty without per-tensor fingerprints)."""
+    if not tensor_fps:
+        return ""
+    differ = sorted(t.name for t in m.tensors if fpr.parse(t.base_fingerprint) != tensor_fps.get(t.name))
+    return f"; {len(differ)} tensor(s) differ from the delta's base: {differ[:show]}" if differ else ""
+
+
+def plan(source: str, have_version: int | None = None, have_fingerprint: int | None = None, *,
+         have_manifests: tuple[str, ...] = (), trust: Trust | None = None, limits: Limits = Limits(),
+         allow_older: bool = False, deadline: float | None = None, tensor_fps: Mapping[str, int] | None = None,
+         **store_options) -> tuple[Store, list[Link]]:
+    """The verified links to fetch to go from what is held to the target, fewest bytes first.
+
+    ``source`` is a manifest URI (``.../v00000042.json``) or a store root (its signed LATEST).
+    Candidates: the delta chain from ``have_version``; the newest anchor at or below the
+    target plus the chain from it. Every manifest is verified before it is parsed, every
+    link checked against the next, the first delta against what is held (its fingerprint
+    and version, and, when known, ``have_manifests``: the SHA-256 of the manifests that
+    produced the held weights). An empty route means the target is what is held. Raises
+    BaseMismatchError when no route leads there, DowngradeError for an older target unless
+    ``allow_older``. ``deadline`` (``time.monotonic()``) bounds every read of the store.
+    """
+    trust = trust or Trust.from_settings()
+    if source.endswith(".json"):
+        store, key = split_uri(source, **store_options)
+        want_sha = None
+    else:
+        store = open_store(source, **store_options)
+    store.deadline = deadline
+    if not source.endswith(".json"):
+        latest = read_latest(store, trust)
+        key, want_sha = latest.manifest, latest.sha256
+    seen: dict[str, Link] = {}
+
+    def read(k: str) -> Link:  # both candidate chains walk the same links: read each once
+        if k not in seen:
+            if len(seen) >= 2 * limits.chain + 2:
+                raise ManifestError(f"{store.uri}: reading more than {len(seen)} manifests for one update")
+            seen[k] = read_link(store, k, trust, limits.manifest_bytes)
+        return seen[k]
+
+    target = read(key)
+    if want_sha is not None and target.sha256 != want_sha:
+        raise IntegrityError(f"{store.key_uri(key)} is not the manifest LATEST names (SHA-256 differs)")
+    tm = target.manifest
+    if have_version is not None and have_fingerprint is not None and tm.version == have_version:
+        if fpr.parse(tm.fingerprint) != have_fingerprint:
+            raise BaseMismatchError(f"{store.key_uri(key)} is version {tm.version} with another fingerprint than the "
+                                    "served one")
+        return store, []  # already held: nothing to fetch
+    if have_version is not None and tm.version < have_version and not allow_older:
+        raise DowngradeError(f"{store.key_uri(key)} is version {tm.version}, older than the served version "
+                             f"{have_version}; send \"rollback\": true to go back explicitly")
+    candidates = []
+    if tm.kind == ANCHOR:
+        candidates.append([target])
+    elif have_version is not None or have_fingerprint is not None:
+        if have_version is None and fpr.parse(tm.base_fingerprint) == have_fingerprint:
+            candidates.append([target])
+        elif have_version is not None and have_version < tm.version:
+            chain = chain_back(store, target, have_version, read, limits.chain)
+            if chain:
+                candidates.append(chain)
+    if tm.kind != ANCHOR and tm.anchor_version is not None:
+        try:
+            anchor = read(manifest_key(tm.anchor_version, ANCHOR))
+            rest = [] if anchor.manifest.version == tm.version else chain_back(
+                store, target, anchor.manifest.version, read, limits.chain)
+            if rest is not None:
+                if rest:
+                    check_link(anchor, rest[0], store.uri)
+                candidates.append([anchor] + rest)
+        except NotFoundError:
+            pass
+    if not candidates:
+        raise BaseMismatchError(
+            f"{store.key_uri(key)} applies to version {tm.base_version} (fingerprint {tm.base_fingerprint}); "
+            f"held: version {have_version}, fingerprint {fpr.fmt(have_fingerprint) if have_fingerprint is not None else None}; "
+            f"no delta chain (of at most {limits.chain} links) or anchor leads there")
+    best = min(candidates, key=lambda c: sum(link.manifest.payload_bytes for link in c))
+    first = best[0]
+    if first.manifest.kind != ANCHOR:
+        if have_fingerprint is not None and fpr.parse(first.manifest.base_fingerprint) != have_fingerprint:
+            raise BaseMismatchError(f"{store.key_uri(first.key)} applies to fingerprint {first.manifest.base_fingerprint}, "
+                                    f"held {fpr.fmt(have_fingerprint)}{differing_tensors(first.manifest, tensor_fps)}")
+        if have_manifests and first.manifest.format_version >= 2 and not set(first.manifest.base_manifests) & set(have_manifests):
+            raise IntegrityError(f"{store.key_uri(first.key)} is not bound to the manifest the served weights came from")
+    payload = sum(link.manifest.payload_bytes for link in best)
+    if limits.payload_bytes is not None and payload > limits.payload_bytes:
+        raise ManifestError(f"the update would fetch {payload} bytes, over the {limits.payload_bytes}-byte limit "
+                            "for this model (twice its size)")
+    return store, best
+
+
+def fetch_planned(store: Store, chain: list[Link], workers: int = 8, limits: Limits = Limits(),
+                  bases: Bases | None = None) -> DecodedDelta:
+    """Fetch, verify and decode every link of a :func:`plan`, composed into one delta
+    (context-coded parts against ``bases``, advanced link by link)."""
+    for link in chain:  # every decode budget checked before the first byte of any blob
+        check_decode_budget(link.manifest, limits.decoded_bytes)
+    decoded = []
+    for i, link in enumerate(chain):
+        tensors = decode_manifest(link.manifest, fetch_blobs(store, link.manifest, workers), workers,
+                                  limit=limits.decoded_bytes, bases=bases)
+        if bases is not None and i + 1 < len(chain):
+            bases.advance(tensors)
+        decoded.append(_decoded(store, link.manifest, link.key, tensors))
+    if len(decoded) == 1:
+        return decoded[0]
+    by_name: dict[str, list[TensorDelta]] = {}
+    for d in decoded:
+        for t in d.tensors:
+            by_name.setdefault(t.name, []).append(t)
+    tensors = [part for parts in by_name.values() for part in compose(parts)]
+    first, last = decoded[0], decoded[-1]
+    return DecodedDelta(
+        kind=first.kind, model=last.model, base_version=first.base_version,
+        version=last.version, base_fingerprint=first.base_fingerprint, fingerprint=last.fingerprint,
+        tensors=tensors, payload_bytes=sum(d.payload_bytes for d in decoded),
+        manifests=[u for d in decoded for u in d.manifests],
+        tensor_fingerprints=last.tensor_fingerprints, tensor_base_fingerprints=first.tensor_base_fingerprints)
+
+
+def resolve(source: str, have_version: int | None = None, have_fingerprint: int | None = None, *,
+            expected: dict | None = None, workers: int = 8, trust: Trust | None = None,
+            allow_older: bool = True, bases: Bases | None = None, **store_options) -> DecodedDelta:
+    """Everything needed to go from the held version to ``source``'s, composed into one delta
+    (:func:`plan`, each manifest checked against ``expected``, then :func:`fetch_planned`)."""
+    store, chain = plan(source, have_version, have_fingerprint, trust=trust, allow_older=allow_older, **store_options)
+    for link in chain:
+        check_expected(link.manifest, expected, store.key_uri(link.key))
+    return fetch_planned(store, chain, workers, bases=bases)

@@ -1,0 +1,353 @@
+"""Trainer side: publish each new weight version as a delta against the previous one.
+
+``DeltaPublisher.publish`` compares the new bits with the bits it kept from the
+previous version on the tensors' own device (GPU on a GPU trainer), so only the
+changed positions and values ever leave the device; fingerprints are updated in
+O(changed). Encoding (all cores) and upload run on a background thread behind a
+bounded queue: ``publish`` returns the manifest URI at once and blocks only when the
+queue is full (backpressure); ``wait()`` drains it and re-raises upload errors.
+
+Versions are write-once and only grow. A publisher on a store that already holds
+versions (a restarted trainer) continues after them (:mod:`engine_ext.trainer.lineage`): its first
+version is a delta against LATEST's weights, rebuilt from the store and proven, or an
+anchor; ``resumed`` says which. A second publisher racing it for a version gets a
+:class:`~engine_ext.errors.ConflictError`. While it lives, a signing publisher re-signs
+``LATEST`` before it expires (heartbeat), so followers never see a live run go stale.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ..format import chunks, codec
+from . import lineage
+from .. import settings
+from ..format.context_codec import supports
+from ..format import fingerprint as fpr
+from .builder import LATEST_TTL_S, VersionBuilder, sign_latest
+from ..format.delta import changed_bits
+from ..errors import ConflictError, DeltaError
+from ..format.quantize import quantizer
+from ..store.signing import Signer, Trust
+from ..format.dtypes import as_bits, dtype_of
+from ..format.manifest import ANCHOR, DELTA, LATEST_KEY, MAX_LATEST_BYTES, Latest, manifest_key
+from ..store import Store, open_store
+
+log = logging.getLogger("engine_ext")
+RESUME_MODES = ("auto", "delta", "anchor")
+
+# Wrappers around the whole model (torch.compile, DDP): a prefix on every name.
+WHOLE_MODEL_PREFIXES = ("_orig_mod.", "module.")
+# Wrappers FSDP1 and activation checkpointing put around submodules: a whole name component.
+WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def clean_state_dict(model_or_sd) -> dict[str, torch.Tensor]:
+    """A flat {checkpoint name: tensor} from an nn.Module or state dict, wrapper names removed.
+
+    A whole-model wrapper's prefix is stripped only where every name starts with it
+    (``consume_prefix_in_state_dict_if_present``, repeated for nested wrappers), and
+    submodule wrappers only as whole dot-separated components, so names that merely
+    contain ``module`` or ``_orig_mod`` (``vision_module.weight``) are left alone.
+    """
+    from collections import OrderedDict
+
+    from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+    sd = model_or_sd.state_dict() if isinstance(model_or_sd, torch.nn.Module) else model_or_sd
+    sd = OrderedDict((k, v) for k, v in sd.items() if isinstance(v, torch.Tensor))
+    while sd and (p := next((p for p in WHOLE_MODEL_PREFIXES if all(k.startswith(p) for k in sd)), None)):
+        consume_prefix_in_state_dict_if_present(sd, p)
+    out = {}
+    for name, t in sd.items():
+        name = ".".join(c for c in name.split(".") if c not in WRAPPER_COMPONENTS)
+        if name in out and out[name].data_ptr() != t.data_ptr():
+            raise ValueError(f"two tensors map to the checkpoint name {name!r}")
+        out[name] = t
+    return out
+
+
+@dataclass
+class _Change:
+    name: str
+    dtype: object
+    shape: tuple
+    positions: torch.Tensor  # CPU int64
+    new_bits: torch.Tensor  # CPU
+    old_bits: torch.Tensor  # CPU
+    base_fp: int
+    fp: int
+    base: torch.Tensor | None = None  # the whole base bits, for the context coder (None: not tried)
+
+
+class DeltaPublisher:
+    """Publish versions of a model's weights to a store as deltas (plus periodic anchors).
+
+    Args:
+        store: a Store or a root URI (local path, file://, http(s)://, s3://, hf://).
+        model: model identity written into manifests.
+        anchor_every: write a full anchor every K versions (0: only the first).
+        keep_on_cpu: keep the previous bits in CPU memory instead of on the device.
+        mode: None (smaller of abs/rel per tensor), "abs" or "rel".
+        queue_size: versions that may wait for upload before publish() blocks.
+        signing_key: Ed25519 private key(s) (PEM path or key object) that sign every manifest
+            and LATEST; default ``ENGINE_EXT_SIGNING_KEY``. Without one, versions are
+            unsigned and servers take them only with ``ENGINE_EXT_ALLOW_UNSIGNED=1``.
+        chunk_min_cell: big tensors are encoded per grid cell of at least this many elements,
+            so each tensor-parallel rank fetches only its cells (None: never cut); see
+            :mod:`engine_ext.format.chunks`.
+        quantize: None (publish the given weights) or ``"fp8-block"``: publish the fp8 checkpoint
+            the servers load, quantised from the given (master) weights by
+            :func:`engine_ext.format.quantize.fp8_block_state_dict` at every version, so a delta carries
+            the changed fp8 bytes and scales (:mod:`engine_ext.format.quantize`).
+        start_version: the first version (default: 0 on an empty store, else the first free
+            version after the store's LATEST); never at or below a version the store holds.
+        resume: on a store that already holds versions, what the first version is: ``"auto"``
+            a delta against LATEST where its weights can be rebuilt from the store and proven,
+            else an anchor; ``"delta"`` that delta or an error; ``"anchor"`` an anchor.
+        latest_ttl_s: how long a signed LATEST stays valid; while the publisher lives it re-signs
+            LATEST when half of that has passed (heartbeat).
+    """
+
+    def __init__(self, store: Store | str, model: str = "model", *, anchor_every: int = 50,
+                 keep_on_cpu: bool = False, mode: str | None = None, queue_size: int = 2,
+                 workers: int | None = None, start_version: int | None = None, blob_target: int | None = None,
+                 signing_key=None, chunk_min_cell: int | None = chunks.MIN_CELL, quantize: str | None = None,
+                 resume: str = "auto", latest_ttl_s: float = LATEST_TTL_S):
+        if resume not in RESUME_MODES:
+            raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
+        self.store = open_store(store) if isinstance(store, (str, os.PathLike)) else store
+        self.model, self.anchor_every, self.keep_on_cpu, self.mode = model, anchor_every, keep_on_cpu, mode
+        self.workers = workers or os.cpu_count() or 1
+        self.blob_target = blob_target
+        self.chunk_min_cell = chunk_min_cell
+        self.quantize = quantizer(quantize)
+        self.signer = Signer(signing_key) if signing_key is not None else Signer.from_settings()
+        # Reading back its own store, a publisher trusts what it signed (and, unsigned, its own bytes).
+        trust = Trust.from_settings()
+        self.trust = trust.also_trusting(self.signer) if self.signer else dataclasses.replace(trust, allow_unsigned=True)
+        self.resume, self.latest_ttl_s = resume, latest_ttl_s
+        self.head = lineage.read_head(self.store, self.trust)
+        if start_version is not None and start_version < self.head.next_version:
+            raise ValueError(f"start_version {start_version}: {self.store.uri} already holds versions up to "
+                             f"v{self.head.next_version - 1}; version numbers only grow")
+        self.resumed: lineage.Resumed | None = None  # set by the first publish on a store that held versions
+        self._manifest_shas: dict[int, list[str]] = {}  # version -> SHA-256 of its published manifests
+        self.version: int | None = None
+        self.next_version = self.head.next_version if start_version is None else start_version
+        self.anchor_version: int | None = None
+        self._latest: Latest | None = None  # the last LATEST this publisher wrote (the heartbeat re-signs it)
+        self._latest_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._prev: dict[str, torch.Tensor] = {}  # raw bits of the last published version
+        self._fps: dict[str, int] = {}
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._error: BaseException | None = None
+        self._pool = ThreadPoolExecutor(self.workers)
+        self._thread = threading.Thread(target=self._upload_loop, name="engine-ext-publisher", daemon=True)
+        self._thread.start()
+        self._heartbeat = None
+        if self.signer is not None:
+            self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="engine-ext-latest-heartbeat", daemon=True)
+            self._heartbeat.start()
+
+    # -- trainer-facing -------------------------------------------------------
+    def publish(self, model_or_state_dict, version: int | None = None) -> str:
+        """Snapshot the changes since the last version and queue them; returns the manifest URI."""
+        self._raise_pending()
+        sd = clean_state_dict(model_or_state_dict)
+        if self.quantize is not None:
+            sd = self.quantize(sd)
+        version = self.next_version if version is None else version
+        if self.version is None and self.head.latest is not None:
+            self._resume_from_latest(sd, version)
+        if self.version is not None and version <= self.version:
+            raise ValueError(f"version {version} must be above the last published {self.version}")
+        if version < self.head.next_version:
+            raise ValueError(f"version {version}: {self.store.uri} already holds versions up to v{self.head.next_version - 1}")
+        first = self.version is None
+        is_anchor = first or bool(self.anchor_every and version % self.anchor_every == 0)
+        if is_anchor:
+            self.anchor_version = version
+        if first:
+            self._fps = {n: fpr.tensor_fingerprint(t) for n, t in sd.items()}
+        delta_job = None if first else self._snapshot_delta(sd, version)  # keeps self._fps current
+        # the anchor is queued first so that LATEST never names an anchor not yet written
+        jobs = ([self._snapshot_anchor(sd, version)] if is_anchor else []) + ([delta_job] if delta_job else [])
+        if first:
+            self._remember(sd)
+        self.version, self.next_version = version, version + 1
+        for job in jobs:
+            self._queue.put(job)  # blocks when uploads fall behind: backpressure
+        return self.store.key_uri(manifest_key(version, ANCHOR if first else DELTA))
+
+    def wait(self) -> None:
+        """Block until every queued version is published; re-raise the first failure."""
+        self._queue.join()
+        self._raise_pending()
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+        self.wait()
+        self._queue.put(None)
+        self._thread.join()
+        self._pool.shutdown()
+
+    # -- resuming a store that already holds versions -----------------------------
+    def _resume_from_latest(self, sd: dict, version: int) -> None:
+        """Before the first version on a store that holds versions: take LATEST's weights as the
+        previous version when they can be rebuilt from the store and proven (the first version is
+        then a delta against them), else leave the first version an anchor; record which."""
+        latest = self.head.latest
+        reason = "resume='anchor'"
+        if self.resume != "anchor":
+            try:
+                link, weights = lineage.rebuild(self.store, latest, self.trust)
+                want = {n: (tuple(t.shape), t.dtype) for n, t in weights.items()}
+                have = {n: (tuple(t.shape), t.dtype) for n, t in sd.items()}
+                if want != have:
+                    differ = sorted(n for n in set(want) | set(have) if want.get(n) != have.get(n))
+                    raise ValueError(f"{len(differ)} tensor(s) differ in name, shape or dtype from LATEST's: {differ[:5]}")
+            except (DeltaError, ValueError) as e:
+                if self.resume == "delta":
+                    raise ValueError(f"cannot resume {self.store.uri} with a delta against v{latest.version}: {e}") from e
+                reason = f"LATEST's weights cannot serve as the base: {str(e)[:300]}"
+            else:
+                self._remember({n: w.to(sd[n].device) for n, w in weights.items()})
+                self._fps = {t.name: fpr.parse(t.fingerprint) for t in link.manifest.tensors}
+                self.version, self.anchor_version = latest.version, link.manifest.anchor_version
+                self._manifest_shas[latest.version] = [link.sha256]
+                reason = "LATEST's weights rebuilt from the store, every fingerprint proven"
+        self.resumed = lineage.Resumed(latest.version, version, "delta" if self.version is not None else "anchor", reason)
+        log.info("engine_ext: %s: %s", self.store.uri, self.resumed)
+
+    # -- heartbeat: a live publisher's LATEST never expires ------------------------
+    def _heartbeat_loop(self) -> None:
+        while not self._closed.wait(min(self.latest_ttl_s / 4, 3600.0)):
+            try:
+                self.refresh_latest()
+            except Exception as e:  # noqa: BLE001 - the next beat tries again; publishing goes on
+                log.warning("engine_ext: re-signing %s failed: %s", self.store.key_uri(LATEST_KEY), e)
+
+    def refresh_latest(self, force: bool = False) -> bool:
+        """Re-sign the LATEST this publisher wrote with a new expiry, once half its time has passed
+        (or ``force``), unless another publisher moved it; returns whether it was re-signed."""
+        with self._latest_lock:
+            mine = self._latest
+            if mine is None or self.signer is None:
+                return False
+            if not force and mine.expires_unix - time.time() > self.latest_ttl_s / 2:
+                return False
+            fresh = dataclasses.replace(mine, expires_unix=time.time() + self.latest_ttl_s)
+
+            def still_mine(current: bytes | None) -> None:
+                held = None if current is None else Latest.from_json(current)[0]
+                if held is None or (held.version, held.sha256) != (mine.version, mine.sha256):
+                    raise ConflictError(f"LATEST of {self.store.uri} moved to "
+                                        f"{'nothing' if held is None else f'v{held.version}'}; not re-signed")
+
+            try:
+                self.store.write_if(LATEST_KEY, sign_latest(fresh, self.signer), still_mine, MAX_LATEST_BYTES)
+            except ConflictError as e:
+                self._latest = None  # another publisher owns LATEST now: stop beating
+                log.warning("engine_ext: %s", e)
+                return False
+            self._latest = fresh
+            return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- snapshots (on the training thread, on the tensors' device) -------------
+    def _snapshot_delta(self, sd, version):
+        if set(sd) != set(self._prev):
+            raise ValueError(f"tensor names changed since version {self.version}: "
+                             f"added {sorted(set(sd) - set(self._prev))[:5]}, removed {sorted(set(self._prev) - set(sd))[:5]}")
+        bits = {name: as_bits(t.detach()).reshape(-1) for name, t in sd.items()}
+        for name, new in bits.items():  # all checked before any state moves
+            if self._prev[name].shape != new.shape or self._prev[name].dtype != new.dtype:
+                raise ValueError(f"{name}: shape or dtype changed since the last version")
+        changes = []
+        context = settings.current().context_coder
+        for name, new in bits.items():
+            prev = self._prev[name]
+            old = prev if prev.device == new.device else prev.to(new.device, non_blocking=True)
+            pos, ob, nb = changed_bits(old, new)
+            # the context coder reads the whole base; kept before the in-place update below (one copy per version in flight)
+            base = prev.to("cpu", copy=True) if context and pos.numel() and supports(dtype_of(sd[name]).name) else None
+            prev[pos.to(prev.device)] = nb.to(prev.device)  # the kept bits follow in O(changed)
+            fp = fpr.update_fingerprint(self._fps[name], pos, ob, nb)
+            t = sd[name]
+            changes.append(_Change(name, dtype_of(t), tuple(t.shape), pos.cpu(), nb.cpu(), ob.cpu(), self._fps[name], fp,
+                                   base))
+            self._fps[name] = fp
+        return ("delta", version, self.version, self.anchor_version, changes)
+
+    def _snapshot_anchor(self, sd, version):
+        cpu = {n: t.detach().to("cpu", copy=True) for n, t in sd.items()}
+        return ("anchor", version, None, version, (cpu, dict(self._fps)))
+
+    def _remember(self, sd):
+        """Keep the first version's bits; later versions update them in _snapshot_delta."""
+        for name, t in sd.items():
+            bits = as_bits(t.detach()).reshape(-1)
+            self._prev[name] = bits.to("cpu" if self.keep_on_cpu else bits.device, copy=True)
+
+    # -- background encode + upload --------------------------------------------
+    def _upload_loop(self):
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                if self._error is None:
+                    self._build(*job)
+            except BaseException as e:  # surfaced by publish()/wait()
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+    def _build(self, kind, version, base_version, anchor_version, payload):
+        opts = {} if self.blob_target is None else {"blob_target": self.blob_target}
+        b = VersionBuilder(kind, self.model, version, base_version, anchor_version,
+                           base_manifests=self._manifest_shas.get(base_version, []) if kind == "delta" else None, **opts)
+        if kind == "anchor":
+            tensors, fps = payload
+            b.add_anchor([(n, dtype_of(t), tuple(t.shape)) for n, t in tensors.items()], tensors.__getitem__,
+                         lambda name, _: fps[name])
+        else:
+            def enc(c: _Change):
+                if c.positions.numel() == 0:
+                    return None
+                return codec.encode_tensor(c.dtype, c.shape, c.positions, c.new_bits, c.old_bits, self.mode,
+                                           self.chunk_min_cell, c.base)
+
+            for c, e in zip(payload, self._pool.map(enc, payload)):
+                if e is None:
+                    b.add_unchanged(c.name, c.dtype, c.shape, c.fp)
+                else:
+                    b.add_encoded(c.name, c.dtype, c.shape, c.positions.numel(), e, c.base_fp, c.fp)
+        with self._latest_lock:
+            b.publish(self.store, self.signer, self.latest_ttl_s)
+            self._latest = b.latest
+        self._manifest_shas.setdefault(version, []).append(b.manifest_sha256)
+        for old in sorted(self._manifest_shas)[:-2]:  # the next delta's base is one of the two newest
+            del self._manifest_shas[old]
+
+    def _raise_pending(self):
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise RuntimeError(f"publishing failed: {e}") from e
