@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import requests
 
-from .server.controller import ROUTE
+from .server.protocol import ROUTE
 
 TRANSIENT_STATUS = (409, 429, 502, 503, 504)
 _VERSION_KEY = re.compile(r"v(\d{8})(?:\.anchor)?\.json$")

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from engine_ext.format import codec, context_codec as cc
-from engine_ext.store import reader
+from engine_ext.store import open_store, reader
 from engine_ext import settings
+from engine_ext.format.delta import apply_tensor
 from engine_ext.format.dtypes import BY_NAME, as_bits, step_between
 from engine_ext.errors import BaseMismatchError, IntegrityError, ManifestError
 from engine_ext.format.manifest import Manifest
@@ -119,10 +120,10 @@ def test_the_base_fingerprint_is_checked_before_decoding(tmp_path):
     with settings.override(context_coder=True), DeltaPublisher(str(tmp_path), anchor_every=0) as pub:
         pub.publish({"w": old})
         pub.publish({"w": new})
-    m = reader.read_manifest(reader.open_store(str(tmp_path)), "v00000001.json")
+    m = reader.read_manifest(open_store(str(tmp_path)), "v00000001.json")
     assert m.tensors[0].positions.coder == "ctx"
     d = reader.load_delta(str(tmp_path / "v00000001.json"), bases=reader.TensorBases({"w": old}))
-    assert torch.equal(as_bits(reader.apply_tensor(old, d.tensors[0])), as_bits(new))
+    assert torch.equal(as_bits(apply_tensor(old, d.tensors[0])), as_bits(new))
     with pytest.raises(BaseMismatchError, match="wrong base"):
         reader.load_delta(str(tmp_path / "v00000001.json"), bases=reader.TensorBases({"w": new}))
     with pytest.raises(IntegrityError, match="needs the base weights"):

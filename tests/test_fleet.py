@@ -25,7 +25,8 @@ import pytest
 import requests
 import torch
 
-from engine_ext.server.controller import ROUTE, Controller
+from engine_ext.server.controller import Controller
+from engine_ext.server.protocol import ROUTE
 from engine_ext.fleet import Fleet, version_of
 from engine_ext.server.follow import Follower
 from engine_ext.trainer.publisher import DeltaPublisher

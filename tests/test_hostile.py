@@ -355,14 +355,14 @@ def test_oversized_manifest_and_payload_refused(world):
 
 
 def test_chain_length_is_bounded(world, monkeypatch):
-    from engine_ext.store import reader
+    from engine_ext.store import route
 
     before = _snapshot(world)
     d = _copy_run(world, "longchain")
     (d / "v00000000.anchor.json").unlink()
     with served_at(world, 0):
-        limits = reader.Limits.for_model(world["ctl"].state.tensors)
-        monkeypatch.setattr(reader.Limits, "for_model", classmethod(lambda cls, tensors: cls(
+        limits = route.Limits.for_model(world["ctl"].state.tensors)
+        monkeypatch.setattr(route.Limits, "for_model", classmethod(lambda cls, tensors: cls(
             limits.manifest_bytes, 2, limits.payload_bytes, limits.decoded_bytes)))
         r = world["srv"].post({"url": str(d / "v00000003.json")})  # v0 -> v3: three links
         monkeypatch.undo()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine_ext.format import fingerprint as fpr
-from engine_ext.store import reader
+from engine_ext.store import reader, route
 from engine_ext.format.delta import apply_tensor
 from engine_ext.format.dtypes import as_bits
 from engine_ext.errors import BaseMismatchError, IntegrityError
@@ -55,10 +55,10 @@ def publish_all(store, states, anchor_every=3):
 def check_reads(root, states):
     last = len(states) - 1
     for have in range(last):
-        d = reader.resolve(root, have_version=have, have_fingerprint=fpr.model_fingerprint(
+        d = route.resolve(root, have_version=have, have_fingerprint=fpr.model_fingerprint(
             {n: fpr.tensor_fingerprint(t) for n, t in states[have].items()}), bases=reader.TensorBases(states[have]))
         equal(materialise(states[have], d), states[last])
-    fresh = reader.resolve(root, bases=reader.TensorBases({}))  # the anchor is the base of the deltas after it
+    fresh = route.resolve(root, bases=reader.TensorBases({}))  # the anchor is the base of the deltas after it
     assert fresh.kind == "anchor" and fresh.manifests[0].endswith(".anchor.json")
     equal(materialise({}, fresh), states[last])
 
@@ -68,7 +68,7 @@ def test_local_chain_anchor_and_composition(tmp_path, states):
     assert uris[0].endswith("v00000000.anchor.json") and uris[-1].endswith("v00000006.json")
     check_reads(str(tmp_path), states)
     # reader at 1 wanting 6: the chain (5 deltas) is smaller than anchor 6 -> chain
-    d = reader.resolve(str(tmp_path), have_version=1, bases=reader.TensorBases(states[1]))
+    d = route.resolve(str(tmp_path), have_version=1, bases=reader.TensorBases(states[1]))
     assert [Path(u).name for u in d.manifests] == [f"v{k:08d}.json" for k in range(2, 7)]
 
 
@@ -120,7 +120,7 @@ def test_module_with_wrapper_prefix_and_keep_on_cpu(tmp_path):
             pub.publish(m)
             with torch.no_grad():
                 m._orig_mod.lin.weight[0, :3] += 1
-    d = reader.resolve(str(tmp_path), have_version=0, bases=reader.TensorBases(snaps[0]))
+    d = route.resolve(str(tmp_path), have_version=0, bases=reader.TensorBases(snaps[0]))
     equal(materialise(snaps[0], d), snaps[2])
 
 
@@ -128,9 +128,9 @@ def test_wrong_base_refused(tmp_path, states):
     publish_all(str(tmp_path), states[:3], anchor_every=0)
     (tmp_path / "v00000000.anchor.json").unlink()  # no anchor to fall back to
     with pytest.raises(BaseMismatchError):
-        reader.resolve(str(tmp_path / "v00000002.json"), have_fingerprint=12345)
+        route.resolve(str(tmp_path / "v00000002.json"), have_fingerprint=12345)
     with pytest.raises(BaseMismatchError):
-        reader.resolve(str(tmp_path / "v00000002.json"), have_version=7)
+        route.resolve(str(tmp_path / "v00000002.json"), have_version=7)
 
 
 def test_corrupt_blob_refused(tmp_path, states):

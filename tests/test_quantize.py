@@ -7,7 +7,7 @@ back and applied gives, byte for byte, the fp8 checkpoint of the final master we
 """
 import torch
 
-from engine_ext.store import reader
+from engine_ext.store import route
 from engine_ext.format.dtypes import as_bits
 from engine_ext.trainer.publisher import DeltaPublisher
 from engine_ext.format.quantize import FP8, FP8_MAX, dequantize_fp8_block, fp8_block_state_dict, quantization_config, quantize_fp8_block
@@ -52,7 +52,7 @@ def test_publisher_quantizes_every_version(tmp_path):
     with DeltaPublisher(str(tmp_path), "fp8", anchor_every=0, quantize="fp8-block") as pub:
         for v in versions:
             pub.publish(v)
-    d = reader.resolve(str(tmp_path), have_version=0)
+    d = route.resolve(str(tmp_path), have_version=0)
     got = materialise(fp8_block_state_dict(versions[0]), d)
     want = fp8_block_state_dict(versions[-1])
     assert set(got) == set(want) and all(torch.equal(as_bits(got[n]), as_bits(want[n])) for n in want)

@@ -1,5 +1,5 @@
 """Signed versions: what the publisher writes and what a reader accepts (engine_ext.store.signing,
-the format-2 manifest fields, reader.plan's binding)."""
+the format-2 manifest fields, route.plan's binding)."""
 from __future__ import annotations
 
 import hashlib
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_ext.store import reader
+from engine_ext.store import reader, route
 from engine_ext.format.manifest import Latest
 from engine_ext.trainer.publisher import DeltaPublisher
 from engine_ext.store.signing import SignatureError, Signer, Trust, generate_key
@@ -52,7 +52,7 @@ def test_publisher_signs_manifests_and_latest_and_binds_each_base(tmp_path, keys
     latest = reader.read_latest(st, trust)
     assert latest.version == 3 and latest.sha256 == sha["v00000003.json"] and latest.expires_unix > time.time()
     # a route read through the signed LATEST
-    _, chain = reader.plan(str(store), 1, None, trust=trust)
+    _, chain = route.plan(str(store), 1, None, trust=trust)
     assert [link.key for link in chain] == ["v00000002.json", "v00000003.json"]
 
 
@@ -111,7 +111,7 @@ def test_latest_expiry_and_binding(tmp_path, keys):
         reader.read_latest(st, trust)
     rewrite(manifest="v00000001.json")  # an old manifest under the newest pointer's hash
     with pytest.raises(Exception, match="not the manifest LATEST names"):
-        reader.plan(str(store), 0, None, trust=trust)
+        route.plan(str(store), 0, None, trust=trust)
     (store / "LATEST").write_bytes(Latest(**latest.__dict__).to_json())  # unsigned
     with pytest.raises(SignatureError):
         reader.read_latest(st, trust)
@@ -134,5 +134,5 @@ def test_format_1_stores_need_the_explicit_opt_out(tmp_path):
         reader.read_link(st, "v00000001.json", Trust.from_public_keys([]))
     link = reader.read_link(st, "v00000001.json", Trust(allow_unsigned=True))
     assert link.manifest.format_version == 1 and link.signed == 0
-    _, chain = reader.plan(str(Path(store) / "v00000001.json"), 0, None, trust=Trust(allow_unsigned=True))
+    _, chain = route.plan(str(Path(store) / "v00000001.json"), 0, None, trust=Trust(allow_unsigned=True))
     assert [x.key for x in chain] == ["v00000001.json"]

@@ -239,9 +239,9 @@ def test_forbidden_before_fetch(world, monkeypatch):
     store, versions = world
     ctl = Controller(FakeRanks([make_rank(0, versions[0]), make_rank(1, versions[0])]), Sources([str(store / "nothing")]), version=0)
     run(ctl.start())
-    from engine_ext.store import reader
+    from engine_ext.store import route
 
-    monkeypatch.setattr(reader, "plan", lambda *a, **k: pytest.fail("read a forbidden source"))
+    monkeypatch.setattr(route, "plan", lambda *a, **k: pytest.fail("read a forbidden source"))
     with pytest.raises(ForbiddenSourceError):
         run(ctl.update(parse_request({"url": str(store / "v00000001.json")})))
 

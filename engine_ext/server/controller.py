@@ -33,7 +33,6 @@ from .transaction import ApplyError, Ranks, ServedState, UpdateTransaction, chec
 
 log = logging.getLogger("engine_ext")
 
-ROUTE = "/update_weights_delta"
 VERSION_SIDECAR = "engine_ext_version"  # optional file in the model dir holding the checkpoint's version
 
 
@@ -243,4 +242,4 @@ class Controller:
         raise BaseMismatchError("other updates kept changing the served weights while this one was fetched; retry")
 
 
-__all__ = ["Controller", "Auth", "ROUTE", "Busy", "QueueFull", "Unauthorized", "error_answer", "initial_version"]
+__all__ = ["Controller", "Auth", "Busy", "QueueFull", "Unauthorized", "error_answer", "initial_version"]

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 from ..format import fingerprint as fpr
 from ..errors import DeltaError
 
+ROUTE = "/update_weights_delta"  # the update route every engine adapter serves (POST: update, GET: status)
 PAUSE_MODES = ("keep", "wait", "abort")
 MAX_BODY_BYTES = 64 << 10
 
@@ -176,4 +177,4 @@ class UpdateAnswer:
         return asdict(self)
 
 
-__all__ = ["UpdateRequest", "RequestError", "TensorReport", "RankReply", "UpdateAnswer", "PAUSE_MODES"]
+__all__ = ["ROUTE", "UpdateRequest", "RequestError", "TensorReport", "RankReply", "UpdateAnswer", "PAUSE_MODES"]

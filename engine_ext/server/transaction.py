@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..format import fingerprint as fpr
-from ..store import reader
+from ..store import reader, route
 from .. import settings
 from ..errors import BaseMismatchError, DeltaError, FetchTimeoutError, VerifyError
 from ..format.manifest import ANCHOR
@@ -169,7 +169,7 @@ class UpdateTransaction:
         self.phases: dict[str, float] = {}
         self.planned_from: tuple | None = None
         self.store = None
-        self.limits = reader.Limits()
+        self.limits = route.Limits()
         self.chain: list[reader.Link] = []
         self.fetched_bytes: list[int] = []  # per rank
         self.replies: list[RankReply] = []
@@ -229,8 +229,8 @@ class UpdateTransaction:
         if self.request.base_version is not None and self.request.base_version != self.state.version:
             raise BaseMismatchError(f"request expects base version {self.request.base_version}, "
                                     f"server holds {self.state.version}")
-        self.limits = reader.Limits.for_model(self.state.tensors)
-        self.store, self.chain = reader.plan(
+        self.limits = route.Limits.for_model(self.state.tensors)
+        self.store, self.chain = route.plan(
             self.source, self.state.version, self.state.model_fingerprint, have_manifests=self.state.manifests,
             trust=self.trust, limits=self.limits, allow_older=self.request.rollback,
             deadline=time.monotonic() + settings.current().fetch_timeout, tensor_fps=self.state.tensor_fps)
@@ -244,7 +244,7 @@ class UpdateTransaction:
                 raise BaseMismatchError(
                     f"v{first.version} applies to version {first.base_version} (fingerprint {first.base_fingerprint}); "
                     f"server holds version {self.state.version} (fingerprint {fpr.fmt(self.state.model_fingerprint)})"
-                    f"{reader.differing_tensors(first, self.state.tensor_fps)}")
+                    f"{route.differing_tensors(first, self.state.tensor_fps)}")
         for link in self.chain:
             reader.check_expected(link.manifest, self.state.tensors, self.store.key_uri(link.key))
             reader.check_decode_budget(link.manifest, self.limits.decoded_bytes)

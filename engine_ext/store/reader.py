@@ -1,13 +1,12 @@
-"""Fetch, verify and decode published versions; resolve chains and anchors.
+"""Fetch, verify and decode published versions (routes through them: :mod:`.route`).
 
 Trust comes before use, and every size is bounded before it is spent (TUF's order):
 
 1. a manifest's raw bytes are verified against the trusted keys (:mod:`engine_ext.store.signing`)
    before they are parsed, and ``LATEST`` before it is followed (signed, unexpired, naming
    its manifest by SHA-256);
-2. a route (a chain of deltas, or an anchor and a chain) is checked link by link, each
-   delta naming its base manifest by SHA-256, and against :class:`Limits` (links,
-   manifest bytes, payload bytes) before any blob is read;
+2. a route (a chain of deltas, or an anchor and a chain) is checked link by link before any
+   blob is read (:mod:`.route`);
 3. each blob is read into a buffer of its declared size and checked against its
    SHA-256 from the manifest; nothing is decoded before that, and decoding is bounded by
    the declared counts, by the served model's size and by a ratio to the payload (a
@@ -18,7 +17,6 @@ Corrupt, truncated or hostile input fails fast with an :mod:`engine_ext.errors` 
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -31,40 +29,16 @@ import numpy as np
 from ..format import chunks, codec, context_codec
 from ..format import fingerprint as fpr
 from .. import settings
-from ..format.delta import TensorDelta, apply_tensor, compose
+from ..format.delta import TensorDelta, apply_tensor
 from ..format.dtypes import as_bits, dtype_by_name
 from ..errors import BaseMismatchError, IntegrityError, ManifestError, NotFoundError
-from ..format.manifest import ANCHOR, LATEST_KEY, MAX_LATEST_BYTES, MAX_MANIFEST_BYTES, Latest, Manifest, manifest_key
+from ..format.manifest import LATEST_KEY, MAX_LATEST_BYTES, MAX_MANIFEST_BYTES, Latest, Manifest
 from .signing import MAX_SIGNATURE_BYTES, SIG_SUFFIX, SignatureError, Trust, sha256_hex
-from . import Store, open_store, split_uri
+from . import Store, split_uri
 
 FETCH_CHUNK = 16 << 20  # blobs above this are fetched as parallel ranges
-MAX_CHAIN = 256  # links in one route; anchors keep real routes far shorter
 MAX_DECODE_RATIO = 256  # decoded bytes per payload byte (a real delta stays far below; a bomb does not)
 DECODE_SLACK = 16 << 20  # decoded bytes allowed on top of the ratio (tiny tensors, dense flags)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What reading one update may cost, fixed before anything is fetched."""
-
-    manifest_bytes: int = MAX_MANIFEST_BYTES
-    chain: int = MAX_CHAIN
-    payload_bytes: int | None = None  # all blobs of the route
-    decoded_bytes: int | None = None  # per manifest
-
-    @classmethod
-    def for_model(cls, tensors: dict) -> "Limits":
-        """Limits relative to the served model ``{name: (shape, dtype name)}``: a manifest of
-        at most ~2 KiB per tensor plus ~400 bytes per grid cell it may be cut into, a route's payload
-        at most twice the model's bytes (an anchor is one model), decoding at most every
-        element of it once."""
-        numel = {n: math.prod(s) for n, (s, _) in tensors.items()}
-        model_bytes = sum(numel[n] * dtype_by_name(d).itemsize for n, (_, d) in tensors.items())
-        decoded = sum(numel[n] * (8 + dtype_by_name(d).itemsize) for n, (_, d) in tensors.items())
-        return cls(manifest_bytes=min(MAX_MANIFEST_BYTES, (64 << 10) + (2048 + 400 * chunks.GRID ** 2) * len(tensors)),
-                   payload_bytes=2 * model_bytes + (16 << 20),
-                   decoded_bytes=min(settings.current().max_decoded_bytes, decoded + (1 << 20)))
 
 
 @dataclass
@@ -429,176 +403,3 @@ def load_delta(manifest_uri: str, *, expected: dict | None = None, names: set[st
     if names is None:
         return _decoded(store, m, key, decode_manifest(m, fetch_blobs(store, m, workers), workers, bases=bases))
     return _decoded(store, m, key, fetch_selected(store, m, {n: None for n in names}, workers, bases)[0])
-
-
-class DowngradeError(BaseMismatchError):
-    """The target is older than the served version; going back must be asked for explicitly."""
-
-    reason = "downgrade"
-
-
-def check_link(prev: Link, cur: Link, where: str) -> None:
-    """``cur`` (a delta) continues ``prev``: same version and fingerprint, and (format 2) names
-    ``prev``'s bytes among its base manifests, so no other manifest with the same fingerprint
-    can stand in for it (mix-and-match)."""
-    m = cur.manifest
-    if prev.manifest.fingerprint != m.base_fingerprint or prev.manifest.version != m.base_version:
-        raise IntegrityError(f"{where}: {prev.key} does not lead to {cur.key}: versions or fingerprints differ")
-    if m.format_version >= 2 and prev.sha256 not in m.base_manifests:
-        raise IntegrityError(f"{where}: {cur.key} is not bound to {prev.key} (its base manifests are others)")
-
-
-def chain_back(store: Store, target: Link, stop_version: int, read, limit: int) -> list[Link] | None:
-    """The links from the one based on ``stop_version`` up to ``target``, each checked against
-    the next; None if no such chain (or longer than ``limit`` links)."""
-    chain = [target]
-    cur = target
-    while cur.manifest.kind != ANCHOR and cur.manifest.base_version != stop_version:
-        if cur.manifest.base_version < stop_version or len(chain) >= limit:
-            return None
-        try:
-            prev = read(manifest_key(cur.manifest.base_version))
-        except NotFoundError:
-            return None
-        check_link(prev, cur, store.uri)
-        chain.insert(0, prev)
-        cur = prev
-    if cur.manifest.kind == ANCHOR and cur.manifest.version != stop_version:
-        return None
-    return chain
-
-
-def differing_tensors(m: Manifest, tensor_fps: Mapping[str, int] | None, show: int = 5) -> str:
-    """``"; N tensor(s) differ from the delta's base: [...]"``, naming the held tensors whose
-    fingerprint is not the delta's per-tensor base (empty without per-tensor fingerprints)."""
-    if not tensor_fps:
-        return ""
-    differ = sorted(t.name for t in m.tensors if fpr.parse(t.base_fingerprint) != tensor_fps.get(t.name))
-    return f"; {len(differ)} tensor(s) differ from the delta's base: {differ[:show]}" if differ else ""
-
-
-def plan(source: str, have_version: int | None = None, have_fingerprint: int | None = None, *,
-         have_manifests: tuple[str, ...] = (), trust: Trust | None = None, limits: Limits = Limits(),
-         allow_older: bool = False, deadline: float | None = None, tensor_fps: Mapping[str, int] | None = None,
-         **store_options) -> tuple[Store, list[Link]]:
-    """The verified links to fetch to go from what is held to the target, fewest bytes first.
-
-    ``source`` is a manifest URI (``.../v00000042.json``) or a store root (its signed LATEST).
-    Candidates: the delta chain from ``have_version``; the newest anchor at or below the
-    target plus the chain from it. Every manifest is verified before it is parsed, every
-    link checked against the next, the first delta against what is held (its fingerprint
-    and version, and, when known, ``have_manifests``: the SHA-256 of the manifests that
-    produced the held weights). An empty route means the target is what is held. Raises
-    BaseMismatchError when no route leads there, DowngradeError for an older target unless
-    ``allow_older``. ``deadline`` (``time.monotonic()``) bounds every read of the store.
-    """
-    trust = trust or Trust.from_settings()
-    if source.endswith(".json"):
-        store, key = split_uri(source, **store_options)
-        want_sha = None
-    else:
-        store = open_store(source, **store_options)
-    store.deadline = deadline
-    if not source.endswith(".json"):
-        latest = read_latest(store, trust)
-        key, want_sha = latest.manifest, latest.sha256
-    seen: dict[str, Link] = {}
-
-    def read(k: str) -> Link:  # both candidate chains walk the same links: read each once
-        if k not in seen:
-            if len(seen) >= 2 * limits.chain + 2:
-                raise ManifestError(f"{store.uri}: reading more than {len(seen)} manifests for one update")
-            seen[k] = read_link(store, k, trust, limits.manifest_bytes)
-        return seen[k]
-
-    target = read(key)
-    if want_sha is not None and target.sha256 != want_sha:
-        raise IntegrityError(f"{store.key_uri(key)} is not the manifest LATEST names (SHA-256 differs)")
-    tm = target.manifest
-    if have_version is not None and have_fingerprint is not None and tm.version == have_version:
-        if fpr.parse(tm.fingerprint) != have_fingerprint:
-            raise BaseMismatchError(f"{store.key_uri(key)} is version {tm.version} with another fingerprint than the "
-                                    "served one")
-        return store, []  # already held: nothing to fetch
-    if have_version is not None and tm.version < have_version and not allow_older:
-        raise DowngradeError(f"{store.key_uri(key)} is version {tm.version}, older than the served version "
-                             f"{have_version}; send \"rollback\": true to go back explicitly")
-    candidates = []
-    if tm.kind == ANCHOR:
-        candidates.append([target])
-    elif have_version is not None or have_fingerprint is not None:
-        if have_version is None and fpr.parse(tm.base_fingerprint) == have_fingerprint:
-            candidates.append([target])
-        elif have_version is not None and have_version < tm.version:
-            chain = chain_back(store, target, have_version, read, limits.chain)
-            if chain:
-                candidates.append(chain)
-    if tm.kind != ANCHOR and tm.anchor_version is not None:
-        try:
-            anchor = read(manifest_key(tm.anchor_version, ANCHOR))
-            rest = [] if anchor.manifest.version == tm.version else chain_back(
-                store, target, anchor.manifest.version, read, limits.chain)
-            if rest is not None:
-                if rest:
-                    check_link(anchor, rest[0], store.uri)
-                candidates.append([anchor] + rest)
-        except NotFoundError:
-            pass
-    if not candidates:
-        raise BaseMismatchError(
-            f"{store.key_uri(key)} applies to version {tm.base_version} (fingerprint {tm.base_fingerprint}); "
-            f"held: version {have_version}, fingerprint {fpr.fmt(have_fingerprint) if have_fingerprint is not None else None}; "
-            f"no delta chain (of at most {limits.chain} links) or anchor leads there")
-    best = min(candidates, key=lambda c: sum(link.manifest.payload_bytes for link in c))
-    first = best[0]
-    if first.manifest.kind != ANCHOR:
-        if have_fingerprint is not None and fpr.parse(first.manifest.base_fingerprint) != have_fingerprint:
-            raise BaseMismatchError(f"{store.key_uri(first.key)} applies to fingerprint {first.manifest.base_fingerprint}, "
-                                    f"held {fpr.fmt(have_fingerprint)}{differing_tensors(first.manifest, tensor_fps)}")
-        if have_manifests and first.manifest.format_version >= 2 and not set(first.manifest.base_manifests) & set(have_manifests):
-            raise IntegrityError(f"{store.key_uri(first.key)} is not bound to the manifest the served weights came from")
-    payload = sum(link.manifest.payload_bytes for link in best)
-    if limits.payload_bytes is not None and payload > limits.payload_bytes:
-        raise ManifestError(f"the update would fetch {payload} bytes, over the {limits.payload_bytes}-byte limit "
-                            "for this model (twice its size)")
-    return store, best
-
-
-def fetch_planned(store: Store, chain: list[Link], workers: int = 8, limits: Limits = Limits(),
-                  bases: Bases | None = None) -> DecodedDelta:
-    """Fetch, verify and decode every link of a :func:`plan`, composed into one delta
-    (context-coded parts against ``bases``, advanced link by link)."""
-    for link in chain:  # every decode budget checked before the first byte of any blob
-        check_decode_budget(link.manifest, limits.decoded_bytes)
-    decoded = []
-    for i, link in enumerate(chain):
-        tensors = decode_manifest(link.manifest, fetch_blobs(store, link.manifest, workers), workers,
-                                  limit=limits.decoded_bytes, bases=bases)
-        if bases is not None and i + 1 < len(chain):
-            bases.advance(tensors)
-        decoded.append(_decoded(store, link.manifest, link.key, tensors))
-    if len(decoded) == 1:
-        return decoded[0]
-    by_name: dict[str, list[TensorDelta]] = {}
-    for d in decoded:
-        for t in d.tensors:
-            by_name.setdefault(t.name, []).append(t)
-    tensors = [part for parts in by_name.values() for part in compose(parts)]
-    first, last = decoded[0], decoded[-1]
-    return DecodedDelta(
-        kind=first.kind, model=last.model, base_version=first.base_version,
-        version=last.version, base_fingerprint=first.base_fingerprint, fingerprint=last.fingerprint,
-        tensors=tensors, payload_bytes=sum(d.payload_bytes for d in decoded),
-        manifests=[u for d in decoded for u in d.manifests],
-        tensor_fingerprints=last.tensor_fingerprints, tensor_base_fingerprints=first.tensor_base_fingerprints)
-
-
-def resolve(source: str, have_version: int | None = None, have_fingerprint: int | None = None, *,
-            expected: dict | None = None, workers: int = 8, trust: Trust | None = None,
-            allow_older: bool = True, bases: Bases | None = None, **store_options) -> DecodedDelta:
-    """Everything needed to go from the held version to ``source``'s, composed into one delta
-    (:func:`plan`, each manifest checked against ``expected``, then :func:`fetch_planned`)."""
-    store, chain = plan(source, have_version, have_fingerprint, trust=trust, allow_older=allow_older, **store_options)
-    for link in chain:
-        check_expected(link.manifest, expected, store.key_uri(link.key))
-    return fetch_planned(store, chain, workers, bases=bases)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..format import fingerprint as fpr
-from ..store import reader
+from ..store import reader, route
 from ..format.dtypes import dtype_by_name
 from ..errors import IntegrityError, NotFoundError
 from ..format.manifest import ANCHOR, Latest, manifest_key
@@ -78,7 +78,7 @@ def rebuild(store: Store, latest: Latest, trust: Trust) -> tuple[reader.Link, di
     """LATEST's weights, rebuilt from the store and proven: (LATEST's manifest, {name: tensor on the CPU}).
 
     Reads the newest anchor at or below LATEST and the delta chain from it, each manifest
-    verified and bound to the next (:func:`engine_ext.store.reader.chain_back`), each blob checked
+    verified and bound to the next (:func:`engine_ext.store.route.chain_back`), each blob checked
     by SHA-256, then checks every rebuilt tensor's fingerprint against LATEST's manifest.
     Raises a :class:`~engine_ext.errors.DeltaError` when no such route exists or a check fails.
     """
@@ -95,10 +95,10 @@ def rebuild(store: Store, latest: Latest, trust: Trust) -> tuple[reader.Link, di
         if tm.anchor_version is None:
             raise NotFoundError(f"{store.key_uri(target.key)} names no anchor to rebuild from")
         anchor = read(manifest_key(tm.anchor_version, ANCHOR))
-        rest = reader.chain_back(store, target, anchor.manifest.version, read, reader.MAX_CHAIN)
+        rest = route.chain_back(store, target, anchor.manifest.version, read, route.MAX_CHAIN)
         if rest is None:
-            raise NotFoundError(f"no chain of at most {reader.MAX_CHAIN} links leads from {anchor.key} to {target.key}")
-        reader.check_link(anchor, rest[0], store.uri)
+            raise NotFoundError(f"no chain of at most {route.MAX_CHAIN} links leads from {anchor.key} to {target.key}")
+        route.check_link(anchor, rest[0], store.uri)
         chain = [anchor] + rest
     bases = reader.TensorBases({})
     for link in chain:

@@ -16,7 +16,8 @@ from contextlib import asynccontextmanager
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from ...server.controller import ROUTE, Auth
+from ...server.controller import Auth
+from ...server.protocol import ROUTE
 from ...server.http import get_answer, post_answer
 from . import compat, engine
 

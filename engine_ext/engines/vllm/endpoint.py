@@ -15,9 +15,9 @@ from argparse import Namespace
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ...server.controller import ROUTE, Auth, Controller, initial_version
+from ...server.controller import Auth, Controller, initial_version
 from ...server.http import get_answer, post_answer
-from ...server.protocol import RankReply
+from ...server.protocol import ROUTE, RankReply
 from . import compat
 from .worker import RPC_METHOD
 

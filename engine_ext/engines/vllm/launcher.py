@@ -26,7 +26,7 @@ from pathlib import Path
 
 import requests
 
-ROUTE = "/update_weights_delta"
+from ...server.protocol import ROUTE
 
 # Lines in a vLLM server log that say a process died, and what they mean.
 _DEATH_MARKERS = [
