@@ -71,7 +71,7 @@ def cmd_diff(a) -> str:
         raise DeltaError(f"the checkpoints hold different tensors: only in old {sorted(set(old.tensors) - set(new.tensors))[:5]}, "
                          f"only in new {sorted(set(new.tensors) - set(old.tensors))[:5]}")
     store = open_store(a.out)
-    b = VersionBuilder(DELTA, a.model or Path(a.new).name, 0)
+    b = VersionBuilder(DELTA, a.model or Path(a.new).name, 0, spool_in=store)
     old_fps = {}
     for name in _bar(new.names(), "diff"):
         o, n = old.load(name), new.load(name)
@@ -110,7 +110,7 @@ def cmd_anchor(a) -> str:
     signer = _signer(a)
     head = read_head(store, _trust(a, signer))
     version = _next_version(head, a.version)
-    b = VersionBuilder(ANCHOR, a.model or Path(a.checkpoint).name, version, anchor_version=version)
+    b = VersionBuilder(ANCHOR, a.model or Path(a.checkpoint).name, version, anchor_version=version, spool_in=store)
     infos = [(n, i.dtype, i.shape) for n, i in ck.tensors.items()]
     with _bar(None, "anchor", total=len(infos)) as bar:
         b.add_anchor(infos, ck.load, lambda _, t: fpr.tensor_fingerprint(t), bar.update)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from engine_ext.format import dtypes
 from engine_ext.format import fingerprint as fpr
 from engine_ext.server.apply import apply_delta, decode_gaps
-from engine_ext.server.apply_torch import local_fingerprint
+from engine_ext.server.maps import local_fingerprint
 from engine_ext.server.maps import Piece, TensorMap, Unmappable, covered_elements, row_major_strides
 from engine_ext.format.delta import TensorDelta, diff_tensor
 

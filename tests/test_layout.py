@@ -12,7 +12,7 @@ import torch
 from engine_ext.format import dtypes
 from engine_ext.format import fingerprint as fpr
 from engine_ext.server.apply import apply_delta
-from engine_ext.server.apply_torch import local_fingerprint
+from engine_ext.server.maps import local_fingerprint
 from engine_ext.server.maps import Piece, TensorMap, Unmappable, covered_elements
 from engine_ext.format.delta import diff_tensor
 from engine_ext.server.layout import probe_layout

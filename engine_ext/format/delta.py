@@ -47,11 +47,35 @@ class TensorDelta:
         return self.positions
 
 
-def changed_bits(old_bits: torch.Tensor, new_bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def changed_bits(old_bits: torch.Tensor, new_bits: torch.Tensor,
+                 update: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(flat positions, old bits there, new bits there) of the elements whose raw bits differ,
-    on the inputs' device: the one diff the publisher, the CLI and :func:`diff_tensor` share."""
+    on the inputs' device: the one diff the publisher, the CLI and :func:`diff_tensor` share.
+    With ``update``, ``old_bits`` takes the new bits at those positions (the publisher's kept copy).
+    On the CPU one numba pass on every core (:mod:`engine_ext.format.diff_kernels`)."""
+    if old_bits.device.type == "cpu" and new_bits.device.type == "cpu" and old_bits.numel() >= 1 << 16:
+        kernels = _diff_kernels()
+        if kernels is not None:
+            return tuple(torch.from_numpy(a) for a in kernels.changed(old_bits.contiguous().numpy(),
+                                                                     new_bits.contiguous().numpy(), update))
     pos = torch.nonzero(old_bits != new_bits).reshape(-1)
-    return pos, old_bits[pos], new_bits[pos]
+    out = pos, old_bits[pos], new_bits[pos]
+    if update:
+        old_bits[pos] = out[2]
+    return out
+
+
+_DIFF_KERNELS: list = []
+
+
+def _diff_kernels():
+    if not _DIFF_KERNELS:
+        try:
+            from . import diff_kernels
+        except ImportError:  # pragma: no cover - numba is a core dependency
+            diff_kernels = None
+        _DIFF_KERNELS.append(diff_kernels)
+    return _DIFF_KERNELS[0]
 
 
 def diff_tensor(name: str, old: torch.Tensor | None, new: torch.Tensor, mode: str = REL) -> TensorDelta:

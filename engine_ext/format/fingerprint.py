@@ -13,6 +13,12 @@ A model fingerprint combines tensors by name:
 bytes (little endian) of SHA-256 of the UTF-8 name. Fingerprints are written as 16
 lower-case hex digits. All arithmetic is int64 with two's-complement wrap-around,
 which torch (CPU and CUDA) and Triton both do.
+
+Fingerprinting reads the whole model (anchors, start-up checks, rebuilt bases), so on the
+CPU it runs as one fused, vectorised loop on every core (numba: :func:`range_fingerprint`,
+:func:`hash_sum`, :func:`box_fingerprint`; ~2 G elements/s per AVX-512 core, against
+~0.01-0.02 G for the torch reference, which materialises every intermediate). The torch
+functions (:func:`element_hash`) are the reference and the path for other devices.
 """
 from __future__ import annotations
 
@@ -65,18 +71,51 @@ def hash_sum(index: torch.Tensor, bits: torch.Tensor) -> int:
     """sum of h(i, b) mod 2^64, as a Python int in [0, 2^64)."""
     if index.numel() == 0:
         return 0
+    kernels = _kernels() if bits.device.type == "cpu" else None
+    if kernels is not None:
+        return int(kernels.pairs(index.contiguous().numpy(), _unsigned(bits.contiguous())))
     return int(element_hash(index, bits).sum()) & MASK64
 
 
-def tensor_fingerprint(t: torch.Tensor) -> int:
-    """fp(T) over every element, in chunks, on the tensor's own device."""
-    flat = as_bits(t.detach().contiguous()).reshape(-1)
+def range_fingerprint(flat_bits: torch.Tensor, start: int = 0) -> int:
+    """sum of h(start + j, flat_bits[j]) mod 2^64: the fingerprint of a run of consecutive elements."""
+    flat_bits = flat_bits.reshape(-1)
+    kernels = _kernels() if flat_bits.device.type == "cpu" else None
+    if kernels is not None:
+        return int(kernels.run(_unsigned(flat_bits.contiguous()), start, _chunks(flat_bits.numel())))
     total = 0
-    for start in range(0, flat.numel(), CHUNK):
-        part = flat[start : start + CHUNK]
-        idx = torch.arange(start, start + part.numel(), device=part.device, dtype=torch.int64)
-        total += hash_sum(idx, part)
+    for a in range(0, flat_bits.numel(), CHUNK):
+        part = flat_bits[a : a + CHUNK]
+        idx = torch.arange(start + a, start + a + part.numel(), device=part.device, dtype=torch.int64)
+        total += int(element_hash(idx, part).sum())
     return total & MASK64
+
+
+def tensor_fingerprint(t: torch.Tensor) -> int:
+    """fp(T) over every element, on the tensor's own device (all cores on the CPU)."""
+    return range_fingerprint(as_bits(t.detach().contiguous()).reshape(-1))
+
+
+def box_fingerprint(bits: torch.Tensor, start, shape) -> int:
+    """sum of h(i, b) over a box of a tensor of ``shape``: ``bits`` holds the box's raw bits (any
+    strides, the box's own shape) and ``start`` its first corner; ``i`` is the row-major flat
+    index in ``shape``. What a rank holds of a tensor (a shard, a padded block) is such a box."""
+    ext, shape, start = tuple(bits.shape), tuple(int(x) for x in shape), tuple(int(x) for x in start)
+    if len(ext) <= 1:
+        return range_fingerprint(bits, start[0] if start else 0)
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    rows = np.zeros(ext[:-1], dtype=np.int64) + start[-1]  # flat index of each row's first element
+    for d in range(len(ext) - 1):
+        coord = (np.arange(ext[d], dtype=np.int64) + start[d]) * strides[d]
+        rows += coord.reshape([-1 if e == d else 1 for e in range(len(ext) - 1)])
+    values = bits.contiguous().reshape(-1, ext[-1])
+    kernels = _kernels() if values.device.type == "cpu" else None
+    if kernels is not None:
+        return int(kernels.rows(_unsigned(values).reshape(values.shape), rows.reshape(-1)))
+    idx = torch.from_numpy(rows.reshape(-1, 1) + np.arange(ext[-1], dtype=np.int64)).to(values.device)
+    return hash_sum(idx.reshape(-1), values.reshape(-1))
 
 
 def update_fingerprint(fp: int, index: torch.Tensor, old_bits: torch.Tensor, new_bits: torch.Tensor) -> int:
@@ -104,9 +143,31 @@ def mix64_np(z: np.ndarray) -> np.ndarray:
     return z
 
 
-def element_hash_np(index: np.ndarray, bits: np.ndarray) -> np.ndarray:
-    """h(i, b) for uint64 indices and raw bits zero-extended to uint64 (numpy; see :func:`element_hash`)."""
-    return mix64_np((index * np.uint64(GOLDEN)) ^ bits)
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _unsigned(bits: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's raw bits as an unsigned numpy array (zero-extension is then a plain widening)."""
+    return bits.numpy().view(_UNSIGNED[bits.element_size()])
+
+
+def _chunks(n: int) -> int:
+    """Pieces a run is cut into for the threads: several per thread, each at least 64 Ki elements."""
+    return max(1, min(256, n >> 16))
+
+
+_KERNELS: list = []  # [the numba kernels module, or None where numba is missing]
+
+
+def _kernels():
+    """:mod:`engine_ext.format.fingerprint_kernels` (numba; imported on first use), or None without numba."""
+    if not _KERNELS:
+        try:
+            from . import fingerprint_kernels
+        except ImportError:  # pragma: no cover - numba is a core dependency; the torch path still works
+            fingerprint_kernels = None
+        _KERNELS.append(fingerprint_kernels)
+    return _KERNELS[0]
 
 
 def model_fingerprint(tensor_fps: Mapping[str, int] | Iterable[tuple[str, int]]) -> int:

@@ -2,7 +2,7 @@
 
 The default on the CPU (numpy scatter, keys and hashes in place), and the path any
 segment takes that the fused kernel does not (rank above 4, converting destinations).
-Works on any device torch does. Also reads a map's live bits for its fingerprint.
+Works on any device torch does.
 """
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from ..format import fingerprint as fpr
-from ..format.delta import ABS, REL, TensorDelta
-from .maps import MASK64, Segment, TensorMap, check_piece, conversion, flat_range, row_major_strides, storage_bits
+from ..format.delta import REL
+from .maps import MASK64, Segment
 
 CHUNK = 1 << 16  # elements per torch-path step on the CPU: temporaries stay in cache (~0.5 MB each)
 CHUNK_DEVICE = 1 << 20  # on accelerators: fewer launches
@@ -71,25 +71,12 @@ def _ranges(seg: Segment, pos: torch.Tensor | None) -> tuple[int, int]:
     return int(ab[0]), int(ab[1])
 
 
-_NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
 def _hash_change(i: torch.Tensor | None, old: torch.Tensor, new: torch.Tensor, sl) -> int:
-    """sum h(i, new) - h(i, old) mod 2^64 (see engine_ext.format.fingerprint) as a Python int.
-
-    On the CPU in numpy uint64 (old and new hashed as one array, in place); elsewhere
-    :func:`engine_ext.format.fingerprint.element_hash`.
-    """
-    if i is None:  # dense flat: checkpoint indices are a range
-        i = torch.arange(sl.start, sl.stop, dtype=torch.int64, device=old.device)
-    if old.device.type != "cpu":
-        return int(fpr.element_hash(i, new).sum()) - int(fpr.element_hash(i, old).sum())
-    ut = _NP_UINT[old.element_size()]
-    z = np.empty((2, old.numel()), dtype=np.uint64)
-    z[0] = old.numpy().view(ut)
-    z[1] = new.numpy().view(ut)
-    s = fpr.element_hash_np(i.numpy().view(np.uint64), z).sum(axis=1, dtype=np.uint64)
-    return int(s[1]) - int(s[0])
+    """sum h(i, new) - h(i, old) (see engine_ext.format.fingerprint) as a Python int; ``i`` None:
+    the checkpoint indices are the range ``sl``."""
+    if i is None:
+        return fpr.range_fingerprint(new, sl.start) - fpr.range_fingerprint(old, sl.start)
+    return fpr.hash_sum(i, new) - fpr.hash_sum(i, old)
 
 
 def _gather(t: torch.Tensor, sel) -> torch.Tensor:
@@ -177,32 +164,3 @@ def _apply_torch_segments(segs: list[Segment], fp: dict, written: dict, log: _To
         if seg.piece.count_fingerprint:
             fp[td.name] = (fp[td.name] + acc) & MASK64
             written[td.name] += count
-
-
-def _box_items(seg_like: Segment, a: int, b: int):
-    i, dst, _ = _chunk(seg_like, None, a, b)
-    if i is None:
-        i = torch.arange(seg_like.flat[0] + a, seg_like.flat[0] + b, dtype=torch.int64, device=seg_like.storage.device)
-    return i, dst
-
-
-def local_fingerprint(m: TensorMap) -> int:
-    """sum h(i, bits) over the checkpoint elements this rank holds (counted pieces), read from the destinations."""
-    total = 0
-    cs = row_major_strides(m.shape)
-    dense = TensorDelta(m.name, m.dtype, tuple(m.shape), ABS, None, torch.empty(0, dtype=m.dtype.int_view))
-    for p in m.pieces:
-        if not p.count_fingerprint or p.numel == 0:
-            continue
-        check_piece(m.name, m.shape, m.dtype, p)
-        conv = conversion(m.name, m.dtype, p.dest.dtype)
-        live_int = m.dtype.int_view if conv is None else conv.live_int
-        seg = Segment(0, dense, p, storage_bits(p.dest, live_int), conv, cs, flat_range(p, m.shape, cs))
-        acc = torch.zeros((), dtype=torch.int64, device=p.dest.device)
-        with torch.no_grad():
-            for a in range(0, p.numel, fpr.CHUNK):
-                i, dst = _box_items(seg, a, min(a + fpr.CHUNK, p.numel))
-                bits = seg.storage[dst]
-                acc += fpr.element_hash(i, bits if conv is None else conv.to_checkpoint(bits)).sum()
-        total += int(acc)
-    return total & MASK64

@@ -320,6 +320,23 @@ def check_positions(tds: list[TensorDelta]) -> None:
             raise ValueError(f"{td.name}: positions must be sorted, unique and in [0, {td.numel})")
 
 
+def piece_bits(m: TensorMap, p: Piece) -> torch.Tensor:
+    """The checkpoint bits of piece ``p`` of ``m``, read from its destination (a strided view of the
+    parameter; a converted copy where the engine holds a widened value), shaped like its box."""
+    check_piece(m.name, m.shape, m.dtype, p)
+    conv = conversion(m.name, m.dtype, p.dest.dtype)
+    st = storage_bits(p.dest, m.dtype.int_view if conv is None else conv.live_int)
+    view = torch.as_strided(st, p.extent, p.strides, p.offset)
+    return view if conv is None else conv.to_checkpoint(view)
+
+
+def local_fingerprint(m: TensorMap) -> int:
+    """sum h(i, bits) over the checkpoint elements this rank holds (its counted pieces), read from the
+    destinations: every core, no index arrays (:func:`engine_ext.format.fingerprint.box_fingerprint`)."""
+    return sum(fpr.box_fingerprint(piece_bits(m, p), p.start, m.shape)
+               for p in m.pieces if p.count_fingerprint and p.numel) & MASK64
+
+
 def checkpoint_view(m: TensorMap, t: torch.Tensor) -> TensorMap:
     """``m``'s boxes pointed at the checkpoint tensor ``t`` itself (row-major), so that the
     fingerprint of the same elements can be computed from the checkpoint and from the live weights."""
@@ -353,14 +370,10 @@ def read_box(m: TensorMap, start, stop) -> torch.Tensor | None:
         hi = tuple(min(a, b) for a, b in zip(stop, p.stop))
         if any(a >= b for a, b in zip(lo, hi)):
             continue
-        check_piece(m.name, m.shape, m.dtype, p)
-        conv = conversion(m.name, m.dtype, p.dest.dtype)
-        st = storage_bits(p.dest, m.dtype.int_view if conv is None else conv.live_int)
-        view = torch.as_strided(st, tuple(b - a for a, b in zip(lo, hi)), p.strides,
-                                p.offset + sum((a - s) * d for a, s, d in zip(lo, p.start, p.strides)))
+        view = piece_bits(m, p)[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, p.start))]
         if out is None:
             out = torch.empty(ext, dtype=m.dtype.int_view, device=p.dest.device)
-        out[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start))] = view if conv is None else conv.to_checkpoint(view)
+        out[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start))] = view
         got += math.prod(b - a for a, b in zip(lo, hi))
     if out is None:
         return None

@@ -34,9 +34,8 @@ import torch
 
 from ..format import fingerprint as fpr
 from .apply import apply_delta
-from .apply_torch import local_fingerprint
 from .. import settings
-from .maps import ApplyResult, TensorMap, Unmappable, checkpoint_view, covered_elements
+from .maps import ApplyResult, TensorMap, Unmappable, checkpoint_view, covered_elements, local_fingerprint
 from ..format.delta import TensorDelta, apply_tensor
 from ..format.dtypes import DType
 from ..errors import IntegrityError

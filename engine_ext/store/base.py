@@ -134,6 +134,12 @@ class Store:
             raise ConflictError(f"{self.key_uri(key)} already exists")
         self.write_file(key, path)
 
+    def spool_dir(self) -> str | None:
+        """Where a publisher spools a version's blobs before :meth:`create_file`: a directory on
+        the store's own filesystem where that lets it take a file without copying it (a local
+        store links it), else None (the system's temp directory)."""
+        return None
+
     def write_if(self, key: str, data: bytes, check: Callable[[bytes | None], None],
                  max_bytes: int = MAX_LATEST_BYTES) -> None:
         """Replace the small object ``key`` (``LATEST``) with ``data`` if ``check(what it holds now, or

@@ -8,6 +8,7 @@ shard in memory).
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import json
 import os
@@ -109,9 +110,15 @@ def served_checkpoint(model: str, revision: str | None = None) -> CheckpointDir:
 
 
 class SafetensorsWriter:
-    """Write a safetensors file whose tensors are known up front, one tensor at a time."""
+    """Write a safetensors file whose tensors are known up front, one tensor at a time.
 
-    def __init__(self, path: str | Path, infos: list[tuple[str, DType, tuple[int, ...]]], metadata: dict | None = None):
+    Each tensor's bytes are written straight from its memory (no copy), once. With
+    ``hashed``, they are hashed as they are written: the file's SHA-256 (:attr:`sha256`) and
+    each tensor's own (:attr:`tensor_sha256`), so a publisher never reads the file back.
+    """
+
+    def __init__(self, path: str | Path, infos: list[tuple[str, DType, tuple[int, ...]]], metadata: dict | None = None,
+                 hashed: bool = False):
         header, offset = {}, 0
         self.order = []
         for name, dt, shape in infos:
@@ -129,8 +136,17 @@ class SafetensorsWriter:
         self.data_start = 8 + len(raw)
         self.path = Path(path)
         self.f = open(self.path, "wb")
-        self.f.write(struct.pack("<Q", len(raw)) + raw)
+        head = struct.pack("<Q", len(raw)) + raw
+        self.f.write(head)
+        self.size = len(head)
+        self._sha = hashlib.sha256(head) if hashed else None
+        self.tensor_sha256: dict[str, str] = {}
         self.next = 0
+
+    @property
+    def sha256(self) -> str:
+        """SHA-256 of the file's bytes (``hashed`` writers, once every tensor is written)."""
+        return self._sha.hexdigest()
 
     def data_range(self, name: str) -> tuple[int, int]:
         """(file offset, length) of a tensor's bytes."""
@@ -141,10 +157,14 @@ class SafetensorsWriter:
         expected, n = self.order[self.next]
         if name != expected:
             raise ValueError(f"tensors must be written in header order: expected {expected!r}, got {name!r}")
-        data = as_bits(t.detach().contiguous()).reshape(-1).cpu().numpy().tobytes()
+        data = memoryview(as_bits(t.detach().contiguous()).reshape(-1).cpu().numpy()).cast("B")
         if len(data) != n:
             raise ValueError(f"{name}: {len(data)} bytes, header says {n}")
         self.f.write(data)
+        self.size += n
+        if self._sha is not None:
+            self._sha.update(data)
+            self.tensor_sha256[name] = hashlib.sha256(data).hexdigest()
         self.next += 1
 
     def close(self) -> None:

@@ -130,6 +130,11 @@ class LocalStore(Store):
             if isinstance(e, OSError):
                 raise SourceError(f"cannot write {self.key_uri(key)}: {e}") from e
             raise
+        self._sync_dir(d)
+
+    @staticmethod
+    def _sync_dir(d: str) -> None:
+        """fsync a directory, so that a new name in it survives a crash."""
         try:
             dfd = os.open(d, os.O_RDONLY)
             try:
@@ -150,8 +155,34 @@ class LocalStore(Store):
         self._atomic(key, lambda f: f.write(data), exclusive=True)
 
     def create_file(self, key: str, path: str | os.PathLike) -> None:
-        with open(path, "rb") as src:
-            self._atomic(key, lambda f: shutil.copyfileobj(src, f, 1 << 20), exclusive=True)
+        """A file on this store's filesystem (spooled in :meth:`spool_dir`) is synced and hard-linked
+        under its key: published without copying a byte; any other file is copied."""
+        dest = self._p(key)
+        try:
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            same_fs = os.stat(path).st_dev == os.stat(os.path.dirname(dest)).st_dev
+        except OSError as e:
+            raise SourceError(f"cannot write {self.key_uri(key)}: {e}") from e
+        if not same_fs:
+            with open(path, "rb") as src:
+                return self._atomic(key, lambda f: shutil.copyfileobj(src, f, 1 << 20), exclusive=True)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.chmod(path, 0o644)
+            os.link(path, dest)  # fails if dest exists: never replaces a published object
+        except FileExistsError:
+            raise ConflictError(f"{self.key_uri(key)} already exists") from None
+        except OSError as e:
+            raise SourceError(f"cannot write {self.key_uri(key)}: {e}") from e
+        self._sync_dir(os.path.dirname(dest))
+
+    def spool_dir(self) -> str:
+        os.makedirs(self.path, exist_ok=True)
+        return self.path
 
     def write_if(self, key: str, data: bytes, check: Callable[[bytes | None], None],
                  max_bytes: int = MAX_LATEST_BYTES) -> None:
@@ -183,7 +214,8 @@ class LocalStore(Store):
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         top = os.path.join(self.path, *base.split("/")) if base else self.path
         out = []
-        for dirpath, _dirs, files in os.walk(top):
+        for dirpath, dirs, files in os.walk(top):
+            dirs[:] = [d for d in dirs if not d.startswith(_TMP_PREFIX)]  # a publisher's spool
             rel = os.path.relpath(dirpath, self.path)
             for name in files:
                 if name.startswith(_TMP_PREFIX):

@@ -1,6 +1,8 @@
 """Assemble one published version: encoded tensors -> blobs + manifest.
 
-Blobs are spooled to temporary files (bounded memory for anchors and big deltas)
+Blobs are spooled to temporary files (bounded memory for anchors and big deltas), on
+the store's own filesystem where it has one (a local store then takes the file by a
+hard link: its bytes are written once), hashed as they are written (never read back),
 and handed to :func:`engine_ext.store.publish_version`, which creates blobs first,
 the manifest next and moves ``LATEST`` last, never writing a published object twice.
 A blob's key names its content (``v00000007.0.<first 32 hex digits of its SHA-256>.bin``):
@@ -18,6 +20,7 @@ import hashlib
 import os
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -27,6 +30,7 @@ from ..store.checkpoint import SafetensorsWriter
 from ..format.codec import ChunkedEncoded, Encoded
 from ..format.dtypes import BY_SAFETENSORS, DType
 from ..format.manifest import ANCHOR, DELTA, Blob, Chunk, Latest, Manifest, Segment, TensorEntry, manifest_key
+from ..store.base import _TMP_PREFIX
 from ..store.signing import Signer
 from ..store import Store, publish_version
 
@@ -37,7 +41,7 @@ LATEST_TTL_S = 7 * 24 * 3600.0  # a signed LATEST older than this is stale (re-p
 class VersionBuilder:
     def __init__(self, kind: str, model: str, version: int, base_version: int | None = None,
                  anchor_version: int | None = None, blob_target: int = BLOB_TARGET,
-                 base_manifests: list[str] | None = None):
+                 base_manifests: list[str] | None = None, spool_in: Store | None = None):
         self.manifest = Manifest(kind=kind, model=model, version=version, fingerprint="",
                                  base_version=base_version if kind == DELTA else None,
                                  base_fingerprint="" if kind == DELTA else None,
@@ -45,10 +49,13 @@ class VersionBuilder:
                                  base_manifests=list(base_manifests or []) if kind == DELTA else [])
         self.manifest_sha256: str | None = None  # of the published manifest's bytes
         self.latest: Latest | None = None  # the LATEST pointer published with it
-        self.tmp = tempfile.TemporaryDirectory(prefix="engine-ext-")
+        # Unlisted by local stores (their temp-file prefix); on the store's filesystem where it has one.
+        self.tmp = tempfile.TemporaryDirectory(prefix=f"{_TMP_PREFIX}spool-", dir=spool_in.spool_dir() if spool_in else None)
         self.blob_target = blob_target
         self.files: list[str] = []
+        self.digests: dict[str, tuple[str, int]] = {}  # blob file -> (SHA-256, size), recorded as written
         self._cur = None  # open file of the current delta blob
+        self._cur_sha = None
 
     # -- deltas ---------------------------------------------------------------
     def add_unchanged(self, name: str, dtype: DType, shape, fp: int) -> None:
@@ -58,25 +65,29 @@ class VersionBuilder:
     def add_delta(self, name: str, dtype: DType, shape, nnz: int, enc: Encoded, base_fp: int, fp: int) -> None:
         if nnz == 0:
             return self.add_unchanged(name, dtype, shape, fp)
-        f = self._delta_blob()
         data = enc.pos + enc.val
+        offset = self._append(data)
         entry = TensorEntry(name, dtype.name, list(shape), nnz, fpr.fmt(fp), fpr.fmt(base_fp),
-                            blob=len(self.files) - 1, offset=f.tell(), sha256=hashlib.sha256(data).hexdigest(),
+                            blob=len(self.files) - 1, offset=offset, sha256=hashlib.sha256(data).hexdigest(),
                             positions=Segment(enc.pos_coder, len(enc.pos)),
                             values=Segment(enc.val_coder, len(enc.val), enc.mode))
-        f.write(data)
         self.manifest.tensors.append(entry)
 
-    def _delta_blob(self):
+    def _append(self, data: bytes) -> int:
+        """Append ``data`` to the current delta blob (a new one past ``blob_target``); its offset there."""
         if self._cur is None or self._cur.tell() >= self.blob_target:
             self._close_cur()
             path = os.path.join(self.tmp.name, f"{len(self.files)}.bin")
             self.files.append(path)
-            self._cur = open(path, "wb")
-        return self._cur
+            self._cur, self._cur_sha = open(path, "wb"), hashlib.sha256()
+        offset = self._cur.tell()
+        self._cur.write(data)
+        self._cur_sha.update(data)
+        return offset
 
     def _close_cur(self):
         if self._cur is not None:
+            self.digests[self._cur.name] = (self._cur_sha.hexdigest(), self._cur.tell())
             self._cur.close()
             self._cur = None
 
@@ -94,30 +105,48 @@ class VersionBuilder:
         that changed), each with its own bytes and hash, so a rank can fetch only its cells."""
         chunks = []
         for cell, n, enc in cells:
-            f = self._delta_blob()
             data = enc.pos + enc.val
-            chunks.append(Chunk(cell, n, len(self.files) - 1, f.tell(), hashlib.sha256(data).hexdigest(),
+            offset = self._append(data)
+            chunks.append(Chunk(cell, n, len(self.files) - 1, offset, hashlib.sha256(data).hexdigest(),
                                 Segment(enc.pos_coder, len(enc.pos)), Segment(enc.val_coder, len(enc.val), enc.mode)))
-            f.write(data)
         self.manifest.tensors.append(TensorEntry(name, dtype.name, list(shape), nnz, fpr.fmt(fp), fpr.fmt(base_fp),
                                                  grid=cuts, chunks=chunks))
 
     # -- anchors --------------------------------------------------------------
     def add_anchor(self, infos: list[tuple[str, DType, tuple]], load: Callable[[str], torch.Tensor],
-                   fingerprint: Callable[[str, torch.Tensor], int], done: Callable[[], None] | None = None) -> None:
-        """Write every tensor of ``infos`` (in order) into anchor shards, one tensor in memory at a time.
+                   fingerprint: Callable[[str, torch.Tensor], int], done: Callable[[], None] | None = None,
+                   workers: int | None = None) -> None:
+        """Write every tensor of ``infos`` (in order) into anchor shards of about ``blob_target`` bytes.
 
-        ``load(name)`` gives the tensor, ``fingerprint(name, tensor)`` its fingerprint
-        (computed, or kept by the caller); ``done()`` is called after each tensor (progress).
+        The shards are written in parallel, one thread each (writes, hashing and fingerprints
+        release the GIL); within a shard one tensor is in memory at a time, written once and
+        hashed as written. ``load(name)`` gives the tensor, ``fingerprint(name, tensor)`` its
+        fingerprint (computed, or kept by the caller); ``done()`` is called after each tensor.
         """
-        for shard in self.anchor_shards(infos):
-            w = self.open_anchor_shard(shard)
+        shards = self.anchor_shards(infos)
+        writers = []
+        for shard in shards:  # blob indices in shard order
+            path = os.path.join(self.tmp.name, f"{len(self.files)}.safetensors")
+            self.files.append(path)
+            writers.append((len(self.files) - 1, SafetensorsWriter(
+                path, shard, {"format": "engine-ext-anchor", "version": self.manifest.version}, hashed=True)))
+
+        def write(job) -> list[TensorEntry]:
+            (blob, w), shard = job
+            entries = []
             for name, _, _ in shard:
                 t = load(name)
-                self.add_anchor_tensor(w, name, t, fingerprint(name, t))
+                w.write(name, t)
+                entries.append(self._anchor_entry(w, blob, name, t, fingerprint(name, t)))
                 if done is not None:
                     done()
             w.close()
+            self.digests[str(w.path)] = (w.sha256, w.size)
+            return entries
+
+        with ThreadPoolExecutor(max(1, min(workers or os.cpu_count() or 1, len(shards)))) as pool:
+            for entries in pool.map(write, zip(writers, shards)):
+                self.manifest.tensors.extend(entries)
 
     def anchor_shards(self, infos: list[tuple[str, DType, tuple]]) -> list[list[tuple[str, DType, tuple]]]:
         """Split tensors (in order) into safetensors shards of about blob_target bytes."""
@@ -133,22 +162,15 @@ class VersionBuilder:
             shards.append(cur)
         return shards
 
-    def open_anchor_shard(self, infos) -> SafetensorsWriter:
-        path = os.path.join(self.tmp.name, f"{len(self.files)}.safetensors")
-        self.files.append(path)
-        return SafetensorsWriter(path, infos, {"format": "engine-ext-anchor", "version": self.manifest.version})
-
-    def add_anchor_tensor(self, w: SafetensorsWriter, name: str, t: torch.Tensor, fp: int) -> None:
-        w.write(name, t)
+    @staticmethod
+    def _anchor_entry(w: SafetensorsWriter, blob: int, name: str, t: torch.Tensor, fp: int) -> TensorEntry:
         off, n = w.data_range(name)
         dt = w.header[name]
-        entry = TensorEntry(name, BY_SAFETENSORS[dt["dtype"]].name, list(t.shape), t.numel(), fpr.fmt(fp),
-                            blob=len(self.files) - 1, offset=off, sha256=None,
-                            positions=Segment("all", 0), values=Segment("raw", n, "abs"))
         if t.numel() == 0:  # an empty tensor: nothing to write or fetch
-            entry.nnz, entry.blob, entry.offset = 0, None, 0
-            entry.positions, entry.values = Segment("none", 0), Segment("none", 0)
-        self.manifest.tensors.append(entry)
+            return TensorEntry(name, BY_SAFETENSORS[dt["dtype"]].name, list(t.shape), 0, fpr.fmt(fp))
+        return TensorEntry(name, BY_SAFETENSORS[dt["dtype"]].name, list(t.shape), t.numel(), fpr.fmt(fp),
+                           blob=blob, offset=off, sha256=w.tensor_sha256[name],
+                           positions=Segment("all", 0), values=Segment("raw", n, "abs"))
 
     # -- finish ---------------------------------------------------------------
     def publish(self, store: Store, signer: Signer | None = None, latest_ttl_s: float = LATEST_TTL_S) -> str:
@@ -160,13 +182,10 @@ class VersionBuilder:
         keys = []
         for i, path in enumerate(self.files):
             ext = "safetensors" if path.endswith(".safetensors") else "bin"
-            sha, size = _sha256_file(path)
+            sha, size = self.digests[path]
             key = f"{version_tag}.{i}.{sha[:32]}.{ext}"
             m.blobs.append(Blob(key, size, sha))
             keys.append((key, path))
-        for t in m.tensors:  # anchors hash tensor ranges after the file is complete
-            if t.nnz and t.sha256 is None and t.chunks is None:
-                t.sha256 = _sha256_range(self.files[t.blob], t.offset, t.length)
         m.fingerprint = fpr.fmt(fpr.model_fingerprint((t.name, fpr.parse(t.fingerprint)) for t in m.tensors))
         if m.kind == DELTA:
             m.base_fingerprint = fpr.fmt(fpr.model_fingerprint((t.name, fpr.parse(t.base_fingerprint)) for t in m.tensors))
@@ -187,25 +206,3 @@ class VersionBuilder:
 def sign_latest(latest: Latest, signer: Signer | None) -> bytes:
     """The bytes of ``LATEST``: the pointer and, with a signer, its signatures."""
     return latest.to_json(signer.signatures(latest.signed_bytes()) if signer else None)
-
-
-def _sha256_file(path: str) -> tuple[str, int]:
-    h, n = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-            n += len(chunk)
-    return h.hexdigest(), n
-
-
-def _sha256_range(path: str, offset: int, length: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        f.seek(offset)
-        while length > 0:
-            chunk = f.read(min(length, 8 << 20))
-            if not chunk:
-                break
-            h.update(chunk)
-            length -= len(chunk)
-    return h.hexdigest()

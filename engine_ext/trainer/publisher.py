@@ -284,11 +284,16 @@ class DeltaPublisher:
         context = settings.current().context_coder
         for name, new in bits.items():
             prev = self._prev[name]
-            old = prev if prev.device == new.device else prev.to(new.device, non_blocking=True)
-            pos, ob, nb = changed_bits(old, new)
-            # the context coder reads the whole base; kept before the in-place update below (one copy per version in flight)
-            base = prev.to("cpu", copy=True) if context and pos.numel() and supports(dtype_of(sd[name]).name) else None
-            prev[pos.to(prev.device)] = nb.to(prev.device)  # the kept bits follow in O(changed)
+            keep_base = context and supports(dtype_of(sd[name]).name)  # the context coder reads the whole base
+            if prev.device == new.device and not keep_base:
+                pos, ob, nb = changed_bits(prev, new, update=True)  # the kept bits follow in the same pass
+                base = None
+            else:
+                old = prev if prev.device == new.device else prev.to(new.device, non_blocking=True)
+                pos, ob, nb = changed_bits(old, new)
+                # kept before the kept bits move (one copy per version in flight, of changed tensors only)
+                base = prev.to("cpu", copy=True) if keep_base and pos.numel() else None
+                prev[pos.to(prev.device)] = nb.to(prev.device)  # the kept bits follow in O(changed)
             fp = fpr.update_fingerprint(self._fps[name], pos, ob, nb)
             t = sd[name]
             changes.append(_Change(name, dtype_of(t), tuple(t.shape), pos.cpu(), nb.cpu(), ob.cpu(), self._fps[name], fp,
@@ -323,7 +328,8 @@ class DeltaPublisher:
     def _build(self, kind, version, base_version, anchor_version, payload):
         opts = {} if self.blob_target is None else {"blob_target": self.blob_target}
         b = VersionBuilder(kind, self.model, version, base_version, anchor_version,
-                           base_manifests=self._manifest_shas.get(base_version, []) if kind == "delta" else None, **opts)
+                           base_manifests=self._manifest_shas.get(base_version, []) if kind == "delta" else None,
+                           spool_in=self.store, **opts)
         if kind == "anchor":
             tensors, fps = payload
             b.add_anchor([(n, dtype_of(t), tuple(t.shape)) for n, t in tensors.items()], tensors.__getitem__,

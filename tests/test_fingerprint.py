@@ -1,0 +1,99 @@
+"""The fast fingerprint paths (numba, every core) equal the torch reference, element for element.
+
+``element_hash`` is the spec written as torch ops; ``range_fingerprint``, ``hash_sum`` and
+``box_fingerprint`` are what the publisher, the start-up check and the ranks run on the
+CPU. They must agree bit for bit on every dtype width, on runs, index sets and boxes of
+any rank and strides, on empty and 0-d tensors, and with numba missing (torch fallback).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_ext.format import fingerprint as fpr
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int32, torch.float8_e4m3fn,
+          torch.bool]
+
+
+def reference(index: torch.Tensor, bits: torch.Tensor) -> int:
+    return int(fpr.element_hash(index.reshape(-1), bits.reshape(-1)).sum()) & fpr.MASK64
+
+
+def sample(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if not dtype.is_floating_point:
+        return torch.randint(0, 100, shape, generator=g).to(dtype)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+@pytest.fixture(params=["numba", "torch"])
+def path(request, monkeypatch):
+    if request.param == "torch":  # numba missing: the torch reference path serves
+        monkeypatch.setattr(fpr, "_KERNELS", [None])
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_runs_and_index_sets(dtype, path):
+    t = sample((257, 131), dtype)
+    bits = fpr.as_bits(t).reshape(-1)
+    assert fpr.tensor_fingerprint(t) == reference(torch.arange(bits.numel()), bits)
+    assert fpr.range_fingerprint(bits[1000:9000], 1000) == reference(torch.arange(1000, 9000), bits[1000:9000])
+    idx = torch.randperm(bits.numel(), generator=torch.Generator().manual_seed(1))[:5000]  # unsorted
+    assert fpr.hash_sum(idx, bits[idx]) == reference(idx, bits[idx])
+
+
+@pytest.mark.parametrize("shape,box", [((50, 40), ((3, 7), (20, 33))), ((6, 10, 12), ((1, 2, 3), (5, 9, 12))),
+                                       ((4, 5, 6, 7), ((0, 1, 2, 3), (4, 3, 5, 7))), ((1000,), ((17,), (900,)))])
+def test_boxes_of_any_rank_and_strides(shape, box, path):
+    t = sample(shape, torch.bfloat16)
+    bits = fpr.as_bits(t)
+    start, stop = box
+    view = bits[tuple(slice(a, b) for a, b in zip(start, stop))]  # a strided view, as a rank's piece is read
+    grid = torch.stack(torch.meshgrid(*[torch.arange(a, b) for a, b in zip(start, stop)], indexing="ij"), -1)
+    strides = torch.tensor([int(torch.tensor(shape[d + 1:]).prod()) for d in range(len(shape))])
+    index = (grid * strides).sum(-1)
+    assert fpr.box_fingerprint(view, start, shape) == reference(index, view)
+    transposed = bits.reshape(shape).transpose(0, -1).contiguous().transpose(0, -1)  # same values, other strides
+    assert fpr.box_fingerprint(transposed[tuple(slice(a, b) for a, b in zip(start, stop))], start, shape) == reference(index, view)
+
+
+def test_empty_and_scalar(path):
+    assert fpr.tensor_fingerprint(torch.empty(0, 5, dtype=torch.bfloat16)) == 0
+    s = torch.tensor(3.5)
+    assert fpr.tensor_fingerprint(s) == reference(torch.zeros(1, dtype=torch.int64), fpr.as_bits(s))
+    assert fpr.hash_sum(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int16)) == 0
+
+
+def test_update_in_o_changed_matches_recomputation():
+    t = sample((300, 200), torch.bfloat16)
+    fp = fpr.tensor_fingerprint(t)
+    bits = fpr.as_bits(t).reshape(-1).clone()
+    idx = torch.tensor([0, 5, 777, 59_999])
+    new = bits[idx] ^ 1
+    fp2 = fpr.update_fingerprint(fp, idx, bits[idx], new)
+    bits[idx] = new
+    assert fp2 == fpr.range_fingerprint(bits)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+def test_the_cpu_diff_equals_torchs(dtype, monkeypatch):
+    """changed_bits on the CPU (numba, both passes) gives torch's positions and bits, in order, and with
+    ``update`` leaves the old tensor equal to the new one."""
+    from engine_ext.format import delta
+
+    old = fpr.as_bits(sample((700, 300), dtype)).reshape(-1)
+    new = old.clone()
+    idx = torch.randperm(old.numel(), generator=torch.Generator().manual_seed(2))[:3000]
+    new[idx] = new[idx] ^ 1
+    fast = delta.changed_bits(old, new)
+    monkeypatch.setattr(delta, "_DIFF_KERNELS", [None])
+    slow = delta.changed_bits(old, new)
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow)) and fast[0].numel() == 3000
+    monkeypatch.undo()
+    kept = old.clone()
+    assert all(torch.equal(a, b) for a, b in zip(delta.changed_bits(kept, new, update=True), slow))
+    assert torch.equal(kept, new)
