@@ -147,6 +147,8 @@ class DeltaPublisher:
         self._latest: Latest | None = None  # the last LATEST this publisher wrote (the heartbeat re-signs it)
         self._latest_lock = threading.Lock()
         self._closed = threading.Event()
+        self._kept_free = threading.Event()  # clear while an anchor is written from the kept bits
+        self._kept_free.set()
         self._prev: dict[str, torch.Tensor] = {}  # raw bits of the last published version
         self._fps: dict[str, int] = {}
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -178,12 +180,14 @@ class DeltaPublisher:
         if is_anchor:
             self.anchor_version = version
         if first:
-            self._fps = {n: fpr.tensor_fingerprint(t) for n, t in sd.items()}
-        delta_job = None if first else self._snapshot_delta(sd, version)  # keeps self._fps current
+            self._remember(sd)  # the one copy of this version: the diff's base, and what its anchor is written from
+            delta_job = None
+        else:
+            self._kept_free.wait()  # an anchor may still be being written from the kept bits
+            self._raise_pending()
+            delta_job = self._snapshot_delta(sd, version)  # the kept bits and self._fps move to this version
         # the anchor is queued first so that LATEST never names an anchor not yet written
-        jobs = ([self._snapshot_anchor(sd, version)] if is_anchor else []) + ([delta_job] if delta_job else [])
-        if first:
-            self._remember(sd)
+        jobs = ([self._snapshot_anchor(sd, version, first)] if is_anchor else []) + ([delta_job] if delta_job else [])
         self.version, self.next_version = version, version + 1
         for job in jobs:
             self._queue.put(job)  # blocks when uploads fall behind: backpressure
@@ -301,9 +305,13 @@ class DeltaPublisher:
             self._fps[name] = fp
         return ("delta", version, self.version, self.anchor_version, changes)
 
-    def _snapshot_anchor(self, sd, version):
-        cpu = {n: t.detach().to("cpu", copy=True) for n, t in sd.items()}
-        return ("anchor", version, None, version, (cpu, dict(self._fps)))
+    def _snapshot_anchor(self, sd, version, first: bool):
+        """An anchor is written from the kept bits (no copy of its own): the next version's diff
+        waits until the background has read them (:attr:`_kept_free`). The first version's
+        fingerprints are computed there too, while it writes (on every core)."""
+        kept = {n: self._prev[n].view(dtype_of(t).torch).reshape(t.shape) for n, t in sd.items()}
+        self._kept_free.clear()
+        return ("anchor", version, None, version, (kept, None if first else dict(self._fps)))
 
     def _remember(self, sd):
         """Keep the first version's bits; later versions update them in _snapshot_delta."""
@@ -323,6 +331,8 @@ class DeltaPublisher:
             except BaseException as e:  # surfaced by publish()/wait()
                 self._error = e
             finally:
+                if job is not None and job[0] == "anchor":
+                    self._kept_free.set()  # done reading the kept bits, written or not
                 self._queue.task_done()
 
     def _build(self, kind, version, base_version, anchor_version, payload):
@@ -332,8 +342,19 @@ class DeltaPublisher:
                            spool_in=self.store, **opts)
         if kind == "anchor":
             tensors, fps = payload
+            if fps is None:  # the first version: fingerprinted as it is written, then the diffs' base
+                fps = {}
+
+                def fingerprint(name, t):
+                    fps[name] = fpr.tensor_fingerprint(t)
+                    return fps[name]
+            else:
+                def fingerprint(name, _):
+                    return fps[name]
             b.add_anchor([(n, dtype_of(t), tuple(t.shape)) for n, t in tensors.items()], tensors.__getitem__,
-                         lambda name, _: fps[name])
+                         fingerprint, workers=self.workers)
+            if not self._fps:
+                self._fps = fps
         else:
             def enc(c: _Change):
                 if c.positions.numel() == 0:
