@@ -98,7 +98,6 @@ def run_round(args, work: Path, key: Path) -> dict:
     from engine_ext import DeltaPublisher
     from engine_ext.format.dtypes import BY_TORCH
     from engine_ext.server.rank import RankUpdater
-    from engine_ext.store import open_store
     from engine_ext.store.checkpoint import CheckpointDir
 
     gen = torch.Generator().manual_seed(0)
