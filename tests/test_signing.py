@@ -52,7 +52,7 @@ def test_publisher_signs_manifests_and_latest_and_binds_each_base(tmp_path, keys
     latest = reader.read_latest(st, trust)
     assert latest.version == 3 and latest.sha256 == sha["v00000003.json"] and latest.expires_unix > time.time()
     # a route read through the signed LATEST
-    _, chain = route.plan(str(store), 1, None, trust=trust)
+    chain = route.plan(str(store), 1, None, trust=trust).links
     assert [link.key for link in chain] == ["v00000002.json", "v00000003.json"]
 
 
@@ -134,5 +134,5 @@ def test_format_1_stores_need_the_explicit_opt_out(tmp_path):
         reader.read_link(st, "v00000001.json", Trust.from_public_keys([]))
     link = reader.read_link(st, "v00000001.json", Trust(allow_unsigned=True))
     assert link.manifest.format_version == 1 and link.signed == 0
-    _, chain = route.plan(str(Path(store) / "v00000001.json"), 0, None, trust=Trust(allow_unsigned=True))
+    chain = route.plan(str(Path(store) / "v00000001.json"), 0, None, trust=Trust(allow_unsigned=True)).links
     assert [x.key for x in chain] == ["v00000001.json"]

@@ -10,6 +10,7 @@ inside real vLLM servers in tests/test_vllm_*.py.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 
@@ -174,6 +175,28 @@ def test_controller_updates_and_chains(world):
     with pytest.raises(BaseMismatchError):  # no anchor, and no chain leads from v2 to v1
         run(ctl.update(parse_request({"url": str(store / "v00000001.json"), "rollback": True})))
     assert ctl.status()["version"] == 2
+
+
+def test_held_weights_are_recognised_by_fingerprint(world):
+    """A server restarted from the run's first checkpoint (version unknown) adopts the anchor's version
+    without fetching it and takes later versions as the chain alone; a server that loaded a version's
+    weights from elsewhere adopts that version: nothing fetched, written or paused."""
+    store, versions = world
+    ranks = [make_rank(0, versions[0]), make_rank(1, versions[0])]
+    ctl = Controller(FakeRanks(ranks), Sources([str(store)]))
+    run(ctl.start())
+    a = run(ctl.update(parse_request({"url": str(store / "v00000000.anchor.json")})))
+    assert a["noop"] and (a["version"], a["payload_bytes"]) == (0, 0) and "fetch" not in ctl.ranks.calls
+    a = run(ctl.update(parse_request({"url": str(store)})))  # LATEST, v3: the chain v1..v3, no anchor
+    assert a["version"] == 3 and [m.rsplit("/", 1)[-1] for m in a["manifests"]] == [
+        "v00000001.json", "v00000002.json", "v00000003.json"]
+    assert torch.equal(ranks[0].module.w.view(torch.int16), versions[3]["w"][:4].view(torch.int16))
+    other = [make_rank(0, versions[3]), make_rank(1, versions[3])]
+    ctl2 = Controller(FakeRanks(other), Sources([str(store)]))
+    run(ctl2.start())
+    a = run(ctl2.update(parse_request({"url": str(store / "v00000003.json")})))
+    assert a["noop"] and a["version"] == 3 and not [c for c in ctl2.ranks.calls if c.startswith(("fetch", "pause"))]
+    assert ctl2.state.manifests == (hashlib.sha256((store / "v00000003.json").read_bytes()).hexdigest(),)
 
 
 def test_failure_on_one_rank_rolls_every_rank_back(world):

@@ -171,6 +171,7 @@ class UpdateTransaction:
         self.store = None
         self.limits = route.Limits()
         self.chain: list[reader.Link] = []
+        self.target: reader.Link | None = None  # the target version's manifest (set by plan)
         self.fetched_bytes: list[int] = []  # per rank
         self.replies: list[RankReply] = []
         self.new_fps: dict[str, int] = {}
@@ -199,6 +200,8 @@ class UpdateTransaction:
         if self.state.key() != self.planned_from:
             raise BaseMismatchError("the served weights changed while this update was being fetched")
         if not self.chain:
+            if self.target is not None and self.target.manifest.version != self.state.version:
+                await self._timed("adopt", self.adopt())
             return self.answer(noop=True)
         t_pause = time.perf_counter()
         await self._timed("pause_enter", self.ranks.pause(self.request.pause_mode))
@@ -230,11 +233,13 @@ class UpdateTransaction:
             raise BaseMismatchError(f"request expects base version {self.request.base_version}, "
                                     f"server holds {self.state.version}")
         self.limits = route.Limits.for_model(self.state.tensors)
-        self.store, self.chain = route.plan(
+        planned = route.plan(
             self.source, self.state.version, self.state.model_fingerprint, have_manifests=self.state.manifests,
             trust=self.trust, limits=self.limits, allow_older=self.request.rollback,
             deadline=time.monotonic() + settings.current().fetch_timeout, tensor_fps=self.state.tensor_fps)
+        self.store, self.chain, self.target = planned.store, planned.links, planned.target
         if not self.chain:
+            self._check_manifests([self.target])  # a target adopted without a fetch is held to the same rules
             return
         first = self.chain[0].manifest
         if first.kind != ANCHOR:
@@ -245,7 +250,10 @@ class UpdateTransaction:
                     f"v{first.version} applies to version {first.base_version} (fingerprint {first.base_fingerprint}); "
                     f"server holds version {self.state.version} (fingerprint {fpr.fmt(self.state.model_fingerprint)})"
                     f"{route.differing_tensors(first, self.state.tensor_fps)}")
-        for link in self.chain:
+        self._check_manifests(self.chain)
+
+    def _check_manifests(self, links) -> None:
+        for link in links:
             reader.check_expected(link.manifest, self.state.tensors, self.store.key_uri(link.key))
             reader.check_decode_budget(link.manifest, self.limits.decoded_bytes)
 
@@ -257,9 +265,9 @@ class UpdateTransaction:
         decodes (bounded by the manifests' counts) and composes a chain, in the background,
         while the driver polls. Any rank's failure fails the update before anything is written."""
         deadline = time.monotonic() + settings.current().fetch_timeout
-        route = [{"key": link.key, "sha256": link.sha256, "max_bytes": self.limits.manifest_bytes} for link in self.chain]
+        links = [{"key": link.key, "sha256": link.sha256, "max_bytes": self.limits.manifest_bytes} for link in self.chain]
         self._fetching = True
-        check_replies(await self.ranks.call("fetch", txn=self.id, store=self.store.uri, route=route,
+        check_replies(await self.ranks.call("fetch", txn=self.id, store=self.store.uri, route=links,
                                             timeout_s=settings.current().fetch_timeout))
         while True:
             replies = check_replies(await self.ranks.call("fetched", txn=self.id))
@@ -311,6 +319,15 @@ class UpdateTransaction:
         check_replies(await self.ranks.call("commit", version=version))
         self.state.tensor_fps, self.state.version = self.new_fps, version
         self.state.manifests = (self.chain[-1].sha256,)
+
+    async def adopt(self) -> None:
+        """Under the lock, when the served weights already are the target's (same fingerprint) but
+        under another version or none (a server started from the run's first checkpoint): every
+        rank records the target's version and the state binds to its manifest; nothing is
+        fetched, written or paused."""
+        version = self.target.manifest.version
+        check_replies(await self.ranks.call("commit", version=version))
+        self.state.version, self.state.manifests = version, (self.target.sha256,)
 
     async def rollback(self) -> None:
         """Failed after a write: every rank restores the exact old bits (a no-op where nothing is pending)."""

@@ -27,6 +27,16 @@ from . import Store, open_store, split_uri
 MAX_CHAIN = 256  # links in one route; anchors keep real routes far shorter
 
 
+@dataclass
+class Route:
+    """What :func:`plan` found: the store, the verified links to fetch in order (empty: the
+    target's weights are what is held), and the target's own link."""
+
+    store: Store
+    links: list[Link]
+    target: Link
+
+
 @dataclass(frozen=True)
 class Limits:
     """What reading one update may cost, fixed before anything is fetched."""
@@ -100,15 +110,17 @@ def differing_tensors(m: Manifest, tensor_fps: Mapping[str, int] | None, show: i
 def plan(source: str, have_version: int | None = None, have_fingerprint: int | None = None, *,
          have_manifests: tuple[str, ...] = (), trust: Trust | None = None, limits: Limits = Limits(),
          allow_older: bool = False, deadline: float | None = None, tensor_fps: Mapping[str, int] | None = None,
-         **store_options) -> tuple[Store, list[Link]]:
+         **store_options) -> Route:
     """The verified links to fetch to go from what is held to the target, fewest bytes first.
 
     ``source`` is a manifest URI (``.../v00000042.json``) or a store root (its signed LATEST).
     Candidates: the delta chain from ``have_version``; the newest anchor at or below the
-    target plus the chain from it. Every manifest is verified before it is parsed, every
-    link checked against the next, the first delta against what is held (its fingerprint
-    and version, and, when known, ``have_manifests``: the SHA-256 of the manifests that
-    produced the held weights). An empty route means the target is what is held. Raises
+    target plus the chain from it, or the chain alone when the held weights are the anchor's
+    (a server restarted from the run's first checkpoint fetches no anchor). Every manifest is
+    verified before it is parsed, every link checked against the next, the first delta
+    against what is held (its fingerprint and version, and, when known, ``have_manifests``:
+    the SHA-256 of the manifests that produced the held weights). No links: the target's
+    weights are what is held (a replay, or weights equal by fingerprint). Raises
     BaseMismatchError when no route leads there, DowngradeError for an older target unless
     ``allow_older``. ``deadline`` (``time.monotonic()``) bounds every read of the store.
     """
@@ -139,10 +151,13 @@ def plan(source: str, have_version: int | None = None, have_fingerprint: int | N
         if fpr.parse(tm.fingerprint) != have_fingerprint:
             raise BaseMismatchError(f"{store.key_uri(key)} is version {tm.version} with another fingerprint than the "
                                     "served one")
-        return store, []  # already held: nothing to fetch
+        return Route(store, [], target)  # already held: nothing to fetch
     if have_version is not None and tm.version < have_version and not allow_older:
         raise DowngradeError(f"{store.key_uri(key)} is version {tm.version}, older than the served version "
                              f"{have_version}; send \"rollback\": true to go back explicitly")
+    if have_fingerprint is not None and fpr.parse(tm.fingerprint) == have_fingerprint:
+        _check_payload([target], limits)  # nothing will be fetched, but a manifest that lies about its size is refused
+        return Route(store, [], target)  # the held weights are the target's: nothing to fetch
     candidates = []
     if tm.kind == ANCHOR:
         candidates.append([target])
@@ -161,7 +176,9 @@ def plan(source: str, have_version: int | None = None, have_fingerprint: int | N
             if rest is not None:
                 if rest:
                     check_link(anchor, rest[0], store.uri)
-                candidates.append([anchor] + rest)
+                holds_anchor = (have_fingerprint is not None and fpr.parse(anchor.manifest.fingerprint) == have_fingerprint
+                                and (not have_manifests or anchor.sha256 in have_manifests))
+                candidates.append(rest if holds_anchor and rest else [anchor] + rest)
         except NotFoundError:
             pass
     if not candidates:
@@ -177,11 +194,15 @@ def plan(source: str, have_version: int | None = None, have_fingerprint: int | N
                                     f"held {fpr.fmt(have_fingerprint)}{differing_tensors(first.manifest, tensor_fps)}")
         if have_manifests and first.manifest.format_version >= 2 and not set(first.manifest.base_manifests) & set(have_manifests):
             raise IntegrityError(f"{store.key_uri(first.key)} is not bound to the manifest the served weights came from")
-    payload = sum(link.manifest.payload_bytes for link in best)
+    _check_payload(best, limits)
+    return Route(store, best, target)
+
+
+def _check_payload(links: list[Link], limits: Limits) -> None:
+    payload = sum(link.manifest.payload_bytes for link in links)
     if limits.payload_bytes is not None and payload > limits.payload_bytes:
         raise ManifestError(f"the update would fetch {payload} bytes, over the {limits.payload_bytes}-byte limit "
                             "for this model (twice its size)")
-    return store, best
 
 
 def fetch_planned(store: Store, chain: list[Link], workers: int = 8, limits: Limits = Limits(),
@@ -218,7 +239,7 @@ def resolve(source: str, have_version: int | None = None, have_fingerprint: int 
             allow_older: bool = True, bases: Bases | None = None, **store_options) -> DecodedDelta:
     """Everything needed to go from the held version to ``source``'s, composed into one delta
     (:func:`plan`, each manifest checked against ``expected``, then :func:`fetch_planned`)."""
-    store, chain = plan(source, have_version, have_fingerprint, trust=trust, allow_older=allow_older, **store_options)
-    for link in chain:
-        check_expected(link.manifest, expected, store.key_uri(link.key))
-    return fetch_planned(store, chain, workers, bases=bases)
+    route = plan(source, have_version, have_fingerprint, trust=trust, allow_older=allow_older, **store_options)
+    for link in route.links:
+        check_expected(link.manifest, expected, route.store.key_uri(link.key))
+    return fetch_planned(route.store, route.links, workers, bases=bases)
