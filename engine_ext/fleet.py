@@ -33,6 +33,7 @@ class ReplicaResult:
     ok: bool = False
     version_before: int | None = None
     version_after: int | None = None
+    fingerprint: str | None = None  # of the weights it serves after the update
     pause_ms: float | None = None
     fetched_bytes: int | None = None  # all its ranks together
     attempts: int = 0
@@ -123,6 +124,7 @@ class Fleet:
                 if r.status_code == 200:
                     res.ok, res.error = True, None
                     res.version_after, res.pause_ms = answer.get("version"), answer.get("pause_ms")
+                    res.fingerprint = answer.get("fingerprint")
                     res.fetched_bytes = sum(answer.get("fetched_bytes") or [])
                     break
                 res.error = f"{answer.get('reason', '')}: {answer.get('error', '')}".strip(": ")

@@ -149,6 +149,7 @@ class DeltaPublisher:
         self._closed = threading.Event()
         self._kept_free = threading.Event()  # clear while an anchor is written from the kept bits
         self._kept_free.set()
+        self.last_changed = 0  # elements that changed in the last version published (all of them in a first one)
         self._prev: dict[str, torch.Tensor] = {}  # raw bits of the last published version
         self._fps: dict[str, int] = {}
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -182,6 +183,7 @@ class DeltaPublisher:
         if first:
             self._remember(sd)  # the one copy of this version: the diff's base, and what its anchor is written from
             delta_job = None
+            self.last_changed = sum(t.numel() for t in sd.values())
         else:
             self._kept_free.wait()  # an anchor may still be being written from the kept bits
             self._raise_pending()
@@ -197,6 +199,12 @@ class DeltaPublisher:
         """Block until every queued version is published; re-raise the first failure."""
         self._queue.join()
         self._raise_pending()
+
+    @property
+    def fingerprint(self) -> int | None:
+        """The model fingerprint of the last version published (after :meth:`wait`; None before any)."""
+        self._kept_free.wait()  # a first version is fingerprinted while its anchor is written
+        return fpr.model_fingerprint(self._fps) if self._fps else None
 
     def close(self) -> None:
         self._closed.set()
@@ -303,6 +311,7 @@ class DeltaPublisher:
             changes.append(_Change(name, dtype_of(t), tuple(t.shape), pos.cpu(), nb.cpu(), ob.cpu(), self._fps[name], fp,
                                    base))
             self._fps[name] = fp
+        self.last_changed = sum(c.positions.numel() for c in changes)
         return ("delta", version, self.version, self.anchor_version, changes)
 
     def _snapshot_anchor(self, sd, version, first: bool):

@@ -1,0 +1,249 @@
+"""TRL in the loop: the trainer's weights reach vLLM servers as signed deltas through a store.
+
+TRL ships the whole model to vLLM over NCCL after every step (``VLLMClient.init_communicator``
+refuses anything but CUDA, and trainer and servers must share a NCCL world). Here the
+trainer publishes each version to a store (a bucket, an HTTP server, a shared disk) and
+pushes it to the servers, which fetch only the changed elements, verify them and apply
+them in place (docs/TRL.md):
+
+* :class:`DeltaWeightTransfer` is TRL's weight-transfer protocol (``init_weight_transfer``,
+  ``pause``, ``send_weights``, ``resume``, ``destroy``), what
+  ``trl.experimental.async_grpo.AsyncGRPOTrainer(weight_transfer=...)`` accepts.
+* :class:`DeltaGRPOTrainer` is ``GRPOTrainer`` in server mode whose weight sync is a delta:
+  no NCCL communicator is opened (it runs on CPU and GPU), every sync publishes and pushes
+  one version, and the server resets its prefix cache as part of the update.
+
+The served weights equal the trainer's, cast to the served dtype, bit for bit: the
+servers verify every update against the manifest's fingerprints, and
+:meth:`DeltaWeightTransfer.send_weights` checks what each server answers against the
+fingerprint the publisher computed from the trainer's tensors. That is what TRL's
+importance-sampling correction assumes.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import time
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+
+from ..fleet import Fleet, FleetResult
+from ..format import fingerprint as fpr
+from ..trainer.publisher import DeltaPublisher
+
+log = logging.getLogger("engine_ext")
+
+
+class WeightSyncError(RuntimeError):
+    """A sync did not reach every server (the servers that failed keep serving what they had)."""
+
+
+@dataclass
+class SyncStats:
+    """One sync: the version, what crossed the network against the dense alternative, and how long it took."""
+
+    version: int
+    delta_bytes: int  # what each server fetched at most (all its ranks together)
+    dense_bytes: int  # the model in the served dtype: what TRL's NCCL path broadcasts every sync
+    publish_s: float  # cast, diff, encode, sign, upload (the trainer waits for it)
+    push_s: float  # every server fetched, verified and applied it
+    changed: float  # share of the elements that changed
+
+
+class DeltaWeightTransfer:
+    """TRL's weight-transfer protocol over a store and a fleet of vLLM servers running the plugin.
+
+    Args:
+        store: where versions are published (a local path, ``s3://``, ``http(s)://`` PUT, ``hf://``);
+            the servers must be allowed to read it (``ENGINE_EXT_SOURCES``).
+        servers: the servers' base URLs (``http://host:8000``).
+        token: the bearer token of the servers' update route (``ENGINE_EXT_TOKEN`` on the servers).
+        signing_key: the publisher's Ed25519 private key (default ``ENGINE_EXT_SIGNING_KEY``);
+            the servers trust its public key (``ENGINE_EXT_TRUSTED_KEYS``).
+        dtype: the served dtype the trainer's weights are cast to (fp32 masters, bf16 served).
+        pause_servers: ``False`` (default): ``pause``/``resume`` do nothing, since each server
+            pauses itself only while it applies (milliseconds) and keeps serving while the
+            version is published and fetched; ``True``: they call the servers' ``/pause``
+            (mode ``keep``) and ``/resume`` (``VLLM_SERVER_DEV_MODE=1``); the update itself
+            resumes generation once applied, so rollouts continue on the new weights.
+        publisher: further :class:`~engine_ext.trainer.publisher.DeltaPublisher` arguments
+            (``anchor_every``, ``model``, ``resume``, ...).
+    """
+
+    def __init__(self, store, servers: Iterable[str], *, token: str | None = None, signing_key=None,
+                 dtype: torch.dtype = torch.bfloat16, pause_servers: bool = False, retries: int = 4,
+                 timeout_s: float = 900.0, **publisher):
+        self.publisher = DeltaPublisher(store, signing_key=signing_key, **publisher)
+        self.fleet = Fleet(list(servers), token, retries=retries, timeout_s=timeout_s)
+        self.dtype, self.pause_servers = dtype, pause_servers
+        self.syncs: list[SyncStats] = []
+        self.last: FleetResult | None = None
+
+    # -- TRL's protocol -----------------------------------------------------------------------
+    def init_weight_transfer(self) -> None:
+        """Once, before the first sync: every server answers the update route (the plugin runs), and
+        where the store already holds versions (a resumed run) every server is brought to its
+        LATEST: a lagging one by a chain, one serving other weights by the anchor."""
+        silent = [u for u in self.fleet.urls if self.fleet.status(u) is None]
+        if silent:
+            raise WeightSyncError(f"no engine_ext update route answers at {silent}: start the servers with "
+                                  "VLLM_PLUGINS=engine_ext, and give the transfer their token")
+        latest = self.publisher.head.latest
+        if latest is not None:
+            self._push(self.publisher.store.key_uri(latest.manifest), fpr.parse(latest.fingerprint))
+
+    def pause(self) -> None:
+        self._each("/pause", params={"mode": "keep"})
+
+    def resume(self) -> None:
+        self._each("/resume")
+
+    def send_weights(self, iterator: Iterable[tuple[str, torch.Tensor]]) -> FleetResult:
+        """Consume the whole iterator (FSDP gathers are collective: every parameter is taken), publish
+        one version of the weights cast to the served dtype, and return once every server serves it
+        with the trainer's fingerprint; :class:`WeightSyncError` names the servers that did not."""
+        t0 = time.perf_counter()
+        state = {name: tensor.detach().to(self.dtype) for name, tensor in iterator}
+        uri = self.publisher.publish(state)
+        self.publisher.wait()
+        t1 = time.perf_counter()
+        result = self._push(uri, self.publisher.fingerprint)
+        dense = sum(t.numel() * t.element_size() for t in state.values())
+        numel = sum(t.numel() for t in state.values())
+        self.syncs.append(SyncStats(self.publisher.version, max((r.fetched_bytes or 0) for r in result.replicas), dense,
+                                    t1 - t0, time.perf_counter() - t1, self.publisher.last_changed / max(numel, 1)))
+        return result
+
+    def destroy(self) -> None:
+        self.publisher.close()
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _push(self, uri: str, fingerprint: int) -> FleetResult:
+        result = self.fleet.update(uri)
+        self.last = result
+        if not result.ok:
+            raise WeightSyncError(f"{len(result.failed)} of {len(result.replicas)} server(s) did not reach "
+                                  f"v{result.target}: " + "; ".join(f"{r.url}: {r.error}" for r in result.failed))
+        wrong = [r.url for r in result.replicas if r.fingerprint != fpr.fmt(fingerprint)]
+        if wrong:
+            raise WeightSyncError(f"{wrong} serve v{result.target} with another fingerprint than the trainer's "
+                                  f"{fpr.fmt(fingerprint)}")
+        return result
+
+    def _each(self, path: str, **kw) -> None:
+        if not self.pause_servers:
+            return
+        for url in self.fleet.urls:
+            r = self.fleet.session.post(url + path, timeout=300, **kw)
+            if r.status_code != 200:
+                raise WeightSyncError(f"{url}{path}: HTTP {r.status_code} {r.text[:200]} (VLLM_SERVER_DEV_MODE=1?)")
+
+
+# ---------------------------------------------------------------------------------------------- GRPO
+
+
+def _delta_generation_class():
+    """``VLLMGeneration`` whose server-mode sync is a delta (defined once TRL is importable)."""
+    from trl.generation.vllm_client import VLLMClient
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    class DeltaVLLMGeneration(VLLMGeneration):
+        """Server mode without a NCCL communicator: :meth:`sync_weights` publishes and pushes a delta."""
+
+        def __init__(self, transfer: DeltaWeightTransfer, **kwargs):
+            self.transfer = transfer
+            super().__init__(**kwargs)
+
+        def _init_vllm(self) -> None:
+            if self.mode != "server":
+                raise ValueError("DeltaGRPOTrainer syncs weights to vLLM servers: set vllm_mode='server'")
+            if self.accelerator.is_main_process:
+                base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
+                self.vllm_client = VLLMClient(base_url=base_url, group_port=self.group_port,
+                                              connection_timeout=self.server_timeout)
+                self.transfer.init_weight_transfer()
+            self.accelerator.wait_for_everyone()
+
+        def sync_weights(self) -> None:
+            params = self._iter_named_params()  # gathers are collective: every process walks them
+            if self.accelerator.is_main_process:
+                self.transfer.send_weights(params)  # the update resets the servers' prefix caches
+            else:
+                for _ in params:
+                    pass
+
+    return DeltaVLLMGeneration
+
+
+@contextlib.contextmanager
+def _generation_from(factory) -> Iterator[None]:
+    """``GRPOTrainer.__init__`` builds its ``VLLMGeneration`` by name, with no hook: while it runs,
+    the name stands for ``factory``."""
+    from trl.trainer import grpo_trainer
+
+    original = grpo_trainer.VLLMGeneration
+    grpo_trainer.VLLMGeneration = factory
+    try:
+        yield
+    finally:
+        grpo_trainer.VLLMGeneration = original
+
+
+@functools.cache
+def delta_grpo_trainer_class():
+    """``DeltaGRPOTrainer`` (defined on first use: importing this module does not import TRL)."""
+    from trl import GRPOTrainer
+
+    class DeltaGRPOTrainer(GRPOTrainer):
+        """``GRPOTrainer``'s own arguments, plus where versions go and who serves them.
+
+        Args:
+            delta_store: the store versions are published to (the servers' ``ENGINE_EXT_SOURCES``).
+            delta_token: the bearer token of the servers' update route.
+            signing_key: the publisher's Ed25519 private key (default ``ENGINE_EXT_SIGNING_KEY``).
+            delta_servers: the servers' base URLs (default: ``args.vllm_server_base_url``, else
+                ``http://{args.vllm_server_host}:{args.vllm_server_port}``).
+            delta_dtype: the served dtype (default bfloat16).
+            delta_options: more :class:`DeltaWeightTransfer` / publisher arguments.
+
+        ``args`` must say ``use_vllm=True, vllm_mode="server"``; the servers run the plugin with
+        TRL's server flags (``VLLM_SERVER_DEV_MODE=1``, ``--logprobs-mode processed_logprobs``).
+        ``self.weight_transfer`` holds the transfer and its per-sync figures (``syncs``).
+        """
+
+        def __init__(self, *args, delta_store, delta_token: str | None = None, signing_key=None,
+                     delta_servers: Iterable[str] | None = None, delta_dtype: torch.dtype = torch.bfloat16,
+                     delta_options: dict | None = None, **kwargs):
+            bound = inspect.signature(GRPOTrainer.__init__).bind_partial(self, *args, **kwargs)
+            config = bound.arguments.get("args")
+            if config is None or not config.use_vllm or config.vllm_mode != "server":
+                raise ValueError("DeltaGRPOTrainer needs args=GRPOConfig(use_vllm=True, vllm_mode='server', ...)")
+            servers = list(delta_servers or [config.vllm_server_base_url
+                                             or f"http://{config.vllm_server_host}:{config.vllm_server_port}"])
+            self.weight_transfer = DeltaWeightTransfer(delta_store, servers, token=delta_token, signing_key=signing_key,
+                                                       dtype=delta_dtype, **(delta_options or {}))
+            generation = _delta_generation_class()
+            with _generation_from(lambda **kw: generation(self.weight_transfer, **kw)):
+                super().__init__(*args, **kwargs)
+
+        def train(self, *args, **kwargs):
+            """TRL's training, then one more sync: the servers end on the trained weights (TRL syncs
+            before each generation only, so its servers stop one optimizer step behind)."""
+            out = super().train(*args, **kwargs)
+            self.vllm_generation.sync_weights()
+            return out
+
+    return DeltaGRPOTrainer
+
+
+def __getattr__(name: str):
+    if name == "DeltaGRPOTrainer":
+        return delta_grpo_trainer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["DeltaWeightTransfer", "SyncStats", "WeightSyncError", "delta_grpo_trainer_class"]  # and DeltaGRPOTrainer, lazily
