@@ -66,7 +66,7 @@ def main() -> None:
     healthy = statistics.median(h for h, _ in runs[True])
     ready = statistics.median(r for _, r in runs[True])
     print(f"\n{params / 1e6:.0f} M parameters, {os.cpu_count()} cores, medians of {args.rounds} rounds")
-    print(f"| | without the plugin | with the plugin | ratio |\n|---|---|---|---|")
+    print("| | without the plugin | with the plugin | ratio |\n|---|---|---|---|")
     print(f"| healthy | {bare:.1f} s | {healthy:.1f} s | {healthy / bare:.2f}x |")
     print(f"| updatable (probe and load check done) | — | {ready:.1f} s | {ready / bare:.2f}x |")
 
