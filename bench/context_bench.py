@@ -1,31 +1,36 @@
-"""Codec v2 (context-conditioned) against codec v1, the first-order bound and Fireworks arc_v3,
-side by side on real training (bench/train_data.py).
+"""Codec v2 (context-conditioned, on by default) against codec v1, the first-order bound and
+Fireworks arc_v3, side by side on real training (bench/train_data.py).
 
     python bench/context_bench.py [--lr 1e-6 3e-6] [--pairs 4]
 
 Per lr, over consecutive bf16 version pairs: bytes per changed element of v1
-(``engine_ext.format.codec`` without a base), of v2 (the publisher's choice per tensor: the context
-coder where it saves >= 10 %, headers included), of arc_v3 (``fireworks-delta-compression``,
-only where installed: ``bench/fireworks_codec.py`` says how; blob + checksum), and the
-first-order entropy bound (gaps + steps; the smaller of pooled over the model and per tensor).
-Encode and decode throughput on one thread, in MB of bf16 model per second; v2 decode is
-timed with the numba context pass and with the numpy one.
+(``engine_ext.format.codec`` without a base), of v2 (the publisher's choice per tensor: the
+context coder where it saves >= 10 %, headers and the version's step tables included), of
+arc_v3 (``fireworks-delta-compression``, only where installed: ``bench/fireworks_codec.py``
+says how; blob + checksum), and the first-order entropy bound (gaps + steps; the smaller of
+pooled over the model and per tensor). Speeds on one thread: encode in MB of bf16 model per
+second, decode against ``safetensors.torch.load_file`` of the same tensors from the page
+cache (time ratio); then the context pass alone in base elements per second, on one core and
+on every core.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.codec_bench import entropy_bits  # noqa: E402
 from bench.train_data import versions  # noqa: E402
-from engine_ext.format import codec, context_codec  # noqa: E402
+from engine_ext.format import codec, context_blocks, context_codec, context_kernels  # noqa: E402
 from engine_ext.format.dtypes import BY_NAME, as_bits, step_between  # noqa: E402
 
 BF16 = BY_NAME["bfloat16"]
@@ -41,20 +46,65 @@ def pair_changes(a: dict, b: dict):
     return out
 
 
+def step_tables(ch) -> list[bytes]:
+    """The version's step tables, as the publisher builds them."""
+    return context_codec.step_tables("bfloat16", np.concatenate([context_codec.exponents(o.numpy(), "bfloat16") for *_, o, _ in ch]),
+                                     np.concatenate([step_between(o, n, True).numpy() for *_, o, n in ch]))
+
+
 def encode_all(ch, context: bool):
-    return [codec.encode(BF16, ob.numel(), pos, nb, o, base=ob if context else None, shape=shape)
-            for _, shape, ob, pos, o, nb in ch]
+    tables = step_tables(ch) if context else []
+    out = []
+    for name, shape, ob, pos, o, nb in ch:
+        policy = context_blocks.block_policy(name, shape)
+        ctx = codec.Context(ob, policy, tables) if context and policy is not None else None
+        out.append(codec.encode(BF16, ob.numel(), pos, nb, o, context=ctx, shape=shape))
+    return out, (tables if any(e.pos_coder == "ctx" for e in out) else [])
 
 
-def decode_all(ch, encs, backend="auto"):
+def decode_all(ch, encs, tables):
     for (_, shape, ob, pos, _, _), e in zip(ch, encs):
         if e.pos_coder == "ctx":  # what a rank runs, the base read from memory
             base = ob.numpy()
-            context_codec.decode("bfloat16", shape, e.pos, e.val, pos.numel(),
-                                 lambda box: context_codec.box_of(base, shape, box), backend)
+            context_codec.decode("bfloat16", shape, None, e.pos, e.val, pos.numel(),
+                                 lambda box: context_blocks.box_of(base, shape, box), tables)
         else:
             codec.decode_positions(e.pos_coder, e.pos, pos.numel(), ob.numel())
             codec.decode_values(e.val_coder, e.val, pos.numel(), BF16)
+
+
+def scan_rate(n: int = 1 << 26) -> tuple[float, float]:
+    """Base elements per second of the context pass over a bf16 part of ``n`` elements cut
+    into 8 x 8 blocks at 1 % changes: (one core, every core)."""
+    rng = np.random.default_rng(0)
+    shape = (1 << 13, n >> 13)
+    base = torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 0.02).bfloat16()
+    u = as_bits(base).numpy().view(np.uint16)
+    bl = context_blocks.blocks(shape, None, 0b0011)
+    shift, mask, lut = context_codec.class_key(list(range(110, 125)), "bfloat16", n)
+    K = 16
+    ranks, starts = [], np.zeros((bl.S, K + 1), np.int64)
+    at = 0
+    for b in range(bl.S):
+        cls = lut[(u.reshape(shape)[tuple(slice(x, y) for x, y in zip(*bl.boxes[b]))].reshape(-1) >> shift) & mask]
+        pops = np.bincount(cls, minlength=K)
+        starts[b, 0] = at
+        for c in range(K):
+            k = pops[c] // 100
+            ranks.append(np.sort(rng.choice(pops[c], k, replace=False)) if k else np.empty(0, np.int64))
+            at += k
+            starts[b, c + 1] = at
+    ranks = np.concatenate(ranks).astype(np.int64)
+    context_kernels.scan(u, shift, mask, lut, bl, ranks, starts)  # compiled, pages touched
+    rates = []
+    for cores in (1, os.cpu_count() or 1):
+        old = context_kernels.PARALLEL_MIN
+        context_kernels.PARALLEL_MIN = n + 1 if cores == 1 else 0
+        try:
+            rates.append(n / best(lambda: context_kernels.scan(u, shift, mask, lut, bl, ranks, starts)))
+        finally:
+            context_kernels.PARALLEL_MIN = old
+    return rates[0], rates[1]
 
 
 def best(fn, repeat=3):
@@ -80,8 +130,9 @@ def main():
         have_fw = False
     print("command: python bench/context_bench.py " + " ".join(sys.argv[1:]))
     print("| lr | density | bound B | v1 B | v2 B | v2 / bound | v1 / v2 | arc_v3 B | arc_v3 / v2 | enc v1 MB/s | enc v2 MB/s "
-          "| dec v1 MB/s | dec v2 numba MB/s | dec v2 numpy MB/s | dec v2 / v1 time |")
+          "| dec v1 MB/s | dec v2 MB/s | load_file MB/s | dec v2 / load_file time |")
     print("|" + "---|" * 15)
+    tmp = tempfile.mkdtemp()
     for lr in a.lr:
         vs = versions(lr, 8, log=lambda *x: None)
         tot = np.zeros(8)
@@ -95,22 +146,27 @@ def main():
             pooled = (entropy_bits(np.concatenate(gaps)) + entropy_bits(np.concatenate(steps))) / 8
             per_tensor = sum(entropy_bits(g) + entropy_bits(s) for g, s in zip(gaps, steps)) / 8
             t_e1 = best(lambda: encode_all(ch, False), 1)
-            v1 = encode_all(ch, False)
+            v1, _ = encode_all(ch, False)
             t_e2 = best(lambda: encode_all(ch, True), 1)
-            v2 = encode_all(ch, True)
-            t_d1 = best(lambda: decode_all(ch, v1))
-            t_d2 = best(lambda: decode_all(ch, v2, "auto"))
-            t_d2n = best(lambda: decode_all(ch, v2, "numpy"), 1)
+            v2, tables = encode_all(ch, True)
+            t_d1 = best(lambda: decode_all(ch, v1, []))
+            t_d2 = best(lambda: decode_all(ch, v2, tables))
+            path = os.path.join(tmp, "changed.safetensors")
+            save_file({n: new[n].contiguous() for n, *_ in ch}, path)
+            t_load = best(lambda: load_file(path), 5)
             b1 = sum(len(e.pos) + len(e.val) for e in v1)
-            b2 = sum(len(e.pos) + len(e.val) for e in v2)
+            b2 = sum(len(e.pos) + len(e.val) for e in v2) + sum(len(t) for t in tables)
             arc = sum(fw.arc_v3_bytes(old[n], new[n]) for n, *_ in ch) if have_fw else float("nan")
             tot += [nnz, numel, min(pooled, per_tensor), b1, b2, arc, 0, 0]
             print(f"| {lr:g} | {100 * nnz / numel:.2f} % | {min(pooled, per_tensor) / nnz:.3f} | {b1 / nnz:.3f} | {b2 / nnz:.3f} "
                   f"| {b2 / min(pooled, per_tensor):.3f} | {b1 / b2:.2f} | {arc / nnz:.3f} | {arc / b2:.2f} "
-                  f"| {mb / t_e1:.0f} | {mb / t_e2:.0f} | {mb / t_d1:.0f} | {mb / t_d2:.0f} | {mb / t_d2n:.0f} | {t_d2 / t_d1:.1f} |")
+                  f"| {mb / t_e1:.0f} | {mb / t_e2:.0f} | {mb / t_d1:.0f} | {mb / t_d2:.0f} | {mb / t_load:.0f} "
+                  f"| {t_d2 / t_load:.1f} |", flush=True)
         n, _, bound, b1, b2, arc, _, _ = tot
         print(f"lr {lr:g} all pairs: v2/bound {b2 / bound:.3f}, v1/bound {b1 / bound:.3f}, v1/v2 {b1 / b2:.2f}, "
-              f"arc_v3/v2 {arc / b2:.2f}, arc_v3/v1 {arc / b1:.2f}")
+              f"arc_v3/v2 {arc / b2:.2f}, arc_v3/v1 {arc / b1:.2f}", flush=True)
+    one, every = scan_rate()
+    print(f"context pass: {one / 1e9:.2f} G base elements/s on one core, {every / 1e9:.2f} G/s on {os.cpu_count()} cores")
 
 
 if __name__ == "__main__":

@@ -72,8 +72,8 @@ def cmd_diff(a) -> str:
                          f"only in new {sorted(set(new.tensors) - set(old.tensors))[:5]}")
     store = open_store(a.out)
     b = VersionBuilder(DELTA, a.model or Path(a.new).name, 0, spool_in=store)
-    old_fps = {}
-    for name in _bar(new.names(), "diff"):
+    old_fps, changes = {}, []
+    for name in _bar(new.names(), "diff"):  # the changes first: the version's step tables come from all of them
         o, n = old.load(name), new.load(name)
         if o.shape != n.shape or o.dtype != n.dtype:
             raise DeltaError(f"{name}: {tuple(o.shape)}/{o.dtype} in old, {tuple(n.shape)}/{n.dtype} in new")
@@ -81,12 +81,18 @@ def cmd_diff(a) -> str:
         fo, fn = fpr.tensor_fingerprint(o), fpr.tensor_fingerprint(n)
         old_fps[name] = fo
         dt = new.tensors[name].dtype
+        policy = codec.context_policy(name, dt, n.shape, pos.numel()) if settings.current().context_coder else None
+        changes.append((name, dt, tuple(n.shape), pos, old_at, new_at, fo, fn, policy))
+    tables = codec.step_tables((c[1], c[4], c[5]) for c in changes if c[8] is not None)
+    for name, dt, shape, pos, old_at, new_at, fo, fn, policy in changes:
         if pos.numel() == 0:
-            b.add_unchanged(name, dt, n.shape, fn)
-        else:
-            base = as_bits(o) if settings.current().context_coder else None
-            b.add_encoded(name, dt, n.shape, pos.numel(),
-                          codec.encode_tensor(dt, n.shape, pos, new_at, old_at, a.mode, base=base), fo, fn)
+            b.add_unchanged(name, dt, shape, fn)
+            continue
+        context = None if policy is None else codec.Context(as_bits(old.load(name)).reshape(-1), policy, tables[dt.name])
+        e = codec.encode_tensor(dt, shape, pos, new_at, old_at, a.mode, context=context)
+        b.add_encoded(name, dt, shape, pos.numel(), e, fo, fn)
+        if codec.uses_context(e):
+            b.add_step_tables(dt.name, tables[dt.name])
     signer = _signer(a)
     trust = _trust(a, signer)
     head = read_head(store, trust)

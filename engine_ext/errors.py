@@ -54,6 +54,13 @@ class IntegrityError(DeltaError):
     http_status = 422
 
 
+class PartlyHeldError(DeltaError):
+    """This rank holds only some elements of a box it was asked for (its shard cuts the box)."""
+
+    reason = "partly-held"
+    http_status = 422
+
+
 class BaseMismatchError(DeltaError):
     """The delta applies to another version/fingerprint than the one held."""
 

@@ -17,27 +17,44 @@ from engine_ext.server.rank import RankUpdater, run_op
 
 
 class Rank(torch.nn.Module):
-    """Holds rows [r*n/2, (r+1)*n/2) of every tensor named in ``sharded``, all of the others."""
+    """Holds share r of ``world`` of every tensor named in ``sharded`` (rows, or columns for the
+    names in ``by_column``), all of the others. Names in ``padded`` are split as vLLM splits a
+    vocabulary: rows padded to a multiple of 64 first, so the last shares hold fewer real rows
+    (their parameter keeps the padding rows, never loaded)."""
 
-    def __init__(self, r: int, sd: dict, sharded=("w",), world: int = 2):
+    def __init__(self, r: int, sd: dict, sharded=("w",), world: int = 2, by_column=(), padded=()):
         super().__init__()
         self.r, self.world, self.sharded = r, world, set(sharded)
-        for name, t in sd.items():
-            shape = (t.shape[0] // world, *t.shape[1:]) if name in self.sharded else tuple(t.shape)
-            self.register_parameter(name, torch.nn.Parameter(torch.zeros(shape, dtype=t.dtype), requires_grad=False))
+        self.by_column, self.padded = set(by_column), set(padded)
+        self.names = {}
+        for i, (name, t) in enumerate(sd.items()):
+            shape = list(t.shape)
+            if name in self.sharded:
+                axis = 1 if name in self.by_column else 0
+                n = -(-shape[0] // 64) * 64 if name in self.padded else shape[axis]
+                shape[axis] = n // world
+            self.names[name] = name if "." not in name else f"p{i}"  # a parameter's name holds no dots
+            self.register_parameter(self.names[name], torch.nn.Parameter(torch.zeros(shape, dtype=t.dtype), requires_grad=False))
 
     def load(self, name: str, t: torch.Tensor) -> None:
-        p = getattr(self, name)
+        p = getattr(self, self.names[name])
         with torch.no_grad():
-            if name in self.sharded:
-                rows = t.shape[0] // self.world
-                p.copy_(t[self.r * rows:(self.r + 1) * rows])
-            else:
+            if name not in self.sharded:
                 p.copy_(t)
+            elif name in self.by_column:
+                cols = t.shape[1] // self.world
+                p.copy_(t[:, self.r * cols:(self.r + 1) * cols])
+            else:
+                rows = p.shape[0]
+                mine = t[self.r * rows:(self.r + 1) * rows]
+                p[:mine.shape[0]].copy_(mine)
+
+    def param(self, name: str) -> torch.Tensor:
+        return getattr(self, self.names[name])
 
 
-def make_rank(r: int, sd: dict, sharded=("w",), world: int = 2) -> RankUpdater:
-    m = Rank(r, sd, sharded, world)
+def make_rank(r: int, sd: dict, sharded=("w",), world: int = 2, by_column=(), padded=()) -> RankUpdater:
+    m = Rank(r, sd, sharded, world, by_column, padded)
     for n, t in sd.items():
         m.load(n, t)
     specs = {n: (tuple(t.shape), BY_TORCH[t.dtype]) for n, t in sd.items()}

@@ -87,7 +87,7 @@ def test_chunked_manifest_and_partial_fetch(tmp_path):
     store = open_store(str(tmp_path))
     m = read_manifest(store, "v00000001.json")
     w = next(t for t in m.tensors if t.name == "w")
-    assert m.format_version == 4 and w.grid == chunks.grid((512, 256), 1024) and len(w.chunks) == 64
+    assert m.format_version == 5 and w.grid == chunks.grid((512, 256), 1024) and len(w.chunks) == 64
     assert next(t for t in m.tensors if t.name == "b").chunks is None  # small: not cut
     whole, n_all = fetch_selected(store, m, bases=TensorBases(states[0]))
     half, n_half = fetch_selected(store, m, {"w": {c for c in range(64) if c < 32}}, bases=TensorBases(states[0]))  # rows 0-255

@@ -1,21 +1,25 @@
-"""The context-conditioned coder (format 4 ``ctx``): exact round trips, partial holders, the
-two context passes side by side, hostile bytes, manifest rules, and the publisher's choice."""
+"""The context-conditioned coder (format 5 ``ctx``): exact round trips on every float dtype,
+every shard of every layout decoded from its own base alone, the context pass against its
+definition, hostile bytes, the manifest's rules, and the publisher's choice (on by default)."""
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
 import pytest
 import torch
 
-from engine_ext.format import codec, context_codec as cc
+from engine_ext.format import codec, context_blocks as cb, context_codec as cc
 from engine_ext.store import open_store, reader
 from engine_ext import settings
 from engine_ext.format.delta import apply_tensor
 from engine_ext.format.dtypes import BY_NAME, as_bits, step_between
-from engine_ext.errors import BaseMismatchError, IntegrityError, ManifestError
+from engine_ext.errors import BaseMismatchError, IntegrityError, ManifestError, PartlyHeldError
 from engine_ext.format.manifest import Manifest
 from engine_ext.trainer.publisher import DeltaPublisher
+
+FLOATS = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
 
 
 def _pair(shape, dtype=torch.bfloat16, seed=0, density=0.02, base=None):
@@ -37,71 +41,210 @@ def _changes(old, new):
     return pos.numpy(), step_between(ob[pos], nb[pos], True).numpy(), ob.numpy()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("shape", [(300,), (64, 96), (2, 33, 17)])
-def test_round_trip_exact(dtype, shape):
-    old, new = _pair(shape, dtype)
+def _name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _encode(name, shape, base, pos, steps, policy, box=None):
+    exps = cc.exponents(base[pos], name)
+    tables = cc.step_tables(name, exps, steps)
+    return cc.encode(name, shape, box, policy, base, pos, steps, tables), tables
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape,policy", [((300,), 0b0001), ((64, 96), 0b1011), ((200, 96), 0b1011),
+                                          ((4, 48, 40), 0b0111), ((64, 96), 0)])
+def test_round_trip_exact(dtype, shape, policy):
+    old, new = _pair(shape, dtype, density=0.2 if dtype.itemsize == 1 else 0.02)
     pos, steps, base = _changes(old, new)
-    name = BY_NAME[str(dtype).removeprefix("torch.")].name
-    e = cc.encode(name, shape, base, pos, steps)
-    got_pos, got_steps = cc.decode(name, shape, e.pos, e.val, pos.size, lambda box: cc.box_of(base, shape, box))
+    name = _name(dtype)
+    e, tables = _encode(name, shape, base, pos, steps, policy)
+    got_pos, got_steps = cc.decode(name, shape, None, e.pos, e.val, pos.size, lambda box: cb.box_of(base, shape, box), tables)
     assert np.array_equal(got_pos, pos) and np.array_equal(got_steps, steps)
 
 
-def test_a_rank_holding_some_sub_cells_decodes_those():
-    shape = (64, 96)
-    old, new = _pair(shape)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_big_parts_look_classes_up_by_the_top_bits(dtype):
+    shape = (1024, 1024)
+    assert cb.blocks(shape, None, 0b0011).numel >= cc.WIDE_MIN
+    old, new = _pair(shape, dtype, density=0.005)
     pos, steps, base = _changes(old, new)
-    e = cc.encode("bfloat16", shape, base, pos, steps)
-    cells = cc.sub_cells(shape)
-    assert len(cells) == 4  # 2 x 2: a shard of 2 ranks along either dimension holds whole sub-cells
-    top = [c for c in cells if c[0][0] == 0]
-    got_pos, got_steps = cc.decode("bfloat16", shape, e.pos, e.val, pos.size,
-                                   lambda box: cc.box_of(base, shape, box) if box in top else None)
-    mine = pos < 32 * 96
-    assert np.array_equal(got_pos, pos[mine]) and np.array_equal(got_steps, steps[mine])
+    e, tables = _encode(_name(dtype), shape, base, pos, steps, 0b0011)
+    got = cc.decode(_name(dtype), shape, None, e.pos, e.val, pos.size, lambda box: cb.box_of(base, shape, box), tables)
+    assert np.array_equal(got[0], pos) and np.array_equal(got[1], steps)
 
 
-def test_numba_and_numpy_context_passes_agree():
-    pytest.importorskip("numba")
-    old, _ = _pair((4096,), seed=3)
-    bits = as_bits(old).numpy()
+def test_the_decoders_models_are_pinned():
+    """Every probability a decoder uses is built from integers and IEEE + - * / only, so every
+    host builds the same models; pinned, so that a changed model is a new format, not a drift."""
+    h = hashlib.sha256()
+    for key in range(5 * 16):
+        h.update(cc._quotient_probs(key).tobytes())
+    h.update(cc.table_weights(bytes(range(1, 256))).tobytes())
+    assert h.hexdigest() == PINNED, h.hexdigest()
+
+
+PINNED = "7f6f45e7c044038fe2a824126985bb7c21e65dda12297372451ccc11d4d2d67a"
+
+
+def _layouts():
+    """(tensor name, shape, ranks, how a rank's share is cut): the engines' shards."""
+    out = []
+    for world in (2, 4, 8):
+        out += [("model.layers.0.mlp.gate_proj.weight", (96, 64), world, "rows"),
+                ("model.layers.0.self_attn.o_proj.weight", (64, 96), world, "columns"),
+                ("model.embed_tokens.weight", (200, 64), world, "padded-rows"),  # 200 rows -> 256 split
+                ("lm_head.weight", (130, 64), world, "padded-rows"),
+                ("model.layers.0.mlp.experts.gate_up_proj", (4, 64, 32), world, "fused-halves"),
+                ("model.layers.0.mlp.experts.down_proj", (4, 32, 32), world, "last"),
+                ("model.layers.0.mlp.experts.down_proj", (8, 32, 32), world, "experts"),
+                ("some.custom.weight", (64, 96), world, "rows"), ("some.custom.weight", (64, 96), world, "columns")]
+    return out
+
+
+def _shard(shape, world, r, how):
+    """The box of the checkpoint tensor that rank ``r`` of ``world`` holds."""
+    start, stop = [0] * len(shape), list(shape)
+    if how in ("rows", "experts"):
+        n = shape[0] // world
+        start[0], stop[0] = r * n, (r + 1) * n
+    elif how == "columns":
+        n = shape[1] // world
+        start[1], stop[1] = r * n, (r + 1) * n
+    elif how == "padded-rows":
+        n = -(-shape[0] // 64) * 64 // world
+        start[0], stop[0] = min(shape[0], r * n), min(shape[0], (r + 1) * n)
+    elif how == "last":
+        n = shape[-1] // world
+        start[-1], stop[-1] = r * n, (r + 1) * n
+    elif how == "fused-halves":  # gate and up halves of dimension 1, each split: two ranges per rank
+        half = shape[1] // 2
+        n = half // world
+        return [(tuple(start[:1]) + (h * half + r * n,) + tuple(start[2:]),
+                 tuple(stop[:1]) + (h * half + (r + 1) * n,) + tuple(stop[2:])) for h in (0, 1)]
+    return [(tuple(start), tuple(stop))]
+
+
+@pytest.mark.parametrize("name,shape,world,how", _layouts())
+def test_every_shard_decodes_from_its_own_base(name, shape, world, how):
+    """Each rank of each layout decodes exactly the changes in what it holds, asking only for
+    boxes inside its shard (never another rank's base)."""
+    old, new = _pair(shape, density=0.5)
+    pos, steps, base = _changes(old, new)
+    policy = cb.block_policy(name, shape)
+    assert policy is not None
+    e, tables = _encode("bfloat16", shape, base, pos, steps, policy)
+    coords = np.stack(np.unravel_index(pos, shape), axis=1)
+    seen = np.zeros(pos.size, dtype=bool)
+    for r in range(world):
+        held = [b for b in _shard(shape, world, r, how) if all(a < z for a, z in zip(*b))]
+
+        def inside(box, h):
+            return all(h[0][d] <= box[0][d] and box[1][d] <= h[1][d] for d in range(len(shape)))
+
+        def meets(box, h):
+            return all(max(box[0][d], h[0][d]) < min(box[1][d], h[1][d]) for d in range(len(shape)))
+
+        def base_of(box):
+            if any(inside(box, h) for h in held):
+                return cb.box_of(base, shape, box)
+            if any(meets(box, h) for h in held):
+                raise PartlyHeldError(f"box {box} is cut by the shard")
+            return None
+
+        got_pos, got_steps = cc.decode("bfloat16", shape, None, e.pos, e.val, pos.size, base_of, tables)
+        mine = np.zeros(pos.size, dtype=bool)
+        for h in held:
+            mine |= np.all((coords >= np.array(h[0])) & (coords < np.array(h[1])), axis=1)
+        assert np.array_equal(got_pos, pos[mine]) and np.array_equal(got_steps, steps[mine])
+        seen |= mine
+    assert seen.all()
+
+
+def test_block_policies_follow_the_engines():
+    p = cb.block_policy
+    assert p("model.layers.3.self_attn.q_proj.weight", (64, 64)) == 0b0001
+    assert p("model.layers.3.self_attn.q_proj.bias", (64,)) == 0b0001
+    assert p("model.layers.3.self_attn.o_proj.weight", (64, 64)) == 0b0010
+    assert p("model.layers.3.self_attn.o_proj.bias", (64,)) == 0  # replicated
+    assert p("model.embed_tokens.weight", (100, 64)) == 0b1001
+    assert p("model.layers.3.input_layernorm.weight", (64,)) == 0
+    assert p("model.layers.3.mlp.experts.7.down_proj.weight", (64, 32)) == 0b0010
+    assert p("model.layers.3.mlp.experts.gate_up_proj", (8, 64, 32)) == 0b10011
+    assert p("model.layers.3.mlp.experts.down_proj", (8, 32, 32)) == 0b0101
+    assert p("model.layers.3.self_attn.qkv_proj.weight", (96, 32)) is None  # several ranges per rank
+    assert p("model.layers.3.mlp.gate_up_proj.weight", (64, 32)) is None
+    assert p("model.layers.3.mlp.gate.weight", (8, 32)) == 0b1011  # anything else: both leading dimensions
+    assert cb.shard_cuts(200, padded_vocab=True) == [25, 32, 50, 64, 75, 96, 100, 125, 128, 150, 160, 175, 192]
+    assert cb.shard_cuts(96) == [12, 24, 36, 48, 60, 72, 84]
+
+
+def _model_scan(u, shift, mask, lut, bl, ranks, starts):
+    """The context pass from its definition: per block, the element of class c with rank r is
+    the r-th of that class in the block's row-major order."""
+    pos, src = [], []
+    for b in range(bl.S):
+        elems = np.concatenate([np.arange(s, s + bl.run[b]) for s in bl.rows[bl.row_ptr[b]:bl.row_ptr[b + 1]]])
+        cls = lut[(u[elems] >> shift) & mask]
+        found = []
+        for c in range(starts.shape[1] - 1):
+            of_c = elems[cls == c]
+            for j in range(starts[b, c], starts[b, c + 1]):
+                if ranks[j] >= of_c.size:
+                    raise IntegrityError("beyond their class")
+                found.append((of_c[ranks[j]], j))
+        found.sort()
+        pos += [p for p, _ in found]
+        src += [j for _, j in found]
+    return np.array(pos, np.int64), np.array(src, np.int64)
+
+
+def test_the_context_pass_matches_its_definition():
+    shape = (48, 40)
+    old, _ = _pair(shape, seed=3)
+    u = as_bits(old).reshape(-1).numpy().view(np.uint16)
+    bl = cb.blocks(shape, None, 0b1011)
     lut = cc.class_lut([118, 120, 122], "bfloat16")
-    cls = lut[cc.exponents(bits, "bfloat16")]
     rng = np.random.default_rng(0)
-    ranks, starts = [], [0]
-    for c in range(4):
-        n = int((cls == c).sum())
-        ranks.append(np.sort(rng.choice(n, min(n, 20), replace=False)))
-        starts.append(starts[-1] + ranks[-1].size)
-    ranks, starts = np.concatenate(ranks).astype(np.int64), np.array(starts, np.int64)
-    a = cc.scan(bits, 7, 0xFF, lut, ranks, starts, backend="numba")
-    b = cc.scan(bits, 7, 0xFF, lut, ranks, starts, backend="numpy")
-    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+    ranks, starts = [], np.zeros((bl.S, 5), np.int64)
+    for b in range(bl.S):
+        elems = np.concatenate([np.arange(s, s + bl.run[b]) for s in bl.rows[bl.row_ptr[b]:bl.row_ptr[b + 1]]])
+        cls = lut[(u[elems] >> 7) & 0xFF]
+        for c in range(4):
+            n = int((cls == c).sum())
+            ranks.append(np.sort(rng.choice(n, min(n, 3), replace=False)))
+            starts[b, c + 1] = starts[b, c] + ranks[-1].size
+        if b + 1 < bl.S:
+            starts[b + 1, 0] = starts[b, 4]
+    ranks = np.concatenate(ranks).astype(np.int64)
+    got = cc.scan(u, 7, 0xFF, lut, bl, ranks, starts)
+    want = _model_scan(u, 7, 0xFF, lut, bl, ranks, starts)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
     too_far = ranks.copy()
-    too_far[starts[1] - 1] = int((cls == 0).sum())  # one past the class's population
-    for backend in ("numba", "numpy"):
-        with pytest.raises(IntegrityError, match="beyond their class"):
-            cc.scan(bits, 7, 0xFF, lut, too_far, starts, backend=backend)
+    too_far[starts[0, 1] - 1] += 1000  # past the class's population in block 0
+    with pytest.raises(IntegrityError, match="beyond their class"):
+        cc.scan(u, 7, 0xFF, lut, bl, too_far, starts)
 
 
 def test_hostile_bytes_fail_cleanly():
     shape = (64, 96)
     old, new = _pair(shape)
     pos, steps, base = _changes(old, new)
-    e = cc.encode("bfloat16", shape, base, pos, steps)
+    e, tables = _encode("bfloat16", shape, base, pos, steps, 0b1011)
 
-    def dec(p, v, nnz=pos.size):
-        return cc.decode("bfloat16", shape, p, v, nnz, lambda box: cc.box_of(base, shape, box))
+    def dec(p, v, nnz=pos.size, tabs=tables):
+        return cc.decode("bfloat16", shape, None, p, v, nnz, lambda box: cb.box_of(base, shape, box), tabs)
 
-    for bad in (b"", b"X", b"Y1" + e.pos[2:], e.pos[:7], e.pos[:2] + b"\x00" + e.pos[3:],
-                e.pos[:2] + b"\x11" + e.pos[3:], e.pos + b"\x00"):
+    for bad in (b"", b"X", b"X1" + e.pos[2:], e.pos[:7], e.pos[:2] + b"\x00" + e.pos[3:],
+                e.pos[:2] + b"\x11" + e.pos[3:], e.pos[:3] + b"\x20" + e.pos[4:], e.pos + b"\x00"):
         with pytest.raises(IntegrityError):
             dec(bad, e.val)
     with pytest.raises(IntegrityError):
         dec(e.pos, e.val, pos.size + 1)  # the manifest's count disagrees with the header's
     with pytest.raises(IntegrityError):
         dec(e.pos, e.val[:-3])
+    with pytest.raises(IntegrityError, match="step table"):
+        dec(e.pos, e.val, tabs=tables[:0])
     rng = np.random.default_rng(1)
     for _ in range(200):  # flipped bytes: an IntegrityError or a bounded (wrong) result, never a crash
         p, v = bytearray(e.pos), bytearray(e.val)
@@ -115,13 +258,17 @@ def test_hostile_bytes_fail_cleanly():
         assert (got_pos >= 0).all() and (got_pos < base.size).all() and (np.diff(got_pos) > 0).all()
 
 
-def test_the_base_fingerprint_is_checked_before_decoding(tmp_path):
+def _publish(tmp_path, states, **kw):
+    with DeltaPublisher(str(tmp_path), anchor_every=0, **kw) as pub:
+        for sd in states:
+            pub.publish(sd)
+
+
+def test_on_by_default_and_the_base_fingerprint_is_checked_first(tmp_path):
     old, new = _pair((256, 256))
-    with settings.override(context_coder=True), DeltaPublisher(str(tmp_path), anchor_every=0) as pub:
-        pub.publish({"w": old})
-        pub.publish({"w": new})
+    _publish(tmp_path, [{"w": old}, {"w": new}])  # the default settings: context coding on
     m = reader.read_manifest(open_store(str(tmp_path)), "v00000001.json")
-    assert m.tensors[0].positions.coder == "ctx"
+    assert m.tensors[0].positions.coder == "ctx" and m.format_version == 5 and m.step_tables["bfloat16"]
     d = reader.load_delta(str(tmp_path / "v00000001.json"), bases=reader.TensorBases({"w": old}))
     assert torch.equal(as_bits(apply_tensor(old, d.tensors[0])), as_bits(new))
     with pytest.raises(BaseMismatchError, match="wrong base"):
@@ -132,18 +279,20 @@ def test_the_base_fingerprint_is_checked_before_decoding(tmp_path):
 
 def test_manifest_rules(tmp_path):
     old, new = _pair((256, 256))
-    with settings.override(context_coder=True), DeltaPublisher(str(tmp_path), anchor_every=0) as pub:
-        pub.publish({"w": old})
-        pub.publish({"w": new})
+    _publish(tmp_path, [{"w": old}, {"w": new}])
     doc = json.loads((tmp_path / "v00000001.json").read_text())
     Manifest.from_json(json.dumps(doc).encode())
-    for change in ({"format_version": 3}, {"values": dict(doc["tensors"][0]["values"], mode="abs")},
+    table = doc["step_tables"]["bfloat16"][0]
+    for change in ({"format_version": 4}, {"step_tables": None}, {"step_tables": {"bfloat16": []}},
+                   {"step_tables": {"bfloat16": [table[:-2]]}}, {"step_tables": {"bfloat16": ["00" + table[2:]]}},
+                   {"step_tables": {"int8": [table]}}, {"step_tables": {"bfloat16": [table] * 65}},
+                   {"values": dict(doc["tensors"][0]["values"], mode="abs")},
                    {"values": dict(doc["tensors"][0]["values"], coder="pco")}):
         bad = json.loads(json.dumps(doc))
-        if "format_version" in change:
-            bad.update(change)
-        else:
+        if "values" in change:
             bad["tensors"][0].update(change)
+        else:
+            bad.update(change)
         with pytest.raises(ManifestError):
             Manifest.from_json(json.dumps(bad).encode())
 
@@ -152,24 +301,44 @@ def test_publisher_choice_and_switch(tmp_path):
     old, new = _pair((256, 256))
     ob, nb = as_bits(old).reshape(-1), as_bits(new).reshape(-1)
     pos = torch.nonzero(ob != nb).reshape(-1)
+    tables = cc.step_tables("bfloat16", cc.exponents(ob[pos].numpy(), "bfloat16"), step_between(ob[pos], nb[pos], True).numpy())
+    context = codec.Context(ob, 0b1011, tables)
     plain = codec.encode(BY_NAME["bfloat16"], ob.numel(), pos, nb[pos], ob[pos])
-    ctx = codec.encode(BY_NAME["bfloat16"], ob.numel(), pos, nb[pos], ob[pos], base=ob, shape=(256, 256))
+    ctx = codec.encode(BY_NAME["bfloat16"], ob.numel(), pos, nb[pos], ob[pos], context=context, shape=(256, 256))
     assert ctx.pos_coder == "ctx" and len(ctx.pos) + len(ctx.val) <= 0.9 * (len(plain.pos) + len(plain.val))
     # uniform changes carry no context: the plain coder is kept
     flat = ob.clone()
     flat[::50] += 1
     p2 = torch.nonzero(flat != ob).reshape(-1)
-    assert codec.encode(BY_NAME["bfloat16"], ob.numel(), p2, flat[p2], ob[p2], base=ob, shape=(256, 256)).pos_coder != "ctx"
-    with settings.override(context_coder=False), DeltaPublisher(str(tmp_path), anchor_every=0) as pub:
-        pub.publish({"w": old})
-        pub.publish({"w": new})
+    assert codec.encode(BY_NAME["bfloat16"], ob.numel(), p2, flat[p2], ob[p2], context=context,
+                        shape=(256, 256)).pos_coder != "ctx"
+    with settings.override(context_coder=False):
+        _publish(tmp_path, [{"w": old}, {"w": new}])
     doc = json.loads((tmp_path / "v00000001.json").read_text())
-    assert doc["tensors"][0]["positions"]["coder"] != "ctx"
+    assert doc["tensors"][0]["positions"]["coder"] != "ctx" and doc["step_tables"] is None
 
 
-@pytest.mark.parametrize("world,chunked", [(1, False), (2, False), (2, True)])
-def test_ranks_decode_a_chained_route_against_their_live_weights(tmp_path, world, chunked):
-    """Fake ranks (this process) holding all or half the rows of ``w`` take versions 1-3 in one
+def test_the_publisher_never_copies_the_model_for_the_context(tmp_path):
+    """The context's base is the kept bits with the old bits put back, read in the background:
+    the next version's diff waits for that read, and every version decodes exactly."""
+    states = [{"w": _pair((256, 256), seed=0)[0]}]
+    for k in range(4):
+        states.append({"w": _pair((256, 256), seed=k + 1, base=states[-1]["w"])[1]})
+    _publish(tmp_path, states)
+    w = states[0]["w"]
+    for v in range(1, 5):
+        d = reader.load_delta(str(tmp_path / f"v{v:08d}.json"), bases=reader.TensorBases({"w": w}))
+        w = apply_tensor(w, d.tensors[0])
+        assert torch.equal(as_bits(w), as_bits(states[v]["w"]))
+
+
+CASES = [(1, "rows", ()), (2, "rows", ()), (4, "rows", ()), (8, "rows", ()), (2, "columns", ()), (8, "columns", ()),
+         (2, "rows", ("chunked",)), (4, "padded", ())]
+
+
+@pytest.mark.parametrize("world,how,extra", CASES)
+def test_ranks_decode_a_chained_route_against_their_live_weights(tmp_path, world, how, extra):
+    """Fake ranks (this process) each holding its share of the tensors take versions 1-3 in one
     route of context-coded links: each link decoded against the live weights with the earlier
     links laid over them, then applied; the result is bit-exact."""
     import asyncio
@@ -183,23 +352,33 @@ def test_ranks_decode_a_chained_route_against_their_live_weights(tmp_path, world
     from engine_ext.server.protocol import UpdateRequest
     from engine_ext.store.sources import Sources
 
-    states = [{"w": _pair((512, 256), seed=0)[0]}]
+    name = {"rows": "model.layers.0.mlp.up_proj.weight", "columns": "model.layers.0.mlp.down_proj.weight",
+            "padded": "model.embed_tokens.weight"}[how]
+    shape = (200, 256) if how == "padded" else (512, 256)
+    states = [{name: _pair(shape, seed=0)[0]}]
     for k in range(3):
-        states.append({"w": _pair((512, 256), seed=k + 1, base=states[-1]["w"])[1]})
-    with settings.override(context_coder=True), DeltaPublisher(
-            str(tmp_path), anchor_every=0, chunk_min_cell=1 << 14 if chunked else None) as pub:
-        for sd in states:
-            pub.publish(sd)
+        states.append({name: _pair(shape, seed=k + 1, base=states[-1][name])[1]})
+    _publish(tmp_path, states, chunk_min_cell=1 << 14 if extra else None)
     for v in (1, 2, 3):
         doc = json.loads((tmp_path / f"v{v:08d}.json").read_text())
         parts = doc["tensors"][0]["chunks"] or [doc["tensors"][0]]
         assert {p["positions"]["coder"] for p in parts} == {"ctx"}
-    ranks = [make_rank(r, states[0], sharded=("w",) if world > 1 else (), world=world) for r in range(world)]
+    ranks = [make_rank(r, states[0], sharded=(name,) if world > 1 else (), world=world,
+                       by_column=(name,) if how == "columns" else (), padded=(name,) if how == "padded" else ())
+             for r in range(world)]
     ctl = Controller(FakeRanks(ranks), Sources([str(tmp_path)]), version=0)
     asyncio.run(ctl.start())
     a = asyncio.run(ctl.update(UpdateRequest.parse({"url": str(tmp_path / "v00000003.json")})))
     assert a["version"] == 3
-    rows = 512 // world
+    final = states[3][name]
     for up in ranks:
-        want = states[3]["w"][up.rank * rows:(up.rank + 1) * rows] if world > 1 else states[3]["w"]
-        assert torch.equal(as_bits(up.module.w), as_bits(want))
+        p = up.module.param(name)
+        if world == 1:
+            want = final
+        elif how == "columns":
+            cols = shape[1] // world
+            want = final[:, up.rank * cols:(up.rank + 1) * cols]
+        else:
+            rows = p.shape[0]
+            want = final[up.rank * rows:(up.rank + 1) * rows]
+        assert torch.equal(as_bits(p[:want.shape[0]]), as_bits(want))

@@ -6,9 +6,10 @@ values are either the new raw bits (``abs``) or ordered-space steps (``rel``). B
 are integer sequences that pcodec (``pco``) codes within a few percent of their
 first-order entropy, faster than zstd decodes its larger output (see
 docs/benchmarks.md). ``zstd`` (with byte planes split for values) is kept for tiny
-segments where pco's header dominates. Given the base bits of the whole tensor (or
-cell), the context-conditioned coder (:mod:`engine_ext.format.context_codec`) is tried too and
-kept when it saves at least ``CONTEXT_GAIN``. Decoding never allocates more than the
+segments where pco's header dominates. Given a :class:`Context` (the tensor's base bits,
+block policy and the version's step tables), the context-conditioned coder
+(:mod:`engine_ext.format.context_codec`) is tried too and kept when it saves at least
+``CONTEXT_GAIN``. Decoding never allocates more than the
 manifest-declared count, which the caller bounds before fetching.
 """
 from __future__ import annotations
@@ -31,6 +32,17 @@ CONTEXT_GAIN = 0.10  # the context coder is kept when it saves at least this fra
 CONTEXT_MIN = 64  # fewer changes than this are never context coded (headers dominate)
 _NP_INT = {8: np.int8, 16: np.int16, 32: np.int32, 64: np.int64}
 _PCO = pcodec.ChunkConfig()
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the context coder needs besides a tensor's changes: its base bits (flat, any
+    device), its block policy (:func:`engine_ext.format.context_codec.block_policy`) and the
+    version's step tables for its dtype."""
+
+    base: torch.Tensor
+    policy: int
+    tables: list
 
 
 @dataclass
@@ -89,13 +101,13 @@ def encode_values(values: np.ndarray) -> tuple[str, bytes]:
 
 
 def encode(dtype: DType, numel: int, positions: torch.Tensor, new_bits: torch.Tensor,
-           old_bits: torch.Tensor | None, mode: str | None = None, base: torch.Tensor | None = None,
-           shape=None) -> Encoded:
-    """Encode changes at ``positions`` (sorted int64) to ``new_bits``.
+           old_bits: torch.Tensor | None, mode: str | None = None, context: Context | None = None,
+           shape=None, box=None) -> Encoded:
+    """Encode changes at ``positions`` (sorted int64, part-local) to ``new_bits``.
 
-    With ``old_bits`` (the base bits at the same positions) both value modes are
-    tried and the smaller kept, unless ``mode`` forces one. With ``base`` (the flat base
-    bits of the whole part, of ``shape``) the context coder is tried as well. Tensors on any device.
+    With ``old_bits`` (the base bits at the same positions) both value modes are tried and
+    the smaller kept, unless ``mode`` forces one. With a ``context`` the context coder is
+    tried as well, for the part ``box`` (None: all) of the tensor of ``shape``. Tensors on any device.
     """
     pos = positions.detach().cpu().numpy().astype(np.int64, copy=False)
     pos_coder, pos_bytes = encode_positions(pos, numel)
@@ -111,22 +123,50 @@ def encode(dtype: DType, numel: int, positions: torch.Tensor, new_bits: torch.Te
         values = {mode: values[mode]}
     m, val_coder, val_bytes = min(((k, *encode_values(v)) for k, v in values.items()), key=lambda c: len(c[2]))
     best = Encoded(pos_coder, pos_bytes, m, val_coder, val_bytes)
-    if base is not None and old_bits is not None and mode != "abs" and CONTEXT_MIN <= pos.size < numel:
-        ctx = encode_context(dtype, shape, base, pos, old_bits, new_bits)
+    if context is not None and old_bits is not None and mode != "abs" and CONTEXT_MIN <= pos.size < numel:
+        ctx = encode_context(dtype, shape, box, context, pos, old_bits, new_bits)
         if ctx is not None and len(ctx.pos) + len(ctx.val) <= (1 - CONTEXT_GAIN) * (len(best.pos) + len(best.val)):
             return ctx
     return best
 
 
-def encode_context(dtype: DType, shape, base: torch.Tensor, pos: np.ndarray, old_bits: torch.Tensor,
+def context_policy(name: str, dtype: DType, shape, nnz: int) -> int | None:
+    """The block policy a changed tensor is context coded under, or None where the coder is not tried."""
+    from .context_blocks import block_policy
+    from .context_codec import supports
+
+    if not supports(dtype.name) or nnz < CONTEXT_MIN:
+        return None
+    return block_policy(name, shape)
+
+
+def step_tables(changes) -> dict[str, list[bytes]]:
+    """A version's step tables per dtype, from ``(dtype, old bits, new bits)`` at the changes of
+    every tensor the context coder may take (all of them, before any is encoded)."""
+    from . import context_codec
+
+    by_dtype: dict[str, list] = {}
+    for dtype, old_bits, new_bits in changes:
+        old_bits = old_bits.detach().cpu()
+        steps = step_between(old_bits, new_bits.detach().cpu(), dtype.is_float).numpy()
+        by_dtype.setdefault(dtype.name, []).append((context_codec.exponents(old_bits.numpy(), dtype.name), steps))
+    return {dt: context_codec.step_tables(dt, np.concatenate([e for e, _ in v]), np.concatenate([s for _, s in v]))
+            for dt, v in by_dtype.items()}
+
+
+def encode_context(dtype: DType, shape, box, context: Context, pos: np.ndarray, old_bits: torch.Tensor,
                    new_bits: torch.Tensor) -> Encoded | None:
     """The context-coded form of a part's changes, or None where the coder does not apply."""
     from . import context_codec
 
-    if not context_codec.supports(dtype.name):
+    if not context_codec.supports(dtype.name) or not context.tables:
         return None
+    base = context.base.detach().cpu().reshape(tuple(shape))
+    if box is not None:
+        base = base[tuple(slice(a, b) for a, b in zip(*box))]
     steps = step_between(old_bits, new_bits, dtype.is_float).detach().cpu().numpy()
-    e = context_codec.encode(dtype.name, shape, base.detach().cpu().reshape(-1).numpy(), pos, steps)
+    e = context_codec.encode(dtype.name, shape, box, context.policy, base.contiguous().reshape(-1).numpy(), pos, steps,
+                             context.tables)
     return Encoded("ctx", e.pos, "rel", "ctx", e.val)
 
 
@@ -140,17 +180,14 @@ class ChunkedEncoded:
 
 def encode_tensor(dtype: DType, shape, positions: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor | None,
                   mode: str | None = None, min_cell: int | None = chunks.MIN_CELL,
-                  base: torch.Tensor | None = None) -> "Encoded | ChunkedEncoded":
+                  context: Context | None = None) -> "Encoded | ChunkedEncoded":
     """A changed tensor's encoding: whole (:func:`encode`), or per grid cell (:func:`chunks.grid`,
     cells of ``min_cell`` elements or more; None: never cut), so that a rank can fetch the
-    cells it holds. ``base``: the tensor's base bits (any shape of ``numel`` elements), to try
-    the context coder per part."""
+    cells it holds. With a ``context``, the context coder is tried per part."""
     numel = int(np.prod(shape, dtype=np.int64))
     cuts = None if min_cell is None else chunks.grid(shape, min_cell)
-    if base is not None:
-        base = base.detach().cpu().reshape(tuple(shape))
     if cuts is None:
-        return encode(dtype, numel, positions, new_bits, old_bits, mode, base, tuple(shape))
+        return encode(dtype, numel, positions, new_bits, old_bits, mode, context, tuple(shape))
     pos = positions.detach().cpu().numpy().astype(np.int64, copy=False)
     new_bits, old_bits = new_bits.detach().cpu(), None if old_bits is None else old_bits.detach().cpu()
     cells = chunks.boxes(cuts, shape)
@@ -158,11 +195,16 @@ def encode_tensor(dtype: DType, shape, positions: torch.Tensor, new_bits: torch.
     for cell, idx in chunks.split(pos, shape, cuts):
         box, sel = cells[cell], torch.from_numpy(idx)
         local = torch.from_numpy(chunks.to_local(pos[idx], shape, box))
-        part = None if base is None else base[tuple(slice(a, b) for a, b in zip(*box))]
         out.append((cell, len(idx), encode(dtype, chunks.box_numel(box), local, new_bits[sel],
-                                           None if old_bits is None else old_bits[sel], mode, part,
-                                           tuple(b - a for a, b in zip(*box)))))
+                                           None if old_bits is None else old_bits[sel], mode, context,
+                                           tuple(shape), box)))
     return ChunkedEncoded(cuts, out)
+
+
+def uses_context(e: "Encoded | ChunkedEncoded") -> bool:
+    """Whether any part of a tensor's encoding is context coded."""
+    parts = [e] if isinstance(e, Encoded) else [enc for _, _, enc in e.cells]
+    return any(p.pos_coder == "ctx" for p in parts)
 
 
 def decode_positions(coder: str, data: bytes, nnz: int, numel: int) -> torch.Tensor | None:

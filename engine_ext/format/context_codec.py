@@ -1,4 +1,4 @@
-"""The context-conditioned coder ("ctx", format 4): changes coded given the base weights.
+"""The context-conditioned coder ("ctx", format 5): changes coded given the base weights.
 
 Why: whether a float element changes in an optimizer step, and by how many steps, depends
 on its magnitude (its ULP is ``2^(exponent - mantissa bits)``), so small weights change far
@@ -8,62 +8,80 @@ plain coder (:mod:`engine_ext.format.codec`) reaches (docs/benchmarks.md, "Codec
 
 **Model**, for one *part* (a whole tensor, or a grid cell of one, row-major, ``n`` elements):
 
-* *class* of element ``i``: ``c(i) = #{edges <= exponent(base[i])}``, ``K <= 16`` classes;
-* the part is cut into at most 2 x 2 *sub-cells* (:func:`sub_cells`; a tensor-parallel
-  shard of 2 ranks falls on the cuts) so that a rank holding some sub-cells decodes those;
-* *positions*: per (sub-cell, class), the ranks of the changed elements among that
-  sub-cell's elements of that class (row-major order); the gaps ``g = r_k - r_{k-1} - 1``
-  (``r_{-1} = -1``) are Golomb coded: ``q = g >> b_c`` under the geometric law of the
-  class's change rate ``p_c`` (a 16-bit number in the header), and the ``b_c`` low bits uniform;
-* *steps* (ordered-space, :mod:`engine_ext.format.dtypes`): per class, a categorical over the
+* *class* of element ``i``: ``c(i) = #{edges <= exponent(base[i])}``, ``K <= 16`` classes
+  (exponents merged while a merge costs fewer bits than a class's header);
+* *blocks*: the part is cut where tensor parallelism cuts the tensor (:func:`shard_cuts`:
+  2, 4 and 8 equal shares of dimensions 0 and 1, and on dimension 0 the shares of a
+  vocabulary padded to a multiple of 64, as vLLM and SGLang pad it), so that every rank
+  holds whole blocks and decodes them from its own base alone;
+* *counts*: per (class, block) the number of changes ``k``, coded around its expectation
+  ``T_c * n_b / n`` (all blocks but the last; the last is what remains);
+* *positions*: per (class, block) the ranks of the changed elements among that block's
+  elements of that class (row-major order), as gaps ``g = r_k - r_{k-1} - 1`` Golomb coded:
+  ``q = g >> b`` under the geometric law of the rate ``k / n_cb`` (``n_cb`` the class's
+  expected population in the block), the ``b`` low bits uniform;
+* *steps* (ordered space, :mod:`engine_ext.format.dtypes`): per class, a categorical over the
   bin of ``z = zigzag(step)`` (``z`` itself below 8, else ``8 + log2(z) - 3`` with the low
-  ``log2(z)`` bits uniform), with its counts in the header.
+  ``log2(z)`` bits uniform), under one of the version's *step tables* (the manifest's
+  ``step_tables``: shared by every part, so no part pays for its own).
 
-The entropy coder is ``constriction``'s range coder (one stream for positions, one for
-steps). Decoding maps ranks to positions with one pass over the base (:func:`scan`: numba
-when installed, else numpy; a Triton pass in ``engine_ext.triton_kernels.context_scan``).
+Every probability both ends use comes from integers and IEEE ``+ - * /`` only (no ``exp``,
+``log`` or ``pow``), so publisher and ranks on different hosts build bit-identical models.
+The entropy coder is ``constriction``'s range coder (one stream for counts and positions,
+one for steps). Decoding maps ranks to positions with one pass over each held block's base
+(:func:`scan`, numba, blocks on every core; a Triton pass in
+``engine_ext.triton_kernels.context_scan``).
 
-**Layout** (little-endian). Positions bytes: ``b"X1"``, u8 K, u8 sub-cells S, u16 edges
-[K-1], u16 p16 [K], varint counts [S][K], then u32 range-coder words. Values bytes: per
-class u8 alphabet size A then A varint counts, then u32 words. Every count, size and
-symbol is bounded before use; a wrong base decodes to ranks beyond a class's population
-(refused) or to a result whose fingerprint the caller refuses.
+**Layout** (little-endian). Positions bytes: ``b"X2"``, u8 K, u8 edges [K-1], varint class
+populations [K], varint changes per class [K], then u32 range-coder words. Values bytes:
+u8 step table per class with changes, then u32 words. Every count, size and symbol is
+bounded before use; a wrong base decodes to ranks beyond a class's population (refused)
+or to a result whose fingerprint the caller refuses.
 """
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from . import chunks
-from ..errors import IntegrityError
+from ..errors import IntegrityError, PartlyHeldError
+from .context_blocks import MAX_POLICY, Blocks, Box, blocks
+from .context_kernels import exponent_histogram, ranks as block_ranks, scan
 
-MAGIC = b"X1"
+MAGIC = b"X2"
 MAX_CLASSES = 16
+MAX_TABLES = 64  # step tables per dtype in a manifest
+TABLE_MIN = 512  # changes behind one step table (rarer exponents share their neighbours')
 QMAX = 48  # Golomb quotients >= QMAX escape to 48 raw bits
-EXACT = 8  # zigzag steps below this are symbols of their own; above, one symbol per power of two (a 16-bit step: 21 symbols)
-
-SUB_PARTS = 2  # sub-cells per dimension (tensor parallelism of 2 falls on the cuts)
-SUB_MIN = 1  # fewest elements per sub-cell: always cut (a shard of 2 ranks may split any tensor)
-CLASS_COST_BITS = 48  # header bits one more class costs (its edge, rate, counts, step table): merge below that
+EXACT = 8  # zigzag steps below this are symbols of their own; above, one symbol per power of two
+CLASS_COST_BITS = 40  # header bits one more class costs (edge, population, count, table, block counts)
 
 # exponent field of each float dtype: (shift, mask) of the raw bits
-EXPONENT = {"bfloat16": (7, 0xFF), "float16": (10, 0x1F), "float32": (23, 0xFF)}
+EXPONENT = {"bfloat16": (7, 0xFF), "float16": (10, 0x1F), "float32": (23, 0xFF),
+            "float8_e4m3fn": (3, 0xF), "float8_e5m2": (2, 0x1F)}
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+_INT = {1: np.int8, 2: np.int16, 4: np.int32}
+# 2^(i/8) * 2^16, rounded: a step table's one-byte codes as exact integer weights
+_POW8 = (65536, 71468, 77936, 84990, 92682, 101070, 110218, 120194)
 
 
 def supports(dtype_name: str) -> bool:
     return dtype_name in EXPONENT
 
 
+def alphabet(dtype_name: str) -> int:
+    """Step symbols of a dtype: EXACT small ones and one per power of two above."""
+    return EXACT + 8 * ITEMSIZE[dtype_name] - 3
+
+
 # ---------------------------------------------------------------- model pieces
 def exponents(bits: np.ndarray, dtype_name: str) -> np.ndarray:
-    """Biased exponent of each raw-bits element (int16/int32 view), as int64-free small ints."""
     shift, mask = EXPONENT[dtype_name]
-    u = bits.view(np.uint16 if bits.itemsize == 2 else np.uint32)
-    return ((u >> shift) & mask).astype(np.uint16)
+    return ((bits.view(_UINT[bits.itemsize]) >> shift) & mask).astype(np.uint8)
 
 
 def class_lut(edges, dtype_name: str) -> np.ndarray:
@@ -72,65 +90,205 @@ def class_lut(edges, dtype_name: str) -> np.ndarray:
     return np.searchsorted(np.asarray(edges, np.int64), np.arange(mask + 1), side="right").astype(np.uint8)
 
 
-def sub_cells(shape) -> list:
-    """The part's sub-cells as (start, stop) boxes (row-major order), at most 2 x 2."""
-    shape = tuple(int(s) for s in shape) or (1,)
-    cuts = chunks.grid(shape, SUB_MIN, SUB_PARTS)
-    if cuts is None:
-        return [(tuple(0 for _ in shape), tuple(shape))]
-    return chunks.boxes(cuts, shape)
+def _bin_entropy(k: float, n: float) -> float:
+    """Bits of an ideal code of ``k`` changes among ``n`` elements (n * H(k / n))."""
+    if k <= 0 or k >= n:
+        return 0.0
+    p = k / n
+    return -n * (p * math.log2(p) + (1 - p) * math.log2(1 - p))
 
 
-def box_of(flat: np.ndarray, shape, box) -> np.ndarray:
-    """The elements of a part's flat row-major array that lie in ``box``, in the box's row-major order."""
-    shape = tuple(int(s) for s in shape) or (1,)
-    return flat.reshape(shape)[tuple(slice(a, b) for a, b in zip(*box))].reshape(-1)
+def choose_edges(pop: np.ndarray, chg: np.ndarray) -> list[int]:
+    """Exponent edges of the classes from the populations and changes per exponent value:
+    one class per exponent present, neighbours merged while a merge costs fewer mask bits
+    than a class's header (and down to ``MAX_CLASSES``). Encoder only."""
+    groups = [[int(e), float(pop[e]), float(chg[e])] for e in np.flatnonzero(pop)]  # [first exponent, population, changes]
+
+    def merge_cost(i):
+        a, b = groups[i], groups[i + 1]
+        return _bin_entropy(a[2] + b[2], a[1] + b[1]) - _bin_entropy(a[2], a[1]) - _bin_entropy(b[2], b[1])
+
+    costs = [merge_cost(i) for i in range(len(groups) - 1)]
+    while costs:
+        i = min(range(len(costs)), key=costs.__getitem__)
+        if costs[i] >= CLASS_COST_BITS and len(groups) <= MAX_CLASSES:
+            break
+        groups[i] = [groups[i][0], groups[i][1] + groups[i + 1][1], groups[i][2] + groups[i + 1][2]]
+        del groups[i + 1], costs[i]
+        for j in (i - 1, i):
+            if 0 <= j < len(costs):
+                costs[j] = merge_cost(j)
+    return [g[0] for g in groups[1:]]
 
 
-def golomb_bits(p16: int) -> int:
-    """Low bits kept uniform for a class of change rate ``p16 / 65536`` (2^b * p in (1/4, 1/2])."""
-    return max(0, min(32, int(math.floor(math.log2(65536 / p16))) - 1))
+WIDE_MIN = 1 << 20  # parts this big look classes up by the top 16 bits of an element (one shift, no mask)
 
 
-def quotient_probs(p16: int) -> np.ndarray:
-    """The geometric law of Golomb quotients ``0..QMAX-1`` plus the escape (the tail mass)."""
-    b = golomb_bits(p16)
-    rho = (1.0 - p16 / 65536.0) ** (1 << b)
-    j = np.arange(QMAX, dtype=np.float64)
-    probs = np.empty(QMAX + 1)
-    probs[:QMAX] = (1 - rho) * rho ** j
-    probs[QMAX] = max(rho ** QMAX, 1e-9)
-    return probs
+def class_key(edges, dtype_name: str, numel: int) -> tuple[int, int, np.ndarray]:
+    """(shift, mask, lookup table): an element's class is ``lut[(bits >> shift) & mask]``. Big
+    parts of 16- and 32-bit floats use a table over the top 16 bits (sign, exponent, a few
+    mantissa bits): the pass then does one shift per element; small ones the exponent's."""
+    shift, mask = EXPONENT[dtype_name]
+    lut = class_lut(edges, dtype_name)
+    if numel < WIDE_MIN or ITEMSIZE[dtype_name] == 1:
+        return shift, mask, lut
+    top = 8 * ITEMSIZE[dtype_name] - 16
+    keys = np.arange(1 << 16, dtype=np.int64) << top
+    return top, 0xFFFF, lut[(keys >> shift) & mask]
 
 
-def _zigzag(steps: np.ndarray) -> np.ndarray:
-    w = steps.itemsize * 8
+def _zigzag(steps: np.ndarray, itemsize: int) -> np.ndarray:
+    w = 8 * itemsize
     s = steps.astype(np.int64)
     return ((s << 1) ^ (s >> (w - 1))) & ((1 << w) - 1)
 
 
+def _unzigzag(z: np.ndarray, itemsize: int) -> np.ndarray:
+    return ((z >> 1) ^ -(z & 1)).astype(_INT[itemsize])
+
+
+def _bit_length(x: np.ndarray) -> np.ndarray:
+    """Bit length of non-negative int64s below 2^53 (frexp is exact)."""
+    return np.frexp(x.astype(np.float64))[1].astype(np.int64)
+
+
 def _step_bins(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(symbol, low bits) of zigzag steps: ``z`` below EXACT is its own symbol (no low bits);
-    else symbol ``EXACT + log2(z) - 3`` and the ``log2(z)`` bits below the leading one."""
-    lg = np.floor(np.log2(np.maximum(z, 1))).astype(np.int64)
+    """(symbol, low-bit count) of zigzag steps: ``z`` below EXACT is its own symbol; else
+    symbol ``EXACT + log2(z) - 3`` and the ``log2(z)`` bits below the leading one."""
+    lg = _bit_length(z) - 1
     big = z >= EXACT
     return np.where(big, EXACT + lg - 3, z), np.where(big, lg, 0)
 
 
-def _log_codes(hist: np.ndarray) -> np.ndarray:
-    """A step table in one byte per symbol: 0 for none, else ``1 + round(8 log2 count)``."""
-    with np.errstate(divide="ignore"):
-        return np.where(hist > 0, 1 + np.minimum(254, np.round(8 * np.log2(np.maximum(hist, 1)))), 0).astype(np.uint8)
+# ---------------------------------------------------------------- step tables (model level)
+@functools.lru_cache(maxsize=256)
+def table_weights(codes: bytes) -> np.ndarray:
+    """The exact integer weights (as float64) of a step table's one-byte codes: ``2^((code - 1) / 8)``."""
+    c = np.frombuffer(bytes(codes), dtype=np.uint8).astype(np.int64) - 1
+    return (np.array(_POW8, dtype=np.int64)[c % 8] << (c // 8)).astype(np.float64)
 
 
-def _code_probs(codes: np.ndarray) -> np.ndarray:
-    """The (unnormalised) probabilities both ends derive from a table's codes."""
-    return np.where(codes > 0, np.exp2((codes.astype(np.float64) - 1) / 8), 0.0)
+def _codes(hist: np.ndarray) -> bytes:
+    return np.minimum(255, 1 + np.round(8 * np.log2(hist + 1.0))).astype(np.uint8).tobytes()
 
 
-def _unzigzag(z: np.ndarray, itemsize: int) -> np.ndarray:
-    s = (z >> 1) ^ -(z & 1)
-    return s.astype(np.int16 if itemsize == 2 else np.int32)
+def step_tables(dtype_name: str, exps: np.ndarray, steps: np.ndarray) -> list[bytes]:
+    """A version's step tables for one dtype, from the exponents and steps of all its changes:
+    one per exponent with ``TABLE_MIN`` changes or more (rarer ones join their neighbours),
+    at most ``MAX_TABLES``. Every symbol gets a nonzero weight. Encoder only."""
+    A = alphabet(dtype_name)
+    sym, _ = _step_bins(_zigzag(steps, ITEMSIZE[dtype_name]))
+    n_exp = EXPONENT[dtype_name][1] + 1
+    by_exp = np.bincount(exps.astype(np.int64) * A + sym, minlength=n_exp * A).reshape(n_exp, A)
+    need = max(TABLE_MIN, -(-int(by_exp.sum()) // MAX_TABLES))
+    tables, acc = [], np.zeros(A, dtype=np.int64)
+    for e in range(n_exp):
+        acc += by_exp[e]
+        if acc.sum() >= need:
+            tables.append(acc)
+            acc = np.zeros(A, dtype=np.int64)
+    if acc.sum() or not tables:
+        if tables and acc.sum() < need:
+            tables[-1] = tables[-1] + acc
+        else:
+            tables.append(acc)
+    return [_codes(t) for t in tables[:MAX_TABLES]]
+
+
+@functools.lru_cache(maxsize=64)
+def _table_bits(tables: tuple[bytes, ...]) -> np.ndarray:
+    """[tables, symbols]: the bits each table spends on each symbol. Encoder only."""
+    w = np.stack([table_weights(t) for t in tables])
+    return -np.log2(w / w.sum(axis=1, keepdims=True))
+
+
+def _best_table(hist: np.ndarray, tables: list[bytes]) -> int:
+    """The table under which a class's symbol histogram costs the fewest bits. Encoder only."""
+    return int(np.argmin(_table_bits(tuple(tables)) @ hist))
+
+
+# ---------------------------------------------------------------- Golomb codes
+def _golomb_params(k: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(low bits b, quotient table key) of gaps between ``k`` changes among ``n`` elements:
+    ``2^b`` near ``n / (2 k)`` (so that ``x = 2^b k / n`` lies in (1/4, 1/2], or (1/4, 1] when
+    b = 0), and the key names the quotient law's level of ``x`` (1/16 steps)."""
+    k = np.maximum(k, 1)
+    b = np.maximum(0, _bit_length(n // k) - 2)
+    level = np.clip(((k << (b + 4)) // np.maximum(n, 1)) - 4, 0, 12)
+    return b, np.minimum(b, 4) * 16 + level
+
+
+@functools.lru_cache(maxsize=None)
+def _quotient_probs(key: int) -> np.ndarray:
+    """The geometric law of Golomb quotients ``0..QMAX-1`` plus the escape, for a table key:
+    ``rho = (1 - x / 2^b)^(2^b)`` by squaring (b capped at 4: the law barely moves above)."""
+    b, level = divmod(key, 16)
+    p = min((level + 4.5) / 16 / (1 << b), 0.96875)
+    rho = 1.0 - p
+    for _ in range(b):
+        rho = rho * rho
+    probs, acc = np.empty(QMAX + 1), 1.0
+    for j in range(QMAX):
+        probs[j] = (1.0 - rho) * acc
+        acc = acc * rho
+    probs[QMAX] = max(acc, 1e-9)
+    return probs
+
+
+def _models():
+    import constriction
+
+    return constriction.stream.model, constriction.stream.queue
+
+
+def _put_bits(enc, m, values: np.ndarray, widths: np.ndarray) -> None:
+    """``values < 2^widths`` (widths <= 48) as uniform 16-bit digits, low first; zero widths cost nothing."""
+    for shift in (0, 16, 32):
+        w = np.clip(widths - shift, 0, 16)
+        sel = w > 0
+        if sel.any():
+            enc.encode(((values[sel] >> shift) & ((1 << w[sel]) - 1)).astype(np.int32), m.Uniform(),
+                       (1 << w[sel]).astype(np.int32))
+
+
+def _get_bits(dec, m, widths: np.ndarray) -> np.ndarray:
+    out = np.zeros(widths.size, dtype=np.int64)
+    for shift in (0, 16, 32):
+        w = np.clip(widths - shift, 0, 16)
+        sel = w > 0
+        if sel.any():
+            out[sel] |= dec.decode(m.Uniform(), (1 << w[sel]).astype(np.int32)).astype(np.int64) << shift
+    return out
+
+
+def _put_golomb(enc, m, g: np.ndarray, b: np.ndarray, key: np.ndarray) -> None:
+    q = g >> b
+    sym = np.minimum(q, QMAX).astype(np.int32)
+    for k in np.unique(key):
+        enc.encode(sym[key == k], m.Categorical(_quotient_probs(int(k)), perfect=False))
+    esc = q >= QMAX
+    if esc.any():
+        _put_bits(enc, m, q[esc] - QMAX, np.full(int(esc.sum()), 48))
+    _put_bits(enc, m, g & ((1 << b) - 1), b)
+
+
+def _get_golomb(dec, m, b: np.ndarray, key: np.ndarray) -> np.ndarray:
+    q = np.empty(b.size, dtype=np.int64)
+    for k in np.unique(key):
+        sel = key == k
+        q[sel] = dec.decode(m.Categorical(_quotient_probs(int(k)), perfect=False), int(sel.sum()))
+    esc = q == QMAX
+    if esc.any():
+        q[esc] += _get_bits(dec, m, np.full(int(esc.sum()), 48))
+    if q.size and (q > ((1 << 40) >> b)).any():  # beyond any tensor (MAX_NUMEL): the shift stays exact
+        raise IntegrityError("context stream: a value beyond the tensor")
+    return (q << b) | _get_bits(dec, m, b)
+
+
+def _count_params(expected: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Golomb parameters of zigzag deviations from an expected count (spread ~ its square root)."""
+    spread = 1 + (8 * np.floor(np.sqrt(expected.astype(np.float64))).astype(np.int64)) // 5
+    return _golomb_params(np.ones_like(spread), spread + 1)
 
 
 # ---------------------------------------------------------------- varints
@@ -156,7 +314,7 @@ class _Reader:
         self.at += n
         return b
 
-    def varints(self, n: int, limit: int) -> list[int]:
+    def varints(self, n: int, limit: int) -> np.ndarray:
         out = []
         for _ in range(n):
             v, shift = 0, 0
@@ -171,42 +329,13 @@ class _Reader:
             if v > limit:
                 raise IntegrityError(f"context header: count {v} over its bound {limit}")
             out.append(v)
-        return out
+        return np.array(out, dtype=np.int64)
 
     def words(self) -> np.ndarray:
         rest = self.data[self.at:]
         if len(rest) % 4:
             raise IntegrityError("context stream is not whole 32-bit words")
         return np.frombuffer(rest, dtype="<u4").astype(np.uint32)
-
-
-# ---------------------------------------------------------------- class choice
-def _bin_entropy(k: np.ndarray, n: np.ndarray) -> np.ndarray:
-    p = np.where(n > 0, k / np.maximum(n, 1), 0.0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        h = -(np.where(p > 0, p * np.log2(p), 0) + np.where(p < 1, (1 - p) * np.log2(1 - p), 0))
-    return n * np.nan_to_num(h)
-
-
-def choose_edges(exps: np.ndarray, changed_exps: np.ndarray, n_exp: int) -> list[int]:
-    """Exponent edges of the classes: start from one class per exponent value present and
-    merge neighbours while a merge costs fewer mask bits than a class's header (at most
-    ``MAX_CLASSES`` classes)."""
-    pop = np.bincount(exps, minlength=n_exp).astype(np.float64)
-    chg = np.bincount(changed_exps, minlength=n_exp).astype(np.float64)
-    present = np.flatnonzero(pop)
-    groups = [[int(e), pop[e], chg[e]] for e in present]  # [first exponent, population, changes]
-    while len(groups) > 1:
-        n = np.array([g[1] for g in groups])
-        k = np.array([g[2] for g in groups])
-        h = _bin_entropy(k, n)
-        merged = _bin_entropy(k[:-1] + k[1:], n[:-1] + n[1:]) - h[:-1] - h[1:]
-        i = int(np.argmin(merged))
-        if merged[i] >= CLASS_COST_BITS and len(groups) <= MAX_CLASSES:
-            break
-        groups[i] = [groups[i][0], groups[i][1] + groups[i + 1][1], groups[i][2] + groups[i + 1][2]]
-        del groups[i + 1]
-    return [g[0] for g in groups[1:]]
 
 
 # ---------------------------------------------------------------- encode
@@ -216,317 +345,239 @@ class Encoded:
     val: bytes
 
 
-def _models():
-    import constriction
-
-    return constriction.stream.model, constriction.stream.queue
-
-
-def _encode_uniform(enc, m, values: np.ndarray, bits: int) -> None:
-    """``values`` < 2^bits as 16-bit uniform digits (low first)."""
-    v = values.astype(np.int64)
-    while bits > 0:
-        w = min(16, bits)
-        enc.encode((v & ((1 << w) - 1)).astype(np.int32), m.Uniform(1 << w))
-        v >>= w
-        bits -= w
-
-
-def _decode_uniform(dec, m, n: int, bits: int) -> np.ndarray:
-    out = np.zeros(n, dtype=np.int64)
-    shift = 0
-    while bits > 0:
-        w = min(16, bits)
-        out |= dec.decode(m.Uniform(1 << w), n).astype(np.int64) << shift
-        shift += w
-        bits -= w
-    return out
-
-
-def encode(dtype_name: str, shape, base_bits: np.ndarray, positions: np.ndarray, steps: np.ndarray) -> Encoded:
-    """Encode the changes of one part: ``positions`` (sorted part-local row-major indices),
-    ``steps`` (nonzero ordered-space steps there), given the part's ``base_bits`` (flat)."""
+def encode(dtype_name: str, tensor_shape, box: Box | None, policy: int, base_bits: np.ndarray,
+           positions: np.ndarray, steps: np.ndarray, tables: list[bytes]) -> Encoded:
+    """Encode the changes of one part (``box`` of the tensor, None: all of it; its blocks cut
+    by ``policy``): ``positions`` (sorted part-local row-major indices), ``steps`` (nonzero
+    ordered-space steps there), given the part's ``base_bits`` (flat) and the version's step
+    ``tables`` for this dtype."""
     m, queue = _models()
     shift, mask = EXPONENT[dtype_name]
+    itemsize = ITEMSIZE[dtype_name]
     if (steps == 0).any():
         raise ValueError("a context-coded step is never zero")
-    exps = exponents(base_bits, dtype_name)
-    edges = choose_edges(exps, exps[positions], mask + 1)
+    bl = blocks(tensor_shape, box, policy)
+    u = np.ascontiguousarray(base_bits).view(_UINT[itemsize]).reshape(-1)
+    pos = positions.astype(np.int64)
+    exp_at = ((u[pos] >> shift) & mask).astype(np.int64)
+    pop_e = exponent_histogram(u, shift, mask)
+    edges = choose_edges(pop_e, np.bincount(exp_at, minlength=mask + 1))
     lut = class_lut(edges, dtype_name)
-    cls = lut[exps]
     K = len(edges) + 1
-    cells = sub_cells(shape)
-    changed = np.zeros(base_bits.size, dtype=bool)
-    changed[positions] = True
-    step_at = np.zeros(base_bits.size, dtype=np.int64)
-    step_at[positions] = steps
-    counts = np.zeros((len(cells), K), dtype=np.int64)
-    gaps = [[] for _ in range(K)]  # per class, cell-major
-    cell_steps = [[] for _ in range(K)]
-    for j, box in enumerate(cells):
-        c_cell, ch_cell, s_cell = (box_of(a, shape, box) for a in (cls, changed, step_at))
-        for c in range(K):
-            in_class = c_cell == c
-            r = np.flatnonzero(ch_cell[in_class])
-            counts[j, c] = r.size
-            if r.size:
-                gaps[c].append(np.diff(r, prepend=-1) - 1)
-                cell_steps[c].append(s_cell[in_class & ch_cell])
-    totals = counts.sum(axis=0)
-    pops = np.bincount(cls, minlength=K)
-    p16 = [0 if not totals[c] else int(min(65535, max(1, round(65536 * totals[c] / pops[c])))) for c in range(K)]
+    pops = np.bincount(lut, weights=pop_e, minlength=K).astype(np.int64)
+    cls = lut[exp_at].astype(np.int64)
+    # the block of each change, its rank among its (block, class)
+    blk = bl.block_of(pos)
+    by_block = np.argsort(blk, kind="stable")
+    rank = np.empty(pos.size, np.int64)
+    bstart = np.searchsorted(blk[by_block], np.arange(bl.S + 1))
+    block_ranks(u, *class_key(edges, dtype_name, bl.numel), bl.rows, bl.row_ptr, bl.run, pos[by_block], bstart, rank)
+    order = by_block[np.lexsort((rank, blk[by_block], cls[by_block]))]  # class, block, rank
+    by_position = np.empty_like(rank)
+    by_position[by_block] = rank
+    rank = by_position[order]
+    group = cls[order] * bl.S + blk[order]
+    k = np.bincount(group, minlength=K * bl.S).reshape(K, bl.S)
+    totals = k.sum(axis=1)
+
     head = bytearray(MAGIC)
-    head += struct.pack("<BB", K, len(cells))
-    head += struct.pack(f"<{K - 1}H", *edges) if K > 1 else b""
-    head += struct.pack(f"<{K}H", *p16)
-    _put_varints(head, counts.reshape(-1))
+    head += struct.pack("<BB", K, policy) + bytes(edges)
+    _put_varints(head, pops)
+    _put_varints(head, totals)
     enc = queue.RangeEncoder()
-    for c in range(K):
-        if not totals[c]:
-            continue
-        g = np.concatenate(gaps[c])
-        b = golomb_bits(p16[c])
-        q = g >> b
-        esc = q >= QMAX
-        enc.encode(np.minimum(q, QMAX).astype(np.int32), m.Categorical(quotient_probs(p16[c]), perfect=False))
-        if esc.any():
-            _encode_uniform(enc, m, q[esc] - QMAX, 48)
-        if b:
-            _encode_uniform(enc, m, g & ((1 << b) - 1), b)
+    # counts per (class, block), all blocks but the last, around their expectation
+    live = totals > 0
+    if bl.S > 1 and live.any():
+        expected = (totals[live, None] * bl.sizes[None, :-1]) // bl.numel
+        dev = k[live, :-1] - expected
+        b, key = _count_params(expected)
+        _put_golomb(enc, m, ((dev << 1) ^ (dev >> 63)).reshape(-1), b.reshape(-1), key.reshape(-1))
+    # gaps between ranks per (class, block)
+    first = np.ones(order.size, dtype=bool)
+    first[1:] = group[1:] != group[:-1]
+    gaps = np.where(first, rank, rank - np.roll(rank, 1) - 1)
+    b, key = _gap_params(k, pops, bl)
+    _put_golomb(enc, m, gaps, b[group], key[group])
     pos_bytes = bytes(head) + enc.get_compressed().astype("<u4").tobytes()
+
+    z = _zigzag(steps[order], itemsize)
+    sym, low = _step_bins(z)
+    cls_sorted = cls[order]
     vhead = bytearray()
     venc = queue.RangeEncoder()
-    for c in range(K):
-        if not totals[c]:
-            continue
-        z = _zigzag(np.concatenate(cell_steps[c]).astype(base_bits.dtype))
-        sym, low = _step_bins(z)
-        codes = _log_codes(np.bincount(sym, minlength=1))
-        vhead.append(len(codes))
-        vhead += codes.tobytes()
-        venc.encode(sym.astype(np.int32), m.Categorical(_code_probs(codes), perfect=False))
-        big = sym >= EXACT
-        for nb in np.unique(low[big]):  # the low bits of each power-of-two bin, uniform
-            _encode_uniform(venc, m, z[big & (low == nb)], int(nb))
+    for c in np.flatnonzero(live):
+        s = sym[cls_sorted == c]
+        t = _best_table(np.bincount(s, minlength=alphabet(dtype_name)), tables)
+        vhead.append(t)
+        venc.encode(s.astype(np.int32), m.Categorical(table_weights(tables[t]), perfect=False))
+    big = sym >= EXACT
+    _put_bits(venc, m, z[big] & ((1 << low[big]) - 1), low[big])
     return Encoded(pos_bytes, bytes(vhead) + venc.get_compressed().astype("<u4").tobytes())
+
+
+def _gap_params(k: np.ndarray, pops: np.ndarray, bl: Blocks) -> tuple[np.ndarray, np.ndarray]:
+    """Golomb parameters per (class, block), flat: ``k`` changes among the class's expected
+    population in the block (at least ``k``)."""
+    expected_pop = np.maximum((pops[:, None] * bl.sizes[None, :]) // max(bl.numel, 1), k)
+    b, key = _golomb_params(k.reshape(-1), expected_pop.reshape(-1))
+    return b, key
 
 
 # ---------------------------------------------------------------- decode
 @dataclass
 class Header:
+    policy: int
     edges: list[int]
-    p16: list[int]
-    counts: np.ndarray  # [sub-cells, K]
-    cells: list
+    pops: np.ndarray  # [K] elements of each class in the part
+    totals: np.ndarray  # [K] changes of each class
     words: np.ndarray
 
     @property
     def K(self) -> int:
-        return len(self.p16)
+        return len(self.pops)
 
 
-def parse_positions_header(data: bytes, nnz: int, shape, dtype_name: str) -> Header:
+def parse_positions_header(data: bytes, nnz: int, numel: int, dtype_name: str) -> Header:
     if not supports(dtype_name):
         raise IntegrityError(f"context coder does not support {dtype_name}")
     r = _Reader(data)
     if r.take(2) != MAGIC:
-        raise IntegrityError("not a context-coded segment")
-    K, S = struct.unpack("<BB", r.take(2))
-    cells = sub_cells(shape)
-    if not 1 <= K <= MAX_CLASSES or S != len(cells):
-        raise IntegrityError(f"context header: {K} classes, {S} sub-cells (expected 1..{MAX_CLASSES}, {len(cells)})")
-    edges = list(struct.unpack(f"<{K - 1}H", r.take(2 * (K - 1)))) if K > 1 else []
+        raise IntegrityError("not a context-coded segment (format 5)")
+    K, policy = r.take(2)
+    if not 1 <= K <= MAX_CLASSES or policy > MAX_POLICY:
+        raise IntegrityError(f"context header: {K} classes (expected 1..{MAX_CLASSES}), block policy {policy}")
+    edges = list(r.take(K - 1))
     _, mask = EXPONENT[dtype_name]
     if any(not 0 < e <= mask for e in edges) or any(a >= b for a, b in zip(edges, edges[1:])):
         raise IntegrityError("context header: class edges not increasing within the exponent range")
-    p16 = list(struct.unpack(f"<{K}H", r.take(2 * K)))
-    counts = np.array(r.varints(S * K, nnz), dtype=np.int64).reshape(S, K)
-    if int(counts.sum()) != nnz:
-        raise IntegrityError(f"context header holds {int(counts.sum())} changes, the manifest {nnz}")
-    for j, box in enumerate(cells):
-        if int(counts[j].sum()) > math.prod(b - a for a, b in zip(*box)):
-            raise IntegrityError("context header: more changes than elements in a sub-cell")
-    if any(counts[:, c].sum() and not p16[c] for c in range(K)):
-        raise IntegrityError("context header: a class with changes has no rate")
-    return Header(edges, p16, counts, cells, r.words())
+    pops = r.varints(K, numel)
+    totals = r.varints(K, nnz)
+    if int(pops.sum()) != numel or (totals > pops).any():
+        raise IntegrityError("context header: class populations do not make up the part, or hold fewer elements than changes")
+    if int(totals.sum()) != nnz:
+        raise IntegrityError(f"context header holds {int(totals.sum())} changes, the manifest {nnz}")
+    return Header(policy, edges, pops, totals, r.words())
 
 
-def decode_ranks(h: Header) -> list[list[np.ndarray]]:
-    """Per sub-cell, per class: the within-class ranks of the changes (decoded without the base)."""
-    m, queue = _models()
-    dec = queue.RangeDecoder(h.words)
-    out = [[None] * h.K for _ in h.cells]
-    for c in range(h.K):
-        n = int(h.counts[:, c].sum())
-        if not n:
-            for j in range(len(h.cells)):
-                out[j][c] = np.empty(0, dtype=np.int64)
-            continue
-        b = golomb_bits(h.p16[c])
-        q = dec.decode(m.Categorical(quotient_probs(h.p16[c]), perfect=False), n).astype(np.int64)
-        esc = q == QMAX
-        if esc.any():
-            q[esc] += _decode_uniform(dec, m, int(esc.sum()), 48)
-        if int(q.max()) > (1 << 40) >> b:  # a gap beyond any tensor (MAX_NUMEL): the shift below stays exact
-            raise IntegrityError("context positions: a gap beyond the tensor")
-        g = q << b
-        if b:
-            g |= _decode_uniform(dec, m, n, b)
-        at = 0
-        for j, box in enumerate(h.cells):
-            k = int(h.counts[j, c])
-            if k and float(g[at:at + k].sum()) + k > math.prod(e - s for s, e in zip(*box)):
-                raise IntegrityError("context positions: ranks beyond their sub-cell")  # and no int64 overflow
-            out[j][c] = np.cumsum(g[at:at + k] + 1) - 1
-            at += k
-    return out
+def decode_ranks(h: Header, bl: Blocks, dec, m) -> tuple[np.ndarray, np.ndarray]:
+    """(changes per (class, block) [K, S], ranks in (class, block, rank) order), decoded
+    without the base; every count and rank bounded by its block."""
+    K, S = h.K, bl.S
+    k = np.zeros((K, S), dtype=np.int64)
+    live = h.totals > 0
+    if S > 1 and live.any():
+        expected = (h.totals[live, None] * bl.sizes[None, :-1]) // bl.numel
+        b, key = _count_params(expected)
+        zz = _get_golomb(dec, m, b.reshape(-1), key.reshape(-1)).reshape(expected.shape)
+        got = expected + ((zz >> 1) ^ -(zz & 1))
+        if (got < 0).any() or (got > bl.sizes[None, :-1]).any():
+            raise IntegrityError("context counts: a block count outside the block")
+        k[live, :-1] = got
+    k[:, -1] = h.totals - k[:, :-1].sum(axis=1)
+    if (k[:, -1] < 0).any() or (k[:, -1] > bl.sizes[-1]).any() or (k.sum(axis=0) > bl.sizes).any():
+        raise IntegrityError("context counts: more changes than elements in a block")
+    b, key = _gap_params(k, h.pops, bl)
+    flat = k.reshape(-1)
+    group = np.repeat(np.arange(K * S), flat)
+    g = _get_golomb(dec, m, b[group], key[group])
+    if not g.size or float(g.astype(np.float64).sum()) > K * bl.numel:  # ranks are bounded by their blocks
+        raise IntegrityError("context positions: no changes, or gaps beyond the part")
+    run = np.cumsum(g + 1)
+    start = np.concatenate([[0], np.cumsum(flat)])[:-1]
+    before = np.where(start > 0, run[np.maximum(start - 1, 0)], 0)
+    ranks = run - np.repeat(before, flat) - 1
+    ends = np.cumsum(flat)[flat > 0] - 1
+    if ends.size and (ranks[ends] >= np.repeat(bl.sizes[None, :], K, axis=0).reshape(-1)[flat > 0]).any():
+        raise IntegrityError("context positions: ranks beyond their block")
+    return k, ranks
 
 
-def decode_steps(data: bytes, counts: np.ndarray, itemsize: int) -> list[np.ndarray]:
-    """Per class, the steps in (sub-cell, rank) order; ``counts`` [sub-cells, K] from the positions header."""
-    m, queue = _models()
+def decode_steps(data: bytes, totals: np.ndarray, tables: list[bytes], dtype_name: str, dec_factory, m) -> np.ndarray:
+    """The steps in (class, block, rank) order."""
     r = _Reader(data)
-    K = counts.shape[1]
-    tables = []
-    for c in range(K):
-        n = int(counts[:, c].sum())
-        if not n:
-            tables.append(None)
-            continue
-        a = r.take(1)[0]
-        if not 1 <= a <= EXACT + 8 * itemsize - 3:
-            raise IntegrityError(f"context steps: alphabet of {a} symbols")
-        codes = np.frombuffer(r.take(a), dtype=np.uint8)
-        if not codes.any():
-            raise IntegrityError("context steps: an empty table")
-        tables.append(_code_probs(codes))
-    dec = queue.RangeDecoder(r.words())
-    out = []
-    for c in range(K):
-        n = int(counts[:, c].sum())
-        if tables[c] is None:
-            out.append(np.empty(0, dtype=np.int16 if itemsize == 2 else np.int32))
-            continue
-        z = dec.decode(m.Categorical(tables[c], perfect=False), n).astype(np.int64)
-        big = z >= EXACT
-        lg = z - EXACT + 3
-        for nb in np.unique(lg[big]):
-            sel = big & (lg == nb)
-            z[sel] = (1 << int(nb)) | _decode_uniform(dec, m, int(sel.sum()), int(nb))
-        if (z == 0).any():
-            raise IntegrityError("context steps: a zero step")
-        out.append(_unzigzag(z, itemsize))
-    return out
+    live = np.flatnonzero(totals)
+    choice = list(r.take(live.size))
+    if any(t >= len(tables) for t in choice):
+        raise IntegrityError(f"context steps: a step table beyond the version's {len(tables)}")
+    dec = dec_factory(r.words())
+    itemsize = ITEMSIZE[dtype_name]
+    sym = np.concatenate([dec.decode(m.Categorical(table_weights(tables[t]), perfect=False), int(totals[c]))
+                          for c, t in zip(live, choice)] or [np.empty(0, np.int32)]).astype(np.int64)
+    if sym.size and sym.max() >= alphabet(dtype_name):
+        raise IntegrityError("context steps: a symbol beyond the alphabet")
+    z = sym.copy()
+    big = sym >= EXACT
+    lg = sym[big] - EXACT + 3
+    z[big] = (np.int64(1) << lg) | _get_bits(dec, m, lg)
+    if (z == 0).any():
+        raise IntegrityError("context steps: a zero step")
+    return _unzigzag(z, itemsize)
 
 
-def decode(dtype_name: str, shape, pos_data: bytes, val_data: bytes, nnz: int, base_of,
-           backend: str = "auto") -> tuple[np.ndarray, np.ndarray]:
-    """(sorted part-local positions, steps) of the changes in the sub-cells the caller holds.
+def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_data: bytes, nnz: int,
+           base_of, tables: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted part-local positions, steps) of the changes in the blocks the caller holds.
 
-    ``base_of(box)`` gives the flat raw bits (numpy, row-major) of one sub-cell of the part's
-    base, or None when this caller holds none of it (its changes are skipped). ``backend``:
-    the context pass's (:func:`scan`)."""
-    h = parse_positions_header(pos_data, nnz, shape, dtype_name)
-    shift, mask = EXPONENT[dtype_name]
-    itemsize = 2 if dtype_name != "float32" else 4
+    ``base_of(box)`` gives the flat raw bits (numpy, row-major) of a box of the part's base
+    (part-local coordinates), None when the caller holds none of it, or raises
+    :class:`PartlyHeldError` when it holds only some: then each block is asked for alone."""
+    m, queue = _models()
+    full = tuple(int(x) for x in tensor_shape) or (1,)
+    numel = math.prod(b - a for a, b in zip(*box)) if box else math.prod(full)
+    h = parse_positions_header(pos_data, nnz, numel, dtype_name)
+    bl = blocks(full, box, h.policy)
+    itemsize = ITEMSIZE[dtype_name]
     try:  # the range decoder refuses some invalid words with its own exceptions
-        ranks = decode_ranks(h)
-        steps = decode_steps(val_data, h.counts, itemsize)
+        k, ranks = decode_ranks(h, bl, queue.RangeDecoder(h.words), m)
+        steps = decode_steps(val_data, h.totals, tables, dtype_name, queue.RangeDecoder, m)
     except (AssertionError, ValueError, RuntimeError, OverflowError) as e:
         raise IntegrityError(f"corrupt context stream ({type(e).__name__}: {e})") from None
-    lut = class_lut(h.edges, dtype_name)
-    out_pos, out_val = [], []
-    used = np.zeros(h.K, dtype=np.int64)  # steps consumed per class (cell-major)
-    for j, box in enumerate(h.cells):
-        k = h.counts[j]
-        bits = base_of(box)
-        if bits is not None:
-            flat_ranks = np.concatenate(ranks[j]) if k.sum() else np.empty(0, np.int64)
-            starts = np.concatenate([[0], np.cumsum(k)]).astype(np.int64)
-            p, src = scan(bits, shift, mask, lut, flat_ranks, starts, backend)
-            cls_of = np.searchsorted(starts, src, side="right") - 1
-            vals = np.empty(p.size, dtype=steps[0].dtype if steps else np.int16)
-            for c in range(h.K):
-                sel = cls_of == c
-                vals[sel] = steps[c][used[c] + src[sel] - starts[c]]
-            out_pos.append(chunks.to_global(torch.from_numpy(p), tuple(shape) or (1,), box).numpy())
-            out_val.append(vals)
-        used += k
-    if not out_pos:
-        return np.empty(0, np.int64), np.empty(0, np.int16 if itemsize == 2 else np.int32)
-    pos, val = np.concatenate(out_pos), np.concatenate(out_val)
-    if len(out_pos) > 1:
+    shift, mask, lut = class_key(h.edges, dtype_name, bl.numel)
+    K, S = h.K, bl.S
+    # ranks regrouped block-major (block b, class c at starts[b, c]); perm: block-major -> class-major
+    group = np.repeat(np.arange(K * S), k.reshape(-1))
+    perm = np.argsort((group % S) * K + group // S, kind="stable")
+    starts = np.zeros((S, K + 1), dtype=np.int64)
+    starts[:, 1:] = np.cumsum(k.T, axis=1)
+    starts += np.concatenate([[0], np.cumsum(k.sum(axis=0))])[:-1, None]
+    ranks_b = ranks[perm]
+    empty = np.empty(0, np.int64), np.empty(0, _INT[itemsize])
+    try:
+        whole = base_of(((0,) * len(bl.shape), bl.shape))
+    except PartlyHeldError:
+        whole = False
+    if whole is None:
+        return empty
+    if whole is not False:
+        u = np.ascontiguousarray(whole).view(_UINT[itemsize]).reshape(-1)
+        if u.size != bl.numel:
+            raise IntegrityError("the base of a context-coded part has the wrong size")
+        pos, src = scan(u, shift, mask, lut, bl, ranks_b, starts)
+        vals = steps[perm[src]]
+    else:
+        out_pos, out_val = [], []
+        for b, sub in enumerate(bl.boxes):
+            try:
+                bits = base_of(sub)
+            except PartlyHeldError as e:
+                raise IntegrityError(f"{e}: this rank's shard cuts a context-coded block (a layout its block "
+                                     "policy does not anticipate: publish with ENGINE_EXT_CONTEXT_CODER=0)") from None
+            if bits is None:
+                continue
+            ext = tuple(t - a for a, t in zip(*sub))
+            u = np.ascontiguousarray(bits).view(_UINT[itemsize]).reshape(-1)
+            if u.size != bl.sizes[b]:
+                raise IntegrityError("the base of a context-coded block has the wrong size")
+            one = blocks(ext, None, 0)  # the block alone, as a part of one block
+            st = starts[b:b + 1] - starts[b, 0]
+            p, src = scan(u, shift, mask, lut, one, ranks_b[starts[b, 0]:starts[b, -1]], st)
+            coords = np.unravel_index(p, ext)
+            out_pos.append(np.ravel_multi_index(tuple(c + a for c, a in zip(coords, sub[0])), bl.shape))
+            out_val.append(steps[perm[starts[b, 0] + src]])
+        if not out_pos:
+            return empty
+        pos, vals = np.concatenate(out_pos), np.concatenate(out_val)
+    if S > 1:
         order = np.argsort(pos, kind="stable")
-        pos, val = pos[order], val[order]
-    return pos, val
-
-
-# ---------------------------------------------------------------- the context pass
-def scan_reference(bits, shift, mask, lut, ranks, starts):
-    """numpy: elements of class c in row-major order by a stable sort of the classes."""
-    cls = lut[(bits.view(np.uint16 if bits.itemsize == 2 else np.uint32) >> shift) & mask]
-    K = starts.size - 1
-    pop = np.bincount(cls, minlength=K)[:K]
-    for c in range(K):
-        if starts[c + 1] > starts[c] and ranks[starts[c + 1] - 1] >= pop[c]:
-            raise IntegrityError("context ranks beyond their class (a wrong base, or corrupt)")
-    order = np.argsort(cls, kind="stable")
-    offset = np.concatenate([[0], np.cumsum(pop)])
-    cls_of = np.repeat(np.arange(K), np.diff(starts))
-    pos = order[offset[cls_of] + ranks]
-    src = np.argsort(pos, kind="stable")
-    return pos[src].astype(np.int64), src.astype(np.int64)
-
-
-_NUMBA = None
-
-
-def _numba_scan():
-    global _NUMBA
-    if _NUMBA is None:
-        try:
-            import numba
-        except ImportError:
-            _NUMBA = False
-            return _NUMBA
-
-        @numba.njit(nogil=True, cache=True)
-        def kernel(bits, shift, mask, lut, ranks, starts, pos, src):  # pragma: no cover - compiled
-            K = starts.shape[0] - 1
-            cnt = np.zeros(K, np.int64)
-            ptr = starts[:-1].copy()
-            nxt = np.empty(K, np.int64)
-            for c in range(K):
-                nxt[c] = ranks[ptr[c]] if ptr[c] < starts[c + 1] else -1
-            k = 0
-            for i in range(bits.shape[0]):
-                c = lut[(bits[i] >> shift) & mask]
-                r = cnt[c]
-                if r == nxt[c]:
-                    pos[k] = i
-                    src[k] = ptr[c]
-                    k += 1
-                    ptr[c] += 1
-                    nxt[c] = ranks[ptr[c]] if ptr[c] < starts[c + 1] else -1
-                cnt[c] = r + 1
-            return k
-
-        _NUMBA = kernel
-    return _NUMBA
-
-
-def scan(bits, shift, mask, lut, ranks, starts, backend: str = "auto"):
-    """(positions, index into ``ranks``) of the elements whose within-class rank is listed:
-    one pass over the base. Raises IntegrityError for a rank beyond its class."""
-    kernel = _numba_scan() if backend in ("auto", "numba") else False
-    if not kernel:
-        if backend == "numba":
-            raise RuntimeError("numba is not installed")
-        return scan_reference(bits, shift, mask, lut, ranks, starts)
-    u = np.ascontiguousarray(bits).view(np.uint16 if bits.itemsize == 2 else np.uint32)
-    pos = np.empty(ranks.size, np.int64)
-    src = np.empty(ranks.size, np.int64)
-    k = kernel(u, shift, mask, lut, ranks.astype(np.int64), starts.astype(np.int64), pos, src)
-    if k != ranks.size:
-        raise IntegrityError("context ranks beyond their class (a wrong base, or corrupt)")
-    return pos, src
+        pos, vals = pos[order], vals[order]
+    return pos, vals

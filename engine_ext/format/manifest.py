@@ -1,4 +1,4 @@
-"""The manifest of a published version (format version 4; spec in docs/FORMAT.md).
+"""The manifest of a published version (format version 5; spec in docs/FORMAT.md).
 
 A manifest is small JSON naming the versions, fingerprints, blobs and, per tensor,
 where its encoded positions and values lie; a delta also names the manifest(s) of its
@@ -6,9 +6,11 @@ base version by SHA-256, and a big tensor's changes may come in boxes (``chunks`
 format 3) that a rank fetches on its own (:mod:`engine_ext.format.chunks`). Parsing validates
 everything a hostile manifest could abuse (sizes, counts, offsets, names, boxes) before
 any blob is fetched. Signatures over the raw bytes are checked before parsing
-(:mod:`engine_ext.store.signing`). Format 4 adds the context-conditioned coder (``ctx``,
-:mod:`engine_ext.format.context_codec`): a changed tensor or cell coded given its base weights.
-Versions 1 to 3 are still read.
+(:mod:`engine_ext.store.signing`). Format 5 carries the context-conditioned coder (``ctx``,
+:mod:`engine_ext.format.context_codec`): a changed tensor or cell coded given its base weights,
+its steps under the version's shared ``step_tables``. Versions 1 to 4 are still read, but
+not format 4's context-coded parts (an opt-in coder whose blocks did not follow the
+engines' shards).
 """
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ from .dtypes import dtype_by_name
 from ..errors import ManifestError
 
 FORMAT = "engine-ext-delta"
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+FORMAT_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 DELTA, ANCHOR = "delta", "anchor"
 POSITION_CODERS = {"none", "all", "pco", "zstd", "ctx"}
@@ -37,6 +39,7 @@ MAX_NUMEL = 1 << 40
 MAX_NDIM = 8
 MAX_LATEST_BYTES = 16 << 10
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
+_HEX_RE = re.compile(r"(?:[0-9a-f]{2})+")
 _KEY_RE = re.compile(r"[A-Za-z0-9._-]+")  # blob keys are plain names next to the manifest (fullmatch)
 
 
@@ -123,8 +126,13 @@ class Manifest:
     created_unix: float = 0.0
     blobs: list[Blob] = field(default_factory=list)
     tensors: list[TensorEntry] = field(default_factory=list)
+    step_tables: dict[str, list[str]] | None = None  # format 5: per dtype, the context coder's step tables (hex)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
+
+    def tables_for(self, dtype: str) -> list[bytes]:
+        """The step tables context-coded parts of ``dtype`` are decoded with."""
+        return [bytes.fromhex(h) for h in (self.step_tables or {}).get(dtype, [])]
 
     @property
     def payload_bytes(self) -> int:
@@ -174,8 +182,10 @@ class Manifest:
         if p.coder == "ctx":
             from .context_codec import supports
 
-            if self.format_version < 4 or self.kind != DELTA or v.mode != "rel" or not supports(dtype):
-                bad(f"{where}: the context coder needs a format-4 delta of relative steps of a float dtype it supports")
+            if self.format_version < 5 or self.kind != DELTA or v.mode != "rel" or not supports(dtype):
+                bad(f"{where}: the context coder needs a format-5 delta of relative steps of a float dtype it supports")
+            if not (self.step_tables or {}).get(dtype):
+                bad(f"{where}: context-coded, but the manifest has no step tables for {dtype}")
         if v.coder == "raw" and v.length != e.nnz * dtype_by_name(dtype).itemsize:
             bad(f"{where}: raw values must be nnz * itemsize bytes")
         if not _is_int(e.blob) or not 0 <= e.blob < len(self.blobs):
@@ -185,6 +195,21 @@ class Manifest:
         if not isinstance(e.sha256, str) or not _SHA_RE.fullmatch(e.sha256):
             bad(f"{where}: missing or bad sha256")
         per_blob[e.blob].append((e.offset, e.offset + e.length, where))
+
+    def _check_step_tables(self) -> None:
+        from .context_codec import MAX_TABLES, alphabet, supports
+
+        t = self.step_tables
+        if self.format_version < 5 or self.kind != DELTA or not isinstance(t, dict) or len(t) > 8:
+            raise ManifestError("step_tables: only a format-5 delta carries them, as a dict per dtype")
+        for dtype, tables in t.items():
+            if not isinstance(dtype, str) or not supports(dtype) or not isinstance(tables, list) \
+                    or not 1 <= len(tables) <= MAX_TABLES:
+                raise ManifestError(f"step_tables: bad entry for {str(dtype)[:40]!r}")
+            for h in tables:
+                if not isinstance(h, str) or len(h) != 2 * alphabet(dtype) or not _HEX_RE.fullmatch(h) \
+                        or 0 in bytes.fromhex(h):
+                    raise ManifestError(f"step_tables: a {dtype} table is not {alphabet(dtype)} nonzero hex bytes")
 
     def validate(self) -> None:
         """Raise ManifestError unless every field is consistent and within limits."""
@@ -200,6 +225,8 @@ class Manifest:
             bad("only format-2 deltas name base manifests")
         if self.kind not in (DELTA, ANCHOR):
             bad(f"unknown kind {self.kind!r}")
+        if self.step_tables is not None:
+            self._check_step_tables()
         if not _is_int(self.version) or self.version < 0:
             bad(f"bad version {self.version!r}")
         if self.kind == DELTA and (not _is_int(self.base_version) or not 0 <= self.base_version < self.version):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import PartlyHeldError
 from ..format import fingerprint as fpr
 from ..format.delta import ABS, REL, TensorDelta
 from ..format.dtypes import BY_TORCH, DType
@@ -352,7 +353,7 @@ def covered_elements(m: TensorMap) -> int:
     return sum(p.numel for p in m.pieces if p.count_fingerprint)
 
 
-class PartlyHeld(ValueError):
+class PartlyHeld(PartlyHeldError, ValueError):
     """A box this rank holds only some elements of (it cannot read the whole box)."""
 
 

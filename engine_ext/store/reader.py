@@ -155,6 +155,7 @@ class _Part:
     tensor: object  # format.TensorEntry
     entry: object  # format.TensorEntry or format.Chunk: coders, nnz, blob, offset, sha256
     box: tuple | None
+    tables: tuple = ()  # the version's step tables for the tensor's dtype (context-coded parts)
 
     @property
     def blob(self) -> int:
@@ -174,15 +175,17 @@ class _Part:
 
 
 def _parts(m: Manifest, selection: Selection | None) -> list[_Part]:
-    out = []
+    out, tables = [], {dt: tuple(m.tables_for(dt)) for dt in (m.step_tables or {})}
     for t in m.tensors:
         if not t.nnz or (selection is not None and t.name not in selection):
             continue
+        tab = tables.get(t.dtype, ())
         if t.chunks is None:
-            out.append(_Part(t, t, None))
+            out.append(_Part(t, t, None, tab))
             continue
         cells, boxes = None if selection is None else selection[t.name], t.boxes()
-        out += [_Part(t, c, boxes[c.cell]) for c in sorted(t.chunks, key=lambda c: c.cell) if cells is None or c.cell in cells]
+        out += [_Part(t, c, boxes[c.cell], tab) for c in sorted(t.chunks, key=lambda c: c.cell)
+                if cells is None or c.cell in cells]
     return out
 
 
@@ -283,13 +286,13 @@ def _decode_context(p: _Part, data: memoryview, bases: Bases | None) -> tuple[to
     if bases is None:
         raise IntegrityError(f"tensor {t.name!r} is context-coded: decoding needs the base weights")
     start = (0,) * len(t.shape) if box is None else box[0]
-    shape = tuple(t.shape) if box is None else tuple(b - a for a, b in zip(*box))
 
     def base_of(sub):
         return bases.bits(t.name, tuple(a + s for a, s in zip(start, sub[0])), tuple(a + s for a, s in zip(start, sub[1])))
 
     n = e.positions.length
-    pos, vals = context_codec.decode(t.dtype, shape, bytes(data[:n]), bytes(data[n:]), e.nnz, base_of)
+    pos, vals = context_codec.decode(t.dtype, tuple(t.shape), box, bytes(data[:n]), bytes(data[n:]), e.nnz, base_of,
+                                     list(p.tables))
     pos = torch.from_numpy(pos)
     if box is not None:
         pos = chunks.to_global(pos, t.shape, box)

@@ -58,6 +58,10 @@ class VersionBuilder:
         self._cur_sha = None
 
     # -- deltas ---------------------------------------------------------------
+    def add_step_tables(self, dtype: str, tables: list[bytes]) -> None:
+        """The context coder's step tables for ``dtype``, which context-coded parts of it are decoded with."""
+        self.manifest.step_tables = dict(self.manifest.step_tables or {}, **{dtype: [t.hex() for t in tables]})
+
     def add_unchanged(self, name: str, dtype: DType, shape, fp: int) -> None:
         f = fpr.fmt(fp)
         self.manifest.tensors.append(TensorEntry(name, dtype.name, list(shape), 0, f, f if self.manifest.kind == DELTA else None))

@@ -30,7 +30,6 @@ import torch
 from ..format import chunks, codec
 from . import lineage
 from .. import settings
-from ..format.context_codec import supports
 from ..format import fingerprint as fpr
 from .builder import LATEST_TTL_S, VersionBuilder, sign_latest
 from ..format.delta import changed_bits
@@ -85,7 +84,16 @@ class _Change:
     old_bits: torch.Tensor  # CPU
     base_fp: int
     fp: int
-    base: torch.Tensor | None = None  # the whole base bits, for the context coder (None: not tried)
+    kept: torch.Tensor | None = None  # the kept bits (this version's), the context coder's base with old_bits put back
+    policy: int | None = None  # the tensor's block policy for the context coder
+
+    def context(self, tables: dict) -> codec.Context | None:
+        """The context coder's inputs, read from the kept bits (on the background thread)."""
+        if self.kept is None or not tables.get(self.dtype.name):
+            return None
+        base = self.kept.reshape(-1).to("cpu", copy=True)
+        base[self.positions] = self.old_bits
+        return codec.Context(base, self.policy, tables[self.dtype.name])
 
 
 class DeltaPublisher:
@@ -147,8 +155,10 @@ class DeltaPublisher:
         self._latest: Latest | None = None  # the last LATEST this publisher wrote (the heartbeat re-signs it)
         self._latest_lock = threading.Lock()
         self._closed = threading.Event()
-        self._kept_free = threading.Event()  # clear while an anchor is written from the kept bits
+        self._kept_free = threading.Event()  # clear while anchors or context-coded deltas read the kept bits
         self._kept_free.set()
+        self._kept_readers = 0  # queued jobs that read the kept bits (under _kept_lock)
+        self._kept_lock = threading.Lock()
         self.last_changed = 0  # elements that changed in the last version published (all of them in a first one)
         self._prev: dict[str, torch.Tensor] = {}  # raw bits of the last published version
         self._fps: dict[str, int] = {}
@@ -296,30 +306,40 @@ class DeltaPublisher:
         context = settings.current().context_coder
         for name, new in bits.items():
             prev = self._prev[name]
-            keep_base = context and supports(dtype_of(sd[name]).name)  # the context coder reads the whole base
-            if prev.device == new.device and not keep_base:
+            if prev.device == new.device:
                 pos, ob, nb = changed_bits(prev, new, update=True)  # the kept bits follow in the same pass
-                base = None
             else:
-                old = prev if prev.device == new.device else prev.to(new.device, non_blocking=True)
-                pos, ob, nb = changed_bits(old, new)
-                # kept before the kept bits move (one copy per version in flight, of changed tensors only)
-                base = prev.to("cpu", copy=True) if keep_base and pos.numel() else None
+                pos, ob, nb = changed_bits(prev.to(new.device, non_blocking=True), new)
                 prev[pos.to(prev.device)] = nb.to(prev.device)  # the kept bits follow in O(changed)
             fp = fpr.update_fingerprint(self._fps[name], pos, ob, nb)
             t = sd[name]
+            policy = codec.context_policy(name, dtype_of(t), t.shape, pos.numel()) if context else None
             changes.append(_Change(name, dtype_of(t), tuple(t.shape), pos.cpu(), nb.cpu(), ob.cpu(), self._fps[name], fp,
-                                   base))
+                                   None if policy is None else prev, policy))
             self._fps[name] = fp
         self.last_changed = sum(c.positions.numel() for c in changes)
+        if any(c.kept is not None for c in changes):
+            self._hold_kept()  # the context coder reads its base from the kept bits, in the background
         return ("delta", version, self.version, self.anchor_version, changes)
+
+    def _hold_kept(self) -> None:
+        """A queued job will read the kept bits: the next diff (which moves them) waits for it."""
+        with self._kept_lock:
+            self._kept_readers += 1
+            self._kept_free.clear()
+
+    def _release_kept(self) -> None:
+        with self._kept_lock:
+            self._kept_readers -= 1
+            if self._kept_readers == 0:
+                self._kept_free.set()
 
     def _snapshot_anchor(self, sd, version, first: bool):
         """An anchor is written from the kept bits (no copy of its own): the next version's diff
         waits until the background has read them (:attr:`_kept_free`). The first version's
         fingerprints are computed there too, while it writes (on every core)."""
         kept = {n: self._prev[n].view(dtype_of(t).torch).reshape(t.shape) for n, t in sd.items()}
-        self._kept_free.clear()
+        self._hold_kept()
         return ("anchor", version, None, version, (kept, None if first else dict(self._fps)))
 
     def _remember(self, sd):
@@ -340,8 +360,8 @@ class DeltaPublisher:
             except BaseException as e:  # surfaced by publish()/wait()
                 self._error = e
             finally:
-                if job is not None and job[0] == "anchor":
-                    self._kept_free.set()  # done reading the kept bits, written or not
+                if job is not None and (job[0] == "anchor" or any(c.kept is not None for c in job[4])):
+                    self._release_kept()  # done reading the kept bits, written or not
                 self._queue.task_done()
 
     def _build(self, kind, version, base_version, anchor_version, payload):
@@ -365,17 +385,21 @@ class DeltaPublisher:
             if not self._fps:
                 self._fps = fps
         else:
+            tables = codec.step_tables((c.dtype, c.old_bits, c.new_bits) for c in payload if c.kept is not None)
+
             def enc(c: _Change):
                 if c.positions.numel() == 0:
                     return None
                 return codec.encode_tensor(c.dtype, c.shape, c.positions, c.new_bits, c.old_bits, self.mode,
-                                           self.chunk_min_cell, c.base)
+                                           self.chunk_min_cell, c.context(tables))
 
             for c, e in zip(payload, self._pool.map(enc, payload)):
                 if e is None:
                     b.add_unchanged(c.name, c.dtype, c.shape, c.fp)
                 else:
                     b.add_encoded(c.name, c.dtype, c.shape, c.positions.numel(), e, c.base_fp, c.fp)
+                    if codec.uses_context(e):
+                        b.add_step_tables(c.dtype.name, tables[c.dtype.name])
         with self._latest_lock:
             b.publish(self.store, self.signer, self.latest_ttl_s)
             self._latest = b.latest
