@@ -116,6 +116,34 @@ def best(fn, repeat=3):
     return t
 
 
+def at_scale(tensors: int = 8, rows: int = 4096, cols: int = 4096, density: float = 0.01):
+    """Decode of one version of big tensors (synthetic: small weights change more often, as in
+    training) against load_file of the same tensors, where per-part costs no longer count:
+    (changed elements, seconds to decode on one thread, on every core, seconds to load_file)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    g = torch.Generator().manual_seed(0)
+    parts, new_sd = [], {}
+    for i in range(tensors):
+        w = (torch.randn(rows, cols, generator=g) * 0.02).bfloat16()
+        rate = (density * 0.004 / w.float().abs().clamp(min=1e-4)).clamp(max=0.5)
+        chg = torch.rand(rows, cols, generator=g) < rate
+        bits = as_bits(w).clone()
+        bits[chg] += torch.where(torch.rand(rows, cols, generator=g) < 0.5, 1, -1)[chg].to(torch.int16)
+        new_sd[f"model.layers.{i}.mlp.up_proj.weight"] = bits.view(torch.bfloat16)
+        parts.append((f"model.layers.{i}.mlp.up_proj.weight", (rows, cols), as_bits(w).reshape(-1), chg.reshape(-1)))
+    ch = [(n, shape, ob, torch.nonzero(c).reshape(-1), ob[c], as_bits(new_sd[n]).reshape(-1)[c]) for n, shape, ob, c in parts]
+    encs, tables = encode_all(ch, True)
+    assert all(e.pos_coder == "ctx" for e in encs)
+    one = best(lambda: decode_all(ch, encs, tables), 2)
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        every = best(lambda: list(pool.map(lambda i: decode_all([ch[i]], [encs[i]], tables), range(len(ch)))), 2)
+    path = os.path.join(tempfile.mkdtemp(), "big.safetensors")
+    save_file(new_sd, path)
+    load = best(lambda: load_file(path), 3)
+    return sum(c[3].numel() for c in ch), sum(c[2].numel() for c in ch), one, every, load
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lr", type=float, nargs="+", default=[1e-6, 3e-6])
@@ -133,6 +161,8 @@ def main():
           "| dec v1 MB/s | dec v2 MB/s | load_file MB/s | dec v2 / load_file time |")
     print("|" + "---|" * 15)
     tmp = tempfile.mkdtemp()
+    warm = pair_changes(*versions(a.lr[0], 8, log=lambda *x: None)[:2])
+    decode_all(warm, *encode_all(warm, True))  # the numba kernels loaded from their cache, not timed
     for lr in a.lr:
         vs = versions(lr, 8, log=lambda *x: None)
         tot = np.zeros(8)
@@ -167,6 +197,11 @@ def main():
               f"arc_v3/v2 {arc / b2:.2f}, arc_v3/v1 {arc / b1:.2f}", flush=True)
     one, every = scan_rate()
     print(f"context pass: {one / 1e9:.2f} G base elements/s on one core, {every / 1e9:.2f} G/s on {os.cpu_count()} cores")
+    nnz, numel, t1, tn, tl = at_scale()
+    print(f"at scale (8 x 4096 x 4096 bf16, {100 * nnz / numel:.2f} % changed, synthetic): decode {t1:.3f} s on one thread "
+          f"({t1 / tl:.1f}x load_file), {tn:.3f} s on {os.cpu_count()} ({tn / tl:.1f}x); load_file {tl:.3f} s "
+          f"({2 * numel / tl / 1e9:.1f} GB/s); per element of the model: {1e9 * t1 / numel:.2f} ns decode, "
+          f"{1e9 * tl / numel:.2f} ns load_file")
 
 
 if __name__ == "__main__":

@@ -19,8 +19,10 @@ then one delta per step); every number comes from the published manifests and bl
   as bf16, as in the bf16 checkpoint.
 * **fp8 (bf16 cast)**: the same recipe applied to the bf16 cast.
 
-Delta bytes = the delta's ``v*.bin`` blobs + its manifest. Checkpoint bytes = 2 B per
-bf16 element, 1 B per fp8 element, 4 B per scale.
+Each is published twice, with codec v1 (``ENGINE_EXT_CONTEXT_CODER=0``) and with v2 (the
+default: the context coder where it saves 10 %). Delta bytes = the delta's ``v*.bin``
+blobs + its manifest. Checkpoint bytes = 2 B per bf16 element, 1 B per fp8 element, 4 B
+per scale.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.train_data import size_args, spec_kwargs, versions  # noqa: E402
+from engine_ext import settings  # noqa: E402
 from engine_ext.format.manifest import Manifest, manifest_key  # noqa: E402
 from engine_ext.trainer.publisher import DeltaPublisher  # noqa: E402
 from engine_ext.format.quantize import BLOCK, FP8, SCALE_SUFFIX, fp8_block_state_dict, quantizes, scale_name  # noqa: E402
@@ -127,11 +130,12 @@ def run_lr(lr: float, steps: int, settle: int, kw: dict, log=print) -> None:
     masters = versions(lr, steps, settle=settle, masters=True, log=log, **kw)
     linear_names = {n for n, t in masters[0].items() if quantizes(n, t)}
     bf16 = [bf16_checkpoint(m) for m in masters]
-    kinds = {"bf16": bf16, "fp8 (fp32 masters)": [fp8_checkpoint(m) for m in masters],
-             "fp8 (bf16 cast)": [fp8_checkpoint(m) for m in bf16]}
+    checkpoints = {"bf16": bf16, "fp8 (fp32 masters)": [fp8_checkpoint(m) for m in masters],
+                   "fp8 (bf16 cast)": [fp8_checkpoint(m) for m in bf16]}
+    kinds = {f"{k} {coder}": (vs, coder) for k, vs in checkpoints.items() for coder in ("v1", "v2")}
     rows, parts, tiles, linear = [], [], [], {}
-    for kind, vs in kinds.items():
-        with tempfile.TemporaryDirectory(prefix="fp8-bench-") as d:
+    for kind, (vs, coder) in kinds.items():
+        with tempfile.TemporaryDirectory(prefix="fp8-bench-") as d, settings.override(context_coder=coder == "v2"):
             manifests = publish(vs, Path(d))
         numel = numel_by_part(vs[0], linear_names)
         total = sum(numel.values())
@@ -150,7 +154,7 @@ def run_lr(lr: float, steps: int, settle: int, kw: dict, log=print) -> None:
         linear[kind] = (nnz["linear"], payload["linear"] + payload["scale"])
         parts.append(f"| {kind} | {ckpt / 1e6:.2f} MB | "
                      + " | ".join(f"{payload[p] / nnz[p]:.3f} ({payload[p]:,.0f} B)" if nnz[p] else "-" for p in PARTS) + " |")
-        if numel["scale"]:
+        if numel["scale"] and coder == "v2":
             t = sum(tile_changes(a, b) for a, b in itertools.pairwise(vs)).tolist()
             tiles.append(f"| {kind} | {t[0] // steps} | {pct(t[1] / t[0])} | "
                          + (f"{pct(t[3] / t[2])}" if t[2] else "-") + f" | {pct(t[5] / t[4]) if t[4] else '-'} |")
@@ -162,10 +166,11 @@ def run_lr(lr: float, steps: int, settle: int, kw: dict, log=print) -> None:
           "blob B per changed element |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
-    b_nnz, b_bytes = linear["bf16"]
-    print("\nLinear weights alone, against bf16 (fp8 bytes include the scales): " + "; ".join(
-        f"{k}: {b_nnz / n:.1f}x fewer changed weights, {b_bytes / b:.1f}x fewer payload bytes"
-        for k, (n, b) in linear.items() if k != "bf16"))
+    for coder in ("v1", "v2"):
+        b_nnz, b_bytes = linear[f"bf16 {coder}"]
+        print(f"\nLinear weights alone, against bf16 {coder} (fp8 bytes include the scales): " + "; ".join(
+            f"{k}: {b_nnz / n:.1f}x fewer changed weights, {b_bytes / b:.1f}x fewer payload bytes"
+            for k, (n, b) in linear.items() if k.endswith(coder) and not k.startswith("bf16")))
     print("\nPayload (positions + values) per changed element, and per step, by part:\n")
     print("| checkpoint | checkpoint bytes | linear weights | scales | other tensors |")
     print("|---|---|---|---|---|")

@@ -1,7 +1,9 @@
 """Tensor parallelism 2 with tied embeddings and a padded vocabulary, on a real vLLM CPU server.
 
 Each rank holds half of the (tied) embedding rows, of q/k/v and of the MLP; the
-padded vocabulary (1000 -> 1024 rows) leaves padding rows on rank 1. The deltas are cut
+padded vocabulary (1000 -> 1024 rows) leaves padding rows on rank 1. Most parts of the
+deltas are context coded (codec v2, the default), each rank decoding the blocks it holds
+from its own weights. The deltas are cut
 into small cells (as a big model's are at the default size), so each rank fetches only
 the rows or columns it holds: at most 0.6x of the delta. Then rank 1 fails in the middle
 of an update, after writing its part (tests/server_hooks): every rank rolls back, the
@@ -27,6 +29,11 @@ def test_tp2_tied_embeddings(tmp_path):
     root = tmp_path / "stores"
     final = rl_trajectory(model, root / "run", K + 1, seed=3, chunk_min_cell=256)
     assert not any(n.startswith("lm_head") for n in final)
+    for n in range(1, K + 2):  # codec v2 by default: most parts context coded, the padded embedding's among them
+        tensors = json.loads((root / "run" / f"v{n:08d}.json").read_text())["tensors"]
+        coders = [p["positions"]["coder"] for t in tensors if t["nnz"] for p in (t["chunks"] or [t])]
+        embed = next(t for t in tensors if t["name"] == "model.embed_tokens.weight")
+        assert coders.count("ctx") > len(coders) / 2 and any(p["positions"]["coder"] == "ctx" for p in embed["chunks"])
     fault = tmp_path / "fault"  # tests/server_hooks: rank N fails its next apply while this file holds N
     env = HOOKS | {"ENGINE_EXT_TEST_FAULT": str(fault)}
     server = Server(model, sources=str(root), tp=2, env=env, log=tmp_path / "tp2.log")  # version unknown: matched by fingerprint
