@@ -10,7 +10,7 @@ arc_v3 (``fireworks-delta-compression``, only where installed: ``bench/fireworks
 says how; blob + checksum), and the first-order entropy bound (gaps + steps; the smaller of
 pooled over the model and per tensor). Speeds on one thread: encode in MB of bf16 model per
 second, decode against ``safetensors.torch.load_file`` of the same tensors from the page
-cache (time ratio); then the context pass alone in base elements per second, on one core and
+cache, their bytes read (time ratio); then the context pass alone in base elements per second, on one core and
 on every core.
 """
 from __future__ import annotations
@@ -73,6 +73,11 @@ def decode_all(ch, encs, tables):
             codec.decode_values(e.val_coder, e.val, pos.numel(), BF16)
 
 
+def load_all(path: str) -> list:
+    """safetensors' load of every tensor, its bytes read (load_file alone maps the file and reads nothing)."""
+    return [t.clone() for t in load_file(path).values()]
+
+
 def scan_rate(n: int = 1 << 26) -> tuple[float, float]:
     """Base elements per second of the context pass over a bf16 part of ``n`` elements cut
     into 8 x 8 blocks at 1 % changes: (one core, every core)."""
@@ -133,15 +138,17 @@ def at_scale(tensors: int = 8, rows: int = 4096, cols: int = 4096, density: floa
         new_sd[f"model.layers.{i}.mlp.up_proj.weight"] = bits.view(torch.bfloat16)
         parts.append((f"model.layers.{i}.mlp.up_proj.weight", (rows, cols), as_bits(w).reshape(-1), chg.reshape(-1)))
     ch = [(n, shape, ob, torch.nonzero(c).reshape(-1), ob[c], as_bits(new_sd[n]).reshape(-1)[c]) for n, shape, ob, c in parts]
+    t0 = time.perf_counter()
     encs, tables = encode_all(ch, True)
+    encode_s = time.perf_counter() - t0
     assert all(e.pos_coder == "ctx" for e in encs)
     one = best(lambda: decode_all(ch, encs, tables), 2)
     with ThreadPoolExecutor(os.cpu_count()) as pool:
         every = best(lambda: list(pool.map(lambda i: decode_all([ch[i]], [encs[i]], tables), range(len(ch)))), 2)
     path = os.path.join(tempfile.mkdtemp(), "big.safetensors")
     save_file(new_sd, path)
-    load = best(lambda: load_file(path), 3)
-    return sum(c[3].numel() for c in ch), sum(c[2].numel() for c in ch), one, every, load
+    load = best(lambda: load_all(path), 3)
+    return sum(c[3].numel() for c in ch), sum(c[2].numel() for c in ch), one, every, load, encode_s
 
 
 def main():
@@ -183,7 +190,7 @@ def main():
             t_d2 = best(lambda: decode_all(ch, v2, tables))
             path = os.path.join(tmp, "changed.safetensors")
             save_file({n: new[n].contiguous() for n, *_ in ch}, path)
-            t_load = best(lambda: load_file(path), 5)
+            t_load = best(lambda: load_all(path), 5)
             b1 = sum(len(e.pos) + len(e.val) for e in v1)
             b2 = sum(len(e.pos) + len(e.val) for e in v2) + sum(len(t) for t in tables)
             arc = sum(fw.arc_v3_bytes(old[n], new[n]) for n, *_ in ch) if have_fw else float("nan")
@@ -197,11 +204,11 @@ def main():
               f"arc_v3/v2 {arc / b2:.2f}, arc_v3/v1 {arc / b1:.2f}", flush=True)
     one, every = scan_rate()
     print(f"context pass: {one / 1e9:.2f} G base elements/s on one core, {every / 1e9:.2f} G/s on {os.cpu_count()} cores")
-    nnz, numel, t1, tn, tl = at_scale()
+    nnz, numel, t1, tn, tl, te = at_scale()
     print(f"at scale (8 x 4096 x 4096 bf16, {100 * nnz / numel:.2f} % changed, synthetic): decode {t1:.3f} s on one thread "
           f"({t1 / tl:.1f}x load_file), {tn:.3f} s on {os.cpu_count()} ({tn / tl:.1f}x); load_file {tl:.3f} s "
           f"({2 * numel / tl / 1e9:.1f} GB/s); per element of the model: {1e9 * t1 / numel:.2f} ns decode, "
-          f"{1e9 * tl / numel:.2f} ns load_file")
+          f"{1e9 * tl / numel:.2f} ns load_file; encode {2 * numel / te / 1e6:.0f} MB of model/s on one thread")
 
 
 if __name__ == "__main__":

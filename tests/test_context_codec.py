@@ -318,6 +318,17 @@ def test_publisher_choice_and_switch(tmp_path):
     assert doc["tensors"][0]["positions"]["coder"] != "ctx" and doc["step_tables"] is None
 
 
+def test_a_sample_decides_whether_the_context_is_worth_a_pass():
+    """Changes that follow the exponents are tried; uniform ones (nothing to gain) skip the
+    passes over the whole base."""
+    old, new = _pair((512, 512))
+    pos, _, base = _changes(old, new)
+    assert cc.pays("bfloat16", cc.sample(base), base[pos], base.size, codec.CONTEXT_GAIN)
+    uniform = np.flatnonzero(np.random.default_rng(0).random(base.size) < pos.size / base.size)
+    assert not cc.pays("bfloat16", cc.sample(base), base[uniform], base.size, codec.CONTEXT_GAIN)
+    assert cc.sample(base).size == cc.SAMPLE_RUNS * cc.SAMPLE_RUN
+
+
 def test_the_publisher_never_copies_the_model_for_the_context(tmp_path):
     """The context's base is the kept bits with the old bits put back, read in the background:
     the next version's diff waits for that read, and every version decodes exactly."""

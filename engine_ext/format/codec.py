@@ -154,6 +154,14 @@ def step_tables(changes) -> dict[str, list[bytes]]:
             for dt, v in by_dtype.items()}
 
 
+def _context_pays(dtype: DType, context: Context, old_bits: torch.Tensor, numel: int) -> bool:
+    from . import context_codec
+
+    return context_codec.supports(dtype.name) and context_codec.pays(
+        dtype.name, context_codec.sample(context.base.detach().reshape(-1)), old_bits.detach().cpu().numpy(), numel,
+        CONTEXT_GAIN)
+
+
 def encode_context(dtype: DType, shape, box, context: Context, pos: np.ndarray, old_bits: torch.Tensor,
                    new_bits: torch.Tensor) -> Encoded | None:
     """The context-coded form of a part's changes, or None where the coder does not apply."""
@@ -186,6 +194,8 @@ def encode_tensor(dtype: DType, shape, positions: torch.Tensor, new_bits: torch.
     cells it holds. With a ``context``, the context coder is tried per part."""
     numel = int(np.prod(shape, dtype=np.int64))
     cuts = None if min_cell is None else chunks.grid(shape, min_cell)
+    if context is not None and old_bits is not None and not _context_pays(dtype, context, old_bits, numel):
+        context = None  # a sample shows nothing to gain: no pass over the whole base
     if cuts is None:
         return encode(dtype, numel, positions, new_bits, old_bits, mode, context, tuple(shape))
     pos = positions.detach().cpu().numpy().astype(np.int64, copy=False)

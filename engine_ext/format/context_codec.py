@@ -137,6 +137,34 @@ def class_key(edges, dtype_name: str, numel: int) -> tuple[int, int, np.ndarray]
     return top, 0xFFFF, lut[(keys >> shift) & mask]
 
 
+SAMPLE_RUNS, SAMPLE_RUN = 64, 4096  # the base elements :func:`pays` looks at: evenly spaced runs
+
+
+def sample(flat) -> np.ndarray:
+    """Up to SAMPLE_RUNS evenly spaced runs of SAMPLE_RUN elements of a flat tensor or array, as numpy."""
+    n = flat.shape[0]
+    if n <= SAMPLE_RUNS * SAMPLE_RUN:
+        picked = flat
+    else:
+        starts = np.linspace(0, n - SAMPLE_RUN, SAMPLE_RUNS).astype(np.int64)
+        picked = [flat[int(a):int(a) + SAMPLE_RUN] for a in starts]
+        picked = np.concatenate([np.asarray(p.cpu() if hasattr(p, "cpu") else p) for p in picked])
+    return np.asarray(picked.cpu() if hasattr(picked, "cpu") else picked)
+
+
+def pays(dtype_name: str, base_sample: np.ndarray, changed_old: np.ndarray, numel: int, gain: float) -> bool:
+    """Whether the exponent context promises at least ``gain`` of the mask's bits: the ideal
+    cost of the changes given each element's exponent (populations from ``base_sample``)
+    against without. Uniform changes (no context to use) skip the context coder's passes
+    over the whole base. Encoder only."""
+    n_exp = EXPONENT[dtype_name][1] + 1
+    pop = np.bincount(exponents(base_sample, dtype_name), minlength=n_exp) * (numel / max(base_sample.size, 1))
+    chg = np.bincount(exponents(changed_old, dtype_name), minlength=n_exp).astype(np.float64)
+    plain = _bin_entropy(float(chg.sum()), float(numel))
+    given = sum(_bin_entropy(min(k, n), n) for k, n in zip(chg, np.maximum(pop, chg)) if k)
+    return given <= (1 - gain) * plain
+
+
 def _zigzag(steps: np.ndarray, itemsize: int) -> np.ndarray:
     w = 8 * itemsize
     s = steps.astype(np.int64)

@@ -88,10 +88,17 @@ class _Change:
     policy: int | None = None  # the tensor's block policy for the context coder
 
     def context(self, tables: dict) -> codec.Context | None:
-        """The context coder's inputs, read from the kept bits (on the background thread)."""
+        """The context coder's inputs, read from the kept bits (on the background thread);
+        None where a sample shows no context to use (no copy, no pass over the base)."""
+        from ..format import context_codec
+
         if self.kept is None or not tables.get(self.dtype.name):
             return None
-        base = self.kept.reshape(-1).to("cpu", copy=True)
+        kept = self.kept.reshape(-1)
+        if not context_codec.pays(self.dtype.name, context_codec.sample(kept), self.old_bits.numpy(), kept.numel(),
+                                  codec.CONTEXT_GAIN):
+            return None
+        base = kept.to("cpu", copy=True)
         base[self.positions] = self.old_bits
         return codec.Context(base, self.policy, tables[self.dtype.name])
 
