@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.codec_bench import entropy_bits  # noqa: E402
 from bench.train_data import versions  # noqa: E402
-from engine_ext.format import codec, context_blocks, context_codec, context_kernels  # noqa: E402
+from engine_ext.format import codec, context_blocks, context_codec, context_kernels, context_models  # noqa: E402
 from engine_ext.format.dtypes import BY_NAME, as_bits, step_between  # noqa: E402
 
 BF16 = BY_NAME["bfloat16"]
@@ -48,7 +48,7 @@ def pair_changes(a: dict, b: dict):
 
 def step_tables(ch) -> list[bytes]:
     """The version's step tables, as the publisher builds them."""
-    return context_codec.step_tables("bfloat16", np.concatenate([context_codec.exponents(o.numpy(), "bfloat16") for *_, o, _ in ch]),
+    return context_models.step_tables("bfloat16", np.concatenate([context_models.exponents(o.numpy(), "bfloat16") for *_, o, _ in ch]),
                                      np.concatenate([step_between(o, n, True).numpy() for *_, o, n in ch]))
 
 
@@ -86,7 +86,7 @@ def scan_rate(n: int = 1 << 26) -> tuple[float, float]:
     base = torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 0.02).bfloat16()
     u = as_bits(base).numpy().view(np.uint16)
     bl = context_blocks.blocks(shape, None, 0b0011)
-    shift, mask, lut = context_codec.class_key(list(range(110, 125)), "bfloat16", n)
+    shift, mask, lut = context_models.class_key(list(range(110, 125)), "bfloat16", n)
     K = 16
     ranks, starts = [], np.zeros((bl.S, K + 1), np.int64)
     at = 0

@@ -83,7 +83,7 @@ def cmd_diff(a) -> str:
         dt = new.tensors[name].dtype
         policy = codec.context_policy(name, dt, n.shape, pos.numel()) if settings.current().context_coder else None
         changes.append((name, dt, tuple(n.shape), pos, old_at, new_at, fo, fn, policy))
-    tables = codec.step_tables((c[1], c[4], c[5]) for c in changes if c[8] is not None)
+    tables = codec.step_tables_by_dtype((c[1], c[4], c[5]) for c in changes if c[8] is not None)
     for name, dt, shape, pos, old_at, new_at, fo, fn, policy in changes:
         if pos.numel() == 0:
             b.add_unchanged(name, dt, shape, fn)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_ext.format import codec, context_blocks as cb, context_codec as cc
+from engine_ext.format import codec, context_blocks as cb, context_codec as cc, context_kernels as ck, context_models as cm
 from engine_ext.store import open_store, reader
 from engine_ext import settings
 from engine_ext.format.delta import apply_tensor
@@ -46,8 +46,8 @@ def _name(dtype) -> str:
 
 
 def _encode(name, shape, base, pos, steps, policy, box=None):
-    exps = cc.exponents(base[pos], name)
-    tables = cc.step_tables(name, exps, steps)
+    exps = cm.exponents(base[pos], name)
+    tables = cm.step_tables(name, exps, steps)
     return cc.encode(name, shape, box, policy, base, pos, steps, tables), tables
 
 
@@ -66,7 +66,7 @@ def test_round_trip_exact(dtype, shape, policy):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_big_parts_look_classes_up_by_the_top_bits(dtype):
     shape = (1024, 1024)
-    assert cb.blocks(shape, None, 0b0011).numel >= cc.WIDE_MIN
+    assert cb.blocks(shape, None, 0b0011).numel >= cm.WIDE_MIN
     old, new = _pair(shape, dtype, density=0.005)
     pos, steps, base = _changes(old, new)
     e, tables = _encode(_name(dtype), shape, base, pos, steps, 0b0011)
@@ -79,8 +79,8 @@ def test_the_decoders_models_are_pinned():
     host builds the same models; pinned, so that a changed model is a new format, not a drift."""
     h = hashlib.sha256()
     for key in range(5 * 16):
-        h.update(cc._quotient_probs(key).tobytes())
-    h.update(cc.table_weights(bytes(range(1, 256))).tobytes())
+        h.update(cm.quotient_probs(key).tobytes())
+    h.update(cm.table_weights(bytes(range(1, 256))).tobytes())
     assert h.hexdigest() == PINNED, h.hexdigest()
 
 
@@ -204,7 +204,7 @@ def test_the_context_pass_matches_its_definition():
     old, _ = _pair(shape, seed=3)
     u = as_bits(old).reshape(-1).numpy().view(np.uint16)
     bl = cb.blocks(shape, None, 0b1011)
-    lut = cc.class_lut([118, 120, 122], "bfloat16")
+    lut = cm.class_lut([118, 120, 122], "bfloat16")
     rng = np.random.default_rng(0)
     ranks, starts = [], np.zeros((bl.S, 5), np.int64)
     for b in range(bl.S):
@@ -217,13 +217,13 @@ def test_the_context_pass_matches_its_definition():
         if b + 1 < bl.S:
             starts[b + 1, 0] = starts[b, 4]
     ranks = np.concatenate(ranks).astype(np.int64)
-    got = cc.scan(u, 7, 0xFF, lut, bl, ranks, starts)
+    got = ck.scan(u, 7, 0xFF, lut, bl, ranks, starts)
     want = _model_scan(u, 7, 0xFF, lut, bl, ranks, starts)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
     too_far = ranks.copy()
     too_far[starts[0, 1] - 1] += 1000  # past the class's population in block 0
     with pytest.raises(IntegrityError, match="beyond their class"):
-        cc.scan(u, 7, 0xFF, lut, bl, too_far, starts)
+        ck.scan(u, 7, 0xFF, lut, bl, too_far, starts)
 
 
 def test_hostile_bytes_fail_cleanly():
@@ -301,7 +301,7 @@ def test_publisher_choice_and_switch(tmp_path):
     old, new = _pair((256, 256))
     ob, nb = as_bits(old).reshape(-1), as_bits(new).reshape(-1)
     pos = torch.nonzero(ob != nb).reshape(-1)
-    tables = cc.step_tables("bfloat16", cc.exponents(ob[pos].numpy(), "bfloat16"), step_between(ob[pos], nb[pos], True).numpy())
+    tables = cm.step_tables("bfloat16", cm.exponents(ob[pos].numpy(), "bfloat16"), step_between(ob[pos], nb[pos], True).numpy())
     context = codec.Context(ob, 0b1011, tables)
     plain = codec.encode(BY_NAME["bfloat16"], ob.numel(), pos, nb[pos], ob[pos])
     ctx = codec.encode(BY_NAME["bfloat16"], ob.numel(), pos, nb[pos], ob[pos], context=context, shape=(256, 256))
@@ -323,10 +323,11 @@ def test_a_sample_decides_whether_the_context_is_worth_a_pass():
     passes over the whole base."""
     old, new = _pair((512, 512))
     pos, _, base = _changes(old, new)
-    assert cc.pays("bfloat16", cc.sample(base), base[pos], base.size, codec.CONTEXT_GAIN)
+    some = cc.sample(torch.from_numpy(base))
+    assert some.size == cc.SAMPLE_RUNS * cc.SAMPLE_RUN
+    assert cc.pays("bfloat16", some, base[pos], base.size, codec.CONTEXT_GAIN)
     uniform = np.flatnonzero(np.random.default_rng(0).random(base.size) < pos.size / base.size)
-    assert not cc.pays("bfloat16", cc.sample(base), base[uniform], base.size, codec.CONTEXT_GAIN)
-    assert cc.sample(base).size == cc.SAMPLE_RUNS * cc.SAMPLE_RUN
+    assert not cc.pays("bfloat16", some, base[uniform], base.size, codec.CONTEXT_GAIN)
 
 
 def test_the_publisher_never_copies_the_model_for_the_context(tmp_path):

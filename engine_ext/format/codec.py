@@ -21,7 +21,7 @@ import pcodec
 import torch
 import zstandard
 
-from . import chunks
+from . import chunks, context_models
 from .dtypes import DType, step_between
 from ..errors import IntegrityError
 
@@ -36,9 +36,11 @@ _PCO = pcodec.ChunkConfig()
 
 @dataclass(frozen=True)
 class Context:
-    """What the context coder needs besides a tensor's changes: its base bits (flat, any
-    device), its block policy (:func:`engine_ext.format.context_codec.block_policy`) and the
-    version's step tables for its dtype."""
+    """What the context coder needs besides a tensor's changes: its bits (flat, any device),
+    the base's or the new version's (the changed elements are put back from the old bits
+    part by part, so a publisher hands its kept bits without copying the model), its block
+    policy (:func:`engine_ext.format.context_blocks.block_policy`) and the version's step
+    tables for its dtype."""
 
     base: torch.Tensor
     policy: int
@@ -133,31 +135,28 @@ def encode(dtype: DType, numel: int, positions: torch.Tensor, new_bits: torch.Te
 def context_policy(name: str, dtype: DType, shape, nnz: int) -> int | None:
     """The block policy a changed tensor is context coded under, or None where the coder is not tried."""
     from .context_blocks import block_policy
-    from .context_codec import supports
 
-    if not supports(dtype.name) or nnz < CONTEXT_MIN:
+    if not context_models.supports(dtype.name) or nnz < CONTEXT_MIN:
         return None
     return block_policy(name, shape)
 
 
-def step_tables(changes) -> dict[str, list[bytes]]:
+def step_tables_by_dtype(changes) -> dict[str, list[bytes]]:
     """A version's step tables per dtype, from ``(dtype, old bits, new bits)`` at the changes of
     every tensor the context coder may take (all of them, before any is encoded)."""
-    from . import context_codec
-
     by_dtype: dict[str, list] = {}
     for dtype, old_bits, new_bits in changes:
         old_bits = old_bits.detach().cpu()
         steps = step_between(old_bits, new_bits.detach().cpu(), dtype.is_float).numpy()
-        by_dtype.setdefault(dtype.name, []).append((context_codec.exponents(old_bits.numpy(), dtype.name), steps))
-    return {dt: context_codec.step_tables(dt, np.concatenate([e for e, _ in v]), np.concatenate([s for _, s in v]))
+        by_dtype.setdefault(dtype.name, []).append((context_models.exponents(old_bits.numpy(), dtype.name), steps))
+    return {dt: context_models.step_tables(dt, np.concatenate([e for e, _ in v]), np.concatenate([s for _, s in v]))
             for dt, v in by_dtype.items()}
 
 
 def _context_pays(dtype: DType, context: Context, old_bits: torch.Tensor, numel: int) -> bool:
     from . import context_codec
 
-    return context_codec.supports(dtype.name) and context_codec.pays(
+    return context_models.supports(dtype.name) and context_codec.pays(
         dtype.name, context_codec.sample(context.base.detach().reshape(-1)), old_bits.detach().cpu().numpy(), numel,
         CONTEXT_GAIN)
 
@@ -167,14 +166,16 @@ def encode_context(dtype: DType, shape, box, context: Context, pos: np.ndarray, 
     """The context-coded form of a part's changes, or None where the coder does not apply."""
     from . import context_codec
 
-    if not context_codec.supports(dtype.name) or not context.tables:
+    if not context_models.supports(dtype.name) or not context.tables:
         return None
-    base = context.base.detach().cpu().reshape(tuple(shape))
+    base = context.base.detach().reshape(tuple(shape))
     if box is not None:
         base = base[tuple(slice(a, b) for a, b in zip(*box))]
-    steps = step_between(old_bits, new_bits, dtype.is_float).detach().cpu().numpy()
-    e = context_codec.encode(dtype.name, shape, box, context.policy, base.contiguous().reshape(-1).numpy(), pos, steps,
-                             context.tables)
+    base = base.to("cpu", copy=True).reshape(-1)  # the part alone
+    old_bits = old_bits.detach().cpu()
+    base[torch.from_numpy(pos)] = old_bits  # the base, whichever version's bits the context holds
+    steps = step_between(old_bits, new_bits.detach().cpu(), dtype.is_float).numpy()
+    e = context_codec.encode(dtype.name, shape, box, context.policy, base.numpy(), pos, steps, context.tables)
     return Encoded("ctx", e.pos, "rel", "ctx", e.val)
 
 

@@ -27,8 +27,8 @@ plain coder (:mod:`engine_ext.format.codec`) reaches (docs/benchmarks.md, "Codec
 
 Every probability both ends use comes from integers and IEEE ``+ - * /`` only (no ``exp``,
 ``log`` or ``pow``), so publisher and ranks on different hosts build bit-identical models.
-The entropy coder is ``constriction``'s range coder (one stream for counts and positions,
-one for steps). Decoding maps ranks to positions with one pass over each held block's base
+The probabilities are :mod:`engine_ext.format.context_models`'. The entropy coder is
+``constriction``'s range coder (one stream for counts and positions, one for steps). Decoding maps ranks to positions with one pass over each held block's base
 (:func:`scan`, numba, blocks on every core; a Triton pass in
 ``engine_ext.triton_kernels.context_scan``).
 
@@ -40,56 +40,25 @@ or to a result whose fingerprint the caller refuses.
 """
 from __future__ import annotations
 
-import functools
 import math
 import struct
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from ..errors import IntegrityError, PartlyHeldError
 from .context_blocks import MAX_POLICY, Blocks, Box, blocks
 from .context_kernels import exponent_histogram, ranks as block_ranks, scan
+from .context_models import (EXACT, EXPONENT, INT, ITEMSIZE, QMAX, UINT, alphabet, best_table, class_key, class_lut,
+                             count_params, exponents, golomb_params, quotient_probs, step_bins, supports,
+                             table_weights, unzigzag, zigzag)
 
 MAGIC = b"X2"
 MAX_CLASSES = 16
-MAX_TABLES = 64  # step tables per dtype in a manifest
-TABLE_MIN = 512  # changes behind one step table (rarer exponents share their neighbours')
-QMAX = 48  # Golomb quotients >= QMAX escape to 48 raw bits
-EXACT = 8  # zigzag steps below this are symbols of their own; above, one symbol per power of two
 CLASS_COST_BITS = 40  # header bits one more class costs (edge, population, count, table, block counts)
 
-# exponent field of each float dtype: (shift, mask) of the raw bits
-EXPONENT = {"bfloat16": (7, 0xFF), "float16": (10, 0x1F), "float32": (23, 0xFF),
-            "float8_e4m3fn": (3, 0xF), "float8_e5m2": (2, 0x1F)}
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
-_INT = {1: np.int8, 2: np.int16, 4: np.int32}
-# 2^(i/8) * 2^16, rounded: a step table's one-byte codes as exact integer weights
-_POW8 = (65536, 71468, 77936, 84990, 92682, 101070, 110218, 120194)
-
-
-def supports(dtype_name: str) -> bool:
-    return dtype_name in EXPONENT
-
-
-def alphabet(dtype_name: str) -> int:
-    """Step symbols of a dtype: EXACT small ones and one per power of two above."""
-    return EXACT + 8 * ITEMSIZE[dtype_name] - 3
-
-
 # ---------------------------------------------------------------- model pieces
-def exponents(bits: np.ndarray, dtype_name: str) -> np.ndarray:
-    shift, mask = EXPONENT[dtype_name]
-    return ((bits.view(_UINT[bits.itemsize]) >> shift) & mask).astype(np.uint8)
-
-
-def class_lut(edges, dtype_name: str) -> np.ndarray:
-    """uint8 class of every exponent value: the number of edges at or below it."""
-    _, mask = EXPONENT[dtype_name]
-    return np.searchsorted(np.asarray(edges, np.int64), np.arange(mask + 1), side="right").astype(np.uint8)
-
-
 def _bin_entropy(k: float, n: float) -> float:
     """Bits of an ideal code of ``k`` changes among ``n`` elements (n * H(k / n))."""
     if k <= 0 or k >= n:
@@ -121,35 +90,15 @@ def choose_edges(pop: np.ndarray, chg: np.ndarray) -> list[int]:
     return [g[0] for g in groups[1:]]
 
 
-WIDE_MIN = 1 << 20  # parts this big look classes up by the top 16 bits of an element (one shift, no mask)
-
-
-def class_key(edges, dtype_name: str, numel: int) -> tuple[int, int, np.ndarray]:
-    """(shift, mask, lookup table): an element's class is ``lut[(bits >> shift) & mask]``. Big
-    parts of 16- and 32-bit floats use a table over the top 16 bits (sign, exponent, a few
-    mantissa bits): the pass then does one shift per element; small ones the exponent's."""
-    shift, mask = EXPONENT[dtype_name]
-    lut = class_lut(edges, dtype_name)
-    if numel < WIDE_MIN or ITEMSIZE[dtype_name] == 1:
-        return shift, mask, lut
-    top = 8 * ITEMSIZE[dtype_name] - 16
-    keys = np.arange(1 << 16, dtype=np.int64) << top
-    return top, 0xFFFF, lut[(keys >> shift) & mask]
-
-
 SAMPLE_RUNS, SAMPLE_RUN = 64, 4096  # the base elements :func:`pays` looks at: evenly spaced runs
 
 
-def sample(flat) -> np.ndarray:
-    """Up to SAMPLE_RUNS evenly spaced runs of SAMPLE_RUN elements of a flat tensor or array, as numpy."""
-    n = flat.shape[0]
-    if n <= SAMPLE_RUNS * SAMPLE_RUN:
-        picked = flat
-    else:
-        starts = np.linspace(0, n - SAMPLE_RUN, SAMPLE_RUNS).astype(np.int64)
-        picked = [flat[int(a):int(a) + SAMPLE_RUN] for a in starts]
-        picked = np.concatenate([np.asarray(p.cpu() if hasattr(p, "cpu") else p) for p in picked])
-    return np.asarray(picked.cpu() if hasattr(picked, "cpu") else picked)
+def sample(flat: torch.Tensor) -> np.ndarray:
+    """Up to SAMPLE_RUNS evenly spaced runs of SAMPLE_RUN elements of a flat tensor (any device), as numpy."""
+    n = flat.numel()
+    if n > SAMPLE_RUNS * SAMPLE_RUN:
+        flat = torch.cat([flat[a:a + SAMPLE_RUN] for a in np.linspace(0, n - SAMPLE_RUN, SAMPLE_RUNS).astype(np.int64).tolist()])
+    return flat.cpu().numpy()
 
 
 def pays(dtype_name: str, base_sample: np.ndarray, changed_old: np.ndarray, numel: int, gain: float) -> bool:
@@ -165,104 +114,7 @@ def pays(dtype_name: str, base_sample: np.ndarray, changed_old: np.ndarray, nume
     return given <= (1 - gain) * plain
 
 
-def _zigzag(steps: np.ndarray, itemsize: int) -> np.ndarray:
-    w = 8 * itemsize
-    s = steps.astype(np.int64)
-    return ((s << 1) ^ (s >> (w - 1))) & ((1 << w) - 1)
-
-
-def _unzigzag(z: np.ndarray, itemsize: int) -> np.ndarray:
-    return ((z >> 1) ^ -(z & 1)).astype(_INT[itemsize])
-
-
-def _bit_length(x: np.ndarray) -> np.ndarray:
-    """Bit length of non-negative int64s below 2^53 (frexp is exact)."""
-    return np.frexp(x.astype(np.float64))[1].astype(np.int64)
-
-
-def _step_bins(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(symbol, low-bit count) of zigzag steps: ``z`` below EXACT is its own symbol; else
-    symbol ``EXACT + log2(z) - 3`` and the ``log2(z)`` bits below the leading one."""
-    lg = _bit_length(z) - 1
-    big = z >= EXACT
-    return np.where(big, EXACT + lg - 3, z), np.where(big, lg, 0)
-
-
-# ---------------------------------------------------------------- step tables (model level)
-@functools.lru_cache(maxsize=256)
-def table_weights(codes: bytes) -> np.ndarray:
-    """The exact integer weights (as float64) of a step table's one-byte codes: ``2^((code - 1) / 8)``."""
-    c = np.frombuffer(bytes(codes), dtype=np.uint8).astype(np.int64) - 1
-    return (np.array(_POW8, dtype=np.int64)[c % 8] << (c // 8)).astype(np.float64)
-
-
-def _codes(hist: np.ndarray) -> bytes:
-    return np.minimum(255, 1 + np.round(8 * np.log2(hist + 1.0))).astype(np.uint8).tobytes()
-
-
-def step_tables(dtype_name: str, exps: np.ndarray, steps: np.ndarray) -> list[bytes]:
-    """A version's step tables for one dtype, from the exponents and steps of all its changes:
-    one per exponent with ``TABLE_MIN`` changes or more (rarer ones join their neighbours),
-    at most ``MAX_TABLES``. Every symbol gets a nonzero weight. Encoder only."""
-    A = alphabet(dtype_name)
-    sym, _ = _step_bins(_zigzag(steps, ITEMSIZE[dtype_name]))
-    n_exp = EXPONENT[dtype_name][1] + 1
-    by_exp = np.bincount(exps.astype(np.int64) * A + sym, minlength=n_exp * A).reshape(n_exp, A)
-    need = max(TABLE_MIN, -(-int(by_exp.sum()) // MAX_TABLES))
-    tables, acc = [], np.zeros(A, dtype=np.int64)
-    for e in range(n_exp):
-        acc += by_exp[e]
-        if acc.sum() >= need:
-            tables.append(acc)
-            acc = np.zeros(A, dtype=np.int64)
-    if acc.sum() or not tables:
-        if tables and acc.sum() < need:
-            tables[-1] = tables[-1] + acc
-        else:
-            tables.append(acc)
-    return [_codes(t) for t in tables[:MAX_TABLES]]
-
-
-@functools.lru_cache(maxsize=64)
-def _table_bits(tables: tuple[bytes, ...]) -> np.ndarray:
-    """[tables, symbols]: the bits each table spends on each symbol. Encoder only."""
-    w = np.stack([table_weights(t) for t in tables])
-    return -np.log2(w / w.sum(axis=1, keepdims=True))
-
-
-def _best_table(hist: np.ndarray, tables: list[bytes]) -> int:
-    """The table under which a class's symbol histogram costs the fewest bits. Encoder only."""
-    return int(np.argmin(_table_bits(tuple(tables)) @ hist))
-
-
 # ---------------------------------------------------------------- Golomb codes
-def _golomb_params(k: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(low bits b, quotient table key) of gaps between ``k`` changes among ``n`` elements:
-    ``2^b`` near ``n / (2 k)`` (so that ``x = 2^b k / n`` lies in (1/4, 1/2], or (1/4, 1] when
-    b = 0), and the key names the quotient law's level of ``x`` (1/16 steps)."""
-    k = np.maximum(k, 1)
-    b = np.maximum(0, _bit_length(n // k) - 2)
-    level = np.clip(((k << (b + 4)) // np.maximum(n, 1)) - 4, 0, 12)
-    return b, np.minimum(b, 4) * 16 + level
-
-
-@functools.lru_cache(maxsize=None)
-def _quotient_probs(key: int) -> np.ndarray:
-    """The geometric law of Golomb quotients ``0..QMAX-1`` plus the escape, for a table key:
-    ``rho = (1 - x / 2^b)^(2^b)`` by squaring (b capped at 4: the law barely moves above)."""
-    b, level = divmod(key, 16)
-    p = min((level + 4.5) / 16 / (1 << b), 0.96875)
-    rho = 1.0 - p
-    for _ in range(b):
-        rho = rho * rho
-    probs, acc = np.empty(QMAX + 1), 1.0
-    for j in range(QMAX):
-        probs[j] = (1.0 - rho) * acc
-        acc = acc * rho
-    probs[QMAX] = max(acc, 1e-9)
-    return probs
-
-
 def _models():
     import constriction
 
@@ -293,7 +145,7 @@ def _put_golomb(enc, m, g: np.ndarray, b: np.ndarray, key: np.ndarray) -> None:
     q = g >> b
     sym = np.minimum(q, QMAX).astype(np.int32)
     for k in np.unique(key):
-        enc.encode(sym[key == k], m.Categorical(_quotient_probs(int(k)), perfect=False))
+        enc.encode(sym[key == k], m.Categorical(quotient_probs(int(k)), perfect=False))
     esc = q >= QMAX
     if esc.any():
         _put_bits(enc, m, q[esc] - QMAX, np.full(int(esc.sum()), 48))
@@ -304,19 +156,13 @@ def _get_golomb(dec, m, b: np.ndarray, key: np.ndarray) -> np.ndarray:
     q = np.empty(b.size, dtype=np.int64)
     for k in np.unique(key):
         sel = key == k
-        q[sel] = dec.decode(m.Categorical(_quotient_probs(int(k)), perfect=False), int(sel.sum()))
+        q[sel] = dec.decode(m.Categorical(quotient_probs(int(k)), perfect=False), int(sel.sum()))
     esc = q == QMAX
     if esc.any():
         q[esc] += _get_bits(dec, m, np.full(int(esc.sum()), 48))
     if q.size and (q > ((1 << 40) >> b)).any():  # beyond any tensor (MAX_NUMEL): the shift stays exact
         raise IntegrityError("context stream: a value beyond the tensor")
     return (q << b) | _get_bits(dec, m, b)
-
-
-def _count_params(expected: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Golomb parameters of zigzag deviations from an expected count (spread ~ its square root)."""
-    spread = 1 + (8 * np.floor(np.sqrt(expected.astype(np.float64))).astype(np.int64)) // 5
-    return _golomb_params(np.ones_like(spread), spread + 1)
 
 
 # ---------------------------------------------------------------- varints
@@ -385,7 +231,7 @@ def encode(dtype_name: str, tensor_shape, box: Box | None, policy: int, base_bit
     if (steps == 0).any():
         raise ValueError("a context-coded step is never zero")
     bl = blocks(tensor_shape, box, policy)
-    u = np.ascontiguousarray(base_bits).view(_UINT[itemsize]).reshape(-1)
+    u = np.ascontiguousarray(base_bits).view(UINT[itemsize]).reshape(-1)
     pos = positions.astype(np.int64)
     exp_at = ((u[pos] >> shift) & mask).astype(np.int64)
     pop_e = exponent_histogram(u, shift, mask)
@@ -418,7 +264,7 @@ def encode(dtype_name: str, tensor_shape, box: Box | None, policy: int, base_bit
     if bl.S > 1 and live.any():
         expected = (totals[live, None] * bl.sizes[None, :-1]) // bl.numel
         dev = k[live, :-1] - expected
-        b, key = _count_params(expected)
+        b, key = count_params(expected)
         _put_golomb(enc, m, ((dev << 1) ^ (dev >> 63)).reshape(-1), b.reshape(-1), key.reshape(-1))
     # gaps between ranks per (class, block)
     first = np.ones(order.size, dtype=bool)
@@ -428,14 +274,14 @@ def encode(dtype_name: str, tensor_shape, box: Box | None, policy: int, base_bit
     _put_golomb(enc, m, gaps, b[group], key[group])
     pos_bytes = bytes(head) + enc.get_compressed().astype("<u4").tobytes()
 
-    z = _zigzag(steps[order], itemsize)
-    sym, low = _step_bins(z)
+    z = zigzag(steps[order], itemsize)
+    sym, low = step_bins(z)
     cls_sorted = cls[order]
     vhead = bytearray()
     venc = queue.RangeEncoder()
     for c in np.flatnonzero(live):
         s = sym[cls_sorted == c]
-        t = _best_table(np.bincount(s, minlength=alphabet(dtype_name)), tables)
+        t = best_table(np.bincount(s, minlength=alphabet(dtype_name)), tables)
         vhead.append(t)
         venc.encode(s.astype(np.int32), m.Categorical(table_weights(tables[t]), perfect=False))
     big = sym >= EXACT
@@ -447,7 +293,7 @@ def _gap_params(k: np.ndarray, pops: np.ndarray, bl: Blocks) -> tuple[np.ndarray
     """Golomb parameters per (class, block), flat: ``k`` changes among the class's expected
     population in the block (at least ``k``)."""
     expected_pop = np.maximum((pops[:, None] * bl.sizes[None, :]) // max(bl.numel, 1), k)
-    b, key = _golomb_params(k.reshape(-1), expected_pop.reshape(-1))
+    b, key = golomb_params(k.reshape(-1), expected_pop.reshape(-1))
     return b, key
 
 
@@ -495,7 +341,7 @@ def decode_ranks(h: Header, bl: Blocks, dec, m) -> tuple[np.ndarray, np.ndarray]
     live = h.totals > 0
     if S > 1 and live.any():
         expected = (h.totals[live, None] * bl.sizes[None, :-1]) // bl.numel
-        b, key = _count_params(expected)
+        b, key = count_params(expected)
         zz = _get_golomb(dec, m, b.reshape(-1), key.reshape(-1)).reshape(expected.shape)
         got = expected + ((zz >> 1) ^ -(zz & 1))
         if (got < 0).any() or (got > bl.sizes[None, :-1]).any():
@@ -539,7 +385,7 @@ def decode_steps(data: bytes, totals: np.ndarray, tables: list[bytes], dtype_nam
     z[big] = (np.int64(1) << lg) | _get_bits(dec, m, lg)
     if (z == 0).any():
         raise IntegrityError("context steps: a zero step")
-    return _unzigzag(z, itemsize)
+    return unzigzag(z, itemsize)
 
 
 def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_data: bytes, nnz: int,
@@ -569,7 +415,7 @@ def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_
     starts[:, 1:] = np.cumsum(k.T, axis=1)
     starts += np.concatenate([[0], np.cumsum(k.sum(axis=0))])[:-1, None]
     ranks_b = ranks[perm]
-    empty = np.empty(0, np.int64), np.empty(0, _INT[itemsize])
+    empty = np.empty(0, np.int64), np.empty(0, INT[itemsize])
     try:
         whole = base_of(((0,) * len(bl.shape), bl.shape))
     except PartlyHeldError:
@@ -577,7 +423,7 @@ def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_
     if whole is None:
         return empty
     if whole is not False:
-        u = np.ascontiguousarray(whole).view(_UINT[itemsize]).reshape(-1)
+        u = np.ascontiguousarray(whole).view(UINT[itemsize]).reshape(-1)
         if u.size != bl.numel:
             raise IntegrityError("the base of a context-coded part has the wrong size")
         pos, src = scan(u, shift, mask, lut, bl, ranks_b, starts)
@@ -593,7 +439,7 @@ def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_
             if bits is None:
                 continue
             ext = tuple(t - a for a, t in zip(*sub))
-            u = np.ascontiguousarray(bits).view(_UINT[itemsize]).reshape(-1)
+            u = np.ascontiguousarray(bits).view(UINT[itemsize]).reshape(-1)
             if u.size != bl.sizes[b]:
                 raise IntegrityError("the base of a context-coded block has the wrong size")
             one = blocks(ext, None, 0)  # the block alone, as a part of one block

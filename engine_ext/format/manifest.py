@@ -180,7 +180,7 @@ class Manifest:
         if (p.coder == "ctx") != (v.coder == "ctx"):
             bad(f"{where}: context-coded positions and values come together")
         if p.coder == "ctx":
-            from .context_codec import supports
+            from .context_models import supports
 
             if self.format_version < 5 or self.kind != DELTA or v.mode != "rel" or not supports(dtype):
                 bad(f"{where}: the context coder needs a format-5 delta of relative steps of a float dtype it supports")
@@ -197,7 +197,7 @@ class Manifest:
         per_blob[e.blob].append((e.offset, e.offset + e.length, where))
 
     def _check_step_tables(self) -> None:
-        from .context_codec import MAX_TABLES, alphabet, supports
+        from .context_models import MAX_TABLES, alphabet, supports
 
         t = self.step_tables
         if self.format_version < 5 or self.kind != DELTA or not isinstance(t, dict) or len(t) > 8:

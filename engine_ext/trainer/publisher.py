@@ -84,23 +84,15 @@ class _Change:
     old_bits: torch.Tensor  # CPU
     base_fp: int
     fp: int
-    kept: torch.Tensor | None = None  # the kept bits (this version's), the context coder's base with old_bits put back
+    kept: torch.Tensor | None = None  # the kept bits (this version's): the context coder's base, old_bits put back
     policy: int | None = None  # the tensor's block policy for the context coder
 
     def context(self, tables: dict) -> codec.Context | None:
-        """The context coder's inputs, read from the kept bits (on the background thread);
-        None where a sample shows no context to use (no copy, no pass over the base)."""
-        from ..format import context_codec
-
+        """The context coder's inputs: the kept bits as they are (this version's; the coder puts
+        the old bits back part by part), read on the background thread."""
         if self.kept is None or not tables.get(self.dtype.name):
             return None
-        kept = self.kept.reshape(-1)
-        if not context_codec.pays(self.dtype.name, context_codec.sample(kept), self.old_bits.numpy(), kept.numel(),
-                                  codec.CONTEXT_GAIN):
-            return None
-        base = kept.to("cpu", copy=True)
-        base[self.positions] = self.old_bits
-        return codec.Context(base, self.policy, tables[self.dtype.name])
+        return codec.Context(self.kept.reshape(-1), self.policy, tables[self.dtype.name])
 
 
 class DeltaPublisher:
@@ -392,7 +384,7 @@ class DeltaPublisher:
             if not self._fps:
                 self._fps = fps
         else:
-            tables = codec.step_tables((c.dtype, c.old_bits, c.new_bits) for c in payload if c.kept is not None)
+            tables = codec.step_tables_by_dtype((c.dtype, c.old_bits, c.new_bits) for c in payload if c.kept is not None)
 
             def enc(c: _Change):
                 if c.positions.numel() == 0:
