@@ -27,8 +27,9 @@ plain coder (:mod:`engine_ext.format.codec`) reaches (docs/benchmarks.md, "Codec
 
 Every probability both ends use comes from integers and IEEE ``+ - * /`` only (no ``exp``,
 ``log`` or ``pow``), so publisher and ranks on different hosts build bit-identical models.
-The probabilities are :mod:`engine_ext.format.context_models`'. The entropy coder is
-``constriction``'s range coder (one stream for counts and positions, one for steps). Decoding maps ranks to positions with one pass over each held block's base
+The probabilities are :mod:`engine_ext.format.context_models`. The entropy coder is
+``constriction``'s range coder (one stream for counts and positions, one for steps).
+Decoding maps ranks to positions with one pass over each held block's base
 (:func:`scan`, numba, blocks on every core; a Triton pass in
 ``engine_ext.triton_kernels.context_scan``).
 

@@ -133,14 +133,18 @@ class LocalStore(Store):
         self._sync_dir(d)
 
     @staticmethod
-    def _sync_dir(d: str) -> None:
+    def _fsync(path: str) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    @classmethod
+    def _sync_dir(cls, d: str) -> None:
         """fsync a directory, so that a new name in it survives a crash."""
         try:
-            dfd = os.open(d, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            cls._fsync(d)
         except OSError:
             pass  # some filesystems refuse fsync on directories; the data itself is synced
 
@@ -167,11 +171,7 @@ class LocalStore(Store):
             with open(path, "rb") as src:
                 return self._atomic(key, lambda f: shutil.copyfileobj(src, f, 1 << 20), exclusive=True)
         try:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            self._fsync(path)
             os.chmod(path, 0o644)
             os.link(path, dest)  # fails if dest exists: never replaces a published object
         except FileExistsError:
