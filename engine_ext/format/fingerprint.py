@@ -73,7 +73,7 @@ def hash_sum(index: torch.Tensor, bits: torch.Tensor) -> int:
         return 0
     kernels = _kernels() if bits.device.type == "cpu" else None
     if kernels is not None:
-        return int(kernels.pairs(index.contiguous().numpy(), _unsigned(bits.contiguous())))
+        return int(kernels.pairs(index.contiguous().numpy(), _unsigned(bits.contiguous()), *_U64))
     return int(element_hash(index, bits).sum()) & MASK64
 
 
@@ -82,7 +82,7 @@ def range_fingerprint(flat_bits: torch.Tensor, start: int = 0) -> int:
     flat_bits = flat_bits.reshape(-1)
     kernels = _kernels() if flat_bits.device.type == "cpu" else None
     if kernels is not None:
-        return int(kernels.run(_unsigned(flat_bits.contiguous()), start, _chunks(flat_bits.numel())))
+        return int(kernels.run(_unsigned(flat_bits.contiguous()), start, _chunks(flat_bits.numel()), *_U64))
     total = 0
     for a in range(0, flat_bits.numel(), CHUNK):
         part = flat_bits[a : a + CHUNK]
@@ -113,7 +113,7 @@ def box_fingerprint(bits: torch.Tensor, start, shape) -> int:
     values = bits.contiguous().reshape(-1, ext[-1])
     kernels = _kernels() if values.device.type == "cpu" else None
     if kernels is not None:
-        return int(kernels.rows(_unsigned(values).reshape(values.shape), rows.reshape(-1)))
+        return int(kernels.rows(_unsigned(values).reshape(values.shape), rows.reshape(-1), *_U64))
     idx = torch.from_numpy(rows.reshape(-1, 1) + np.arange(ext[-1], dtype=np.int64)).to(values.device)
     return hash_sum(idx.reshape(-1), values.reshape(-1))
 
@@ -127,6 +127,7 @@ def name_key(name: str) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
 
 
+_U64 = (np.uint64(GOLDEN), np.uint64(MIX1), np.uint64(MIX2))  # the constants, as the kernels take them
 _NP_MIX = [(np.uint64(30), np.uint64(MIX1)), (np.uint64(27), np.uint64(MIX2))]
 _NP_LAST = np.uint64(31)
 
