@@ -146,9 +146,19 @@ def pytest_runtest_makereport(item, call):
             report.sections.append((title, tail))
 
 
+# xdist modes that keep every module on one worker: modules share module-scoped servers whose
+# tests build on each other in order (a delta applied by one test is the base of the next).
+MODULE_WHOLE_DISTS = ("no", "loadfile", "loadscope")
+
+
 def pytest_configure(config):
-    """In the controlling process (not an xdist worker): the file the workers note their engines in."""
+    """In the controlling process (not an xdist worker): refuse an xdist mode that splits modules,
+    and make the file the workers note their engines in."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
+        dist = getattr(config.option, "dist", "no")
+        if getattr(config.option, "numprocesses", None) and dist not in MODULE_WHOLE_DISTS:
+            raise pytest.UsageError(f"--dist {dist} splits a module's tests between workers; use one of "
+                                    f"{MODULE_WHOLE_DISTS} (scripts/test.sh uses loadfile)")
         import tempfile
 
         fd, path = tempfile.mkstemp(prefix="engine_ext_engines_", suffix=".jsonl")

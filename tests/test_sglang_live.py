@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.sglang, pytest.mark.engine, pytest.mark.xdist_group("sglang_live")]
+pytestmark = [pytest.mark.sglang, pytest.mark.engine]
 pytest.importorskip("sglang", reason="needs the SGLang virtualenv (.ci/setup-sglang.sh)")
 requests = pytest.importorskip("requests")
 

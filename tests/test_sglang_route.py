@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.sglang, pytest.mark.engine, pytest.mark.xdist_group("sglang_route")]
+pytestmark = [pytest.mark.sglang, pytest.mark.engine]
 pytest.importorskip("sglang", reason="needs the SGLang virtualenv (.ci/setup-sglang.sh)")
 
 HERE = Path(__file__).resolve().parent

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.sglang, pytest.mark.engine, pytest.mark.xdist_group("sglang_tp")]
+pytestmark = [pytest.mark.sglang, pytest.mark.engine]
 if __name__ != "__main__":  # the TP workers import SGLang themselves, after the stubs
     pytest.importorskip("sglang", reason="needs the SGLang virtualenv (.ci/setup-sglang.sh)")
 

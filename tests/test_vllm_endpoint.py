@@ -26,7 +26,7 @@ pytest.importorskip("vllm")
 from vllm_helpers import (PROMPTS, Server, assert_layout_on_this_host, copy_store, make_model, rl_trajectory,  # noqa: E402
                           save_state_dict)
 
-pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm_endpoint")]  # one module-scoped server
+pytestmark = [pytest.mark.vllm]  # one module-scoped server
 K = 4
 
 
