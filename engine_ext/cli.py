@@ -82,6 +82,8 @@ def cmd_diff(a) -> str:
         old_fps[name] = fo
         dt = new.tensors[name].dtype
         policy = codec.context_policy(name, dt, n.shape, pos.numel()) if settings.current().context_coder else None
+        if policy is not None and not codec.context_pays(dt, as_bits(o).reshape(-1), old_at):
+            policy = None  # uniform changes: no step table, no second read of the tensor
         changes.append((name, dt, tuple(n.shape), pos, old_at, new_at, fo, fn, policy))
     tables = codec.step_tables_by_dtype((c[1], c[4], c[5]) for c in changes if c[8] is not None)
     for name, dt, shape, pos, old_at, new_at, fo, fn, policy in changes:

@@ -330,6 +330,28 @@ def test_a_sample_decides_whether_the_context_is_worth_a_pass():
     assert not cc.pays("bfloat16", some, base[uniform], base.size, codec.CONTEXT_GAIN)
 
 
+def test_uniform_changes_build_no_step_tables(tmp_path, monkeypatch):
+    """Where no tensor's sample promises a gain, the publisher builds no step tables (a pass over
+    every change) and codes every tensor plainly; tensors that do promise one still get them."""
+    seen = []
+    real = codec.step_tables_by_dtype
+    monkeypatch.setattr(codec, "step_tables_by_dtype", lambda changes: seen.append(list(changes)) or real(seen[-1]))
+    old, _ = _pair((256, 256))
+    uniform = as_bits(old).clone().reshape(-1)
+    uniform[::50] += 1
+    follows, _ = _pair((256, 256), seed=1)
+    follows_new = _pair((256, 256), seed=1, base=follows)[1]
+    _publish(tmp_path, [{"a": old, "b": follows}, {"a": uniform.view(torch.bfloat16).reshape(256, 256), "b": follows_new}])
+    m = reader.read_manifest(open_store(str(tmp_path)), "v00000001.json")
+    coders = {t.name: t.positions.coder for t in m.tensors}
+    assert coders["a"] != "ctx" and coders["b"] == "ctx"
+    assert [len(c) for c in seen] == [1]  # the tables were built from tensor b's changes alone
+    d = reader.load_delta(str(tmp_path / "v00000001.json"), bases=reader.TensorBases({"a": old, "b": follows}))
+    got = {t.name: t for t in d.tensors}
+    assert torch.equal(as_bits(apply_tensor(old, got["a"])).reshape(-1), uniform)
+    assert torch.equal(as_bits(apply_tensor(follows, got["b"])), as_bits(follows_new))
+
+
 def test_the_publisher_never_copies_the_model_for_the_context(tmp_path):
     """The context's base is the kept bits with the old bits put back, read in the background:
     the next version's diff waits for that read, and every version decodes exactly."""

@@ -84,8 +84,11 @@ def split(positions: np.ndarray, shape, cuts: list[list[int]]) -> list[tuple[int
     if len(cuts) > 1:
         col = np.searchsorted(np.asarray(cuts[1][1:-1]), (positions // st[1]) % shape[1], side="right")
         cell = cell * (len(cuts[1]) - 1) + col
+    n_cells = math.prod(len(c) - 1 for c in cuts)
+    if n_cells <= 1 << 16:  # numpy's stable sort of 16-bit keys is a radix sort: O(n)
+        cell = cell.astype(np.uint8 if n_cells <= 1 << 8 else np.uint16)
     order = np.argsort(cell, kind="stable")
-    counts = np.bincount(cell, minlength=math.prod(len(c) - 1 for c in cuts))
+    counts = np.bincount(cell, minlength=n_cells)
     out, at = [], 0
     for k, c in enumerate(counts):
         if c:

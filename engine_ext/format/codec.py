@@ -102,27 +102,41 @@ def encode_values(values: np.ndarray) -> tuple[str, bytes]:
     return best
 
 
+def _value_modes(dtype: DType, new_bits: torch.Tensor, old_bits: torch.Tensor | None, mode: str | None) -> dict:
+    """The value sequences a mode may code: the new bits (``abs``), the steps from the old (``rel``)."""
+    values = {"abs": new_bits.detach().cpu().numpy()}
+    if old_bits is not None and mode != "abs":
+        values["rel"] = step_between(old_bits.detach().cpu(), new_bits.detach().cpu(), dtype.is_float).numpy()
+    return values
+
+
+def _sampled_mode(values: dict) -> str:
+    """The value mode that codes an evenly spread sample smaller: half the encode time of
+    coding both, the same choice in practice."""
+    n = len(next(iter(values.values())))
+    pick = np.linspace(0, n - 1, MODE_SAMPLE).astype(np.int64)
+    return min(values, key=lambda k: len(encode_values(values[k][pick])[1]))
+
+
 def encode(dtype: DType, numel: int, positions: torch.Tensor, new_bits: torch.Tensor,
            old_bits: torch.Tensor | None, mode: str | None = None, context: Context | None = None,
-           shape=None, box=None) -> Encoded:
+           shape=None, box=None, plain_mode: str | None = None) -> Encoded:
     """Encode changes at ``positions`` (sorted int64, part-local) to ``new_bits``.
 
     With ``old_bits`` (the base bits at the same positions) both value modes are tried and
-    the smaller kept, unless ``mode`` forces one. With a ``context`` the context coder is
-    tried as well, for the part ``box`` (None: all) of the tensor of ``shape``. Tensors on any device.
+    the smaller kept, unless ``mode`` forces one or ``plain_mode`` names the one the caller
+    chose for the whole tensor. With a ``context`` the context coder is tried as well (unless
+    ``mode`` is ``abs``), for the part ``box`` (None: all) of the tensor of ``shape``.
+    Tensors on any device.
     """
     pos = positions.detach().cpu().numpy().astype(np.int64, copy=False)
     pos_coder, pos_bytes = encode_positions(pos, numel)
-    values = {"abs": new_bits.detach().cpu().numpy()}
-    if old_bits is not None and mode != "abs":
-        values["rel"] = step_between(old_bits, new_bits, dtype.is_float).detach().cpu().numpy()
-    if mode is None and len(values) == 2 and pos.size > 4 * MODE_SAMPLE:
-        # pick the mode on an evenly spread sample: halves the encode time, same choice in practice
-        pick = np.linspace(0, pos.size - 1, MODE_SAMPLE).astype(np.int64)
-        m = min(values, key=lambda k: len(encode_values(values[k][pick])[1]))
-        values = {m: values[m]}
-    elif mode is not None and mode in values:
-        values = {mode: values[mode]}
+    values = _value_modes(dtype, new_bits, old_bits, mode)
+    chosen = mode or plain_mode
+    if chosen in values:
+        values = {chosen: values[chosen]}
+    elif len(values) == 2 and pos.size > 4 * MODE_SAMPLE:
+        values = {(m := _sampled_mode(values)): values[m]}
     m, val_coder, val_bytes = min(((k, *encode_values(v)) for k, v in values.items()), key=lambda c: len(c[2]))
     best = Encoded(pos_coder, pos_bytes, m, val_coder, val_bytes)
     if context is not None and old_bits is not None and mode != "abs" and CONTEXT_MIN <= pos.size < numel:
@@ -153,11 +167,15 @@ def step_tables_by_dtype(changes) -> dict[str, list[bytes]]:
             for dt, v in by_dtype.items()}
 
 
-def _context_pays(dtype: DType, context: Context, old_bits: torch.Tensor, numel: int) -> bool:
+def context_pays(dtype: DType, base: torch.Tensor, old_bits: torch.Tensor) -> bool:
+    """Whether a sample of a tensor's bits (``base``, flat, either version's: they differ only
+    at the changes) promises the context coder ``CONTEXT_GAIN`` on its changes (whose old
+    bits are ``old_bits``). Asked before a tensor gets a :class:`Context`, so uniform changes
+    cost neither step tables nor a pass over the whole base."""
     from . import context_codec
 
     return context_models.supports(dtype.name) and context_codec.pays(
-        dtype.name, context_codec.sample(context.base.detach().reshape(-1)), old_bits.detach().cpu().numpy(), numel,
+        dtype.name, context_codec.sample(base.detach().reshape(-1)), old_bits.detach().cpu().numpy(), base.numel(),
         CONTEXT_GAIN)
 
 
@@ -192,15 +210,17 @@ def encode_tensor(dtype: DType, shape, positions: torch.Tensor, new_bits: torch.
                   context: Context | None = None) -> "Encoded | ChunkedEncoded":
     """A changed tensor's encoding: whole (:func:`encode`), or per grid cell (:func:`chunks.grid`,
     cells of ``min_cell`` elements or more; None: never cut), so that a rank can fetch the
-    cells it holds. With a ``context``, the context coder is tried per part."""
+    cells it holds. With a ``context`` (given where :func:`context_pays`), the context coder
+    is tried per part."""
     numel = int(np.prod(shape, dtype=np.int64))
     cuts = None if min_cell is None else chunks.grid(shape, min_cell)
-    if context is not None and old_bits is not None and not _context_pays(dtype, context, old_bits, numel):
-        context = None  # a sample shows nothing to gain: no pass over the whole base
     if cuts is None:
         return encode(dtype, numel, positions, new_bits, old_bits, mode, context, tuple(shape))
     pos = positions.detach().cpu().numpy().astype(np.int64, copy=False)
     new_bits, old_bits = new_bits.detach().cpu(), None if old_bits is None else old_bits.detach().cpu()
+    plain_mode = None  # chosen once for the tensor where its cells are many and big enough to share it
+    if mode is None and old_bits is not None and pos.size > 4 * MODE_SAMPLE:
+        plain_mode = _sampled_mode(_value_modes(dtype, new_bits, old_bits, mode))
     cells = chunks.boxes(cuts, shape)
     out = []
     for cell, idx in chunks.split(pos, shape, cuts):
@@ -208,7 +228,7 @@ def encode_tensor(dtype: DType, shape, positions: torch.Tensor, new_bits: torch.
         local = torch.from_numpy(chunks.to_local(pos[idx], shape, box))
         out.append((cell, len(idx), encode(dtype, chunks.box_numel(box), local, new_bits[sel],
                                            None if old_bits is None else old_bits[sel], mode, context,
-                                           tuple(shape), box)))
+                                           tuple(shape), box, plain_mode)))
     return ChunkedEncoded(cuts, out)
 
 

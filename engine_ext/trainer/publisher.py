@@ -87,6 +87,11 @@ class _Change:
     kept: torch.Tensor | None = None  # the kept bits (this version's): the context coder's base, old_bits put back
     policy: int | None = None  # the tensor's block policy for the context coder
 
+    def context_pays(self) -> bool:
+        """Whether the context coder is worth trying on this tensor (a sample of the kept bits
+        decides, on the background thread)."""
+        return self.kept is not None and codec.context_pays(self.dtype, self.kept, self.old_bits)
+
     def context(self, tables: dict) -> codec.Context | None:
         """The context coder's inputs: the kept bits as they are (this version's; the coder puts
         the old bits back part by part), read on the background thread."""
@@ -384,15 +389,18 @@ class DeltaPublisher:
             if not self._fps:
                 self._fps = fps
         else:
-            tables = codec.step_tables_by_dtype((c.dtype, c.old_bits, c.new_bits) for c in payload if c.kept is not None)
+            # the step tables come from the tensors whose sample promises a gain (none where changes are uniform)
+            tried = list(self._pool.map(_Change.context_pays, payload))
+            tables = codec.step_tables_by_dtype((c.dtype, c.old_bits, c.new_bits) for c, t in zip(payload, tried) if t)
 
-            def enc(c: _Change):
+            def enc(job):
+                c, t = job
                 if c.positions.numel() == 0:
                     return None
                 return codec.encode_tensor(c.dtype, c.shape, c.positions, c.new_bits, c.old_bits, self.mode,
-                                           self.chunk_min_cell, c.context(tables))
+                                           self.chunk_min_cell, c.context(tables) if t else None)
 
-            for c, e in zip(payload, self._pool.map(enc, payload)):
+            for c, e in zip(payload, self._pool.map(enc, zip(payload, tried))):
                 if e is None:
                     b.add_unchanged(c.name, c.dtype, c.shape, c.fp)
                 else:
