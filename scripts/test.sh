@@ -42,7 +42,7 @@ else
   select=()
   # loadfile: every module on one worker, so a module's shared (module-scoped) servers start once and its
   # tests run in order (xdist_group marks are not honoured under pytest 9.2: xdist 3.8 renames nodes it no longer can)
-  workers=(-n 2 --dist loadfile)
+  workers=(-n 2 --dist loadfile --no-loadscope-reorder)  # modules in collection order: engine modules first (conftest)
   suite core bash scripts/core_check.sh
 fi
 # Main suite (vLLM CPU, stores, codec, kernels); SGLang's modules run in SGLang's own venv below.

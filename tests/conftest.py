@@ -167,10 +167,14 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests that start real vLLM servers (marker ``vllm``) start an engine: ``engine`` too."""
+    """Tests that start real vLLM servers (marker ``vllm``) start an engine: ``engine`` too. Modules
+    that start engines go first (each in its own order): under ``--no-loadscope-reorder`` the two
+    workers take the long modules first and the short ones fill in behind them."""
     for item in items:
         if item.get_closest_marker("vllm") is not None:
             item.add_marker(pytest.mark.engine)
+    engine_files = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("engine") is not None}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in engine_files)  # stable: module order kept within
 
 
 def pytest_terminal_summary(terminalreporter):
