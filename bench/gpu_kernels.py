@@ -23,7 +23,6 @@ Writes a markdown table to stdout and to ``$OUT/gpu_kernels.md``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
@@ -35,27 +34,6 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-
-import engine_ext  # noqa: E402
-
-
-def _shim_triton_kernels():
-    """Expose triton_kernels/ as engine_ext.triton_kernels when the package is not installed
-    (pyproject's package-dir mapping only exists in an install); never as top-level triton_kernels."""
-    try:
-        importlib.import_module("engine_ext.triton_kernels")
-        return
-    except ImportError:
-        pass
-    spec = importlib.util.spec_from_file_location("engine_ext.triton_kernels", ROOT / "triton_kernels" / "__init__.py",
-                                                  submodule_search_locations=[str(ROOT / "triton_kernels")])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["engine_ext.triton_kernels"] = mod
-    spec.loader.exec_module(mod)
-    setattr(engine_ext, "triton_kernels", mod)
-
-
-_shim_triton_kernels()
 
 from engine_ext.format import dtypes  # noqa: E402
 from engine_ext.format import fingerprint as fpr  # noqa: E402

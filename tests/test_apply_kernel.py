@@ -24,7 +24,7 @@ def test_kernel_is_a_leaf():
     import ast
     from pathlib import Path
 
-    src = Path(__file__).resolve().parents[1] / "triton_kernels" / "apply_kernel.py"
+    src = Path(__file__).resolve().parents[1] / "engine_ext" / "triton_kernels" / "apply_kernel.py"
     mods = {a.name.split(".")[0] for n in ast.walk(ast.parse(src.read_text())) if isinstance(n, ast.Import) for a in n.names}
     mods |= {(n.module or "").split(".")[0] for n in ast.walk(ast.parse(src.read_text()))
              if isinstance(n, ast.ImportFrom) and n.level == 0}

@@ -129,7 +129,7 @@ def test_kernel_is_a_leaf():
     import ast
     from pathlib import Path
 
-    src = Path(__file__).resolve().parents[1] / "triton_kernels" / "context_scan.py"
+    src = Path(__file__).resolve().parents[1] / "engine_ext" / "triton_kernels" / "context_scan.py"
     tree = ast.parse(src.read_text())
     mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     mods |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0}
