@@ -129,6 +129,49 @@ def test_resume_falls_back_to_an_anchor_and_versions_only_grow(tmp_path, states)
     assert (pub.resumed.kind, pub.resumed.first_version) == ("anchor", 4)
 
 
+def test_a_version_that_fails_to_upload_restarts_the_chain_with_an_anchor(tmp_path, states):
+    """A store that refuses writes for a while (disk full, an outage): the failure is raised once, no
+    version is ever a delta against one that was not published, and the next version is an anchor
+    that a fresh reader rebuilds bit for bit."""
+    from engine_ext.store.local import LocalStore
+
+    class Flaky(LocalStore):
+        down = False
+
+        def create_file(self, key, path):
+            if self.down:
+                raise OSError(28, "No space left on device")
+            return super().create_file(key, path)
+
+    root = str(tmp_path / "run")
+    store = Flaky(root)
+    pub = DeltaPublisher(store, anchor_every=0)
+    pub.publish(states[0])
+    pub.publish(states[1])
+    pub.wait()
+    store.down = True
+    raised = []
+    for call in (lambda: pub.publish(states[2]), lambda: pub.publish(states[3]), pub.wait):
+        try:  # v2 fails in the background; v3, queued behind it, is skipped (or refused: the error came first)
+            call()
+        except RuntimeError as e:
+            raised.append(str(e))
+    assert len(raised) == 1 and "No space left" in raised[0], raised  # raised once
+    store.down = False
+    published = objects(store)
+    uri = pub.publish(states[4])
+    pub.close()
+    assert uri.endswith(".anchor.json"), uri  # not a delta against the unpublished version
+    assert_unchanged(published, store)
+    latest = reader.read_latest(store)
+    assert latest.version == pub.version and latest.anchor_version == pub.version
+    equal(rebuilt(root), states[4])
+    for key in store.list("v"):  # every delta on the store names a base that was published
+        if key.endswith(".json") and ".anchor." not in key:
+            m = reader.read_manifest(store, key)
+            assert store.exists(f"v{m.base_version:08d}.json") or store.exists(f"v{m.base_version:08d}.anchor.json"), key
+
+
 RACER = textwrap.dedent("""
     import json, os, sys, time
     import torch

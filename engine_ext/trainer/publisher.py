@@ -5,7 +5,10 @@ previous version on the tensors' own device (GPU on a GPU trainer), so only the
 changed positions and values ever leave the device; fingerprints are updated in
 O(changed). Encoding (all cores) and upload run on a background thread behind a
 bounded queue: ``publish`` returns the manifest URI at once and blocks only when the
-queue is full (backpressure); ``wait()`` drains it and re-raises upload errors.
+queue is full (backpressure); ``wait()`` drains it and re-raises upload errors. A version
+that fails to publish (the store down, a full disk) is raised once, by ``publish`` or
+``wait``; the versions queued behind it are skipped, and the next version is an anchor, so
+that no delta ever names a base that was not published.
 
 Versions are write-once and only grow. A publisher on a store that already holds
 versions (a restarted trainer) continues after them (:mod:`engine_ext.trainer.lineage`): its first
@@ -168,6 +171,7 @@ class DeltaPublisher:
         self._fps: dict[str, int] = {}
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._error: BaseException | None = None
+        self._restart_chain = False  # a version failed to publish: the next one is an anchor
         self._pool = ThreadPoolExecutor(self.workers)
         self._thread = threading.Thread(target=self._upload_loop, name="engine-ext-publisher", daemon=True)
         self._thread.start()
@@ -190,11 +194,14 @@ class DeltaPublisher:
             raise ValueError(f"version {version} must be above the last published {self.version}")
         if version < self.head.next_version:
             raise ValueError(f"version {version}: {self.store.uri} already holds versions up to v{self.head.next_version - 1}")
-        first = self.version is None
+        # after a version that failed to publish, the chain starts again: no delta names an unpublished base
+        first = self.version is None or self._restart_chain
         is_anchor = first or bool(self.anchor_every and version % self.anchor_every == 0)
         if is_anchor:
             self.anchor_version = version
         if first:
+            self._kept_free.wait()  # a job of the failed chain may still be reading the kept bits
+            self._restart_chain, self._fps = False, {}
             self._remember(sd)  # the one copy of this version: the diff's base, and what its anchor is written from
             delta_job = None
             self.last_changed = sum(t.numel() for t in sd.values())
@@ -415,6 +422,9 @@ class DeltaPublisher:
             del self._manifest_shas[old]
 
     def _raise_pending(self):
+        """Raise the first failure of the background (once). Every version queued after it was skipped,
+        so none of them is published: the next :meth:`publish` writes an anchor."""
         if self._error is not None:
             e, self._error = self._error, None
+            self._restart_chain = True
             raise RuntimeError(f"publishing failed: {e}") from e
