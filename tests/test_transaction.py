@@ -269,3 +269,29 @@ def test_forbidden_before_fetch(world, monkeypatch):
         run(ctl.update(parse_request({"url": str(store / "v00000001.json")})))
 
 
+
+
+def test_audit_rereads_the_live_weights(world):
+    """``GET ...?audit=1``: every rank's live weights re-read and checked against the served state;
+    a write behind the transaction's back (a mix of two versions) is named."""
+    from engine_ext.server.http import get_answer, wants_audit
+
+    store, versions = world
+    ranks = [make_rank(0, versions[0]), make_rank(1, versions[0])]
+    ctl = Controller(FakeRanks(ranks), Sources([str(store)]))
+    run(ctl.start())
+    run(ctl.update(parse_request({"url": str(store / "v00000002.json")})))
+    audit = run(ctl.audit())
+    assert audit == {"ok": True, "version": 2, "fingerprint": ctl.status()["fingerprint"], "differ": []}
+    assert wants_audit({"audit": "1"}) and not wants_audit({})
+
+    async def me():
+        return ctl
+
+    status, body = run(get_answer(Auth(("t",)), me, "Bearer t", audit=True))
+    assert status == 200 and body["audit"]["ok"] and body["version"] == 2
+    with torch.no_grad():
+        ranks[1].module.w[0, :3] = versions[3]["w"][4, :3]  # rank 1 holds rows 4-7: three elements of v3
+    audit = run(ctl.audit())
+    assert not audit["ok"] and audit["differ"] == ["w"] and audit["fingerprint"] != ctl.status()["fingerprint"]
+    assert ctl.status()["version"] == 2  # an audit changes nothing

@@ -172,6 +172,15 @@ class Controller:
                                  "fingerprint": fpr.fmt(self.state.model_fingerprint), "time": time.time()})
             log.info("engine_ext: %s; fingerprint now %s", reason, fpr.fmt(self.state.model_fingerprint))
 
+    async def audit(self) -> dict:
+        """Re-read every rank's live weights, under the update lock (never in the middle of an apply),
+        and compare their fingerprints with the served state's: what ``GET ...?audit=1`` answers."""
+        async with self._lock:
+            live = combine_fingerprints(check_replies(await self.ranks.call("audit")))
+            differ = sorted(n for n in set(live) | set(self.state.tensor_fps) if live.get(n) != self.state.tensor_fps.get(n))
+            return {"ok": not differ, "version": self.state.version, "fingerprint": fpr.fmt(fpr.model_fingerprint(live)),
+                    "differ": differ[:20]}
+
     @property
     def version(self) -> int | None:
         return self.state.version

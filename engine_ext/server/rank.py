@@ -47,7 +47,7 @@ log = logging.getLogger("engine_ext")
 Loader = Callable[[str, torch.Tensor], None]  # load one whole checkpoint tensor via the engine's loader
 Refresh = Callable[["Touched | None"], None]  # rebuild derived copies of what an apply wrote; None: of everything
 Describe = Callable[[], dict]  # the engine's kernels/paths on this rank, for the start-up log and status
-OPS = ("setup", "fetch", "fetched", "apply", "discard", "commit", "rollback", "status", "resync")
+OPS = ("setup", "fetch", "fetched", "apply", "discard", "commit", "rollback", "status", "resync", "audit")
 MAX_FETCHES = 8  # fetches a rank holds at once (the driver's queue bound keeps it lower)
 
 
@@ -151,6 +151,16 @@ class RankUpdater:
             if name not in self.host:
                 self.fps[name] = local_fingerprint(m)
         return RankReply(True, self.rank, fingerprints=self.report())
+
+    def audit(self) -> RankReply:
+        """The fingerprints of the live weights, read again through the maps; nothing changes. What is
+        served checked against what the bookkeeping says (an operator's audit, the chaos soak's "never
+        a mix"); dense-fallback tensors report their host copy, the only copy the maps can read."""
+        self.setup()
+        live = {n: fpr.tensor_fingerprint(self.host[n]) if n in self.host else local_fingerprint(m)
+                for n, m in self.maps.items()}
+        return RankReply(True, self.rank, pending=self._pending is not None, fingerprints={
+            n: TensorReport(fp, self.covered[n], _numel(self.checkpoint[n][0])) for n, fp in live.items()})
 
     def report(self, names: Iterable[str] | None = None) -> dict[str, TensorReport]:
         """This rank's view of each tensor's fingerprint, for the driver to combine."""

@@ -16,7 +16,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ...server.controller import Auth, Controller, initial_version
-from ...server.http import get_answer, post_answer
+from ...server.http import get_answer, post_answer, wants_audit
 from ...server.protocol import ROUTE, RankReply
 from . import compat
 from .worker import RPC_METHOD
@@ -67,7 +67,8 @@ async def post_update(request: Request) -> JSONResponse:
 
 
 async def get_update(request: Request) -> JSONResponse:
-    status, body = await get_answer(_auth(request), _controller(request), request.headers.get("authorization"))
+    status, body = await get_answer(_auth(request), _controller(request), request.headers.get("authorization"),
+                                    wants_audit(request.query_params))
     return JSONResponse(body, status)
 
 
