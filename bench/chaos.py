@@ -95,7 +95,8 @@ def publisher_main(args) -> int:
     def event(**kw):
         events.write(json.dumps({"t": time.time(), "pid": os.getpid(), **kw}) + "\n")
 
-    pub = DeltaPublisher(store, model="chaos", anchor_every=args.anchor_every, latest_ttl_s=args.ttl, workers=1)
+    pub = DeltaPublisher(store, model="chaos", anchor_every=args.anchor_every, latest_ttl_s=args.ttl, workers=1,
+                         start_version=args.start_version)
     event(what="start", step=step, next_version=pub.next_version)
     hold = Path(args.ckpt) / "hold"  # the harness's "training has ended": no more versions, LATEST kept fresh
     while True:
@@ -379,6 +380,9 @@ class Soak:
         cmd = [sys.executable, __file__, "publish", "--store", site.write_uri, "--model", str(self.model),
                "--ckpt", str(self.ckpt), "--seed", str(self.args.seed), "--interval", str(self.args.interval),
                "--ttl", str(self.args.ttl), "--events", str(self.work / "events.jsonl")]
+        self.scan_stores()
+        if site.kind not in self.latest and self.latest:  # a new store: its versions continue the fleet's
+            cmd += ["--start-version", str(max(self.latest.values()) + 1)]
         logf = open(self.work / f"publisher-{len(self.publishers)}.log", "w")
         p = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
         self.publishers.append(p)
@@ -567,6 +571,12 @@ class Soak:
 
     def run_fault(self, kind: str) -> None:
         rng, site = self.rng, self.site
+        role = None
+        if kind in ("kill_server", "kill_rank"):  # one restart of a replica at a time: pick among those up
+            up = sorted(r for r, x in self.replicas.items() if not x.starting)
+            role = ("tp2" if "tp2" in up else None) if kind == "kill_rank" else (rng.choice(up) if up else None)
+            if role is None:
+                return
         self.fault(kind)
         if kind == "kill_publisher":
             for p in self.live_publishers():
@@ -581,7 +591,6 @@ class Soak:
             time.sleep(self.args.ttl + 4)
             self.start_publisher(site)
         elif kind in ("kill_server", "kill_rank"):
-            role = "tp2" if kind == "kill_rank" else rng.choice(sorted(self.replicas))
             self.restart_replica(role, "rank" if kind == "kill_rank" else "server")
         elif kind in ("store_5xx", "store_cut", "store_slow", "partition"):
             which = "follower" if kind == "partition" else rng.choice(sorted(site.proxies))
@@ -650,8 +659,9 @@ class Soak:
             threads = []
             for i, kind in enumerate(args.stores):
                 self.site = self.stores.sites[kind]
-                self.ckpt = work / f"trainer-{kind}"
+                self.ckpt = work / "trainer"  # one trainer for the whole soak: it moves from store to store
                 self.ckpt.mkdir(exist_ok=True)
+                (self.ckpt / "hold").unlink(missing_ok=True)
                 log(f"phase {i + 1}/{len(args.stores)}: store {kind} ({self.site.write_uri})")
                 for p in self.live_publishers():
                     self.kill(p)
@@ -895,6 +905,7 @@ def main() -> int:
         ap.add_argument("--interval", type=float, default=2.0)
         ap.add_argument("--ttl", type=float, default=20.0)
         ap.add_argument("--anchor-every", type=int, default=6)
+        ap.add_argument("--start-version", type=int, default=None, help="on an empty store (a fleet moved to a new one)")
         return publisher_main(ap.parse_args())
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=7)

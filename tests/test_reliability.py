@@ -184,16 +184,20 @@ RACER = textwrap.dedent("""
     open(f"{barrier}.{me}", "w").close()
     while not all(os.path.exists(f"{barrier}.{i}") for i in (0, 1)):
         time.sleep(0.01)
-    done, error = [], None
+    done, error, stopped = [], None, None
     try:
         for _ in range(4):
             sd = {"w": (sd["w"].float() + 0.05 * torch.randn(64, 64, generator=g)).to(torch.bfloat16)}
             pub.publish(sd)
             pub.wait()
             done.append(pub.version)
-    except (ConflictError, RuntimeError) as e:
+    except ConflictError as e:
         error = str(e)
-    print(json.dumps({"done": done, "error": error}))
+        try:  # a publisher that lost the store stays stopped: it never publishes again
+            pub.publish(sd)
+        except ConflictError:
+            stopped = True
+    print(json.dumps({"done": done, "error": error, "stopped": stopped}))
 """)
 
 
@@ -231,6 +235,7 @@ def test_two_racing_publishers_never_overwrite_each_other(root, tmp_path, s3_ser
     assert losers, results  # both started from an empty store: both wanted v0
     for r in losers:
         assert "cannot be published to" in r["error"] and store.uri in r["error"], r["error"]
+        assert r["stopped"], r
     won = [v for r in results for v in r["done"]]
     assert len(won) == len(set(won)), results  # no version published twice
     latest = reader.read_latest(store)

@@ -172,6 +172,7 @@ class DeltaPublisher:
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._error: BaseException | None = None
         self._restart_chain = False  # a version failed to publish: the next one is an anchor
+        self._lost: ConflictError | None = None  # another publisher took this store over: this one stops
         self._pool = ThreadPoolExecutor(self.workers)
         self._thread = threading.Thread(target=self._upload_loop, name="engine-ext-publisher", daemon=True)
         self._thread.start()
@@ -423,8 +424,16 @@ class DeltaPublisher:
 
     def _raise_pending(self):
         """Raise the first failure of the background (once). Every version queued after it was skipped,
-        so none of them is published: the next :meth:`publish` writes an anchor."""
+        so none of them is published: the next :meth:`publish` writes an anchor. A
+        :class:`~engine_ext.errors.ConflictError` (another publisher took a version of this store) is
+        raised as such and stops this publisher for good: every later call raises it again."""
+        if self._lost is not None:
+            raise ConflictError(f"this publisher stopped: {self._lost}") from self._lost
         if self._error is not None:
             e, self._error = self._error, None
+            if isinstance(e, ConflictError):
+                self._lost = e
+                raise ConflictError(f"{e}; this publisher stops (a new DeltaPublisher continues the store after "
+                                    "the other one's versions)") from e
             self._restart_chain = True
             raise RuntimeError(f"publishing failed: {e}") from e
