@@ -95,8 +95,9 @@ def publisher_main(args) -> int:
     def event(**kw):
         events.write(json.dumps({"t": time.time(), "pid": os.getpid(), **kw}) + "\n")
 
-    pub = DeltaPublisher(store, model="chaos", anchor_every=args.anchor_every, latest_ttl_s=args.ttl, workers=1,
-                         start_version=args.start_version)
+    pub = DeltaPublisher(store, model="chaos", anchor_every=args.anchor_every, latest_ttl_s=args.ttl, workers=1)
+    if args.start_version is not None and pub.head.latest is None:  # a new store: the fleet's versions continue
+        pub.next_version = max(pub.next_version, args.start_version)
     event(what="start", step=step, next_version=pub.next_version)
     hold = Path(args.ckpt) / "hold"  # the harness's "training has ended": no more versions, LATEST kept fresh
     while True:
