@@ -362,6 +362,7 @@ class Soak:
         self.convergence: dict[str, float] = {}
         self.crashed: set[int] = set()
         self.deck: list[str] = []
+        self.servers: list = []
 
     # ---- invariant bookkeeping
     def violate(self, what: str, **detail) -> None:
@@ -416,6 +417,7 @@ class Soak:
         # no base version: the server knows its weights by fingerprint (each store's v0 is another checkpoint)
         rep.server = VllmServer(self.model, sources=sources, tp=tp, env=env, token=self.token, trusted_keys=self.pubkey,
                                 log=self.work / f"{role}-{rep.incarnation}.log", startup_s=600)
+        self.servers.append(rep.server)  # every server ever started is stopped at the end, whatever happened
         rep.server.complete(PROMPT, max_tokens=1, logprobs=0)  # warm-up (> 4 tokens)
         with rep.lock:
             rep.starting = False
@@ -425,7 +427,9 @@ class Soak:
 
     def restart_replica(self, role: str, how: str = "server") -> None:
         rep = self.replicas[role]
-        with rep.lock:
+        with rep.lock:  # one restart of a replica at a time (two faults may pick the same one)
+            if rep.starting and how != "planned":
+                return
             rep.down.append([time.time(), None])
             rep.starting = True
         srv = rep.server
@@ -750,9 +754,8 @@ class Soak:
         for p in self.publishers:
             if p.poll() is None:
                 self.kill(p)
-        for rep in self.replicas.values():
-            if rep.server is not None:
-                rep.server.stop()
+        for srv in self.servers:
+            srv.stop()
 
     def report(self) -> dict:
         reps = {r: {"served": x.served, "failed_while_up": x.failed, "failed_while_down": x.failed_while_down,
