@@ -78,7 +78,7 @@ def publisher_main(args) -> int:
     restarted trainer may hold weights older than LATEST: the store decides delta or anchor)."""
     import torch
 
-    from engine_ext.errors import ConflictError
+    from engine_ext.errors import ConflictError, SourceError
     from engine_ext.store.http import HttpStore
     from engine_ext.tiny_models import load_state_dict
     from engine_ext.trainer.publisher import DeltaPublisher
@@ -95,7 +95,11 @@ def publisher_main(args) -> int:
     def event(**kw):
         events.write(json.dumps({"t": time.time(), "pid": os.getpid(), **kw}) + "\n")
 
-    pub = DeltaPublisher(store, model="chaos", anchor_every=args.anchor_every, latest_ttl_s=args.ttl, workers=1)
+    try:
+        pub = DeltaPublisher(store, model="chaos", anchor_every=args.anchor_every, latest_ttl_s=args.ttl, workers=1)
+    except SourceError as e:  # the store is down as the trainer starts: it exits, its orchestrator restarts it
+        event(what="unreachable", error=str(e)[:300])
+        return 4
     if args.start_version is not None and pub.head.latest is None:  # a new store: the fleet's versions continue
         pub.next_version = max(pub.next_version, args.start_version)
     event(what="start", step=step, next_version=pub.next_version)
@@ -629,8 +633,8 @@ class Soak:
     def check_publishers(self, restarting: bool) -> None:
         """A publisher exits only when it lost a race (status 3) or the harness killed it; anything
         else is a crash. None left and no fault about to start one: start one."""
-        for p in self.publishers:
-            if p.poll() not in (None, 3, -9) and p.pid not in self.crashed:
+        for p in self.publishers:  # 3: lost a race; 4: the store was down as it started (restarted below)
+            if p.poll() not in (None, 3, 4, -9) and p.pid not in self.crashed:
                 self.crashed.add(p.pid)
                 self.violate("a publisher crashed", pid=p.pid, status=p.returncode)
         if not restarting and not self.live_publishers():
@@ -739,16 +743,19 @@ class Soak:
                   for role, rep in self.replicas.items() if role not in pending}
         self._teardown()
         cold_dir = save_state_dict(self.work / "cold", weights, self.model)
-        with VllmServer(cold_dir, log=self.work / "cold.log", token=self.token, trusted_keys=self.pubkey) as cold:
-            cold.complete(PROMPT, max_tokens=1, logprobs=0)
-            want_fp = cold.status()["fingerprint"]
-            want_out = _outputs(cold)
-        self.final = {"version": final, "fingerprint": want_fp}
+        cold = {}  # tensor-parallel size -> (fingerprint, outputs) of a server cold-started on LATEST's weights
+        for tp in sorted({2 if role == "tp2" else 1 for role in served}):  # TP 2 reduces in another order than TP 1
+            with VllmServer(cold_dir, tp=tp, log=self.work / f"cold-tp{tp}.log", token=self.token,
+                            trusted_keys=self.pubkey) as srv:
+                srv.complete(PROMPT, max_tokens=1, logprobs=0)
+                cold[tp] = (srv.status()["fingerprint"], _outputs(srv))
+        self.final = {"version": final, "fingerprint": cold[min(cold)][0] if cold else None}
         for role, (st, out) in served.items():
+            want_fp, want_out = cold[2 if role == "tp2" else 1]
             if st["fingerprint"] != want_fp or not st["audit"]["ok"] or st["audit"]["fingerprint"] != want_fp:
                 self.violate("a replica at LATEST differs from a cold start", replica=role, status=st.get("audit"))
             elif out != want_out:
-                self.violate("a replica's outputs differ from a cold start", replica=role)
+                self.violate("a replica's outputs differ from a cold start at its tensor-parallel size", replica=role)
 
     def _teardown(self) -> None:
         for p in self.publishers:
@@ -768,6 +775,7 @@ class Soak:
             "versions_published": sum(e["what"] == "published" for e in events),
             "publish_errors": sum(e["what"] == "error" for e in events),
             "publishers_lost_race": sum(e["what"] == "conflict" for e in events),
+            "publishers_store_down_at_start": sum(e["what"] == "unreachable" for e in events),
             "latest": self.latest, "faults": dict(sorted(self.faults.items())), "requests": reps,
             "longest_convergence_s": max(self.convergence.values(), default=None), "converge_bound_s": self.args.converge_s,
             "final": getattr(self, "final", None), "violations": self.violations,
