@@ -19,6 +19,10 @@ two side by side on every layout, in Triton's interpreter on the CPU).
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
+
 import numpy as np
 import torch
 
@@ -27,6 +31,12 @@ from .context_codec import CUT_BLOCK, decode_streams
 from .context_models import EXPONENT, INT, ITEMSIZE, class_lut
 
 _TORCH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+_INTERPRETER = threading.Lock()  # Triton's interpreter patches triton.language while a kernel runs: one at a time
+
+
+def _one_at_a_time_if_interpreted():
+    """A lock under ``TRITON_INTERPRET=1`` (CPU tests: parts decode in a thread pool), nothing on a device."""
+    return _INTERPRETER if os.environ.get("TRITON_INTERPRET") == "1" else contextlib.nullcontext()
 
 
 def _runs(shape, off: int, ext) -> np.ndarray:
@@ -98,7 +108,8 @@ def decode(dtype_name: str, tensor_shape, box, pos_data: bytes, val_data: bytes,
         bits = bits.view(_TORCH_INT[itemsize])
     dev = bits.device
     try:
-        pos, src = block_positions(bits, geo, shift, mask, lut, torch.from_numpy(ranks), starts, backend=backend)
+        with _one_at_a_time_if_interpreted():
+            pos, src = block_positions(bits, geo, shift, mask, lut, torch.from_numpy(ranks), starts, backend=backend)
     except ValueError as e:
         raise IntegrityError(f"context ranks beyond their class (a wrong base, or corrupt): {e}") from None
     return pos, torch.from_numpy(steps).to(dev)[src]
