@@ -18,7 +18,7 @@ and the report is rewritten after each section, so it exists whatever happens:
     same tensors to the device; bit-exact with the host decoder, and the device-to-host copies
     during a decode counted (a copy of the base would show);
 (c) a transformers Qwen2 model on the device, captured once with ``torch.cuda.graph``, takes
-    three versions (codec v2 where it pays) through the server-side transaction
+    three versions (codec v2, bytes first) through the server-side transaction
     (``Controller`` over a local ``Ranks`` with one ``RankUpdater``: device decode, fused
     apply, fingerprints verified) and one update whose apply is failed on purpose (undo);
     after each, the graph's replay equals a fresh eager model loaded with that version's
@@ -390,7 +390,7 @@ def section_b(dev, smoke, log):
         tables = codec.step_tables_by_dtype((bf16, o, n) for _, o, n in changes)["bfloat16"]
         encs = []
         for name, ob, (pos, o, n) in zip(names, bases, changes):
-            ctx = codec.Context(ob, context_blocks.block_policy(name, shape), tables)
+            ctx = codec.Context(ob, context_blocks.block_policy(name, shape), tables, codec.Readers(mbps=0))
             e = codec.encode(bf16, ob.numel(), pos, n, o, context=ctx, shape=shape)
             if e.pos_coder != "ctx":
                 raise AssertionError(f"{name}: the publisher's choice is not codec v2 here ({e.pos_coder})")
@@ -523,6 +523,7 @@ def section_c(dev, smoke, log):
     import torch
     import transformers
 
+    from engine_ext import settings
     from engine_ext.errors import DeltaError
     from engine_ext.format import context_device
     from engine_ext.format.dtypes import BY_TORCH, as_bits
@@ -557,11 +558,13 @@ def section_c(dev, smoke, log):
     numel = sum(t.numel() for t in versions[0].values())
     dims = ", ".join(f"{k} {v}" for k, v in size.items())
     log(f"Qwen2 ({dims}; {numel / 1e6:.1f} M bf16 parameters, "
-        "sdpa attention), versions from sign steps of 1e-5 on fp32 masters; published by `DeltaPublisher` (defaults: "
-        "codec v2 where it pays), applied by one `RankUpdater` (device decode, fused apply) under a `Controller`.")
+        "sdpa attention), versions from sign steps of 1e-5 on fp32 masters; published by `DeltaPublisher` bytes first "
+        "(`ENGINE_EXT_READER_MBPS=0`: codec v2 wherever it saves 10 %, so that the ranks decode it; the deployed "
+        "default would code v1 for fast GPU readers), applied by one `RankUpdater` (device decode, fused apply) under a "
+        "`Controller`.")
     log("")
     with tempfile.TemporaryDirectory() as store:
-        with DeltaPublisher(store, anchor_every=0) as pub:
+        with settings.override(reader_mbps=0), DeltaPublisher(store, anchor_every=0) as pub:  # bytes first: v2 decoded
             for sd in versions:
                 pub.publish(sd)
         ctx_parts = [_v2_parts(store, v) for v in (1, 2, 3)]
@@ -682,6 +685,7 @@ def section_d(dev, smoke, log):
     from safetensors.torch import save_file
 
     from bench.synthetic import llm_shapes
+    from engine_ext.format import codec
     from engine_ext.format import fingerprint as fpr
     from engine_ext.format.dtypes import as_bits
     from engine_ext.trainer.publisher import DeltaPublisher
@@ -700,7 +704,8 @@ def section_d(dev, smoke, log):
         "elements); the next version moves "
         "1 % of the elements by one ULP, small weights more often (as training does). The training step waits for "
         "`publish` (the diff on the device, the kept bits follow in the same pass); `until stored` adds the background "
-        "encode, hashes and writes (fsync). `save_file` writes the same state dict (from the device).")
+        "encode, hashes and writes (fsync). `save_file` writes the same state dict (from the device). The publisher's "
+        f"readers: {codec.Readers.from_settings()} (`ENGINE_EXT_READER_*`; codec v2 only where it pays on them).")
     log("")
     tmp = tempfile.mkdtemp(prefix="gpu_proof_d_")
     try:
