@@ -535,7 +535,7 @@ def section_c(dev, smoke, log):
     from engine_ext.trainer.publisher import DeltaPublisher
 
     environment(dev, log)
-    size = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    size = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                 num_key_value_heads=2) if smoke else \
         dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
              num_key_value_heads=4)
@@ -573,15 +573,15 @@ def section_c(dev, smoke, log):
         ids = torch.randint(4, cfg.vocab_size, (1, L), generator=g).to(dev)
         mask = {"full_attention": torch.ones(L, L, dtype=torch.bool, device=dev).tril()[None, None]}
         how = "an explicit causal mask (the same attention path in the graph and in eager runs)"
+        try:  # decided once, before any capture: a prepared mask (transformers >= 4.53 takes a dict of them)
+            with torch.no_grad():
+                served(input_ids=ids, attention_mask=mask, use_cache=False)
+        except (TypeError, AttributeError, KeyError, ValueError, RuntimeError):
+            mask, how = None, "no mask: this transformers takes no prepared mask, so the graph may differ from eager"
 
         def forward(m):
-            nonlocal how
             with torch.no_grad():
-                try:
-                    return m(input_ids=ids, attention_mask=mask, use_cache=False).logits
-                except (TypeError, AttributeError, KeyError, ValueError):
-                    how = "no mask (this transformers takes no prepared mask)"
-                    return m(input_ids=ids, use_cache=False).logits
+                return m(input_ids=ids, attention_mask=mask, use_cache=False).logits
 
         forward(served)
         if dev.type == "cuda":
