@@ -120,7 +120,7 @@ VARIABLES: tuple[Variable, ...] = (
              "pays on them (docs/FORMAT.md, \"Who chooses the coding\")"),
     Variable("ENGINE_EXT_READER_MBPS", "reader_mbps", _non_negative_float, 100.0,
              "publisher: the store bandwidth one reader rank fetches at, MB/s: a part is context coded only where "
-             "its saved bytes take longer to fetch than its decode costs beyond v1's (measured: v2 pays below ~4 "
+             "its saved bytes take longer to fetch than its decode costs beyond v1's (measured: v2 pays below ~4-5 "
              "MB/s); `0`: bytes first (metered or slow links: v2 wherever it saves 10 %)"),
 )
 

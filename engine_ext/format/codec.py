@@ -41,7 +41,8 @@ V1_NS_PER_CHANGE = 2.4  # v1's whole decode (pcodec), per change
 STREAMS_NS_PER_CHANGE = 73.0  # v2's range-coded streams, on the host of every reader: one thread (it holds the GIL)
 PASS_NS_PER_ELEMENT = {"cpu": 1.0,  # the context pass over the base: numba, every core of a 2-core host
                        "gpu": 0.001}  # Triton on the device: ESTIMATED (two reads of a bf16 base at ~4 TB/s; no GPU lent)
-PART_NS = {"cpu": 0.0, "gpu": 300e3}  # per part on a GPU reader: launches and two syncs, ESTIMATED
+PART_NS = {"cpu": 0.3e6,  # per part: the streams' fixed costs on the host (models, headers), measured on small parts
+           "gpu": 0.6e6}  # the same, and the pass's launches and two syncs on the device: ESTIMATED
 MOST_SAVED_PER_CHANGE = 0.6  # bytes: the most v2 saves per change on real training (fp8 block: 0.54-0.59)
 
 
