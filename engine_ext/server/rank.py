@@ -29,7 +29,6 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-import numpy as np
 import torch
 
 from ..format import fingerprint as fpr
@@ -48,6 +47,7 @@ Loader = Callable[[str, torch.Tensor], None]  # load one whole checkpoint tensor
 Refresh = Callable[["Touched | None"], None]  # rebuild derived copies of what an apply wrote; None: of everything
 Describe = Callable[[], dict]  # the engine's kernels/paths on this rank, for the start-up log and status
 OPS = ("setup", "fetch", "fetched", "apply", "discard", "commit", "rollback", "status", "resync", "audit")
+DECODE_BACKENDS = ("auto", "host", "device")
 MAX_FETCHES = 8  # fetches a rank holds at once (the driver's queue bound keeps it lower)
 
 
@@ -79,13 +79,21 @@ class RankUpdater:
     ``checkpoint``: {name: (shape, dtype)} of the served checkpoint; ``read_checkpoint``
     reads one tensor of it (the dense fallback starts from it); ``refresh`` rebuilds
     derived copies of the storages an apply wrote; ``describe`` reports the engine's paths.
+    ``decode_backend``: where context-coded parts are decoded: "auto" where the weights
+    live (on an accelerator in Triton, on the host in numba), "host" always on the host,
+    "device" always through the Triton pass (on CPU weights only under ``TRITON_INTERPRET=1``:
+    tests). ``apply_backend``: :func:`engine_ext.server.apply.apply_delta`'s backend.
     """
 
     def __init__(self, module: torch.nn.Module, load: Loader, checkpoint: dict[str, tuple[tuple[int, ...], DType]],
                  read_checkpoint: Callable[[str], torch.Tensor] | None = None, refresh: Refresh | None = None,
-                 rank: int = 0, describe: Describe | None = None):
+                 rank: int = 0, describe: Describe | None = None, decode_backend: str = "auto",
+                 apply_backend: str = "auto"):
+        if decode_backend not in DECODE_BACKENDS:
+            raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
         self.module, self.load, self.checkpoint = module, load, checkpoint
         self.read_checkpoint, self.refresh, self.rank, self.describe = read_checkpoint, refresh, rank, describe
+        self.decode_backend, self.apply_backend = decode_backend, apply_backend
         self.maps: dict[str, TensorMap | Unmappable] = {}
         self.host: dict[str, torch.Tensor] = {}  # checkpoint copies of unmappable tensors (dense fallback)
         self.fps: dict[str, int] = {}  # rank-local partial fingerprints (whole for host tensors)
@@ -277,7 +285,7 @@ class RankUpdater:
         dense = [td for td in deltas if td.name in self.host]
         old_fps = {td.name: self.fps[td.name] for td in deltas}
         t = time.perf_counter()
-        res = apply_delta(mapped, self.maps, undo=True)
+        res = apply_delta(mapped, self.maps, undo=True, backend=self.apply_backend)
         touched = None if dense else Touched(mapped, self.maps)
         self._pending = _Pending(res, old_fps, {}, touched)
         try:
@@ -352,8 +360,24 @@ class _LiveBases:
         self.up = up
         self.overlay: dict[str, list[TensorDelta]] = {}
 
+    def context_device(self, name):
+        """The device of this rank's weights of ``name`` when its context pass runs there
+        (:class:`RankUpdater`'s ``decode_backend``), else None (the host)."""
+        up = self.up
+        if up.decode_backend == "host" or name in up.host:
+            return None
+        dev = next((p.dest.device for p in up.maps[name].pieces if p.count_fingerprint and p.numel), None)
+        if dev is None or (dev.type == "cpu" and up.decode_backend != "device"):
+            return None
+        return dev
+
     def bits(self, name, start, stop):
-        from ..format import chunks
+        box = self.tensor_bits(name, start, stop)
+        return None if box is None else box.cpu().numpy()
+
+    def tensor_bits(self, name, start, stop):
+        """The box's checkpoint bits, flat, as the earlier links of the route left them, on the
+        weights' device (a copy: the live weights are never written here)."""
         from ..format.dtypes import as_bits
         from .maps import read_box
 
@@ -364,18 +388,12 @@ class _LiveBases:
             box = read_box(up.maps[name], start, stop)  # PartlyHeld: the decoder asks block by block
             if box is None:
                 return None
-        box = box.cpu()
         shape, ext = up.checkpoint[name][0], tuple(b - a for a, b in zip(start, stop))
         for td in self.overlay.get(name, []):  # earlier links of the route, inside this box
-            idx = td.index().numpy()
-            coords = np.unravel_index(idx, shape) if len(shape) else ()
-            inside = np.ones(idx.size, dtype=bool)
-            for c, a, b in zip(coords, start, stop):
-                inside &= (c >= a) & (c < b)
-            local = torch.from_numpy(chunks.to_local(idx[inside], shape, (start, stop)))
-            part = TensorDelta(td.name, td.dtype, ext, td.mode, local, td.values[torch.from_numpy(inside)])
+            inside, local = _in_box(td.index().to(box.device), shape, start, stop)
+            part = TensorDelta(td.name, td.dtype, ext, td.mode, local, td.values.to(box.device)[inside])
             box = as_bits(apply_tensor(box.view(td.dtype.torch), part, check=False))
-        return box.reshape(-1).numpy()
+        return box.reshape(-1)
 
     def verify(self, name, fingerprint):
         from ..errors import BaseMismatchError
@@ -390,6 +408,21 @@ class _LiveBases:
     def advance(self, tensors):
         for td in tensors:
             self.overlay.setdefault(td.name, []).append(td)
+
+
+def _in_box(idx: torch.Tensor, shape, start, stop) -> tuple[torch.Tensor, torch.Tensor]:
+    """(which flat indices of a tensor of ``shape`` lie in box [start, stop), the box-local row-major
+    indices of those), on ``idx``'s device."""
+    coords, rem = [], idx
+    for n in reversed(tuple(shape)):
+        coords.append(rem % n)
+        rem = rem // n
+    inside = torch.ones(idx.shape, dtype=torch.bool, device=idx.device)
+    local = torch.zeros_like(idx)
+    for c, a, b in zip(reversed(coords), start, stop):
+        inside &= (c >= a) & (c < b)
+        local = local * (b - a) + (c - a)
+    return inside, local[inside]
 
 
 def _numel(shape) -> int:

@@ -236,6 +236,18 @@ class Bases:
         """Flat row-major raw bits of box [start, stop) of tensor ``name``; None when none of it is held."""
         raise NotImplementedError
 
+    def context_device(self, name: str) -> torch.device | None:
+        """Where the context pass over ``name``'s base runs: None on the host (numba, from
+        :meth:`bits`); a torch device: there (:mod:`engine_ext.format.context_device`, Triton),
+        from :meth:`tensor_bits`, with no copy of the base to the host. The decoded positions
+        and values of such a tensor are on that device."""
+        return None
+
+    def tensor_bits(self, name: str, start: tuple, stop: tuple) -> torch.Tensor | None:
+        """:meth:`bits` as a flat torch tensor on :meth:`context_device` (PartlyHeldError as :meth:`bits`)."""
+        bits = self.bits(name, start, stop)
+        return None if bits is None else torch.from_numpy(bits)
+
     def verify(self, name: str, fingerprint: int) -> None:
         """Raise BaseMismatchError unless the held base of ``name`` has ``fingerprint`` (where checkable)."""
 
@@ -286,17 +298,23 @@ def _decode_context(p: _Part, data: memoryview, bases: Bases | None) -> tuple[to
     if bases is None:
         raise IntegrityError(f"tensor {t.name!r} is context-coded: decoding needs the base weights")
     start = (0,) * len(t.shape) if box is None else box[0]
+    device = bases.context_device(t.name)  # where the base lives: the pass runs there
+    read = bases.bits if device is None else bases.tensor_bits
 
     def base_of(sub):
-        return bases.bits(t.name, tuple(a + s for a, s in zip(start, sub[0])), tuple(a + s for a, s in zip(start, sub[1])))
+        return read(t.name, tuple(a + s for a, s in zip(start, sub[0])), tuple(a + s for a, s in zip(start, sub[1])))
 
     n = e.positions.length
-    pos, vals = context_codec.decode(t.dtype, tuple(t.shape), box, bytes(data[:n]), bytes(data[n:]), e.nnz, base_of,
-                                     list(p.tables))
-    pos = torch.from_numpy(pos)
+    args = (t.dtype, tuple(t.shape), box, bytes(data[:n]), bytes(data[n:]), e.nnz, base_of, list(p.tables))
+    if device is None:
+        pos, vals = (torch.from_numpy(a) for a in context_codec.decode(*args))
+    else:
+        from ..format import context_device
+
+        pos, vals = context_device.decode(*args)
     if box is not None:
         pos = chunks.to_global(pos, t.shape, box)
-    return pos, torch.from_numpy(vals)
+    return pos, vals
 
 
 def _decode_part(p: _Part, data: memoryview, bases: Bases | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -317,6 +335,16 @@ def _decode_part(p: _Part, data: memoryview, bases: Bases | None = None) -> tupl
     return pos, vals
 
 
+def _on_one_device(pieces: list) -> list:
+    """Parts of one tensor decoded on its base's device (context-coded) and on the host (the others),
+    all on the base's device, where the apply reads them."""
+    devices = {v.device for _, v in pieces}
+    if len(devices) == 1:
+        return pieces
+    dev = next(d for d in devices if d.type != "cpu")
+    return [(None if q is None else q.to(dev), v.to(dev)) for q, v in pieces]
+
+
 def _decode_parts(parts: list[_Part], data_of, workers: int, bases: Bases | None = None) -> list[TensorDelta]:
     """One TensorDelta per tensor from its decoded parts (cells merged into sorted positions);
     one task per tensor, so that small cells do not pay a thread hand-off each."""
@@ -333,6 +361,7 @@ def _decode_parts(parts: list[_Part], data_of, workers: int, bases: Bases | None
         for p in ps:
             by_mode.setdefault(p.entry.values.mode, []).append(_decode_part(p, data_of((p.blob, p.offset)), bases))
         for mode, pieces in by_mode.items():
+            pieces = _on_one_device(pieces)
             if len(pieces) == 1:
                 pos, vals = pieces[0]
             else:
