@@ -26,3 +26,39 @@ def test_fuzz_target(name):
         t.check(case)
 
     run()
+
+
+# --------------------------------------------------------------------------- regressions: one per bug found
+
+DEEP = b"[" * 5000 + b"]" * 5000  # 10 KB: inside every size limit, nested past Python's recursion limit
+
+
+def test_regression_json_nested_past_the_recursion_limit_is_refused_as_documented():
+    """json.loads raises RecursionError (not a ValueError) on deep nesting: every JSON parser let it
+    escape (a 500 "internal" on the route) instead of its documented refusal."""
+    import asyncio
+
+    from engine_ext.errors import ManifestError
+    from engine_ext.format.manifest import Latest, Manifest
+    from engine_ext.server.controller import Auth
+    from engine_ext.server.http import post_answer
+    from engine_ext.server.protocol import RequestError, UpdateRequest
+    from engine_ext.store.signing import SignatureError, Trust
+
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        Manifest.from_json(DEEP)
+    with pytest.raises(ManifestError, match="bad LATEST"):
+        Latest.from_json(DEEP)
+    with pytest.raises(RequestError, match="not valid JSON"):
+        UpdateRequest.parse(DEEP)
+    with pytest.raises(SignatureError, match="malformed signature"):
+        Trust(allow_unsigned=True).verify_detached(b"{}", DEEP, "v1.json")
+
+    async def body():
+        return DEEP
+
+    async def controller():
+        raise AssertionError("a refused body never reaches the controller")
+
+    status, answer = asyncio.run(post_answer(Auth(("t",)), controller, "Bearer t", body))
+    assert status == 400 and answer["reason"] == "bad_request"

@@ -148,15 +148,15 @@ class Manifest:
             raise ManifestError(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
         try:
             d = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestError(f"manifest is not valid JSON: {e}") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
+            raise ManifestError(f"manifest is not valid JSON: {str(e)[:200]}") from None
         try:
             m = _parse(d)
             m.validate()
         except ManifestError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ManifestError(f"malformed manifest: {type(e).__name__}: {e}") from None
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
+            raise ManifestError(f"malformed manifest: {type(e).__name__}: {str(e)[:200]}") from None
         return m
 
     def _check_bytes(self, where: str, e, numel: int, dtype: str, per_blob: list) -> None:
@@ -367,7 +367,7 @@ class Latest:
                 lt, sigs = cls(**d["signed"]), d["signatures"]
             else:
                 lt, sigs = cls(**d), []
-        except (ValueError, TypeError, UnicodeDecodeError) as e:
+        except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as e:
             raise ManifestError(f"bad LATEST pointer: {type(e).__name__}: {str(e)[:200]}") from None
         if (not _is_int(lt.version) or lt.version < 0 or not isinstance(lt.manifest, str)
                 or not _KEY_RE.fullmatch(lt.manifest) or lt.manifest.startswith(".")
