@@ -62,3 +62,25 @@ def test_regression_json_nested_past_the_recursion_limit_is_refused_as_documente
 
     status, answer = asyncio.run(post_answer(Auth(("t",)), controller, "Bearer t", body))
     assert status == 400 and answer["reason"] == "bad_request"
+
+
+def test_regression_manifest_errors_do_not_echo_the_manifest_at_length():
+    """A refused manifest's message repeated the offending value whole (a 6 KB message for a nested
+    ``kind``; megabytes for a long list): it goes into the route's answer and the logs."""
+    import json
+
+    from engine_ext.errors import ManifestError
+    from engine_ext.format.manifest import Manifest
+    from fuzz_targets import corpus
+
+    doc = json.loads(corpus().manifests["plain/v1"])
+    for field, value in (("kind", "x" * 100_000), ("base_manifests", ["0" * 64] * 50_000), ("version", [1] * 50_000)):
+        bad = dict(doc, **{field: value})
+        with pytest.raises(ManifestError) as e:
+            Manifest.from_json(json.dumps(bad).encode())
+        assert len(str(e.value)) < 600, (field, len(str(e.value)))
+    bad = json.loads(json.dumps(doc))
+    bad["tensors"][0]["shape"] = [-1] * 100_000
+    with pytest.raises(ManifestError) as e:
+        Manifest.from_json(json.dumps(bad).encode())
+    assert len(str(e.value)) < 600

@@ -162,7 +162,7 @@ class Manifest:
     def _check_bytes(self, where: str, e, numel: int, dtype: str, per_blob: list) -> None:
         """The coders, byte range and hash of a changed tensor or chunk ``e`` (``numel`` elements)."""
         def bad(msg):
-            raise ManifestError(msg)
+            raise ManifestError(_cut(msg))
 
         p, v = e.positions, e.values
         if p.coder not in POSITION_CODERS or v.coder not in VALUE_CODERS:
@@ -214,7 +214,7 @@ class Manifest:
     def validate(self) -> None:
         """Raise ManifestError unless every field is consistent and within limits."""
         def bad(msg):
-            raise ManifestError(msg)
+            raise ManifestError(_cut(msg))
 
         if self.format != FORMAT or self.format_version not in READABLE_VERSIONS:
             bad(f"unknown format {self.format!r} version {self.format_version!r} (this reader: {FORMAT} {READABLE_VERSIONS})")
@@ -309,6 +309,11 @@ def dtype_by_name_checked(name, where):
         return dtype_by_name(name)
     except (ValueError, TypeError):
         raise ManifestError(f"{where}: unsupported dtype {name!r}") from None
+
+
+def _cut(msg: str, n: int = 500) -> str:
+    """An error message cut short: a hostile manifest's values are never echoed at length."""
+    return msg if len(msg) <= n else msg[:n] + "..."
 
 
 def _is_int(x) -> bool:
