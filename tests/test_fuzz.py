@@ -84,3 +84,26 @@ def test_regression_manifest_errors_do_not_echo_the_manifest_at_length():
     with pytest.raises(ManifestError) as e:
         Manifest.from_json(json.dumps(bad).encode())
     assert len(str(e.value)) < 600
+
+
+@pytest.mark.parametrize("written", ["-000000000000001", "+00000000000000f", " 00000000000000f", "0_0000000000000f",
+                                     "0x0000000000000f", "000000000000000F"])
+def test_regression_fingerprints_are_exactly_16_lower_case_hex_digits(written):
+    """``int(s, 16)`` took signs, spaces, underscores, ``0x`` and upper case: a manifest whose tensor
+    fingerprint read "-000000000000001" (-1, never equal to a computed fingerprint) was accepted, its
+    update then failing verification after the apply (500) instead of being refused up front (400)."""
+    import json
+
+    from engine_ext.errors import ManifestError
+    from engine_ext.format import fingerprint as fpr
+    from engine_ext.format.manifest import Manifest
+    from fuzz_targets import _reseal_fingerprints, corpus
+
+    with pytest.raises(ValueError):
+        fpr.parse(written)
+    doc = json.loads(corpus().manifests["plain/v1"])
+    doc["tensors"][0]["fingerprint"] = written
+    _reseal_fingerprints(doc)  # what a lying signer would do: the model fingerprint agrees
+    with pytest.raises(ManifestError, match="fingerprint"):
+        Manifest.from_json(json.dumps(doc).encode())
+    assert fpr.parse(fpr.fmt(2**64 - 1)) == 2**64 - 1
