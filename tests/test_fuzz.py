@@ -107,3 +107,40 @@ def test_regression_fingerprints_are_exactly_16_lower_case_hex_digits(written):
     with pytest.raises(ManifestError, match="fingerprint"):
         Manifest.from_json(json.dumps(doc).encode())
     assert fpr.parse(fpr.fmt(2**64 - 1)) == 2**64 - 1
+
+
+def test_regression_an_anchors_bogus_base_fingerprint_is_refused_before_any_blob():
+    """An anchor's tensors carry no base fingerprint, so ``validate`` never looked at one: a manifest
+    with ``"base_fingerprint": "zz"`` on an anchor tensor was accepted, then the rank's decode raised
+    ValueError (500) from ``fpr.parse``. Refused as malformed now (400), before any blob is read."""
+    import json
+
+    from engine_ext.errors import ManifestError
+    from engine_ext.format.manifest import Manifest
+    from fuzz_targets import corpus
+
+    for where in ("tensor", "model"):
+        doc = json.loads(corpus().manifests["plain/v0"])
+        (doc["tensors"][0] if where == "tensor" else doc)["base_fingerprint"] = "zz"
+        with pytest.raises(ManifestError, match="fingerprint"):
+            Manifest.from_json(json.dumps(doc).encode())
+
+
+@pytest.mark.parametrize("field,value", [("anchor_version", "3"), ("anchor_version", -1), ("anchor_version", 2),
+                                         ("anchor_version", 1.0), ("model", 7), ("created_unix", "yesterday"),
+                                         ("created_unix", True), ("format_version", True), ("format_version", 5.0)])
+def test_regression_manifest_fields_of_the_wrong_type_are_refused(field, value):
+    """Fields ``validate`` did not check were accepted with any type: an ``anchor_version`` of "3"
+    (the route planner's ``manifest_key`` then raised ValueError: 500), a numeric ``model``, a
+    ``format_version`` of ``true`` (== 1) or 5.0."""
+    import json
+
+    from engine_ext.errors import ManifestError
+    from engine_ext.format.manifest import Manifest
+    from fuzz_targets import corpus
+
+    doc = json.loads(corpus().manifests["plain/v1"])  # version 1
+    Manifest.from_json(json.dumps(doc).encode())
+    doc[field] = value
+    with pytest.raises(ManifestError):
+        Manifest.from_json(json.dumps(doc).encode())

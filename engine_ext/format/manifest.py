@@ -216,7 +216,7 @@ class Manifest:
         def bad(msg):
             raise ManifestError(_cut(msg))
 
-        if self.format != FORMAT or self.format_version not in READABLE_VERSIONS:
+        if self.format != FORMAT or not _is_int(self.format_version) or self.format_version not in READABLE_VERSIONS:
             bad(f"unknown format {self.format!r} version {self.format_version!r} (this reader: {FORMAT} {READABLE_VERSIONS})")
         if not isinstance(self.base_manifests, list) or len(self.base_manifests) > 4 or not all(
                 isinstance(h, str) and _SHA_RE.fullmatch(h) for h in self.base_manifests):
@@ -229,10 +229,14 @@ class Manifest:
             self._check_step_tables()
         if not _is_int(self.version) or self.version < 0:
             bad(f"bad version {self.version!r}")
+        if self.anchor_version is not None and not (_is_int(self.anchor_version) and 0 <= self.anchor_version <= self.version):
+            bad(f"anchor_version {self.anchor_version!r} is not a version at or before {self.version}")
+        if not isinstance(self.model, str) or isinstance(self.created_unix, bool) or not isinstance(self.created_unix, (int, float)):
+            bad("model must be a string and created_unix a number")
         if self.kind == DELTA and (not _is_int(self.base_version) or not 0 <= self.base_version < self.version):
             bad(f"a delta needs a base_version below its version, got {self.base_version!r} -> {self.version}")
         fpr.parse(self.fingerprint)
-        if self.kind == DELTA:
+        if self.kind == DELTA or self.base_fingerprint is not None:  # an anchor's is null or a fingerprint
             fpr.parse(self.base_fingerprint)
         if len(self.tensors) > MAX_TENSORS:
             bad(f"{len(self.tensors)} tensors, over the {MAX_TENSORS} limit")
@@ -257,7 +261,7 @@ class Manifest:
             if not _is_int(t.nnz) or not 0 <= t.nnz <= t.numel:
                 bad(f"{where}: nnz {t.nnz!r} outside [0, {t.numel}]")
             fpr.parse(t.fingerprint)
-            if self.kind == DELTA:
+            if self.kind == DELTA or t.base_fingerprint is not None:
                 fpr.parse(t.base_fingerprint)
             tensor_fps.append((t.name, fpr.parse(t.fingerprint)))
             if t.nnz == 0:
