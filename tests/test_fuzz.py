@@ -144,3 +144,32 @@ def test_regression_manifest_fields_of_the_wrong_type_are_refused(field, value):
     doc[field] = value
     with pytest.raises(ManifestError):
         Manifest.from_json(json.dumps(doc).encode())
+
+
+@pytest.mark.parametrize("field,value", [("expires_unix", float("nan")), ("expires_unix", float("inf")), ("expires_unix", True),
+                                         ("fingerprint", None), ("fingerprint", "84g55bbe26237a39"), ("anchor_version", "0"),
+                                         ("anchor_version", -310), ("anchor_version", 2)])
+def test_regression_latest_fields_are_checked(field, value):
+    """``Latest.from_json`` checked version, manifest, sha256 and the type of expires_unix only: a
+    signed pointer expiring at NaN or infinity never went stale (``nan < now`` is false), and one
+    with no fingerprint or a non-numeric anchor_version was accepted (the CLI and the TRL
+    integration then raised ValueError parsing it)."""
+    from engine_ext.errors import ManifestError
+    from engine_ext.format.manifest import Latest
+    from engine_ext.store.reader import read_latest
+    from engine_ext.store.local import LocalStore
+    from engine_ext.store.signing import Signer
+    from fuzz_targets import NOW, corpus, trust_of
+
+    c = corpus()
+    good = Latest(1, "v00000001.json", "84a55bbe26237a39", 0, "0" * 64, NOW + 3600)
+    Latest.from_json(good.to_json())
+    bad = Latest(**{**good.__dict__, field: value})
+    raw = bad.to_json(Signer(c.key).signatures(bad.signed_bytes()))  # signed: only the field checks stand in the way
+    with pytest.raises(ManifestError, match="malformed"):
+        Latest.from_json(raw)
+    d = c.root / f"regression-latest-{field}-{value}".replace(".", "_")
+    d.mkdir(exist_ok=True)
+    (d / "LATEST").write_bytes(raw)
+    with pytest.raises(ManifestError):
+        read_latest(LocalStore(str(d)), trust_of(c, "one"))

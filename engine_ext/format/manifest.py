@@ -40,6 +40,7 @@ MAX_NDIM = 8
 MAX_LATEST_BYTES = 16 << 10
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
 _HEX_RE = re.compile(r"(?:[0-9a-f]{2})+")
+_FP_RE = re.compile(r"[0-9a-f]{16}")
 _KEY_RE = re.compile(r"[A-Za-z0-9._-]+")  # blob keys are plain names next to the manifest (fullmatch)
 
 
@@ -381,6 +382,9 @@ class Latest:
         if (not _is_int(lt.version) or lt.version < 0 or not isinstance(lt.manifest, str)
                 or not _KEY_RE.fullmatch(lt.manifest) or lt.manifest.startswith(".")
                 or (lt.sha256 is not None and not (isinstance(lt.sha256, str) and _SHA_RE.fullmatch(lt.sha256)))
-                or (lt.expires_unix is not None and not isinstance(lt.expires_unix, (int, float)))):
+                or not (isinstance(lt.fingerprint, str) and _FP_RE.fullmatch(lt.fingerprint))
+                or (lt.anchor_version is not None and not (_is_int(lt.anchor_version) and 0 <= lt.anchor_version <= lt.version))
+                or (lt.expires_unix is not None and not (isinstance(lt.expires_unix, (int, float))  # NaN, inf: never stale
+                                                         and not isinstance(lt.expires_unix, bool) and math.isfinite(lt.expires_unix)))):
             raise ManifestError("bad LATEST pointer: a field is malformed")
         return lt, sigs
