@@ -173,3 +173,46 @@ def test_regression_latest_fields_are_checked(field, value):
     (d / "LATEST").write_bytes(raw)
     with pytest.raises(ManifestError):
         read_latest(LocalStore(str(d)), trust_of(c, "one"))
+
+
+@pytest.mark.parametrize("what", ["short", "too-long", "deep", "list", "no-dtype", "meta-int", "negative",
+                                  "string-shape", "none-shape"])
+def test_regression_safetensors_headers_refused_with_value_error(tmp_path, what):
+    """Bugs of the safetensors header parse: a file shorter than 8 bytes raised struct.error
+    ("short"); a declared header length beyond the file (up to 100 MB) was allocated before the
+    short read ("too-long"); one nested too deep raised RecursionError; a header that is a list, or entries without a dtype, not objects, or
+    with shapes of negative numbers, a string or None raised TypeError / KeyError or were accepted.
+    Each is a ValueError now, and nothing is allocated by a declared length alone."""
+    import json
+    import struct
+    import tracemalloc
+
+    from engine_ext.store.checkpoint import CheckpointDir, read_header
+    from fuzz_targets import safetensors_sample
+
+    good = safetensors_sample()
+    (n,) = struct.unpack("<Q", good[:8])
+    header = json.loads(good[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+
+    def file_with(header_obj):
+        raw = json.dumps(header_obj).encode()
+        return struct.pack("<Q", len(raw)) + raw + good[8 + n:]
+
+    data = {"short": lambda: good[:5], "too-long": lambda: struct.pack("<Q", 100 << 20) + good[8:],
+            "deep": lambda: struct.pack("<Q", len(DEEP)) + DEEP + good[8 + n:],
+            "list": lambda: file_with([1, 2]), "no-dtype": lambda: file_with({name: {"shape": [2]}}),
+            "meta-int": lambda: file_with({name: 3}), "negative": lambda: file_with({name: {**header[name], "shape": [-64, 128]}}),
+            "string-shape": lambda: file_with({name: {**header[name], "shape": "ab"}}),
+            "none-shape": lambda: file_with({name: {**header[name], "shape": [None]}})}[what]()
+    (tmp_path / "model.safetensors").write_bytes(data)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError):
+            read_header(tmp_path / "model.safetensors") if what in ("short", "too-long", "deep", "list") else CheckpointDir(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak
+    (tmp_path / "model.safetensors").write_bytes(good)
+    assert CheckpointDir(tmp_path).tensors[name].shape == tuple(header[name]["shape"])
