@@ -216,3 +216,34 @@ def test_regression_safetensors_headers_refused_with_value_error(tmp_path, what)
     assert peak < 8 << 20, peak
     (tmp_path / "model.safetensors").write_bytes(good)
     assert CheckpointDir(tmp_path).tensors[name].shape == tuple(header[name]["shape"])
+
+
+@pytest.mark.parametrize("missing", ["format", "format_version"])
+def test_regression_a_manifest_without_its_format_is_refused(missing):
+    """A manifest that named no ``format`` or ``format_version`` was read as this reader's own format
+    (the dataclass defaults): a document of another or a future format, read as format 5."""
+    import json
+
+    from engine_ext.errors import ManifestError
+    from engine_ext.format.manifest import Manifest
+    from fuzz_targets import corpus
+
+    doc = json.loads(corpus().manifests["plain/v1"])
+    del doc[missing]
+    with pytest.raises(ManifestError, match="format"):
+        Manifest.from_json(json.dumps(doc).encode())
+
+
+def test_regression_a_tensor_written_as_key_value_pairs_is_refused():
+    """``dict(t)`` turned a tensor written as a list of [key, value] pairs into an entry: a manifest
+    that is not the documented JSON object was accepted."""
+    import json
+
+    from engine_ext.errors import ManifestError
+    from engine_ext.format.manifest import Manifest
+    from fuzz_targets import corpus
+
+    doc = json.loads(corpus().manifests["plain/v1"])
+    doc["tensors"][0] = [[k, v] for k, v in doc["tensors"][0].items()]
+    with pytest.raises(ManifestError, match="object"):
+        Manifest.from_json(json.dumps(doc).encode())

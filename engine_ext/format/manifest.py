@@ -328,8 +328,12 @@ def _is_int(x) -> bool:
 def _parse(d: dict) -> Manifest:
     if not isinstance(d, dict):
         raise ManifestError("manifest must be a JSON object")
+    if "format" not in d or "format_version" not in d:  # not assumed to be this reader's own
+        raise ManifestError("manifest names no format and format_version")
     tensors = []
     for t in d["tensors"]:
+        if not isinstance(t, dict):  # dict() would also take a list of [key, value] pairs
+            raise ManifestError("each tensor must be a JSON object")
         t = dict(t)
         t["positions"] = Segment(**t.get("positions", {"coder": "none", "length": 0}))
         t["values"] = Segment(**t.get("values", {"coder": "none", "length": 0}))
