@@ -247,3 +247,31 @@ def test_regression_a_tensor_written_as_key_value_pairs_is_refused():
     doc["tensors"][0] = [[k, v] for k, v in doc["tensors"][0].items()]
     with pytest.raises(ManifestError, match="object"):
         Manifest.from_json(json.dumps(doc).encode())
+
+
+def test_regression_the_update_route_never_holds_a_body_past_its_limit():
+    """The routes handed ``request.body`` to ``post_answer``, which reads the whole body before its
+    size is looked at: an authorised caller's 8 MiB body was held whole (any size, in fact) to be
+    refused as "over 65536 bytes". Now read chunk by chunk and refused past the limit."""
+    import asyncio
+    import json
+    import tracemalloc
+
+    from engine_ext.server.protocol import MAX_BODY_BYTES, ROUTE
+    from fuzz_targets import TOKEN, _asgi_post, _vllm_app
+
+    app = _vllm_app()
+    body = b'{"url": "/runs/a"' + b" " * (8 << 20) + b"}"
+    chunks = [body[i:i + (64 << 10)] for i in range(0, len(body), 64 << 10)]
+    headers = [(b"authorization", f"Bearer {TOKEN}".encode())]
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(_asgi_post(app, ROUTE, [b'{"url": "/warm"}'], headers))
+        tracemalloc.start()
+        status, answer = loop.run_until_complete(_asgi_post(app, ROUTE, chunks, headers))
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    finally:
+        loop.close()
+    assert status == 400 and json.loads(answer)["reason"] == "bad_request"
+    assert peak < 4 * MAX_BODY_BYTES + (1 << 20), peak
