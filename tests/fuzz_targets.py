@@ -629,7 +629,9 @@ class ManifestCase:
 def _manifest_inputs(draw):
     c = corpus()
     source = draw(st.sampled_from(sorted(c.manifests)))
-    doc, n = draw(mutated_doc(c.manifest_doc(source), max_ops=3))
+    doc, k = draw(consistent_mutations(c.manifest_doc(source)))
+    doc, n = draw(mutated_doc(doc, max_ops=draw(st.sampled_from([0, 1, 1, 2, 3]))))
+    n += k
     byte_ops, raw = 0, None
     if draw(st.integers(0, 9)) == 0:
         raw, byte_ops = draw(mutated_bytes(dump(doc), max_ops=2, min_ops=1))
@@ -639,6 +641,39 @@ def _manifest_inputs(draw):
             edits.append((draw(st.integers(0, 2**16)), draw(st.integers(0, 2**16)), draw(st.integers(1, 255))))
     return ManifestCase(source, n, doc, byte_ops, raw, draw(st.booleans()), edits, draw(st.integers(0, 2**12)),
                         draw(st.sampled_from(["right", "right", "right", "wrong", "none"])))
+
+
+@st.composite
+def consistent_mutations(draw, doc: dict):
+    """Mutations of a manifest's parts that its own rules cannot see, so that they reach the
+    decoders through the whole path: a declared count off (and the tensor's total with it), the
+    boundary between positions and values bytes moved, coders or the value mode swapped, cells
+    renumbered. Returns the document and how many were applied."""
+    n = draw(st.integers(0, 3))
+    tensors = [t for t in doc["tensors"] if t["nnz"]]
+    for _ in range(n):
+        t = draw(st.sampled_from(tensors))
+        e = draw(st.sampled_from(t["chunks"])) if t.get("chunks") else t
+        op = draw(st.sampled_from(["nnz", "nnz", "split", "coder", "mode", "cell"]))
+        if op == "nnz":
+            d = draw(st.sampled_from([-2, -1, 1, 2, 64, 2**20, -e["nnz"] + 1]))
+            e["nnz"] += d
+            if e is not t:
+                t["nnz"] += d
+        elif op == "split":
+            d = draw(st.integers(-8, 8))
+            e["positions"]["length"] += d
+            e["values"]["length"] -= d
+        elif op == "coder":
+            pc, vc = draw(st.sampled_from([("pco", "pco"), ("zstd", "zstd"), ("pco", "zstd"), ("zstd", "raw"),
+                                           ("pco", "raw"), ("ctx", "ctx"), ("all", "raw")]))
+            e["positions"]["coder"], e["values"]["coder"] = pc, vc
+        elif op == "mode":
+            e["values"]["mode"] = "abs" if e["values"]["mode"] == "rel" else "rel"
+        elif op == "cell" and t.get("chunks"):
+            a, b = draw(st.sampled_from(t["chunks"])), draw(st.sampled_from(t["chunks"]))
+            a["cell"], b["cell"] = b["cell"], a["cell"]
+    return doc, n
 
 
 def _parts_of(doc) -> list[dict]:
