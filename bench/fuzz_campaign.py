@@ -65,7 +65,7 @@ def _worker(name: str, seconds: float, seed: int, batch: int, batches: int | Non
             run()
         except Exception as e:  # noqa: BLE001 - a finding: recorded, and the campaign goes on
             first = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-            notes = "\n".join(getattr(e, "__notes__", []))[:3000]
+            notes = "\n".join(getattr(e, "__notes__", []))
             key = first[:120]
             if key not in failures:
                 failures[key] = {"error": first, "example": notes, "seed": s, "count": 0}
@@ -133,7 +133,7 @@ def main() -> None:
     print(f"\n{total:,} inputs in {(time.monotonic() - t0) / 60:.1f} min (seed {args.seed}, batches of {args.batch})")
     for r in results:
         for f in r["failures"]:
-            print(f"\nFAILURE {r['target']} (seed {f['seed']}, x{f['count']}): {f['error']}\n{f['example']}")
+            print(f"\nFAILURE {r['target']} (seed {f['seed']}, x{f['count']}): {f['error']}\n{f['example'][:2000]}")
     if args.json:
         args.json.write_text(json.dumps({"seed": args.seed, "minutes": args.minutes, "results": results}, indent=1))
     sys.exit(1 if any(r["failures"] for r in results) else 0)

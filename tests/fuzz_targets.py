@@ -222,7 +222,7 @@ def _copy(v):
     """A copy of a JSON document (dicts and lists copied, leaves shared): deepcopy's memo is slow."""
     if isinstance(v, dict):
         return {k: _copy(x) for k, x in v.items()}
-    if isinstance(v, list):
+    if isinstance(v, (list, tuple)):
         return [_copy(x) for x in v]
     return v
 
@@ -307,7 +307,7 @@ def dump(doc) -> bytes:
             return token
         if isinstance(v, dict):
             return {k: walk(x) for k, x in v.items()}
-        if isinstance(v, list):
+        if isinstance(v, (list, tuple)):
             return [walk(x) for x in v]
         return v
 
@@ -768,7 +768,7 @@ def _selection(m: Manifest, mask: int):
 
 
 @target("manifest", "Manifest.from_json -> check_expected, check_decode_budget -> fetch_selected (a rank's fetch and decode, "
-        "v1 and v2 streams, cells, anchors) from a LocalStore", examples=250)
+        "v1 and v2 streams, cells, anchors) from a LocalStore", examples=600)
 def check_manifest(case: ManifestCase) -> None:
     c = corpus()
     raw, tampered = _materialize(case, c)
@@ -901,7 +901,7 @@ def _reference_signed(t: Trust, raw: bytes, sig: bytes | None) -> tuple[str, int
     return "refused", 0
 
 
-@target("signature", "reader.read_link (Trust.verify_detached on the .sig object, then Manifest.from_json)", examples=150)
+@target("signature", "reader.read_link (Trust.verify_detached on the .sig object, then Manifest.from_json)", examples=300)
 def check_signature(case: SigCase) -> None:
     c = corpus()
     d = c.root / "sig"
@@ -1000,7 +1000,7 @@ def latest_spec_errors(lt: Latest) -> list[str]:
     return out
 
 
-@target("latest", "Latest.from_json and reader.read_latest (signature, expiry, binding)", examples=150)
+@target("latest", "Latest.from_json and reader.read_latest (signature, expiry, binding)", examples=300)
 def check_latest(case: LatestCase) -> None:
     c = corpus()
     d = c.root / "latest"
@@ -1058,7 +1058,7 @@ def _reference_valid_cuts(cuts, shape) -> bool:
     return True
 
 
-@target("grid", "chunks.valid_cuts, boxes, split/to_local/to_global (format 3 grids of a manifest)", examples=300)
+@target("grid", "chunks.valid_cuts, boxes, split/to_local/to_global (format 3 grids of a manifest)", examples=500)
 def check_grid(case) -> None:
     cuts, shape = case
     ok, _ = judge(lambda: chunks.valid_cuts(cuts, shape), (), 0.5, 1 << 20, "valid_cuts")
@@ -1134,7 +1134,7 @@ def _v1_streams_inputs(draw):
     return StreamCase(kind, declared_coder, data, nnz, numel, dtype, truth, pristine and declared_coder == coder)
 
 
-@target("v1_streams", "codec.decode_positions / decode_values (pco, zstd, raw, all)", examples=400)
+@target("v1_streams", "codec.decode_positions / decode_values (pco, zstd, raw, all)", examples=800)
 def check_v1_streams(case: StreamCase) -> None:
     if case.kind == "positions":
         fn = lambda: codec.decode_positions(case.coder, case.data, case.nnz, case.numel)  # noqa: E731
@@ -1243,7 +1243,7 @@ def _v2_streams_inputs(draw):
 
 
 @target("v2_streams", "context_codec.decode (positions header, ranks, steps, the pass over the base; "
-        "a rank holding all, some or none of the blocks)", examples=250)
+        "a rank holding all, some or none of the blocks)", examples=500)
 def check_v2_streams(case: V2Case) -> None:
     p = v2_pool()[case.i]
     shape, box, name = p["shape"], p["box"], p["dtype"]
@@ -1328,7 +1328,7 @@ def _v2_header_inputs(draw):
     return dtype, head, nnz, numel
 
 
-@target("v2_header", "context_codec.parse_positions_header (classes, edges, populations, counts)", examples=300)
+@target("v2_header", "context_codec.parse_positions_header (classes, edges, populations, counts)", examples=500)
 def check_v2_header(case) -> None:
     dtype, head, nnz, numel = case
     h, exc = judge(lambda: cc.parse_positions_header(head, nnz, numel, dtype), (IntegrityError,), 0.5, 4 << 20, "v2 header")
@@ -1383,7 +1383,7 @@ def checkpoint_spec_errors(ck: CheckpointDir) -> list[str]:
 
 
 @target("safetensors", "store.checkpoint.read_header and CheckpointDir (a safetensors file's header: anchor blobs, "
-        "checkpoints)", examples=200)
+        "checkpoints)", examples=400)
 def check_safetensors(data: bytes) -> None:
     c = corpus()
     d = c.root / "ckpt"
@@ -1478,7 +1478,7 @@ def _loop() -> asyncio.AbstractEventLoop:
 
 
 @target("update_body", "UpdateRequest.parse and server.http.post_answer (the body and token of POST /update_weights_delta, "
-        "shared by the vLLM and SGLang routes)", examples=300)
+        "shared by the vLLM and SGLang routes)", examples=500)
 def check_update_body(case) -> None:
     raw, authorization = case
     want, fields = _reference_request(raw)
@@ -1553,7 +1553,7 @@ def _update_route_inputs(draw):
 
 
 @target("update_route", "POST /update_weights_delta through vLLM's real router (ASGI, in process): the body as the "
-        "route reads it", examples=100)
+        "route reads it", examples=200)
 def check_update_route(case) -> None:
     from engine_ext.server.protocol import ROUTE
 

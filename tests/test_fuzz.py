@@ -18,14 +18,18 @@ from fuzz_targets import TARGETS
 @pytest.mark.parametrize("name", sorted(TARGETS))
 def test_fuzz_target(name):
     t = TARGETS[name]
+    tried = 0
 
     @hsettings(max_examples=t.examples, derandomize=True, deadline=None, database=None,
                suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate, Phase.shrink])
     @given(t.strategy())
     def run(case):
+        nonlocal tried
+        tried += 1
         t.check(case)
 
     run()
+    assert tried >= t.examples  # the budget is spent on inputs, not lost to rejected draws
 
 
 # --------------------------------------------------------------------------- regressions: one per bug found
