@@ -648,13 +648,13 @@ def consistent_mutations(draw, doc: dict):
     """Mutations of a manifest's parts that its own rules cannot see, so that they reach the
     decoders through the whole path: a declared count off (and the tensor's total with it), the
     boundary between positions and values bytes moved, coders or the value mode swapped, cells
-    renumbered. Returns the document and how many were applied."""
+    renumbered, a grid's cut moved, a step table replaced by another valid one. Returns the document and how many were applied."""
     n = draw(st.integers(0, 3))
     tensors = [t for t in doc["tensors"] if t["nnz"]]
     for _ in range(n):
         t = draw(st.sampled_from(tensors))
         e = draw(st.sampled_from(t["chunks"])) if t.get("chunks") else t
-        op = draw(st.sampled_from(["nnz", "nnz", "split", "coder", "mode", "cell"]))
+        op = draw(st.sampled_from(["nnz", "nnz", "split", "coder", "mode", "cell", "grid", "tables"]))
         if op == "nnz":
             d = draw(st.sampled_from([-2, -1, 1, 2, 64, 2**20, -e["nnz"] + 1]))
             e["nnz"] += d
@@ -673,13 +673,25 @@ def consistent_mutations(draw, doc: dict):
         elif op == "cell" and t.get("chunks"):
             a, b = draw(st.sampled_from(t["chunks"])), draw(st.sampled_from(t["chunks"]))
             a["cell"], b["cell"] = b["cell"], a["cell"]
+        elif op == "grid" and t.get("grid"):  # an inner cut moved: the cells' boxes change under their bytes
+            cuts = draw(st.sampled_from(t["grid"]))
+            if len(cuts) > 2:
+                i = draw(st.integers(1, len(cuts) - 2))
+                cuts[i] = max(cuts[i - 1] + 1, min(cuts[i + 1] - 1, cuts[i] + draw(st.sampled_from([-3, -1, 1, 3]))))
+        elif op == "tables" and doc.get("step_tables"):  # other valid step tables: the steps decode otherwise
+            dtype = draw(st.sampled_from(sorted(doc["step_tables"])))
+            tables = doc["step_tables"][dtype]
+            i = draw(st.integers(0, len(tables) - 1))
+            tables[i] = bytes(draw(st.lists(st.integers(1, 255), min_size=len(tables[i]) // 2,
+                                            max_size=len(tables[i]) // 2))).hex()
     return doc, n
 
 
 def _parts_of(doc) -> list[dict]:
     """The entries (tensors or chunks) of a manifest document that carry bytes."""
     out = []
-    for t in doc.get("tensors", []) if isinstance(doc, dict) else []:
+    tensors = doc.get("tensors") if isinstance(doc, dict) else None
+    for t in tensors if isinstance(tensors, list) else []:
         if not isinstance(t, dict):
             continue
         if isinstance(t.get("chunks"), list):
@@ -721,11 +733,12 @@ def _materialize(case: ManifestCase, c: Corpus) -> tuple[bytes, set]:
                 continue
             data[off + bi % n] ^= xor
             written[key] = bytes(data)
-            tampered.add(("fz." + key, off + bi % n))
             if case.reseal:
                 e["sha256"] = hashlib.sha256(data[off:off + n]).hexdigest()
         for key, data in written.items():
             fz = "fz." + key
+            changed = np.flatnonzero(np.frombuffer(data, np.uint8) != np.frombuffer(c.blobs[key], np.uint8))
+            tampered |= {(fz, int(i)) for i in changed}  # two edits of one byte may cancel
             for bd in blobs_doc:
                 if isinstance(bd, dict) and bd.get("key") == key:
                     bd["key"] = fz
