@@ -83,11 +83,12 @@ def test_regression_manifest_errors_do_not_echo_the_manifest_at_length():
         with pytest.raises(ManifestError) as e:
             Manifest.from_json(json.dumps(bad).encode())
         assert len(str(e.value)) < 600, (field, len(str(e.value)))
-    bad = json.loads(json.dumps(doc))
-    bad["tensors"][0]["shape"] = [-1] * 100_000
-    with pytest.raises(ManifestError) as e:
-        Manifest.from_json(json.dumps(bad).encode())
-    assert len(str(e.value)) < 600
+    for field, value in (("shape", [-1] * 100_000), ("dtype", {"a": ["b" * 100_000]})):  # dtype: the campaign's find
+        bad = json.loads(json.dumps(doc))
+        bad["tensors"][0][field] = value
+        with pytest.raises(ManifestError) as e:
+            Manifest.from_json(json.dumps(bad).encode())
+        assert len(str(e.value)) < 600, (field, len(str(e.value)))
 
 
 @pytest.mark.parametrize("written", ["-000000000000001", "+00000000000000f", " 00000000000000f", "0_0000000000000f",

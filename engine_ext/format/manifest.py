@@ -313,7 +313,7 @@ def dtype_by_name_checked(name, where):
     try:
         return dtype_by_name(name)
     except (ValueError, TypeError):
-        raise ManifestError(f"{where}: unsupported dtype {name!r}") from None
+        raise ManifestError(_cut(f"{where}: unsupported dtype {name!r}")) from None
 
 
 def _cut(msg: str, n: int = 500) -> str:
