@@ -83,8 +83,9 @@ class Meter:
 
     Allocation is measured two ways, since neither sees everything: tracemalloc's peak (Python
     objects and numpy buffers, even untouched ones) and the growth of the peak resident set
-    (``VmHWM``, reset per example through ``/proc/self/clear_refs``: native allocations of
-    pcodec, zstd, constriction, torch once touched). Where the kernel does not allow the
+    (``VmHWM``, reset per example through ``/proc/self/clear_refs``, less the file pages mapped in
+    meanwhile: native allocations of pcodec, zstd, constriction, torch once touched, not the code of
+    a library a first call pages in). Where the kernel does not allow the
     reset, tracemalloc alone. A hang is cut by SIGALRM after ``hang_s`` (main thread only)."""
 
     def __init__(self, hang_s: float = 60.0):
@@ -102,12 +103,14 @@ class Meter:
             return False
 
     @staticmethod
-    def _status(field_name: str) -> int:
+    def _status(*names: str) -> list[int]:
+        out = dict.fromkeys(names, 0)
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith(field_name):
-                    return int(line.split()[1]) * 1024
-        return 0
+                name = line.split(":", 1)[0]
+                if name in out:
+                    out[name] = int(line.split()[1]) * 1024
+        return [out[n] for n in names]
 
     def run(self, fn: Callable[[], Any]) -> tuple[Any, BaseException | None, float, int]:
         """(result, exception, CPU seconds (all threads), peak bytes above the start) of ``fn()``."""
@@ -116,7 +119,7 @@ class Meter:
         if self.rss:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
-            rss0 = self._status("VmRSS")
+            rss0, file0 = self._status("VmRSS", "RssFile")
         alarm = signal.getsignal(signal.SIGALRM)
         in_main = _main_thread()
         if in_main:
@@ -138,7 +141,8 @@ class Meter:
         peak = tracemalloc.get_traced_memory()[1] - traced0
         tracemalloc.stop()
         if self.rss:
-            peak = max(peak, self._status("VmHWM") - rss0)
+            hwm, file1 = self._status("VmHWM", "RssFile")
+            peak = max(peak, hwm - rss0 - (file1 - file0))  # pages of shared libraries a first call maps in are not allocations
         self.examples += 1
         return result, exc, seconds, peak
 
