@@ -24,14 +24,13 @@ import functools
 import hashlib
 import json
 import math
-import os
 import re
 import signal
 import struct
 import tempfile
 import time
 import tracemalloc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -51,7 +50,7 @@ from engine_ext.server.controller import Auth, error_answer
 from engine_ext.server.http import post_answer
 from engine_ext.server.protocol import MAX_BODY_BYTES, PAUSE_MODES, RequestError, UpdateRequest
 from engine_ext.store import reader
-from engine_ext.store.checkpoint import CheckpointDir, SafetensorsWriter, read_header
+from engine_ext.store.checkpoint import CheckpointDir, read_header
 from engine_ext.store.local import LocalStore
 from engine_ext.store.signing import MAX_SIGNATURE_BYTES, SignatureError, Signer, Trust, generate_key, key_id
 
@@ -594,7 +593,6 @@ class Target:
     strategy: Callable[[], st.SearchStrategy]
     check: Callable[[Any], None]
     examples: int  # CI budget
-    tried: int = 0
 
 
 TARGETS: dict[str, Target] = {}
