@@ -75,7 +75,7 @@ def test_regression_manifest_errors_do_not_echo_the_manifest_at_length():
 
     from engine_ext.errors import ManifestError
     from engine_ext.format.manifest import Manifest
-    from fuzz_targets import corpus
+    from fuzz_corpus import corpus
 
     doc = json.loads(corpus().manifests["plain/v1"])
     for field, value in (("kind", "x" * 100_000), ("base_manifests", ["0" * 64] * 50_000), ("version", [1] * 50_000)):
@@ -102,7 +102,8 @@ def test_regression_fingerprints_are_exactly_16_lower_case_hex_digits(written):
     from engine_ext.errors import ManifestError
     from engine_ext.format import fingerprint as fpr
     from engine_ext.format.manifest import Manifest
-    from fuzz_targets import _reseal_fingerprints, corpus
+    from fuzz_corpus import corpus
+    from fuzz_targets import _reseal_fingerprints
 
     with pytest.raises(ValueError):
         fpr.parse(written)
@@ -122,7 +123,7 @@ def test_regression_an_anchors_bogus_base_fingerprint_is_refused_before_any_blob
 
     from engine_ext.errors import ManifestError
     from engine_ext.format.manifest import Manifest
-    from fuzz_targets import corpus
+    from fuzz_corpus import corpus
 
     for where in ("tensor", "model"):
         doc = json.loads(corpus().manifests["plain/v0"])
@@ -142,7 +143,7 @@ def test_regression_manifest_fields_of_the_wrong_type_are_refused(field, value):
 
     from engine_ext.errors import ManifestError
     from engine_ext.format.manifest import Manifest
-    from fuzz_targets import corpus
+    from fuzz_corpus import corpus
 
     doc = json.loads(corpus().manifests["plain/v1"])  # version 1
     Manifest.from_json(json.dumps(doc).encode())
@@ -164,7 +165,7 @@ def test_regression_latest_fields_are_checked(field, value):
     from engine_ext.store.reader import read_latest
     from engine_ext.store.local import LocalStore
     from engine_ext.store.signing import Signer
-    from fuzz_targets import NOW, corpus, trust_of
+    from fuzz_corpus import NOW, corpus, trust_of
 
     c = corpus()
     good = Latest(1, "v00000001.json", "84a55bbe26237a39", 0, "0" * 64, NOW + 3600)
@@ -193,7 +194,7 @@ def test_regression_safetensors_headers_refused_with_value_error(tmp_path, what)
     import tracemalloc
 
     from engine_ext.store.checkpoint import CheckpointDir, read_header
-    from fuzz_targets import safetensors_sample
+    from fuzz_corpus import safetensors_sample
 
     good = safetensors_sample()
     (n,) = struct.unpack("<Q", good[:8])
@@ -231,7 +232,7 @@ def test_regression_a_manifest_without_its_format_is_refused(missing):
 
     from engine_ext.errors import ManifestError
     from engine_ext.format.manifest import Manifest
-    from fuzz_targets import corpus
+    from fuzz_corpus import corpus
 
     doc = json.loads(corpus().manifests["plain/v1"])
     del doc[missing]
@@ -246,7 +247,7 @@ def test_regression_a_tensor_written_as_key_value_pairs_is_refused():
 
     from engine_ext.errors import ManifestError
     from engine_ext.format.manifest import Manifest
-    from fuzz_targets import corpus
+    from fuzz_corpus import corpus
 
     doc = json.loads(corpus().manifests["plain/v1"])
     doc["tensors"][0] = [[k, v] for k, v in doc["tensors"][0].items()]
