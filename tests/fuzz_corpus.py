@@ -6,9 +6,11 @@ base and new weights, the keys, and real context-coded parts of every float dtyp
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import math
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -91,6 +93,7 @@ def corpus() -> Corpus:
     from engine_ext.trainer.publisher import DeltaPublisher
 
     root = Path(tempfile.mkdtemp(prefix="engine_ext_fuzz_"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     generate_key(root / "publisher.key")
     generate_key(root / "other.key")
     a, b = states()
