@@ -12,7 +12,7 @@ import logging
 from typing import Awaitable, Callable
 
 from .controller import Auth, Controller, error_answer
-from .protocol import UpdateRequest
+from .protocol import MAX_BODY_BYTES, RequestError, UpdateRequest
 
 log = logging.getLogger("engine_ext")
 
@@ -35,6 +35,21 @@ async def post_answer(auth: Auth, get_controller: ControllerGetter, authorizatio
         status, answer = error_answer(e)
         log.warning("engine_ext: update refused/failed (%s): %s", status, answer["error"])
         return status, answer
+
+
+def bounded_body(request) -> Callable[[], Awaitable[bytes]]:
+    """``read_body`` for a Starlette request (vLLM's and SGLang's FastAPI apps): read chunk by chunk
+    and refused (400) once past ``MAX_BODY_BYTES``, so a long body is never held whole
+    (``request.body()`` reads all of it before anything can look at its size)."""
+    async def read() -> bytes:
+        out = bytearray()
+        async for chunk in request.stream():
+            out += chunk
+            if len(out) > MAX_BODY_BYTES:
+                raise RequestError(f"body is over {MAX_BODY_BYTES} bytes")
+        return bytes(out)
+
+    return read
 
 
 async def get_answer(auth: Auth, get_controller: ControllerGetter, authorization: str | None,

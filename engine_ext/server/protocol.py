@@ -50,7 +50,7 @@ class UpdateRequest:
                 raise RequestError(f"body is over {MAX_BODY_BYTES} bytes")
             try:
                 body = json.loads(body or b"")
-            except (ValueError, UnicodeDecodeError) as e:
+            except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
                 raise RequestError(f"body is not valid JSON: {str(e)[:120]}") from None
         if not isinstance(body, dict):
             raise RequestError('body must be a JSON object like {"url": "<manifest URI or path>"}')

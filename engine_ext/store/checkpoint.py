@@ -43,12 +43,27 @@ class TensorInfo:
 
 
 def read_header(path: str | Path) -> dict:
-    """The JSON header of a safetensors file (without reading its data)."""
+    """The JSON header of a safetensors file (without reading its data). ValueError for anything
+    else: a file too short, a header longer than the file (never allocated), not a JSON object."""
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > 100 << 20:
-            raise ValueError(f"{path}: safetensors header of {n} bytes is implausible")
-        return json.loads(f.read(n))
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path}: {len(head)} bytes, too short for a safetensors file")
+        (n,) = struct.unpack("<Q", head)
+        size = os.fstat(f.fileno()).st_size
+        if n > 100 << 20 or n > size - 8:
+            raise ValueError(f"{path}: safetensors header of {n} bytes is implausible (the file holds {size})")
+        try:
+            header = json.loads(f.read(n))
+        except RecursionError:
+            raise ValueError(f"{path}: safetensors header nested too deep") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the safetensors header is not a JSON object")
+    return header
+
+
+def _is_shape(shape) -> bool:
+    return isinstance(shape, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
 
 
 class CheckpointDir:
@@ -73,9 +88,11 @@ class CheckpointDir:
             for name, meta in read_header(self.path / fname).items():
                 if name == "__metadata__":
                     continue
+                if not isinstance(meta, dict) or not isinstance(meta.get("dtype"), str) or not _is_shape(meta.get("shape")):
+                    raise ValueError(f"{fname}:{name!r:.100}: not a tensor entry (a dtype and a shape of non-negative ints)")
                 dt = BY_SAFETENSORS.get(meta["dtype"])
                 if dt is None:
-                    raise ValueError(f"{fname}:{name}: unsupported dtype {meta['dtype']}")
+                    raise ValueError(f"{fname}:{name!r:.100}: unsupported dtype {meta['dtype'][:40]!r}")
                 self.tensors[name] = TensorInfo(name, dt, tuple(meta["shape"]), fname)
 
     def names(self) -> list[str]:

@@ -16,7 +16,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ...server.controller import Auth, Controller, initial_version
-from ...server.http import get_answer, post_answer, wants_audit
+from ...server.http import bounded_body, get_answer, post_answer, wants_audit
 from ...server.protocol import ROUTE, RankReply
 from . import compat
 from .worker import RPC_METHOD
@@ -62,7 +62,7 @@ def _auth(request: Request) -> Auth:
 
 async def post_update(request: Request) -> JSONResponse:
     status, body = await post_answer(_auth(request), _controller(request), request.headers.get("authorization"),
-                                     request.body)
+                                     bounded_body(request))
     return JSONResponse(body, status)
 
 
