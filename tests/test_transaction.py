@@ -277,11 +277,12 @@ def test_forbidden_before_fetch(world, monkeypatch):
 
 class TiedRank(torch.nn.Module):
     """Rank ``r`` of ``world`` of a tied model as vLLM builds it: ``lm_head.weight`` is the embedding's
-    parameter (rows sharded by rank), and the loader skips the tied copy (AutoWeightsLoader)."""
+    parameter (rows sharded by rank). The loader skips the tied copy (SGLang), or refuses it when it
+    comes without the embedding (vLLM 0.32's AutoWeightsLoader: ``refuse_alone``)."""
 
-    def __init__(self, r: int, world: int, sd: dict):
+    def __init__(self, r: int, world: int, sd: dict, refuse_alone: bool = False):
         super().__init__()
-        self.r, self.world = r, world
+        self.r, self.world, self.refuse_alone = r, world, refuse_alone
         self.model = torch.nn.Module()
         rows, hidden = sd["model.embed_tokens.weight"].shape
         self.model.embed_tokens = torch.nn.Embedding(rows // world, hidden, dtype=torch.bfloat16)
@@ -294,13 +295,17 @@ class TiedRank(torch.nn.Module):
 
     def load(self, name: str, t: torch.Tensor) -> None:
         if name == "lm_head.weight":
+            if self.refuse_alone:
+                raise ValueError("'lm_head.weight' was skipped because it is tied to 'model.embed_tokens.weight', "
+                                 "but 'model.embed_tokens.weight' was not found in the checkpoint")
             return
         p = dict(self.named_parameters())[name]
         with torch.no_grad():
             p.copy_(t if name == "model.norm.weight" else t[self.r * p.shape[0]:(self.r + 1) * p.shape[0]])
 
 
-def test_a_tied_copy_in_the_served_checkpoint_is_not_served(tmp_path):
+@pytest.mark.parametrize("refuse_alone", [False, True], ids=["skipped", "refused-alone"])
+def test_a_tied_copy_in_the_served_checkpoint_is_not_served(tmp_path, refuse_alone):
     """A served checkpoint that stores the tied copy (``lm_head.weight`` beside the embedding):
     the engine's loader writes none of it, so it is not served on its own (start-up says so), and
     the trainer's versions, which hold the embedding once, apply on both ranks. A version that
@@ -314,7 +319,10 @@ def test_a_tied_copy_in_the_served_checkpoint_is_not_served(tmp_path):
     ckpt = {"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(8, dtype=torch.bfloat16),
             "lm_head.weight": embed.clone()}
     specs = {n: (tuple(t.shape), BY_TORCH[t.dtype]) for n, t in ckpt.items()}
-    ranks = [RankUpdater(m, m.load, dict(specs), rank=r) for r, m in enumerate(TiedRank(r, 2, ckpt) for r in range(2))]
+    modules = [TiedRank(r, 2, ckpt) for r in range(2)]
+    for m in modules:
+        m.refuse_alone = refuse_alone  # loaded whole; the probe then gives it tensor by tensor
+    ranks = [RankUpdater(m, m.load, dict(specs), rank=r) for r, m in enumerate(modules)]
     ctl = Controller(FakeRanks(ranks), Sources([str(tmp_path)]))
     run(ctl.start())
     st = ctl.status()

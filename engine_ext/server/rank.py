@@ -128,18 +128,20 @@ class RankUpdater:
     def _leave_out_tied(self) -> None:
         """A checkpoint tensor that the engine holds as a second name of a parameter registered
         first under another name (tied embeddings: ``lm_head.weight`` is ``model.embed_tokens.weight``)
-        and that its loader does not write (vLLM's and SGLang's loaders skip the tied copy) is not
-        served: the kept parameter is, under its own name. It leaves this rank's served set (a
-        version holds each storage once, under the kept name, and need not carry the copy that
-        some checkpoints also store), and the start-up says so."""
+        and that its loader does not write is not served: the kept parameter is, under its own
+        name. SGLang's loader skips the tied copy; vLLM 0.32's skips it too, and refuses it when it
+        comes alone (as the probe gives it: "skipped because it is tied to ..., which was not
+        found"). It leaves this rank's served set (a version holds each storage once, under the
+        kept name, and need not carry the copy that some checkpoints also store), and the
+        start-up says so."""
         tied = tied_names(self.module)
         for name, m in list(self.maps.items()):
-            if name in tied and isinstance(m, TensorMap) and not any(p.numel for p in m.pieces):
+            if name in tied and (isinstance(m, Unmappable) or not any(p.numel for p in m.pieces)):
                 self.tied[name] = tied[name]
                 del self.maps[name], self.checkpoint[name]
+                how = f"its loader refuses it alone ({m.reason[:200]})" if isinstance(m, Unmappable) else "its loader skips it"
                 log.info("engine_ext: rank %s: checkpoint tensor %s is not served on its own: the engine ties it to %s "
-                         "and does not load it; versions carry that tensor once, as %s", self.rank, name, tied[name],
-                         tied[name])
+                         "and %s; versions carry that tensor once, as %s", self.rank, name, tied[name], how, tied[name])
 
     def check_load(self) -> list[str]:
         """Tensors whose live weights, read through this rank's maps, differ from the checkpoint the
