@@ -76,16 +76,21 @@ def _config(kind: str, vocab: int, hidden: int, layers: int, heads: int, kv_head
     if kind == "mistral":
         return transformers.MistralConfig(tie_word_embeddings=False, head_dim=head_dim, sliding_window=None, **common)
     if kind == "gemma2":  # embedding scale sqrt(hidden), attention and final logit soft-capping, sliding/full layers
+        # hidden_act beside hidden_activation, as google/gemma-2-* configs have it (SGLang reads hidden_act)
         return transformers.Gemma2Config(tie_word_embeddings=True, head_dim=head_dim, query_pre_attn_scalar=head_dim,
                                          sliding_window=64, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-                                         **common)
+                                         hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh", **common)
     if kind == "phi3":  # qkv_proj and gate_up_proj fused in the checkpoint itself
         return transformers.Phi3Config(tie_word_embeddings=False, **common)
-    if kind == "deepseek-v2":  # MLA (latent 512 + rope 64: vLLM's CPU MLA kernel's only head size) + MoE with a shared expert
+    if kind == "deepseek-v2":  # MLA (latent 512 + rope 64: vLLM's CPU MLA kernel's only head size) + MoE with a
+        # shared expert; yarn rope scaling as DeepSeek-V2/V3 checkpoints have it (SGLang's MLA asserts it)
         return transformers.DeepseekV2Config(tie_word_embeddings=False, **{**common, "num_key_value_heads": heads},
                                              n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=moe,
                                              n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
-                                             qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, topk_method="greedy")
+                                             qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, topk_method="greedy",
+                                             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                              "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                                                              "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707})
     if kind == "qwen2.5-vl":  # Qwen2.5-VL 3B-style: tied embeddings, mrope, a (tiny) vision tower
         ids = word_ids(VISION_WORDS)
         text = {k: v for k, v in common.items() if k != "torch_dtype"}
