@@ -206,7 +206,6 @@ def test_versions_through_each_path_equal_a_cold_start(servers, case, store):
 @pytest.mark.parametrize("kind,differ", [
     ("qwen3-moe", ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]),
     ("qwen2.5-vl", ["model.visual.patch_embed.proj.weight", "model.language_model.embed_tokens.weight"]),
-    ("qwen2-tied", []),
 ])
 def test_the_names_a_trainer_holds_against_a_hub_checkpoint(tmp_path, kind, differ):
     """transformers 5 holds MoE experts fused and a VLM's text model under ``model.language_model.``,
