@@ -83,13 +83,13 @@ def _config(kind: str, vocab: int, hidden: int, layers: int, heads: int, kv_head
     if kind == "phi3":  # qkv_proj and gate_up_proj fused in the checkpoint itself
         return transformers.Phi3Config(tie_word_embeddings=False, **common)
     if kind == "deepseek-v2":  # MLA (latent 512 + rope 64: vLLM's CPU MLA kernel's only head size) + MoE with a
-        # shared expert; yarn rope scaling, one expert group and moe_layer_freq as DeepSeek-V2-Lite's config has
-        # them (SGLang's MLA asserts rope scaling and reads moe_layer_freq; vLLM's CPU router asserts topk_group)
+        # shared expert; yarn rope scaling, one expert group, moe_layer_freq and scoring_func as DeepSeek-V2-Lite's
+        # config has them (transformers 5 drops the last two; SGLang reads them; vLLM's CPU router asserts topk_group)
         return transformers.DeepseekV2Config(tie_word_embeddings=False, **{**common, "num_key_value_heads": heads},
                                              n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=moe,
                                              n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
                                              qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, topk_method="greedy",
-                                             n_group=1, topk_group=1, moe_layer_freq=1,  # as V2-Lite's config.json
+                                             n_group=1, topk_group=1, moe_layer_freq=1, scoring_func="softmax",
                                              rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                               "original_max_position_embeddings": 128, "beta_fast": 32.0,
                                                               "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707})
