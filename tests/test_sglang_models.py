@@ -53,7 +53,10 @@ CASES = {
     "phi3": ("ok", {}),
     "qwen3-moe": ("ok", MOE),
     "qwen2-moe": ("ok", MOE),
-    "deepseek-v2": ("ok", refused("model.layers.1.mlp.experts.gate_up_proj")),
+    # SGLang's DeepSeek loader (deepseek_common/deepseek_weight_loader.py) calls the weight loaders in a
+    # ThreadPoolExecutor: the layout probe's TorchFunctionMode is per thread, sees none of those writes,
+    # and the start-up refuses every update, naming the first tensor (docs/MODELS.md)
+    "deepseek-v2": (r"VerifyError: lm_head.weight: the engine's loader writes none of this checkpoint tensor", {}),
     "qwen2.5-vl": ("ok", refused("model.visual.patch_embed.proj.weight")),
 }
 STORES = [f"{p}/fp32" for p in TRAINER_PATHS] + ["checkpoint/fp32"]
@@ -94,8 +97,9 @@ def results(tmp_path_factory):
 def test_versions_through_each_path_equal_a_cold_load(results, kind, store):
     expect, refused = CASES[kind]
     got = results[kind]
-    if expect != "ok":
-        assert not got["loaded"] and re.search(expect, got["error"]), got["error"]
+    if expect != "ok":  # SGLang cannot load it, or the plugin's start-up refuses it: the error says why
+        assert re.search(expect, got.get("error", "")) and not got["paths"], got
+        print(f"[sglang matrix] {kind}: weights changed by the failed start-up: {got.get('changed_at_start')}")
         return
     assert got["loaded"], got.get("error")
     cell = got["paths"][store]
@@ -214,6 +218,8 @@ def _worker(spec_path: str, out_path: str) -> None:
             asyncio.run(drive())
         except Exception as e:  # noqa: BLE001
             res["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
+            # what the failed start-up left in the weights (the probe must never write them)
+            res["changed_at_start"] = [n for n, p in live.named_parameters() if not torch.equal(raw(p), cold[n])]
         res["seconds"] = round(time.perf_counter() - t0, 1)
         print(f"[{kind}] {json.dumps(res)[:600]}", file=sys.stderr, flush=True)
         del live, agent, ctl
