@@ -68,6 +68,15 @@ class BaseMismatchError(DeltaError):
     http_status = 409
 
 
+class ModelMismatchError(DeltaError):
+    """The version holds a tensor the served model does not (or with another shape or dtype):
+    it was published from another model or layout, or in another dtype. Not a wrong base:
+    no route from any base would make it apply."""
+
+    reason = "model_mismatch"
+    http_status = 409
+
+
 class VerifyError(DeltaError):
     """The result of an apply does not have the fingerprint the manifest promises."""
 

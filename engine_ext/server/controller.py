@@ -165,7 +165,9 @@ class Controller:
         """
         async with self._lock:
             replies = check_replies(await self.ranks.call("resync"))
-            self.state.tensor_fps, self.state.version = combine_fingerprints(replies), None
+            tied = set(self.state.layout.get("tied", ())) | {n for r in replies for n in r.tied}
+            self.state.tensor_fps = combine_fingerprints(replies, sorted({n for r in replies for n in r.fingerprints} - tied))
+            self.state.version = None
             self.state.manifests = ()  # no manifest produced these weights: the next delta is bound by fingerprint
             metrics.VERSION.set(-1)
             self.history.append({"ok": True, "outside_update": True, "version": None,

@@ -111,6 +111,7 @@ class RankReply:
     fallback: tuple[str, ...] = ()  # setup, apply: tensors reloaded densely through the engine's loader
     converted: tuple[str, ...] = ()  # setup: tensors mapped through a converting map
     mismatched: tuple[str, ...] = ()  # setup: tensors whose live weights differ from the loaded checkpoint
+    tied: dict[str, str] = field(default_factory=dict)  # setup: checkpoint tensors not served, tied to another {name: kept}
     engine: dict = field(default_factory=dict)  # setup: the engine's kernels/paths on this rank
     written: int = 0  # apply: checkpoint elements written
     undo_bytes: int = 0  # apply

@@ -103,6 +103,7 @@ class RankUpdater:
         self._fetches: dict[str, _Fetch] = {}
         self.setup_s = 0.0
         self.mismatched: tuple[str, ...] = ()
+        self.tied: dict[str, str] = {}  # checkpoint tensors the engine ties to another and does not load: {name: kept}
 
     # ---- start-up
     def setup(self) -> RankReply:
@@ -113,6 +114,7 @@ class RankUpdater:
             t = time.perf_counter()
             specs = [(n, tuple(s), d) for n, (s, d) in self.checkpoint.items()]
             self.maps = probe_layout(self.module, self.load, specs)
+            self._leave_out_tied()
             for name, m in self.maps.items():
                 if isinstance(m, Unmappable):
                     if self.read_checkpoint is None:
@@ -129,7 +131,25 @@ class RankUpdater:
         return RankReply(True, self.rank, fingerprints=self.report(), fallback=tuple(sorted(self.host)),
                          converted=tuple(self.converted()), mismatched=self.mismatched, engine=self.describe() if self.describe else {},
                          tensors={n: (tuple(s), d.name) for n, (s, d) in self.checkpoint.items()},
-                         seconds={"setup": self.setup_s})
+                         tied=dict(self.tied), seconds={"setup": self.setup_s})
+
+    def _leave_out_tied(self) -> None:
+        """A checkpoint tensor that the engine holds as a second name of a parameter registered
+        first under another name (tied embeddings: ``lm_head.weight`` is ``model.embed_tokens.weight``)
+        and that its loader does not write is not served: the kept parameter is, under its own
+        name. SGLang's loader skips the tied copy; vLLM 0.32's skips it too, and refuses it when it
+        comes alone (as the probe gives it: "skipped because it is tied to ..., which was not
+        found"). It leaves this rank's served set (a version holds each storage once, under the
+        kept name, and need not carry the copy that some checkpoints also store), and the
+        start-up says so."""
+        tied = tied_names(self.module)
+        for name, m in list(self.maps.items()):
+            if name in tied and (isinstance(m, Unmappable) or not any(p.numel for p in m.pieces)):
+                self.tied[name] = tied[name]
+                del self.maps[name], self.checkpoint[name]
+                how = f"its loader refuses it alone ({m.reason[:200]})" if isinstance(m, Unmappable) else "its loader skips it"
+                log.info("engine_ext: rank %s: checkpoint tensor %s is not served on its own: the engine ties it to %s "
+                         "and %s; versions carry that tensor once, as %s", self.rank, name, tied[name], how, tied[name])
 
     def check_load(self) -> list[str]:
         """Tensors whose live weights, read through this rank's maps, differ from the checkpoint the
@@ -423,6 +443,18 @@ def _in_box(idx: torch.Tensor, shape, start, stop) -> tuple[torch.Tensor, torch.
         inside &= (c >= a) & (c < b)
         local = local * (b - a) + (c - a)
     return inside, local[inside]
+
+
+def tied_names(module: torch.nn.Module) -> dict[str, str]:
+    """{later name: first name} of the parameters ``module`` registers under more than one name."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out
 
 
 def _numel(shape) -> int:

@@ -132,12 +132,22 @@ class ServedState:
 
     @classmethod
     def from_setup(cls, replies: list[RankReply], version: int | None) -> "ServedState":
+        """The served state from every rank's start-up. A checkpoint tensor that some rank's engine
+        ties to another and loads nowhere (a tied ``lm_head.weight`` that the checkpoint also
+        stores) is not part of it: versions carry the kept tensor only."""
         check_replies(replies)
+        tied = {n: k for r in replies for n, k in r.tied.items()}
         layout = {"fallback": sorted({n for r in replies for n in r.fallback}),
                   "converted": sorted({n for r in replies for n in r.converted}),
                   "mismatched": sorted({n for r in replies for n in r.mismatched}),
+                  "tied": dict(sorted(tied.items())),
                   "engine": [r.engine for r in replies]}
-        return cls(version, combine_fingerprints(replies), replies[0].tensors, layout)
+        if tied:
+            log.info("engine_ext: not served on their own, tied by the engine to another tensor: %s",
+                     ", ".join(f"{n} (= {k})" for n, k in sorted(tied.items())))
+        names = sorted({n for r in replies for n in r.fingerprints} - set(tied))
+        tensors = {n: s for n, s in replies[0].tensors.items() if n not in tied}
+        return cls(version, combine_fingerprints(replies, names), tensors, layout)
 
     @property
     def model_fingerprint(self) -> int:
@@ -236,7 +246,8 @@ class UpdateTransaction:
         planned = route.plan(
             self.source, self.state.version, self.state.model_fingerprint, have_manifests=self.state.manifests,
             trust=self.trust, limits=self.limits, allow_older=self.request.rollback,
-            deadline=time.monotonic() + settings.current().fetch_timeout, tensor_fps=self.state.tensor_fps)
+            deadline=time.monotonic() + settings.current().fetch_timeout, tensor_fps=self.state.tensor_fps,
+            expected=self.state.tensors)
         self.store, self.chain, self.target = planned.store, planned.links, planned.target
         if not self.chain:
             self._check_manifests([self.target])  # a target adopted without a fetch is held to the same rules

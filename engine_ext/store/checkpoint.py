@@ -98,6 +98,43 @@ class CheckpointDir:
     def names(self) -> list[str]:
         return list(self.tensors)
 
+    def config(self) -> dict:
+        """``config.json`` of the directory ({} when there is none)."""
+        path = self.path / "config.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def drop_tied_copies(self) -> dict[str, str]:
+        """Leave out the tied copy of the input embedding that some checkpoints store beside it.
+
+        A model whose ``config.json`` says ``tie_word_embeddings`` (at its top level, else in its
+        ``text_config``) holds one tensor under two names; engines load the input embedding and
+        skip ``lm_head.weight``, and a version carries it once, under the kept name. Each
+        ``lm_head.weight`` here is checked to be byte for byte the input embedding of its shape
+        and dtype (an ``embed`` tensor) before it is left out; a "tied" copy that differs is
+        refused (ValueError): the checkpoint is not what its config says. Returns {dropped: kept}.
+        """
+        cfg = self.config()
+        tie = cfg.get("tie_word_embeddings")
+        if tie is None:
+            tie = (cfg.get("text_config") or {}).get("tie_word_embeddings")
+        if not tie:
+            return {}
+        out = {}
+        for copy in [n for n in self.tensors if n == "lm_head.weight" or n.endswith(".lm_head.weight")]:
+            info = self.tensors[copy]
+            kept = next((n for n, i in self.tensors.items() if n != copy and "embed" in n
+                         and (i.shape, i.dtype) == (info.shape, info.dtype)), None)
+            if kept is None:
+                raise ValueError(f"{self.path}: config.json ties the word embeddings, but no input embedding has "
+                                 f"{copy}'s shape {list(info.shape)} and dtype {info.dtype.name}")
+            if not torch.equal(as_bits(self.load(copy)), as_bits(self.load(kept))):
+                raise ValueError(f"{self.path}: config.json ties the word embeddings, but {copy} differs from {kept} "
+                                 "(the checkpoint is not what its config says: untie it in config.json, or fix the weights)")
+            out[copy] = kept
+        for copy in out:
+            del self.tensors[copy]
+        return out
+
     def specs(self) -> dict[str, tuple[tuple[int, ...], DType]]:
         """{name: (shape, dtype)} from the headers only."""
         return {n: (i.shape, i.dtype) for n, i in self.tensors.items()}
@@ -112,7 +149,8 @@ class CheckpointDir:
         for fname in self.files:
             with safe_open(self.path / fname, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if name in self.tensors:  # not a tied copy left out
+                        yield name, f.get_tensor(name)
 
 
 def served_checkpoint(model: str, revision: str | None = None) -> CheckpointDir:

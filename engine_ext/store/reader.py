@@ -31,7 +31,7 @@ from ..format import fingerprint as fpr
 from .. import settings
 from ..format.delta import TensorDelta, apply_tensor
 from ..format.dtypes import as_bits, dtype_by_name
-from ..errors import BaseMismatchError, IntegrityError, ManifestError, NotFoundError
+from ..errors import BaseMismatchError, IntegrityError, ManifestError, ModelMismatchError, NotFoundError
 from ..format.manifest import LATEST_KEY, MAX_LATEST_BYTES, MAX_MANIFEST_BYTES, Latest, Manifest
 from .signing import MAX_SIGNATURE_BYTES, SIG_SUFFIX, SignatureError, Trust, sha256_hex
 from . import Store, split_uri
@@ -103,18 +103,25 @@ def read_latest(store: Store, trust: Trust | None = None, allow_expired: bool = 
 
 
 def check_expected(m: Manifest, expected: dict | None, where: str) -> None:
-    """Refuse (as a delta for another model) a manifest whose tensors differ from ``expected``
-    {name: (shape, dtype name)}: checked from the manifest alone, before any blob is read."""
+    """Refuse (:class:`~engine_ext.errors.ModelMismatchError`: a version of another model, layout
+    or dtype) a manifest holding a tensor that ``expected`` {name: (shape, dtype name)} does not,
+    or holds with another shape or dtype: checked from the manifest alone, before any blob is
+    read. Every tensor that differs is named, with what each side holds."""
     if expected is None:
         return
+    missing, differ, dtype_only = [], [], False
     for t in m.tensors:
         want = expected.get(t.name)
         if want is None:
-            raise BaseMismatchError(f"{where}: tensor {t.name!r} is not in the served model")
-        shape, dtype = want
-        if tuple(shape) != tuple(t.shape) or dtype != t.dtype:
-            raise BaseMismatchError(f"{where}: tensor {t.name!r} is {list(t.shape)}/{t.dtype}, "
-                                    f"the served model has {list(shape)}/{dtype}")
+            missing.append(t.name)
+        elif tuple(want[0]) != tuple(t.shape) or want[1] != t.dtype:
+            differ.append(f"{t.name!r} is {list(t.shape)}/{t.dtype}, the served model has {list(want[0])}/{want[1]}")
+            dtype_only |= tuple(want[0]) == tuple(t.shape)
+    if missing or differ:
+        why = ([f"{len(missing)} tensor(s) not in the served model: {missing[:5]}"] if missing else []) + (
+            [f"{len(differ)} tensor(s) differ: " + "; ".join(differ[:5])] if differ else [])
+        hint = " (publish in the served dtype: DeltaPublisher(dtype=...), engine-ext --dtype)" if dtype_only else ""
+        raise ModelMismatchError(f"{where}: " + "; ".join(why) + hint)
 
 
 def fetch_blobs(store: Store, m: Manifest, workers: int = 8) -> list[bytearray]:
