@@ -12,7 +12,10 @@ is published once per call path a trainer uses, each to its own store:
   ``VLLMGeneration._iter_named_params`` hands to a weight transfer,
 * ``checkpoint``: ``save_pretrained`` of each version (float32, the Hub's layout: transformers 5
   writes per-expert MoE weights and a VLM's ``model.``/``visual.`` names, not the names it holds
-  in memory), published with the CLI (``engine-ext anchor`` / ``diff --dtype bfloat16``),
+  in memory), published with the CLI (``engine-ext anchor`` / ``diff --dtype bfloat16``).
+
+The trainer paths publish the Hub's layout too: ``publish(model)`` reverts transformers' in-memory
+conversions itself, the state dict and iterator paths with ``checkpoint_layout=model``.
 
 from the float32 masters (cast to the served bf16 by the publisher's default ``dtype``) and, where
 asked, from a bf16 copy of the trainer. Every store must then hold the same versions
@@ -29,7 +32,7 @@ from pathlib import Path
 import torch
 
 from engine_ext.format import fingerprint as fpr
-from engine_ext.tiny_models import MOE_KINDS, VLM_KINDS, finish_dir, build, save_trainer_layout
+from engine_ext.tiny_models import VLM_KINDS, finish_dir, build, save_trainer_layout
 from engine_ext.trainer.publisher import DeltaPublisher
 
 VERSIONS = 3  # an anchor and two deltas
@@ -94,7 +97,12 @@ def trajectory(kind: str, root: Path, *, paths=TRAINER_PATHS + ("checkpoint",), 
         for path in (p for p in paths if p != "checkpoint"):
             name = f"{path}/{dt}"
             out.stores[name] = root / f"store-{path}-{dt}"
-            with DeltaPublisher(str(out.stores[name]), model=kind, anchor_every=0, chunk_min_cell=None) as pub:
+            # publish(model) finds the layout itself; a state dict or TRL's iterator carries names only, so the
+            # trainer says which model's checkpoint layout they are in (transformers 5 fuses MoE experts and
+            # moves a VLM's language model in memory: engine_ext/trainer/checkpoint_layout.py)
+            layout = "auto" if path == "module" else trainer
+            with DeltaPublisher(str(out.stores[name]), model=kind, anchor_every=0, chunk_min_cell=None,
+                                checkpoint_layout=layout) as pub:
                 for state in states:
                     trainer.load_state_dict(state)  # a bf16 trainer holds the masters rounded to bf16
                     pub.publish(PATHS[path](trainer))
@@ -103,18 +111,10 @@ def trajectory(kind: str, root: Path, *, paths=TRAINER_PATHS + ("checkpoint",), 
                 if path == "module":
                     out.aliases = dict(pub.aliases)
                 out.names = tuple(pub._prev)
-    trainer_fps = {f for p, f in fps.items() if not p.startswith("checkpoint/")}
-    assert len(trainer_fps) <= 1, f"{kind}: the call paths published different versions: {fps}"
-    if same_names(kind):
-        assert len(set(fps.values())) == 1, f"{kind}: the checkpoint path published other versions: {fps}"
-    out.fingerprint = next(iter(trainer_fps or fps.values()))
+    assert len(set(fps.values())) == 1, f"{kind}: the call paths published different versions: {fps}"
+    out.fingerprint = next(iter(fps.values()))
     out.fingerprints = fps
     return out
-
-
-def same_names(kind: str) -> bool:
-    """Whether transformers 5 holds ``kind``'s weights in memory under the names ``save_pretrained`` writes."""
-    return kind not in MOE_KINDS + VLM_KINDS
 
 
 def save_hub_layout(path: Path, model: torch.nn.Module, kind: str, tied_copy: bool = False) -> Path:

@@ -42,6 +42,7 @@ from ..store.signing import Signer, Trust
 from ..format.dtypes import as_bits, dtype_of, served_dtype, to_served
 from ..format.manifest import ANCHOR, DELTA, LATEST_KEY, MAX_LATEST_BYTES, Latest, manifest_key
 from ..store import Store, open_store
+from .checkpoint_layout import to_checkpoint_layout, transformers_model
 
 log = logging.getLogger("engine_ext")
 RESUME_MODES = ("auto", "delta", "anchor")
@@ -185,6 +186,12 @@ class DeltaPublisher:
             leaves unquantised (embeddings, norms, gates), its scales stay float32.
         start_version: the first version (default: 0 on an empty store, else the first free
             version after the store's LATEST); never at or below a version the store holds.
+        checkpoint_layout: the names and layout a version holds. ``"auto"`` (default): what
+            ``save_pretrained`` would write, which is what the engines load, when ``publish`` is given a
+            transformers model (transformers 5 holds MoE experts fused and a VLM's language model under
+            ``model.language_model.`` in memory: :mod:`engine_ext.trainer.checkpoint_layout`), the names
+            as given otherwise; a transformers model: its conversions for every ``publish``, state dicts
+            and ``(name, tensor)`` iterators too (TRL's); ``None``: always the names as given.
         resume: on a store that already holds versions, what the first version is: ``"auto"``
             a delta against LATEST where its weights can be rebuilt from the store and proven,
             else an anchor; ``"delta"`` that delta or an error; ``"anchor"`` an anchor.
@@ -196,7 +203,8 @@ class DeltaPublisher:
                  keep_on_cpu: bool = False, mode: str | None = None, queue_size: int = 2,
                  workers: int | None = None, start_version: int | None = None, blob_target: int | None = None,
                  signing_key=None, chunk_min_cell: int | None = chunks.MIN_CELL, quantize: str | None = None,
-                 resume: str = "auto", latest_ttl_s: float = LATEST_TTL_S, dtype: torch.dtype | str | None = torch.bfloat16):
+                 resume: str = "auto", latest_ttl_s: float = LATEST_TTL_S, dtype: torch.dtype | str | None = torch.bfloat16,
+                 checkpoint_layout="auto"):
         if resume not in RESUME_MODES:
             raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
         self.store = open_store(store) if isinstance(store, (str, os.PathLike)) else store
@@ -206,6 +214,9 @@ class DeltaPublisher:
         self.chunk_min_cell = chunk_min_cell
         self.quantize = quantizer(quantize)
         self.dtype = served_dtype(dtype)
+        if not (checkpoint_layout in ("auto", None) or isinstance(checkpoint_layout, torch.nn.Module)):
+            raise ValueError(f"checkpoint_layout must be 'auto', None or a transformers model, got {checkpoint_layout!r}")
+        self.checkpoint_layout = checkpoint_layout
         self.aliases: dict[str, str] = {}  # names left out as aliases of a kept tensor (tied embeddings): {dropped: kept}
         self.signer = Signer(signing_key) if signing_key is not None else Signer.from_settings()
         # Reading back its own store, a publisher trusts what it signed (and, unsigned, its own bytes).
@@ -253,10 +264,13 @@ class DeltaPublisher:
         floating-point tensors in the served ``dtype``."""
         self._raise_pending()
         aliases: dict[str, str] = {}
+        layout = self.checkpoint_layout if self.checkpoint_layout != "auto" else transformers_model(model_or_state_dict)
         if self.quantize is not None:  # the quantiser reads the masters; it casts what it leaves unquantised
-            sd = self.quantize(clean_state_dict(model_or_state_dict, aliases), rest_dtype=self.dtype)
+            sd = to_checkpoint_layout(clean_state_dict(model_or_state_dict, aliases), layout)
+            sd = self.quantize(sd, rest_dtype=self.dtype)
         else:
-            sd = clean_state_dict(model_or_state_dict, aliases, cast=lambda t: to_served(t, self.dtype))
+            sd = to_checkpoint_layout(clean_state_dict(model_or_state_dict, aliases,
+                                                       cast=lambda t: to_served(t, self.dtype)), layout)
         if aliases != self.aliases:
             log.info("engine_ext: publishing %d tied name(s) once, under the name the engines load: %s",
                      len(aliases), ", ".join(f"{d} -> {k}" for d, k in sorted(aliases.items())))
