@@ -33,6 +33,7 @@ import torch
 
 from ..fleet import Fleet, FleetResult
 from ..format import fingerprint as fpr
+from ..trainer.checkpoint_layout import transformers_model
 from ..trainer.publisher import DeltaPublisher
 
 log = logging.getLogger("engine_ext")
@@ -72,7 +73,9 @@ class DeltaWeightTransfer:
             (mode ``keep``) and ``/resume`` (``VLLM_SERVER_DEV_MODE=1``); the update itself
             resumes generation once applied, so rollouts continue on the new weights.
         publisher: further :class:`~engine_ext.trainer.publisher.DeltaPublisher` arguments
-            (``anchor_every``, ``model``, ``resume``, ...).
+            (``anchor_every``, ``model``, ``resume``, ...); ``checkpoint_layout=model`` where the
+            iterator's names are those of a transformers 5 model in memory (fused MoE experts, a VLM):
+            :class:`DeltaGRPOTrainer` sets it to its own model.
     """
 
     def __init__(self, store, servers: Iterable[str], *, token: str | None = None, signing_key=None,
@@ -228,6 +231,9 @@ def delta_grpo_trainer_class():
             generation = _delta_generation_class()
             with _generation_from(lambda **kw: generation(self.weight_transfer, **kw)):
                 super().__init__(*args, **kwargs)
+            pub = self.weight_transfer.publisher
+            if pub.checkpoint_layout == "auto":  # TRL hands (name, tensor) pairs: the names of the model in memory
+                pub.checkpoint_layout = transformers_model(self.model) or "auto"
 
         def train(self, *args, **kwargs):
             """TRL's training, then one more sync: the servers end on the trained weights (TRL syncs
