@@ -46,4 +46,4 @@ async def get_answer(auth: Auth, get_controller: ControllerGetter, authorization
     except Exception as e:  # noqa: BLE001
         status, answer = error_answer(e)
         return (503 if status == 500 else status), answer
-    return _UNAVAILABLE if ctl is None else (200, ctl.status())
+    return _UNAVAILABLE if ctl is None else (200, await ctl.fresh_status())
