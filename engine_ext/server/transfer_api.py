@@ -90,7 +90,7 @@ def narrow(init_info: dict | None, server: Policy) -> Policy:
                 server.sources.check(src)
             except ForbiddenSourceError as e:
                 raise WideningError(f"{e}: init_weight_transfer_engine may only narrow the server's sources") from None
-        sources = Sources(wanted)
+        sources = Sources(wanted, origin="ENGINE_EXT_SOURCES as narrowed by init_weight_transfer_engine")
     keys = _strings(init_info, "trusted_keys")
     if keys is not None:
         if not server.trust.keys:
