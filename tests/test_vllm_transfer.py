@@ -10,8 +10,10 @@ update). Three versions later the outputs equal a server cold-started on the tra
 weights. Two updates through the two doors at once are serialised. An unsigned delta, a URL
 outside the sources and a corrupted blob are refused by vLLM's routes with the reason and
 status of ``/update_weights_delta``, changing nothing; ``init_weight_transfer_engine`` may
-narrow the sources and keys, never widen them. Offline (``vllm.LLM`` as the client, TP 2,
-in a subprocess: tests/vllm_transfer_offline.py) the worker backend is the only door.
+narrow the sources and keys, never widen them. At TP 2 a third door, vLLM's dev-mode
+``/collective_rpc`` reaching the workers' backend directly, shares the state too. Offline
+(``vllm.LLM`` as the client, TP 2, in a subprocess: tests/vllm_transfer_offline.py) the
+worker backend is the only door; three versions equal a cold start there as well.
 """
 from __future__ import annotations
 
@@ -175,6 +177,68 @@ def test_refusals_change_nothing(online):
     assert st["fingerprint"] == fingerprint(trainer.served())
     client.init_weight_transfer_engine({})
     assert server.status()["native"]["narrowed"] is False
+
+
+def test_tp2_other_doors_share_the_state(tmp_path):
+    """TP 2, online: besides vLLM's routes and ``/update_weights_delta``, a third door: vLLM's dev-mode
+    ``/collective_rpc`` calling the workers' ``update_weights`` directly (the backend's own driver on
+    worker 0, rank 1 following). The API server's controller finds the ranks moved and re-reads
+    its state; the next update is planned from it. A corrupted blob (each rank fetching its cells)
+    is refused alike by every door."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from engine_ext.integrations.vllm_transfer import DeltaTrainerInitInfo
+    from engine_ext.server.protocol import RankReply
+    from engine_ext.server.transaction import combine_fingerprints
+    from engine_ext.format import fingerprint as fpr
+
+    model = make_model(tmp_path / "model", "qwen2")
+    root = tmp_path / "stores"
+    root.mkdir()
+    trainer = Trainer(model, seed=2)
+    with Server(model, sources=str(root), tp=2, env={"VLLM_SERVER_DEV_MODE": "1"},
+                args=["--weight-transfer-config", BACKEND], log=tmp_path / "tp2.log") as server:
+        def rpc(method, **body):
+            r = requests.post(server.url + "/collective_rpc", json={"method": method, **body}, timeout=300)
+            assert r.status_code == 200, r.text
+            return r.json()["results"] if r.content else None
+
+        client = HTTPVLLMWeightSyncClient(server.url)
+        engine = WeightTransferTrainerFactory.trainer_init(
+            DeltaTrainerInitInfo(str(root / "run"), rank=0, publisher={"chunk_min_cell": 256}), client=client,
+            source=ModuleSource(trainer.model))
+        engine.send_weights()  # v0, adopted
+        before = server.outputs()
+        trainer.step()
+        engine.send_weights()  # v1, vLLM's routes
+        trainer.step()
+        uri = engine.publish_version()  # v2, straight to the workers' backend
+        rpc("start_weight_update")
+        rpc("update_weights", kwargs={"update_info": {"url": uri}})
+        rpc("finish_weight_update")
+        st = server.status()
+        assert st["version"] == 2 and st["history"][-1].get("outside_update"), st["history"][-1]
+        trainer.step()
+        s3 = engine.send_weights()  # v3, planned from what the other door committed
+        trainer.step()
+        r = server.update({"url": engine.publish_version()})  # v4, the secure route
+        assert r.status_code == 200 and r.json()["base_version"] == 3 and len(r.json()["fetched_bytes"]) == 2, r.text
+        assert s3.version == 3 and server.status()["version"] == 4
+        held, outputs = server.status(), server.outputs()
+        trainer.step()
+        engine.publish_version()  # v5, offered corrupted
+        url = broken_copy(root / "run", root / "corrupt", 5, "corrupt")
+        refused = native_refusal(client, {"url": url})
+        route = server.update({"url": url})
+        assert (refused.http_status, refused.reason) == (route.status_code, route.json()["reason"]) == (422, "integrity")
+        assert (server.status()["fingerprint"], server.outputs()) == (held["fingerprint"], outputs)
+        engine.send_weights()  # v6 through the chain v5, v6
+        live = combine_fingerprints([RankReply.from_wire(w) for w in rpc("engine_ext", args=["resync"])])
+        assert fpr.fmt(fpr.model_fingerprint(live)) == fingerprint(trainer.served())  # re-read from the live weights
+        assert server.outputs() != before
+        engine.shutdown()
 
 
 def test_offline_llm_tp2(tmp_path):

@@ -6,7 +6,8 @@ client): v0 adopted, three deltas; then broken copies of v4 (unsigned, outside t
 a corrupted blob) and a widening ``init_weight_transfer_engine``, each refused. Prints one JSON
 line: the send figures, outputs before and after, each worker's version and label, the
 fingerprint re-read from every worker's live weights, the refusals' statuses and reasons.
-``--cold``: print the outputs of an LLM cold-started on ``--model`` instead.
+``--cold``: print the outputs of an LLM cold-started on ``--model`` instead (with the backend's
+old name, ``delta``).
 
     ENGINE_EXT_SOURCES=STORES python tests/vllm_transfer_offline.py --model DIR --store STORES/run --tp 2 \\
         --outside DIR2 --out FINAL_DIR
@@ -34,8 +35,9 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
+    backend = "delta" if args.cold else "engine_ext"  # the cold start loads the backend by its old name (an alias)
     llm = LLM(args.model, dtype="bfloat16", max_model_len=256, enforce_eager=True, tensor_parallel_size=args.tp,
-              weight_transfer_config={"backend": "engine_ext"})
+              weight_transfer_config={"backend": backend})
     sp = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 17, 99, 3, 250]}, {"prompt_token_ids": [100, 200, 300]}]
 
