@@ -3,7 +3,7 @@
 One :class:`Controller` lives where updates are driven from: the process that answers
 HTTP (vLLM's API server, SGLang's TokenizerManager process, which also serves the
 in-process ``sglang.Engine`` hook), or rank 0 of an in-process vLLM engine (the
-``delta`` weight-transfer backend). It checks the source against the allow-list
+``engine_ext`` weight-transfer backend). It checks the source against the allow-list
 before anything is fetched, prepares each update (plan, every rank fetches its part:
 an :class:`~engine_ext.server.transaction.UpdateTransaction`) outside its lock, so a slow source
 holds no other update back, and executes it (pause, apply, verify, commit) under the

@@ -1,7 +1,8 @@
 """One update of the served weights, all ranks or none: the transaction every entry point runs.
 
-The HTTP routes on vLLM and SGLang, the in-process SGLang ``Engine`` hook and vLLM's
-``delta`` weight-transfer backend all drive the same :class:`UpdateTransaction` from
+The HTTP routes on vLLM and SGLang (``/update_weights_delta``, and vLLM's own weight-transfer
+routes when its backend is ours), the in-process SGLang ``Engine`` hook and vLLM's
+``engine_ext`` weight-transfer backend all drive the same :class:`UpdateTransaction` from
 one place (the *driver*: the API server process, SGLang's TokenizerManager, or rank 0
 of the in-process engine). They differ only in how the driver reaches the ranks, the
 small :class:`Ranks` protocol each engine adapter implements. The lifecycle, in order
