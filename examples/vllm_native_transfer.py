@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import os
+import secrets
 import shutil
 from pathlib import Path
 
@@ -91,7 +92,8 @@ def main() -> None:
     generate_key(out / "publisher.key")
     store = str(out / "store")
     os.environ.update(ENGINE_EXT_SIGNING_KEY=str(out / "publisher.key"), ENGINE_EXT_TRUSTED_KEYS=str(out / "publisher.key.pub"),
-                      ENGINE_EXT_SOURCES=store, VLLM_PLUGINS="engine_ext", VLLM_CPU_KVCACHE_SPACE="1")
+                      ENGINE_EXT_SOURCES=store, VLLM_PLUGINS="engine_ext", VLLM_CPU_KVCACHE_SPACE="1",
+                      ENGINE_EXT_TOKEN=secrets.token_hex(16))  # guards /update_weights_delta (its status, here)
     if args.tp > 1:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(args.tp))
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
