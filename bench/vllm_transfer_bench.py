@@ -11,14 +11,16 @@ version stored (what a server one version behind fetches, all ranks together), t
 ``nccl`` backend broadcasts for every version (the whole model in bf16), the trainer's publish
 time (iterate, cast, diff, encode, sign, write) and update time (start, update: the server
 plans, every rank fetches, verifies, applies; finish), the server's pause, and, as a dense
-reference on the same disk, ``safetensors`` save + load of the bf16 model. The store is a
-local directory: no network, so the times are the CPU's, not a link's.
+reference on the same disk, ``safetensors`` save + load of the bf16 model (the load from the
+page cache: the file was just written). The store is a local directory: no network, so the
+times are the CPU's, not a link's.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import secrets
 import sys
 import tempfile
 import time
@@ -57,7 +59,8 @@ def main() -> None:
     if not key.exists():
         generate_key(key)
     store = work / "store"
-    os.environ.update(ENGINE_EXT_SIGNING_KEY=str(key), ENGINE_EXT_TRUSTED_KEYS=f"{key}.pub", ENGINE_EXT_SOURCES=str(store))
+    os.environ.update(ENGINE_EXT_SIGNING_KEY=str(key), ENGINE_EXT_TRUSTED_KEYS=f"{key}.pub", ENGINE_EXT_SOURCES=str(store),
+                      ENGINE_EXT_TOKEN=secrets.token_hex(16))  # the status route's token
     model_dir = make_model(work / "model", "qwen2", vocab=args.vocab, hidden=args.hidden, layers=args.layers,
                            heads=max(4, args.hidden // 128), kv_heads=max(2, args.hidden // 512))
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -68,8 +71,9 @@ def main() -> None:
     save_file(served, str(work / "dense.safetensors"))
     t_save = time.perf_counter() - t
     t = time.perf_counter()
-    load_file(str(work / "dense.safetensors"))
+    loaded = {n: w.clone() for n, w in load_file(str(work / "dense.safetensors")).items()}  # read, not just mapped
     t_load = time.perf_counter() - t
+    del loaded
 
     with VllmServer(model_dir, sources=str(store), tp=args.tp, log=work / "server.log", env={"VLLM_SERVER_DEV_MODE": "1"},
                     args=["--weight-transfer-config", json.dumps({"backend": BACKEND})], startup_s=900) as server:
