@@ -72,6 +72,27 @@ def test_two_drivers_share_the_state_the_ranks_carry(world):
     assert [up.version for up in ranks] == [3, 3] and len({up.manifest for up in ranks}) == 1
 
 
+def test_resync_reads_and_disagreeing_ranks_forget(world):
+    """A resync is a read: the version survives while the live weights are the served version's. A
+    commit that reached only some ranks (they disagree) makes every rank forget the version; the
+    fingerprints still bind the next delta."""
+    store, versions = world
+    ranks = [make_rank(0, versions[0]), make_rank(1, versions[0])]
+    ctl = Controller(FakeRanks(ranks), Sources([str(store)]))
+    run(ctl.start())
+    run(ctl.update(url(store, 1)))
+    run(ctl.ranks.call("resync"))  # a direct read of the live weights (examples/llm_hook.py does this)
+    run(ctl.resync())
+    st = run(ctl.fresh_status())
+    assert (st["version"], st["commits"]) == (1, 1)
+    ranks[0].commit(version=7, manifest="ab" * 32)  # only rank 0 heard of a "v7"
+    st = run(ctl.fresh_status())
+    assert (st["version"], [up.version for up in ranks]) == (None, [None, None])
+    assert ranks[0].commits == ranks[1].commits == st["commits"] == 3
+    r = run(ctl.update(url(store, 2)))
+    assert (r["version"], r["base_version"]) == (2, None) and [up.version for up in ranks] == [2, 2]
+
+
 def test_apply_refused_when_the_ranks_moved_since_the_plan(world):
     """A stale driver that planned before another door committed cannot write: every rank refuses
     the apply (its commit count moved), the transaction rolls back, nothing changes."""

@@ -76,7 +76,7 @@ def main() -> None:
     outputs, status = run(), workers("status")
     final = trainer.served()
     save_state_dict(args.out, final, args.model)
-    fp_v3 = live_fingerprint()  # counts a commit on the ranks: the backend re-reads its state before the next update
+    fp_v3 = live_fingerprint()
 
     trainer.step()
     engine.publish_version()  # v4, offered broken

@@ -177,14 +177,17 @@ class Controller:
     async def resync(self, reason: str = "weights changed outside engine_ext") -> None:
         """Re-read every rank's live fingerprints after the engine's own weight update.
 
-        The version becomes unknown; a delta whose base fingerprint matches the new
-        weights is still accepted.
+        Where they changed, the version becomes unknown (on every rank too); a delta whose base
+        fingerprint matches the new weights is still accepted.
         """
         async with self._lock:
             replies = check_replies(await self.ranks.call("resync"))
-            self.state.tensor_fps, self.state.version = combine_fingerprints(replies), None
-            self.state.manifests = ()  # no manifest produced these weights: the next delta is bound by fingerprint
-            self.state.commits, _, _, self.state.label = committed_state(replies)
+            fps = combine_fingerprints(replies)
+            if fps == self.state.tensor_fps and self.state.commits == max(r.commits for r in replies):
+                log.info("engine_ext: %s, but the live weights are the served version's; nothing changed", reason)
+                return
+            await self._forget(replies)
+            self.state.tensor_fps = fps
             metrics.VERSION.set(-1)
             self.history.append({"ok": True, "outside_update": True, "version": None,
                                  "fingerprint": fpr.fmt(self.state.model_fingerprint), "time": time.time()})
@@ -196,8 +199,15 @@ class Controller:
         an in-process backend, a direct RPC), re-read the served state from them. True if it moved."""
         if not self.ready:
             return False
-        commits, _, _, label = committed_state(check_replies(await self.ranks.call("status")))
-        if commits == self.state.commits:
+        replies = check_replies(await self.ranks.call("status"))
+        try:
+            commits, _, _, label = committed_state(replies)
+            moved = commits != self.state.commits
+        except ApplyError as e:  # a commit reached only some ranks: the version is unknown, the fingerprints tell
+            log.error("engine_ext: %s; the version is forgotten on every rank", e)
+            await self._forget(replies)
+            moved = True
+        if not moved:
             self.state.label = label
             return False
         fresh = ServedState.from_setup(await self.ranks.call("setup"), None)
@@ -210,6 +220,14 @@ class Controller:
         log.info("engine_ext: the ranks moved from v%s to v%s (commit %d) through another door; served state re-read, "
                  "fingerprint %s", before, self.state.version, self.state.commits, fpr.fmt(self.state.model_fingerprint))
         return True
+
+    async def _forget(self, replies) -> int:
+        """Every rank drops its committed version and takes one new commit count (past all of theirs);
+        so does the served state. Returns the count."""
+        commits = max(r.commits for r in replies) + 1
+        check_replies(await self.ranks.call("forget", commits=commits))
+        self.state.version, self.state.manifests, self.state.label, self.state.commits = None, (), None, commits
+        return commits
 
     async def set_label(self, label: str | None) -> None:
         """Record the caller's name for the served version (vLLM's ``finish_weight_update(weight_version)``)

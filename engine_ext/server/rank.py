@@ -47,7 +47,7 @@ log = logging.getLogger("engine_ext")
 Loader = Callable[[str, torch.Tensor], None]  # load one whole checkpoint tensor via the engine's loader
 Refresh = Callable[["Touched | None"], None]  # rebuild derived copies of what an apply wrote; None: of everything
 Describe = Callable[[], dict]  # the engine's kernels/paths on this rank, for the start-up log and status
-OPS = ("setup", "fetch", "fetched", "apply", "discard", "commit", "rollback", "status", "resync", "set_label")
+OPS = ("setup", "fetch", "fetched", "apply", "discard", "commit", "rollback", "status", "resync", "forget", "set_label")
 MAX_FETCHES = 8  # fetches a rank holds at once (the driver's queue bound keeps it lower)
 
 
@@ -153,15 +153,23 @@ class RankUpdater:
                       and any(p.dest.dtype != m.dtype.torch for p in m.pieces))
 
     def resync(self) -> RankReply:
-        """Recompute the fingerprints from the live weights (after an outside dense reload)."""
+        """Recompute the fingerprints from the live weights (after an outside dense reload; also a
+        read of the live weights). The committed state is the driver's to drop (:meth:`forget`)."""
         self._refuse_pending()
         self.setup()
         for name, m in self.maps.items():
             if name not in self.host:
                 self.fps[name] = local_fingerprint(m)
-        self.version = self.manifest = self.label = None  # no manifest produced these weights
-        self.commits += 1
         return RankReply(True, self.rank, fingerprints=self.report(), **self.committed())
+
+    def forget(self, commits: int) -> RankReply:
+        """The served weights are no longer a committed version's (changed outside engine_ext, or
+        the ranks disagreed): no version, manifest or label, and the commit count the driver gives
+        (one for every rank, so that they agree again)."""
+        self._refuse_pending()
+        self.version = self.manifest = self.label = None
+        self.commits = int(commits)
+        return RankReply(True, self.rank, **self.committed())
 
     def report(self, names: Iterable[str] | None = None) -> dict[str, TensorReport]:
         """This rank's view of each tensor's fingerprint, for the driver to combine."""
