@@ -91,7 +91,7 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
 
     def __init__(self, init_info: DeltaTrainerInitInfo, *, client, source):
         super().__init__(client=client, source=source, is_sender=init_info.is_sender)
-        self.info = init_info
+        self.info, self.rank = init_info, init_info.rank  # (vLLM 0.33's base class keeps the rank too)
         self.clients = [LLMClient(c) if _is_offline_llm(c) else c
                         for c in (client if isinstance(client, (list, tuple)) else [client])]
         self.publisher: DeltaPublisher | None = None
