@@ -63,7 +63,7 @@ async def get_answer(auth: Auth, get_controller: ControllerGetter, authorization
         ctl = await get_controller()
         if ctl is None:
             return _UNAVAILABLE
-        return 200, ctl.status() | ({"audit": await ctl.audit()} if audit else {})
+        return 200, await ctl.fresh_status() | ({"audit": await ctl.audit()} if audit else {})
     except Exception as e:  # noqa: BLE001
         status, answer = error_answer(e)
         return (503 if status == 500 else status), answer

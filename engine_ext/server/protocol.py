@@ -116,7 +116,10 @@ class RankReply:
     written: int = 0  # apply: checkpoint elements written
     undo_bytes: int = 0  # apply
     seconds: dict[str, float] = field(default_factory=dict)  # setup, apply: time per step on the rank
-    version: int | None = None  # commit, status
+    version: int | None = None  # the committed state the rank carries (setup, commit, status, resync, set_label):
+    manifest: str | None = None  # SHA-256 of the manifest of the served version
+    commits: int = 0  # commits and resyncs so far
+    label: str | None = None  # the caller's name for the served version
     pending: bool = False  # status: an apply is neither committed nor rolled back; fetched: still fetching
     fetched_bytes: int = 0  # fetched: bytes this rank read from the store
     http_status: int | None = None  # a failure's status when it is a DeltaError (422 corrupt, 504 deadline...)

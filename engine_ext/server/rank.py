@@ -37,7 +37,7 @@ from .. import settings
 from .maps import ApplyResult, TensorMap, Unmappable, checkpoint_view, covered_elements, local_fingerprint
 from ..format.delta import TensorDelta, apply_tensor
 from ..format.dtypes import DType
-from ..errors import IntegrityError
+from ..errors import BaseMismatchError, IntegrityError
 from .protocol import RankReply, TensorReport
 from .touched import Touched
 
@@ -46,7 +46,8 @@ log = logging.getLogger("engine_ext")
 Loader = Callable[[str, torch.Tensor], None]  # load one whole checkpoint tensor via the engine's loader
 Refresh = Callable[["Touched | None"], None]  # rebuild derived copies of what an apply wrote; None: of everything
 Describe = Callable[[], dict]  # the engine's kernels/paths on this rank, for the start-up log and status
-OPS = ("setup", "fetch", "fetched", "apply", "discard", "commit", "rollback", "status", "resync", "audit")
+OPS = ("setup", "fetch", "fetched", "apply", "discard", "commit", "rollback", "status", "resync", "audit", "forget",
+       "set_label")
 DECODE_BACKENDS = ("auto", "host", "device")
 MAX_FETCHES = 8  # fetches a rank holds at once (the driver's queue bound keeps it lower)
 
@@ -98,7 +99,12 @@ class RankUpdater:
         self.host: dict[str, torch.Tensor] = {}  # checkpoint copies of unmappable tensors (dense fallback)
         self.fps: dict[str, int] = {}  # rank-local partial fingerprints (whole for host tensors)
         self.covered: dict[str, int] = {}
+        # The committed state, carried by the rank itself so that every driver that reaches it
+        # (the API server's route, an in-process backend, a direct RPC) sees the same one:
         self.version: int | None = None
+        self.manifest: str | None = None  # SHA-256 of the manifest the served weights came from
+        self.commits = 0  # every commit and resync counts one: a driver that saw another count re-reads
+        self.label: str | None = None  # the caller's own name for the served version (vLLM's weight version)
         self._pending: _Pending | None = None
         self._fetches: dict[str, _Fetch] = {}
         self.setup_s = 0.0
@@ -131,7 +137,7 @@ class RankUpdater:
         return RankReply(True, self.rank, fingerprints=self.report(), fallback=tuple(sorted(self.host)),
                          converted=tuple(self.converted()), mismatched=self.mismatched, engine=self.describe() if self.describe else {},
                          tensors={n: (tuple(s), d.name) for n, (s, d) in self.checkpoint.items()},
-                         tied=dict(self.tied), seconds={"setup": self.setup_s})
+                         tied=dict(self.tied), seconds={"setup": self.setup_s}, **self.committed())
 
     def _leave_out_tied(self) -> None:
         """A checkpoint tensor that the engine holds as a second name of a parameter registered
@@ -150,6 +156,10 @@ class RankUpdater:
                 how = f"its loader refuses it alone ({m.reason[:200]})" if isinstance(m, Unmappable) else "its loader skips it"
                 log.info("engine_ext: rank %s: checkpoint tensor %s is not served on its own: the engine ties it to %s "
                          "and %s; versions carry that tensor once, as %s", self.rank, name, tied[name], how, tied[name])
+
+    def committed(self) -> dict:
+        """The committed state this rank carries, as RankReply fields."""
+        return {"version": self.version, "manifest": self.manifest, "commits": self.commits, "label": self.label}
 
     def check_load(self) -> list[str]:
         """Tensors whose live weights, read through this rank's maps, differ from the checkpoint the
@@ -172,13 +182,23 @@ class RankUpdater:
                       and any(p.dest.dtype != m.dtype.torch for p in m.pieces))
 
     def resync(self) -> RankReply:
-        """Recompute the fingerprints from the live weights (after an outside dense reload)."""
+        """Recompute the fingerprints from the live weights (after an outside dense reload; also a
+        read of the live weights). The committed state is the driver's to drop (:meth:`forget`)."""
         self._refuse_pending()
         self.setup()
         for name, m in self.maps.items():
             if name not in self.host:
                 self.fps[name] = local_fingerprint(m)
-        return RankReply(True, self.rank, fingerprints=self.report())
+        return RankReply(True, self.rank, fingerprints=self.report(), **self.committed())
+
+    def forget(self, commits: int) -> RankReply:
+        """The served weights are no longer a committed version's (changed outside engine_ext, or
+        the ranks disagreed): no version, manifest or label, and the commit count the driver gives
+        (one for every rank, so that they agree again)."""
+        self._refuse_pending()
+        self.version = self.manifest = self.label = None
+        self.commits = int(commits)
+        return RankReply(True, self.rank, **self.committed())
 
     def audit(self) -> RankReply:
         """The fingerprints of the live weights, read again through the maps; nothing changes. What is
@@ -282,11 +302,17 @@ class RankUpdater:
         return RankReply(True, self.rank)
 
     # ---- apply / commit / rollback
-    def apply(self, deltas: list[TensorDelta] | None = None, txn: str | None = None) -> RankReply:
+    def apply(self, deltas: list[TensorDelta] | None = None, txn: str | None = None,
+              commits: int | None = None) -> RankReply:
         """Apply in place (``deltas``, or the part fetched for ``txn``), keeping an undo log until
-        :meth:`commit` or :meth:`rollback`. The reply reports every changed tensor this rank holds."""
+        :meth:`commit` or :meth:`rollback`. The reply reports every changed tensor this rank holds.
+        ``commits``: the commit count the driver planned from; refused if this rank moved since
+        (another driver committed in between)."""
         self._refuse_pending()
         self.setup()
+        if commits is not None and commits != self.commits:
+            raise BaseMismatchError(f"the served weights changed through another door since this update was planned "
+                                    f"(rank {self.rank} is at commit {self.commits}, the plan at {commits}); retry")
         t = time.perf_counter()
         names: set[str] = set()
         if deltas is None:
@@ -333,15 +359,25 @@ class RankUpdater:
                          undo_bytes=res.undo.nbytes if res.undo is not None else 0,
                          seconds={"load": t_load, "apply": t_apply})
 
-    def commit(self, version: int | None = None) -> RankReply:
-        """Keep the applied update: drop its undo log; record the version."""
+    def commit(self, version: int | None = None, manifest: str | None = None) -> RankReply:
+        """Keep the applied update (or adopt a version whose weights are held): drop the undo log;
+        record the version and its manifest; count the commit."""
         if self._pending is not None:
             if self._pending.result.undo is not None:
                 self._pending.result.undo.discard()
             self._pending = None
         if version is not None:
-            self.version = version
-        return RankReply(True, self.rank, version=self.version)
+            self.version, self.manifest = version, manifest
+        self.label = None  # a name given to the previous version
+        self.commits += 1
+        return RankReply(True, self.rank, **self.committed())
+
+    def set_label(self, label: str | None) -> RankReply:
+        """The caller's name for the served version (vLLM's ``finish_weight_update(weight_version)``)."""
+        if label is not None and (not isinstance(label, str) or len(label) > 256):
+            raise ValueError("a weight version label is a string of at most 256 characters")
+        self.label = label
+        return RankReply(True, self.rank, **self.committed())
 
     def rollback(self) -> RankReply:
         """Restore the exact old bits of the last apply (no-op when nothing is pending)."""
@@ -358,8 +394,8 @@ class RankUpdater:
         return RankReply(True, self.rank)
 
     def status(self) -> RankReply:
-        return RankReply(True, self.rank, version=self.version, fallback=tuple(sorted(self.host)),
-                         pending=self._pending is not None)
+        return RankReply(True, self.rank, fallback=tuple(sorted(self.host)), pending=self._pending is not None,
+                         **self.committed())
 
     # ---- helpers
     def _refuse_pending(self) -> None:
@@ -416,8 +452,6 @@ class _LiveBases:
         return box.reshape(-1)
 
     def verify(self, name, fingerprint):
-        from ..errors import BaseMismatchError
-
         up = self.up
         if self.overlay.get(name) or up.covered.get(name) != _numel(up.checkpoint[name][0]):
             return  # a later link (hash-chained to the first), or a shard (the driver checked the whole)
