@@ -100,7 +100,8 @@ def corpus() -> Corpus:
     runs = {"ctx": dict(chunk_min_cell=1024), "plain": dict(chunk_min_cell=None)}
     for run, kw in runs.items():
         with settings.override(context_coder=run == "ctx"):
-            with DeltaPublisher(str(root / run), anchor_every=0, signing_key=str(root / "publisher.key"), **kw) as pub:
+            with DeltaPublisher(str(root / run), anchor_every=0, signing_key=str(root / "publisher.key"), dtype=None,
+                                **kw) as pub:  # every dtype as held: the corpus covers each
                 pub.publish(a)
                 pub.publish(b)
     manifests, blobs = {}, {}

@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from engine_ext.errors import (BaseMismatchError, IntegrityError, ManifestError, NotFoundError, PartlyHeldError,
-                               SourceError)
+from engine_ext.errors import (BaseMismatchError, IntegrityError, ManifestError, ModelMismatchError, NotFoundError,
+                               PartlyHeldError, SourceError)
 from engine_ext.format import chunks, codec, context_blocks as cb, context_codec as cc, context_models as cm
 from engine_ext.format import fingerprint as fpr
 from engine_ext.format.delta import apply_tensor
@@ -279,7 +279,7 @@ def check_manifest(case: ManifestCase) -> None:
         check_decoded(m, decoded, sel)
         return m, sel, decoded
 
-    out, exc = judge(run, (ManifestError, IntegrityError, BaseMismatchError, NotFoundError), 5.0,
+    out, exc = judge(run, (ManifestError, IntegrityError, BaseMismatchError, ModelMismatchError, NotFoundError), 5.0,
                      64 * len(raw) + (48 << 20), "manifest")
     if case.pristine and case.bases == "right":
         if exc is not None:
