@@ -469,7 +469,7 @@ class Soak:
             with rep.lock:
                 if ok:
                     rep.served += 1
-                elif rep.is_down(t0, t1) or srv is not rep.server:
+                elif rep.is_down(t0, t1) or srv is not rep.server or self.stop.is_set():  # stopping: servers go down
                     rep.failed_while_down += 1
                 else:
                     rep.failed += 1
@@ -696,6 +696,7 @@ class Soak:
         """The faults have stopped: one more version, then the publisher stops (LATEST is final); every
         replica must reach it within the bound and then equal a cold start on it."""
         from engine_ext.engines.vllm.launcher import VllmServer
+        from engine_ext.errors import DeltaError
         from engine_ext.store import open_store
         from engine_ext.store.signing import Trust
         from engine_ext.tiny_models import save_state_dict
@@ -735,9 +736,13 @@ class Soak:
             self.violate("a replica did not reach LATEST within the bound", replica=role, bound_s=self.args.converge_s,
                          latest=final, status=_short_status(self.replicas[role].server))
         trust = Trust.from_public_keys([self.pubkey])
-        with _env(site.env_read):
-            latest = lineage.read_head(open_store(site.read_uri), trust).latest
-            _, weights = lineage.rebuild(open_store(site.read_uri), latest, trust)
+        try:
+            with _env(site.env_read):
+                latest = lineage.read_head(open_store(site.read_uri), trust).latest
+                _, weights = lineage.rebuild(open_store(site.read_uri), latest, trust)
+        except DeltaError as e:
+            self.violate("LATEST's weights cannot be rebuilt from the store", store=site.kind, error=str(e)[:300])
+            return
         self.stop.set()  # no more load: what each replica serves at LATEST is read, then they stop
         served = {role: (requests_status(rep.server, audit=True), _outputs(rep.server))
                   for role, rep in self.replicas.items() if role not in pending}
@@ -758,6 +763,7 @@ class Soak:
                 self.violate("a replica's outputs differ from a cold start at its tensor-parallel size", replica=role)
 
     def _teardown(self) -> None:
+        self.stop.set()  # the load stops first: a request to a server stopped here is no violation
         for p in self.publishers:
             if p.poll() is None:
                 self.kill(p)
