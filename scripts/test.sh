@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # The project's test command (README; .ci/run calls it): install, then run every suite.
 #
-#   bash scripts/test.sh            # everything, as CI runs it
+#   bash scripts/test.sh            # as CI runs it (every suite; leaves out the tests marked `full`)
+#   bash scripts/test.sh --full     # everything: CI's tests and the `full` ones (the whole model matrix, ...)
 #   bash scripts/test.sh --quick    # the edit-test loop: only the tests that start no engine (no core check)
+#
+# CI has 20 minutes on 2 cores: it serves one cell of each distinct server-side path; the tests
+# marked `full` repeat covered paths on more models, widths and servers (~10 more minutes).
+# The core check (a fresh venv, mostly downloads) runs beside the main suite.
 #
 # Suites: core (scripts/core_check.sh: `pip install .` alone in a fresh venv, the signed CLI
 # round trip, the wheel's contents), main (vLLM CPU, stores, codec, kernels; on 2 pytest-xdist
@@ -12,9 +17,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 quick=0
+full=0
 args=()
 for a in "$@"; do
-  if [ "$a" = "--quick" ]; then quick=1; else args+=("$a"); fi
+  if [ "$a" = "--quick" ]; then quick=1; elif [ "$a" = "--full" ]; then full=1; else args+=("$a"); fi
 done
 bash scripts/install.sh || exit 1
 source scripts/env.sh
@@ -28,6 +34,11 @@ suite() {  # suite NAME COMMAND...: run one suite, remember its counts line
   echo "=== suite $name: $*"
   "$@" 2>&1 | tee "$logs/$name.log"
   rc=${PIPESTATUS[0]}
+  record "$name" "$rc" "$t0"
+}
+
+record() {  # record NAME RC T0: the suite's counts line from its log
+  local name=$1 rc=$2 t0=$3
   local counts
   counts=$(grep -E "^=*[ ]*[0-9]+ (passed|failed|skipped|error|deselected)|^=*[ ]*no tests ran|^core check passed" "$logs/$name.log" | tail -n 1 | tr -d '=' | sed 's/^ *//;s/ *$//')
   summary+=("suite $name: ${counts:-no summary line} (exit $rc, $((SECONDS - t0)) s)")
@@ -35,20 +46,33 @@ suite() {  # suite NAME COMMAND...: run one suite, remember its counts line
 }
 
 pytest_args=(-q -p no:cacheprovider -rfEs)
+core_pid=""
 if [ "$quick" -eq 1 ]; then
   select=(-m "not engine")
   workers=()
 else
-  select=()
+  select=(-m "not full")
+  [ "$full" -eq 1 ] && select=()
   # loadfile: every module on one worker, so a module's shared (module-scoped) servers start once and its
   # tests run in order (xdist_group marks are not honoured under pytest 9.2: xdist 3.8 renames nodes it no longer can)
   workers=(-n 2 --dist loadfile --no-loadscope-reorder)  # modules in collection order: engine modules first (conftest)
-  suite core bash scripts/core_check.sh
+  echo "=== suite core (beside the main suite): bash scripts/core_check.sh > $logs/core.log"
+  core_t0=$SECONDS
+  bash scripts/core_check.sh > "$logs/core.log" 2>&1 &
+  core_pid=$!
 fi
 # Main suite (vLLM CPU, stores, codec, kernels); SGLang's modules run in SGLang's own venv below.
 suite main "$PY" -m pytest "${pytest_args[@]}" "${workers[@]}" "${select[@]}" tests --ignore-glob='tests/test_sglang_*' "${args[@]}"
+if [ -n "$core_pid" ]; then
+  wait "$core_pid"
+  core_rc=$?
+  echo "=== suite core: its log"
+  cat "$logs/core.log"
+  record core "$core_rc" "$core_t0"
+fi
 if [ -x "$SGLANG_VENV/bin/python" ] && ls tests/test_sglang_*.py >/dev/null 2>&1; then
-  sg_select=(-m "sglang")
+  sg_select=(-m "sglang and not full")
+  [ "$full" -eq 1 ] && sg_select=(-m "sglang")
   [ "$quick" -eq 1 ] && sg_select=(-m "sglang and not engine")
   suite sglang "$SGLANG_VENV/bin/python" -m pytest "${pytest_args[@]}" tests/test_sglang_*.py "${sg_select[@]}" "${args[@]}"
 else

@@ -215,6 +215,7 @@ def test_push_cli_exit_status_names_the_failed_replica():
 
 
 @pytest.mark.vllm
+@pytest.mark.full  # five servers (~4.5 min); CI's fleet is tests/test_chaos.py's (followed + pushed, killed, cold start)
 def test_three_vllm_replicas_pushed_and_pulling(tmp_path, http_server, s3_server):
     pytest.importorskip("vllm")
     import boto3

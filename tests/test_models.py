@@ -37,6 +37,7 @@ class Case:
     tied_copy: bool = False  # the Hub checkpoint also stores the tied lm_head.weight
     dtypes: tuple[str, ...] = ("fp32",)  # trainer dtypes of the trainer paths
     env: tuple[tuple[str, str], ...] = ()  # extra server environment (the VLM's torchvision stub)
+    ci: bool = False  # CI serves one case per distinct server-side path; the rest run with `--full` (below)
 
     @property
     def id(self) -> str:
@@ -47,7 +48,7 @@ class Case:
 
 
 CASES = [
-    Case("qwen2-tied", tied_copy=True, dtypes=("fp32", "bf16")),
+    Case("qwen2-tied", tied_copy=True, dtypes=("fp32", "bf16"), ci=True),
     Case("qwen2-tied", tp=2),
     Case("qwen2"),
     Case("qwen3"),
@@ -57,14 +58,20 @@ CASES = [
     Case("phi3"),
     Case("qwen3-moe"),
     Case("qwen2-moe"),
-    Case("deepseek-v2"),
+    Case("deepseek-v2", ci=True),
     # vLLM builds Qwen2.5-VL's HF processor at start, whose video processor needs torchvision; the CUDA
     # wheel cannot load beside the CPU torch, so the server gets the test-only stub (tests/sglang_stubs):
     # text prompts never call it
-    Case("qwen2.5-vl",
+    Case("qwen2.5-vl", ci=True,
          env=(("PYTHONPATH", os.pathsep.join(p for p in [str(STUBS), os.environ.get("PYTHONPATH")] if p)),)),
 ]
-CELLS = [pytest.param(c, s, id=f"{c.id}-{s.replace('/', '-')}") for c in CASES for s in c.stores()]
+# CI (2 cores, 20 minutes) serves three cases: the README's tied model (every trainer path, fp32 and
+# bf16 masters, the Hub's tied copy), DeepSeek-V2 (MLA, vLLM's packed projections) and Qwen2.5-VL (a
+# VLM's name prefix). The trainer side of every case is engine-independent and runs in CI against
+# SGLang (tests/test_sglang_models.py, all cases); tied embeddings at TP 2 are tests/test_vllm_tp2.py's,
+# MoE at TP 2 tests/test_moe.py's. The other cases (a server each, ~40 s) are `full`: `scripts/test.sh --full`.
+CELLS = [pytest.param(c, s, id=f"{c.id}-{s.replace('/', '-')}", marks=() if c.ci else pytest.mark.full)
+         for c in CASES for s in c.stores()]
 TIMES: dict[str, float] = {}
 
 

@@ -23,7 +23,10 @@ from engine_ext.store.signing import Signer
 pytest.importorskip("vllm")
 from vllm_helpers import Server, copy_store, make_model, rl_trajectory  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+# full: since the weight-transfer backend (issue 28), `delta` is an alias of the `engine_ext` backend, whose
+# in-process LLM at TP 2 (refusals changing nothing, both workers, a cold start) CI runs in
+# tests/test_vllm_transfer.py::test_offline_llm_tp2, and whose two doors on one server in its online module
+pytestmark = [pytest.mark.vllm, pytest.mark.full]
 ROOT = Path(__file__).resolve().parents[1]
 
 
