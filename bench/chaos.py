@@ -365,6 +365,7 @@ class Soak:
         self.pushed_version = None
         self.convergence: dict[str, float] = {}
         self.crashed: set[int] = set()
+        self.startup_failures: list[dict] = []  # restarts that failed their warm-up and were restarted again
         self.deck: list[str] = []
         self.servers: list = []
 
@@ -445,7 +446,21 @@ class Soak:
             time.sleep(3)
         srv.stop() if how == "planned" else _killpg(srv.proc)
         srv.stop()
-        self.start_replica(role)
+        for attempt in range(1, 4):  # a server that fails its readiness (the warm-up) is restarted, as an orchestrator's probe would
+            try:
+                self.start_replica(role)
+                return
+            except Exception as e:  # noqa: BLE001
+                if attempt == 3 or self.stop.is_set():
+                    raise
+                failed = rep.server
+                log(f"replica {role} incarnation {rep.incarnation} failed its warm-up ({type(e).__name__}: {str(e)[:160]}); "
+                    f"restarting it (log {failed.log_path if failed else '-'})")
+                self.startup_failures.append({"replica": role, "incarnation": rep.incarnation, "error": str(e)[:300],
+                                              "log": str(failed.log_path) if failed else None})
+                if failed is not None:
+                    _killpg(failed.proc)
+                    failed.stop()
 
     # ---- background checks
     def load_loop(self, role: str) -> None:
@@ -784,7 +799,8 @@ class Soak:
             "publishers_store_down_at_start": sum(e["what"] == "unreachable" for e in events),
             "latest": self.latest, "faults": dict(sorted(self.faults.items())), "requests": reps,
             "longest_convergence_s": max(self.convergence.values(), default=None), "converge_bound_s": self.args.converge_s,
-            "final": getattr(self, "final", None), "violations": self.violations,
+            "final": getattr(self, "final", None), "startup_failures": self.startup_failures,
+            "violations": self.violations,
         }
         (self.work / "report.json").write_text(json.dumps(out, indent=1))
         (self.work / "report.md").write_text(_markdown(out))
@@ -902,6 +918,8 @@ def _markdown(r: dict) -> str:
              f"LATEST per store {r['latest']}",
              f"- longest convergence after the faults stopped: {r['longest_convergence_s']} s (bound {r['converge_bound_s']} s); "
              f"final {r['final']}",
+             f"- servers restarted again after failing their warm-up (an orchestrator's readiness probe): "
+             f"{len(r.get('startup_failures', []))}",
              f"- violations: **{len(r['violations'])}**", "", "| fault | injected |", "|---|---:|"]
     lines += [f"| {k} | {v} |" for k, v in r["faults"].items()]
     lines += ["", "| replica | requests served | failed while up | failed while down | incarnations | converged (s) |",
