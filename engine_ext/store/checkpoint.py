@@ -141,6 +141,7 @@ class SafetensorsWriter:
         self.size = len(head)
         self._sha = hashlib.sha256(head) if hashed else None
         self.tensor_sha256: dict[str, str] = {}
+        self.piece_sha256: dict[str, list[str]] = {}  # per tensor written with ``splits``: each piece's SHA-256
         self.next = 0
 
     @property
@@ -153,7 +154,10 @@ class SafetensorsWriter:
         a, b = self.header[name]["data_offsets"]
         return self.data_start + a, b - a
 
-    def write(self, name: str, t: torch.Tensor) -> None:
+    def write(self, name: str, t: torch.Tensor, splits=()) -> None:
+        """Append the next tensor's bytes. With ``splits`` (byte offsets into them, ascending), a
+        ``hashed`` writer hashes the pieces between them too (:attr:`piece_sha256`): the cells a
+        sharded anchor lists."""
         expected, n = self.order[self.next]
         if name != expected:
             raise ValueError(f"tensors must be written in header order: expected {expected!r}, got {name!r}")
@@ -164,7 +168,10 @@ class SafetensorsWriter:
         self.size += n
         if self._sha is not None:
             self._sha.update(data)
-            self.tensor_sha256[name] = hashlib.sha256(data).hexdigest()
+            edges = [0, *splits, n]
+            self.piece_sha256[name] = [hashlib.sha256(data[a:b]).hexdigest() for a, b in zip(edges, edges[1:])]
+            if not splits:
+                self.tensor_sha256[name] = self.piece_sha256[name][0]
         self.next += 1
 
     def close(self) -> None:
