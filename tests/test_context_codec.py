@@ -334,8 +334,8 @@ def test_uniform_changes_build_no_step_tables(tmp_path, monkeypatch):
     """Where no tensor's sample promises a gain, the publisher builds no step tables (a pass over
     every change) and codes every tensor plainly; tensors that do promise one still get them."""
     seen = []
-    real = codec.step_tables_by_dtype
-    monkeypatch.setattr(codec, "step_tables_by_dtype", lambda changes: seen.append(list(changes)) or real(seen[-1]))
+    real = codec.step_histograms
+    monkeypatch.setattr(codec, "step_histograms", lambda changes: seen.append(list(changes)) or real(seen[-1]))
     old, _ = _pair((256, 256))
     uniform = as_bits(old).clone().reshape(-1)
     uniform[::50] += 1
