@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 import tempfile
 import time
@@ -138,7 +139,7 @@ class VersionBuilder:
 
     # -- anchors --------------------------------------------------------------
     def add_anchor(self, infos: list[tuple], load: Callable[[str], torch.Tensor],
-                   fingerprint: Callable[[str, torch.Tensor], int], done: Callable[[], None] | None = None,
+                   fingerprint: Callable[[str, torch.Tensor], int] | None = None, done: Callable[[], None] | None = None,
                    workers: int | None = None) -> None:
         """Write every tensor of ``infos`` (in order) into anchor shards of about ``blob_target`` bytes.
 
@@ -147,8 +148,9 @@ class VersionBuilder:
         holds, with its partial fingerprint). The shards are written in parallel, one thread
         each (writes, hashing and fingerprints release the GIL); within a shard one tensor is
         in memory at a time, written once and hashed as written. ``load(name)`` gives the
-        tensor, ``fingerprint(name, tensor)`` its fingerprint (computed, or kept by the
-        caller); ``done()`` is called after each tensor.
+        tensor, ``fingerprint(name, tensor)`` its fingerprint as the caller keeps it (None:
+        fingerprinted as written, a few MB at a time while they are in cache; a row slice over
+        its own elements); ``done()`` is called after each tensor.
         """
         rows = {i[0]: i[3] for i in infos if len(i) > 3 and i[3] is not None}
         infos = [tuple(i[:3]) for i in infos]
@@ -163,13 +165,20 @@ class VersionBuilder:
         def write(job) -> list[TensorEntry]:
             (blob, w), shard = job
             entries = []
-            for name, _, _ in shard:
+            for name, dt, _ in shard:
                 t = load(name)
                 r = rows.get(name)
                 cells = _cells(r, t.shape[0]) if r is not None else []
-                w.write(name, t, splits=[(a - r.start) * (t.nbytes // max(1, t.shape[0])) for _, a, _ in cells[1:]])
-                entries.append(self._anchor_entry(w, blob, name, t, fingerprint(name, t)) if r is None
-                               else self._anchor_cells(w, blob, name, t, fingerprint(name, t), r, cells))
+                fp, at = [0], (r.start * math.prod(r.shape[1:]) if r is not None else 0)
+
+                def hash_elements(chunk, offset, fp=fp, at=at, size=dt.itemsize):
+                    fp[0] += fpr.buffer_fingerprint(chunk, size, at + offset // size)
+
+                w.write(name, t, splits=[(a - r.start) * (t.nbytes // max(1, t.shape[0])) for _, a, _ in cells[1:]],
+                        on_chunk=hash_elements if fingerprint is None else None)
+                fp = fp[0] & fpr.MASK64 if fingerprint is None else fingerprint(name, t)
+                entries.append(self._anchor_entry(w, blob, name, t, fp) if r is None
+                               else self._anchor_cells(w, blob, name, t, fp, r, cells))
                 if done is not None:
                     done()
             w.close()

@@ -422,25 +422,12 @@ class DeltaPublisher:
         """What :meth:`VersionBuilder.add_anchor` writes of a kept tensor: (name, dtype, shape)."""
         return name, dtype_of(t), tuple(t.shape)
 
-    def _fingerprint(self, name: str, t: torch.Tensor) -> int:
-        """The fingerprint of a kept tensor, computed where the first version is written."""
-        return fpr.tensor_fingerprint(t)
-
     def _write_anchor(self, b: VersionBuilder, job: _Job) -> None:
         tensors, fps = job.payload
-        if fps is None:  # the first version: fingerprinted as it is written, then the diffs' base
-            fps = {}
-
-            def fingerprint(name, t):
-                fps[name] = self._fingerprint(name, t)
-                return fps[name]
-        else:
-            def fingerprint(name, _):
-                return fps[name]
         b.add_anchor([self._anchor_info(n, t) for n, t in tensors.items()], tensors.__getitem__,
-                     fingerprint, workers=self.workers)
-        if not self._fps:
-            self._fps = fps
+                     None if fps is None else (lambda name, _: fps[name]), workers=self.workers)
+        if not self._fps:  # the first version, fingerprinted as it was written: the diffs' base
+            self._fps = {t.name: fpr.parse(t.fingerprint) for t in b.manifest.tensors}
 
     def _step_tables(self, histograms: dict) -> dict:
         """The version's step tables from its step histograms (a sharded publisher sums its ranks')."""

@@ -30,7 +30,6 @@ does with another world size: a new layout).
 """
 from __future__ import annotations
 
-import math
 from datetime import timedelta
 
 import torch
@@ -184,11 +183,6 @@ class ShardedPublisher(DeltaPublisher):
         p = self.layout[name]
         rows = Rows(p.shape, self._starts[name], tuple(p.grid(self.chunk_min_cell, anchor=True)[0])) if p.split else None
         return name, _dtype(t.dtype), tuple(t.shape), rows
-
-    def _fingerprint(self, name: str, t: torch.Tensor) -> int:
-        shape = self.layout[name].shape
-        start = self._starts[name] * (math.prod(shape[1:]) if shape else 1)
-        return fpr.range_fingerprint(as_bits(t.detach().contiguous()).reshape(-1), start)
 
     # -- background: one job per version, the same collectives on every rank -------------
     def _build(self, job: _Job) -> None:
