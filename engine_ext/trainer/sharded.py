@@ -261,7 +261,7 @@ class ShardedPublisher(DeltaPublisher):
             outcome = self._commit_parts(parts, version, kind)
         ok, why, fingerprint = self._broadcast(outcome, f"v{version} ({kind})")
         if ok:
-            self._committed.add(version)
+            self._committed = {v for v in self._committed if v > version - 16} | {version}  # bases are recent
             self.committed_fingerprint = fingerprint
             if kind == ANCHOR:
                 self._needs_anchor = False
@@ -284,9 +284,14 @@ class ShardedPublisher(DeltaPublisher):
             return False, f"rank 0 could not commit: {type(e).__name__}: {e}", None
 
     def _abort(self, version: int, why: str) -> None:
-        self._needs_anchor = True
+        """A part of ``version`` was not committed: unless its other part was (its anchor, published
+        beside the delta), nothing holds its bits, so the next version is an anchor."""
         self.aborted[version] = why
-        log.error("engine_ext: v%d was not published (%s); the next version is an anchor", version, why)
+        if version not in self._committed:
+            self._needs_anchor = True
+            log.error("engine_ext: v%d was not published (%s); the next version is an anchor", version, why)
+        else:
+            log.error("engine_ext: v%d's delta was not published (%s); its anchor was", version, why)
 
     def _part_no(self) -> int | None:
         return self.rank if self.world > 1 else None
