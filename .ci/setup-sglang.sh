@@ -19,11 +19,10 @@ own_site=$("$SGLANG_VENV/bin/python" -c "import sysconfig; print(sysconfig.get_p
 echo "import site; site.addsitedir('$base_site')" > "$own_site/_engine_ext_main_venv.pth"
 log="$SGLANG_VENV/engine_ext-install.log"
 : > "$log"
-pip_sg=("$SGLANG_VENV/bin/python" -m pip install --disable-pip-version-check --no-warn-conflicts)
 # SGLang itself without its dependencies (it pins torch 2.14.1 and CUDA kernels).
-quiet "$log" "${pip_sg[@]}" --no-deps -r .ci/sglang-requirements.txt
+pip_install "$log" "$SGLANG_VENV/bin/python" --no-deps -r .ci/sglang-requirements.txt
 # Pure-Python packages sglang imports that the main venv lacks, with their own deps.
-quiet "$log" "${pip_sg[@]}" -r .ci/sglang-extras.txt
+pip_install "$log" "$SGLANG_VENV/bin/python" -r .ci/sglang-extras.txt
 "$SGLANG_VENV/bin/python" - <<'PYEOF'
 import sys
 from importlib.metadata import entry_points

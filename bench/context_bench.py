@@ -34,6 +34,7 @@ from engine_ext.format import codec, context_blocks, context_codec, context_kern
 from engine_ext.format.dtypes import BY_NAME, as_bits, step_between  # noqa: E402
 
 BF16 = BY_NAME["bfloat16"]
+BYTES_FIRST = codec.Readers(mbps=0)  # what v2 codes wherever it saves 10 % (the publisher keeps it where it pays)
 
 
 def pair_changes(a: dict, b: dict):
@@ -57,7 +58,7 @@ def encode_all(ch, context: bool):
     out = []
     for name, shape, ob, pos, o, nb in ch:
         policy = context_blocks.block_policy(name, shape)
-        ctx = codec.Context(ob, policy, tables) if context and policy is not None else None
+        ctx = codec.Context(ob, policy, tables, BYTES_FIRST) if context and policy is not None else None
         out.append(codec.encode(BF16, ob.numel(), pos, nb, o, context=ctx, shape=shape))
     return out, (tables if any(e.pos_coder == "ctx" for e in out) else [])
 
@@ -151,12 +152,72 @@ def at_scale(tensors: int = 8, rows: int = 4096, cols: int = 4096, density: floa
     return sum(c[3].numel() for c in ch), sum(c[2].numel() for c in ch), one, every, load, encode_s
 
 
+def decode_costs(tensors: int = 4, rows: int = 4096, cols: int = 4096, densities=(0.01, 0.03)) -> list[dict]:
+    """What a reader pays to decode v2 instead of v1, split where the device decode splits it
+    (engine_ext.format.context_device): per change, the range-coded streams (host, on every
+    reader) against v1's whole decode; per base element, the context pass (numba on every core
+    here: a CPU reader's cost; a GPU reader runs it in Triton, not measured here); bytes saved per change;
+    and how the streams scale on two threads (a rank decodes its tensors on a thread pool).
+    The publisher's rule (``engine_ext.format.codec.ReaderCosts``) takes its constants from here."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for dens in densities:
+        ch = []
+        for i in range(tensors):
+            w = (torch.randn(rows, cols, generator=g) * torch.exp(torch.randn(rows, cols, generator=g)) * 0.02).bfloat16()
+            inv = 1.0 / w.float().abs().clamp(min=1e-4)
+            hit = torch.rand(rows, cols, generator=g) < (inv * (dens / inv.mean())).clamp(max=0.9)
+            bits = as_bits(w).clone()
+            bits[hit] += torch.where(torch.rand(rows, cols, generator=g) < 0.5, 1, -1)[hit].to(torch.int16)
+            ob, nb = as_bits(w).reshape(-1), bits.reshape(-1)
+            pos = torch.nonzero(ob != nb).reshape(-1)
+            ch.append((f"model.layers.{i}.mlp.up_proj.weight", (rows, cols), ob, pos, ob[pos], nb[pos]))
+        v1, _ = encode_all(ch, False)
+        v2, tables = encode_all(ch, True)
+        assert all(e.pos_coder == "ctx" for e in v2)
+        nnz = sum(c[3].numel() for c in ch)
+        numel = sum(c[2].numel() for c in ch)
+
+        def streams(i):
+            _, shape, ob, pos, _, _ = ch[i]
+            context_codec.decode_streams("bfloat16", shape, None, v2[i].pos, v2[i].val, pos.numel(), tables)
+
+        decode_all(ch, v2, tables)  # warm
+        t1 = best(lambda: decode_all(ch, v1, []))
+        t2 = best(lambda: decode_all(ch, v2, tables))
+        ts = best(lambda: [streams(i) for i in range(len(ch))])
+        with ThreadPoolExecutor(2) as pool:
+            ts2 = best(lambda: list(pool.map(streams, range(len(ch)))))
+        b1 = sum(len(e.pos) + len(e.val) for e in v1)
+        b2 = sum(len(e.pos) + len(e.val) for e in v2)
+        out.append(dict(density=nnz / numel, v1_ns_per_change=t1 / nnz * 1e9, streams_ns_per_change=ts / nnz * 1e9,
+                        pass_ns_per_element=(t2 - ts) / numel * 1e9, v2_ns_per_element=t2 / numel * 1e9,
+                        saved_bytes_per_change=(b1 - b2) / nnz, streams_two_threads=ts / ts2,
+                        breakeven_mbps_gpu=(b1 - b2) / (ts - t1) / 1e6,
+                        breakeven_mbps_cpu=(b1 - b2) / (t2 - t1) / 1e6))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lr", type=float, nargs="+", default=[1e-6, 3e-6])
     ap.add_argument("--pairs", type=int, default=4)
+    ap.add_argument("--costs", action="store_true", help="only the decode costs the publisher's rule uses (synthetic, ~1 min)")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    if a.costs:
+        print("command: python bench/context_bench.py --costs")
+        print("| density | v1 decode ns / change | v2 streams ns / change | v2 pass ns / base element "
+              f"(numba, {os.cpu_count()} cores) | "
+              "saved B / change | streams on 2 threads | break-even MB/s, GPU reader | break-even MB/s, CPU reader |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in decode_costs():
+            print(f"| {100 * r['density']:.2f} % | {r['v1_ns_per_change']:.1f} | {r['streams_ns_per_change']:.1f} | "
+                  f"{r['pass_ns_per_element']:.3f} | {r['saved_bytes_per_change']:.3f} | {r['streams_two_threads']:.2f}x | "
+                  f"{r['breakeven_mbps_gpu']:.1f} | {r['breakeven_mbps_cpu']:.1f} |", flush=True)
+        return
     try:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import fireworks_codec as fw

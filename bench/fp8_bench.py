@@ -19,8 +19,8 @@ then one delta per step); every number comes from the published manifests and bl
   as bf16, as in the bf16 checkpoint.
 * **fp8 (bf16 cast)**: the same recipe applied to the bf16 cast.
 
-Each is published twice, with codec v1 (``ENGINE_EXT_CONTEXT_CODER=0``) and with v2 (the
-default: the context coder where it saves 10 %). Delta bytes = the delta's ``v*.bin``
+Each is published twice, with codec v1 (``ENGINE_EXT_CONTEXT_CODER=0``) and with v2 (bytes
+first, ``ENGINE_EXT_READER_MBPS=0``: the context coder where it saves 10 %). Delta bytes = the delta's ``v*.bin``
 blobs + its manifest. Checkpoint bytes = 2 B per bf16 element, 1 B per fp8 element, 4 B
 per scale.
 """
@@ -135,7 +135,7 @@ def run_lr(lr: float, steps: int, settle: int, kw: dict, log=print) -> None:
     kinds = {f"{k} {coder}": (vs, coder) for k, vs in checkpoints.items() for coder in ("v1", "v2")}
     rows, parts, tiles, linear = [], [], [], {}
     for kind, (vs, coder) in kinds.items():
-        with tempfile.TemporaryDirectory(prefix="fp8-bench-") as d, settings.override(context_coder=coder == "v2"):
+        with tempfile.TemporaryDirectory(prefix="fp8-bench-") as d, settings.override(context_coder=coder == "v2", reader_mbps=0):  # v2: bytes first
             manifests = publish(vs, Path(d))
         numel = numel_by_part(vs[0], linear_names)
         total = sum(numel.values())

@@ -20,9 +20,9 @@ from tqdm import tqdm
 from .format import codec
 from .format import fingerprint as fpr
 from .trainer.builder import VersionBuilder
-from .store.checkpoint import CheckpointDir, SafetensorsWriter
+from .store.checkpoint import INDEX_NAME, CheckpointDir, SafetensorsWriter
 from .format.delta import apply_tensor, changed_bits
-from .format.dtypes import as_bits, dtype_by_name
+from .format.dtypes import as_bits, dtype_by_name, served_as, served_dtype, to_served
 from .errors import BaseMismatchError, DeltaError
 from .format.manifest import ANCHOR, DELTA
 from . import settings
@@ -65,8 +65,23 @@ def _note(cmd: str, text: str) -> None:
     print(f"engine-ext {cmd}: {text}", file=sys.stderr)
 
 
+def _checkpoint(cmd: str, path: str) -> CheckpointDir:
+    """A checkpoint dir as published: without the tied copy its config.json says the engines skip."""
+    ck = CheckpointDir(path)
+    for copy, kept in ck.drop_tied_copies().items():
+        _note(cmd, f"{path}: {copy} is tied to {kept} (config.json, same bytes): published once, as {kept}")
+    return ck
+
+
+def _loader(ck: CheckpointDir, dtype):
+    """Read one tensor of ``ck`` in the served ``dtype`` (--dtype; None: as stored)."""
+    return lambda name: to_served(ck.load(name), dtype)
+
+
 def cmd_diff(a) -> str:
-    old, new = CheckpointDir(a.old), CheckpointDir(a.new)
+    old, new = _checkpoint("diff", a.old), _checkpoint("diff", a.new)
+    dtype = served_dtype(a.dtype)
+    load_old, load_new = _loader(old, dtype), _loader(new, dtype)
     if set(old.tensors) != set(new.tensors):
         raise DeltaError(f"the checkpoints hold different tensors: only in old {sorted(set(old.tensors) - set(new.tensors))[:5]}, "
                          f"only in new {sorted(set(new.tensors) - set(old.tensors))[:5]}")
@@ -74,13 +89,13 @@ def cmd_diff(a) -> str:
     b = VersionBuilder(DELTA, a.model or Path(a.new).name, 0, spool_in=store)
     old_fps, changes = {}, []
     for name in _bar(new.names(), "diff"):  # the changes first: the version's step tables come from all of them
-        o, n = old.load(name), new.load(name)
+        o, n = load_old(name), load_new(name)
         if o.shape != n.shape or o.dtype != n.dtype:
             raise DeltaError(f"{name}: {tuple(o.shape)}/{o.dtype} in old, {tuple(n.shape)}/{n.dtype} in new")
         pos, old_at, new_at = changed_bits(as_bits(o).reshape(-1), as_bits(n).reshape(-1))
         fo, fn = fpr.tensor_fingerprint(o), fpr.tensor_fingerprint(n)
         old_fps[name] = fo
-        dt = new.tensors[name].dtype
+        dt = served_as(new.tensors[name].dtype, dtype)
         policy = codec.context_policy(name, dt, n.shape, pos.numel()) if settings.current().context_coder else None
         if policy is not None and not codec.context_pays(dt, as_bits(o).reshape(-1), old_at):
             policy = None  # uniform changes: no step table, no second read of the tensor
@@ -90,7 +105,7 @@ def cmd_diff(a) -> str:
         if pos.numel() == 0:
             b.add_unchanged(name, dt, shape, fn)
             continue
-        context = None if policy is None else codec.Context(as_bits(old.load(name)).reshape(-1), policy, tables[dt.name])
+        context = None if policy is None else codec.Context(as_bits(load_old(name)).reshape(-1), policy, tables[dt.name])
         e = codec.encode_tensor(dt, shape, pos, new_at, old_at, a.mode, context=context)
         b.add_encoded(name, dt, shape, pos.numel(), e, fo, fn)
         if codec.uses_context(e):
@@ -113,15 +128,16 @@ def cmd_diff(a) -> str:
 
 
 def cmd_anchor(a) -> str:
-    ck = CheckpointDir(a.checkpoint)
+    ck = _checkpoint("anchor", a.checkpoint)
+    dtype = served_dtype(a.dtype)
     store = open_store(a.out)
     signer = _signer(a)
     head = read_head(store, _trust(a, signer))
     version = _next_version(head, a.version)
     b = VersionBuilder(ANCHOR, a.model or Path(a.checkpoint).name, version, anchor_version=version, spool_in=store)
-    infos = [(n, i.dtype, i.shape) for n, i in ck.tensors.items()]
+    infos = [(n, served_as(i.dtype, dtype), i.shape) for n, i in ck.tensors.items()]
     with _bar(None, "anchor", total=len(infos)) as bar:
-        b.add_anchor(infos, ck.load, lambda _, t: fpr.tensor_fingerprint(t), bar.update)
+        b.add_anchor(infos, _loader(ck, dtype), lambda _, t: fpr.tensor_fingerprint(t), bar.update)
     _note("anchor", f"v{version}: an anchor" + ("" if head.latest is None else f", after the store's LATEST (v{head.latest.version})"))
     return b.publish(store, signer)
 
@@ -148,7 +164,7 @@ def cmd_apply(a) -> str:
     out = Path(a.out)
     if out.exists():
         raise DeltaError(f"{out} exists; refusing to overwrite it")
-    base = CheckpointDir(a.base) if a.base else None
+    base = _checkpoint("apply", a.base) if a.base else None
     bases = None if base is None else TensorBases(_LazyCheckpoint(base))
     d = load_delta(a.manifest, trust=_trust(a), bases=bases)
     by_name = {t.name: t for t in d.tensors}
@@ -163,8 +179,12 @@ def cmd_apply(a) -> str:
     try:
         if base is not None:
             layout = {f: [(n, i.dtype, i.shape) for n, i in base.tensors.items() if i.file == f] for f in base.files}
-            for p in base.path.iterdir():  # config, tokenizer, index: copied as they are
-                if p.is_file() and not p.name.endswith(".safetensors"):
+            for p in base.path.iterdir():  # config, tokenizer, index: copied as they are (less a tied copy left out)
+                if p.name == INDEX_NAME:
+                    index = json.loads(p.read_text())
+                    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if n in base.tensors}
+                    (tmp / p.name).write_text(json.dumps(index, indent=2))
+                elif p.is_file() and not p.name.endswith(".safetensors"):
                     shutil.copy2(p, tmp / p.name)
         else:
             layout = {"model.safetensors": [(t.name, t.dtype, t.shape) for t in d.tensors]}
@@ -267,6 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--trust", action="append", help="trusted Ed25519 public key (PEM or 64 hex; default ENGINE_EXT_TRUSTED_KEYS)")
         q.add_argument("--allow-unsigned", action="store_true", help="read unsigned versions (trust the store)")
 
+    def dtypes(q):
+        q.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                       help="served dtype to cast floating-point tensors (16 bits and wider) to before publishing "
+                            "(default: as stored: a checkpoint dir already holds the dtype it is served in)")
+
     k = sub.add_parser("keygen", help="make an Ed25519 signing key (OUT) and its public key (OUT.pub)")
     k.add_argument("out")
     k.set_defaults(fn=cmd_keygen)
@@ -277,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--version", type=int, help="version of NEW (default: the first free version, at least base + 1)")
     d.add_argument("--mode", choices=["abs", "rel"], help="force a value mode (default: smaller per tensor)")
     d.add_argument("--model", help="model identity written into the manifest")
+    dtypes(d)
     signs(d)
     trusts(d)
     d.set_defaults(fn=cmd_diff)
@@ -284,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("checkpoint"); an.add_argument("--out", required=True)
     an.add_argument("--version", type=int, help="default: 0 on an empty store, else the first free version")
     an.add_argument("--model")
+    dtypes(an)
     signs(an)
     trusts(an)
     an.set_defaults(fn=cmd_anchor)

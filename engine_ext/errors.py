@@ -68,8 +68,49 @@ class BaseMismatchError(DeltaError):
     http_status = 409
 
 
+class ModelMismatchError(DeltaError):
+    """The version holds a tensor the served model does not (or with another shape or dtype):
+    it was published from another model or layout, or in another dtype. Not a wrong base:
+    no route from any base would make it apply."""
+
+    reason = "model_mismatch"
+    http_status = 409
+
+
 class VerifyError(DeltaError):
     """The result of an apply does not have the fingerprint the manifest promises."""
 
     reason = "verify"
     http_status = 500
+
+
+class UpdateRefused(DeltaError):
+    """An update's refusal, carried where only text survives: a vLLM worker's exception reaches the
+    caller of ``LLM.update_weights`` as a message, and vLLM's HTTP weight-sync client keeps only
+    the status and body. The reason and status ride in the message's head, where :meth:`find`
+    reads them back (``engine_ext refused [409 base_mismatch]: ...``)."""
+
+    HEAD = "engine_ext refused"
+
+    def __init__(self, reason: str, http_status: int, error: str):
+        self.reason, self.http_status, self.error = reason, int(http_status), error
+        super().__init__(f"{self.HEAD} [{self.http_status} {reason}]: {error}")
+
+    @classmethod
+    def of(cls, e: BaseException) -> "UpdateRefused":
+        """``e`` as a refusal: a DeltaError keeps its reason and status; anything else is a 500 ``internal``."""
+        if isinstance(e, UpdateRefused):
+            return e
+        if isinstance(e, DeltaError):
+            return cls(e.reason, e.http_status, str(e))
+        return cls("internal", 500, f"{type(e).__name__}: {e}")
+
+    @classmethod
+    def find(cls, text: str) -> "UpdateRefused | None":
+        """The refusal whose message ``text`` contains (wrapped by other errors' text), or None."""
+        import re
+
+        m = re.search(re.escape(cls.HEAD) + r" \[(\d{3}) ([A-Za-z0-9_.-]+)\]: ", text or "")
+        if m is None:
+            return None
+        return cls(m.group(2), int(m.group(1)), text[m.end():].strip())

@@ -5,8 +5,8 @@ update to every replica's ``/update_weights_delta`` concurrently, each replica
 planning its own route from the version it serves (a lagging one catches up through a
 chain or an anchor). Transient failures (no connection, a timeout, 409 busy, 429 queue
 full, 502/503/504) are retried with exponential backoff and jitter; refusals (a bad
-signature, a wrong base, a failed apply: every replica rolled back) are not, since the
-same request would be refused again. The result is one :class:`ReplicaResult` per
+signature, a version of another model or dtype, a downgrade, a failed apply: every
+replica rolled back) are not, since the same request would be refused again. The result is one :class:`ReplicaResult` per
 replica: version before and after, pause, bytes fetched, attempts, and why it failed.
 """
 from __future__ import annotations
@@ -22,6 +22,8 @@ import requests
 from .server.protocol import ROUTE
 
 TRANSIENT_STATUS = (409, 429, 502, 503, 504)
+# 409s that the same request gets again, whatever the replica does meanwhile: not retried.
+FINAL_REASONS = frozenset({"model_mismatch", "downgrade"})
 _VERSION_KEY = re.compile(r"v(\d{8})(?:\.anchor)?\.json$")
 
 
@@ -128,7 +130,7 @@ class Fleet:
                     res.fetched_bytes = sum(answer.get("fetched_bytes") or [])
                     break
                 res.error = f"{answer.get('reason', '')}: {answer.get('error', '')}".strip(": ")
-                if r.status_code not in TRANSIENT_STATUS:
+                if r.status_code not in TRANSIENT_STATUS or answer.get("reason") in FINAL_REASONS:
                     break
             except requests.RequestException as e:
                 res.status, res.error = None, f"{type(e).__name__}: {str(e)[:300]}"

@@ -44,6 +44,20 @@ def _positive_float(s: str) -> float:
     return v
 
 
+def _non_negative_float(s: str) -> float:
+    v = float(s)
+    if not v >= 0:
+        raise ValueError(f"must be 0 or more, got {s!r}")
+    return v
+
+
+def _reader_device(s: str) -> str:
+    v = s.strip().lower()
+    if v not in ("gpu", "cpu"):
+        raise ValueError(f"must be gpu or cpu, got {s!r}")
+    return v
+
+
 @dataclass(frozen=True)
 class Variable:
     name: str  # ENGINE_EXT_...
@@ -96,11 +110,18 @@ VARIABLES: tuple[Variable, ...] = (
              "derives after loading)"),
     Variable("ENGINE_EXT_FOLLOW_INTERVAL", "follow_interval", _positive_float, 5.0,
              "seconds between two looks at `LATEST` in pull mode (each varied by +-20 %; doubled after each "
-             "failure, up to 5 minutes)"),
+             "failure, up to 60 s)"),
     Variable("ENGINE_EXT_CONTEXT_CODER", "context_coder", _flag, True,
-             "publisher: `0` turns off the context-conditioned coder (format 5 `ctx`, on by default: ~25 % "
-             "fewer bytes on real training, each part coded given its base weights and kept only where it "
-             "saves 10 %); off, every part is coded alone (v1)"),
+             "publisher: `0` never codes a part with the context-conditioned coder (codec v2, format 5 `ctx`: ~25 % "
+             "fewer bytes on real training, each part coded given its base weights); otherwise a part is context "
+             "coded where it saves 10 % and pays on the readers (`ENGINE_EXT_READER_DEVICE`, `ENGINE_EXT_READER_MBPS`)"),
+    Variable("ENGINE_EXT_READER_DEVICE", "reader_device", _reader_device, "gpu",
+             "publisher: where the readers' weights live, `gpu` or `cpu`: a part is context coded only where it "
+             "pays on them (docs/FORMAT.md, \"Who chooses the coding\")"),
+    Variable("ENGINE_EXT_READER_MBPS", "reader_mbps", _non_negative_float, 100.0,
+             "publisher: the store bandwidth one reader rank fetches at, MB/s: a part is context coded only where "
+             "its saved bytes take longer to fetch than its decode costs beyond v1's (measured: v2 pays below ~4-5 "
+             "MB/s); `0`: bytes first (metered or slow links: v2 wherever it saves 10 %)"),
 )
 
 
@@ -125,6 +146,8 @@ class Settings:
     follow_interval: float = 5.0
     check_load: bool = True
     context_coder: bool = True
+    reader_device: str = "gpu"
+    reader_mbps: float = 100.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":

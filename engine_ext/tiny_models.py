@@ -6,13 +6,20 @@ The demo, the benchmarks and the tests make their models here (no download):
 vLLM/SGLang can serve it. Prompts should be given as token ids (the vocabulary is
 synthetic). Needs ``transformers`` and ``tokenizers`` (the ``demo`` extra).
 
-    python -m engine_ext.tiny_models DIR [qwen2|llama|qwen2-tied|qwen3-moe|qwen3-moe-fused|qwen2-moe]
+    python -m engine_ext.tiny_models DIR [KIND]   # KIND: one of KINDS
 
 MoE kinds (8 experts, top 2): ``qwen3-moe`` names each expert
 (``mlp.experts.N.gate_proj.weight``, as most Hub checkpoints do), ``qwen3-moe-fused``
 stores them fused (``mlp.experts.gate_up_proj`` [E, 2*I, H] and ``mlp.experts.down_proj``
 [E, H, I], the transformers 5 in-memory layout), ``qwen2-moe`` adds a shared expert with
 its sigmoid gate.
+
+The conformance matrix (tests/test_models.py, docs/MODELS.md) adds real transformers classes
+of the architectures RL users train: ``qwen3`` (q/k norms, tied), ``llama-tied`` (Llama 3.2
+style), ``mistral``, ``gemma2`` (embedding scale, soft-capping), ``phi3`` (fused qkv and
+gate_up in the checkpoint), ``deepseek-v2`` (MLA + MoE with a shared expert) and
+``qwen2.5-vl`` (a VLM with a vision tower). :func:`build` gives the float32 model a trainer
+holds; :func:`save_trainer_layout` writes a served dir under the names that model holds.
 """
 from __future__ import annotations
 
@@ -22,8 +29,12 @@ from pathlib import Path
 
 import torch
 
-KINDS = ("qwen2", "llama", "qwen2-tied", "qwen3-moe", "qwen3-moe-fused", "qwen2-moe")
-MOE_KINDS = ("qwen3-moe", "qwen3-moe-fused", "qwen2-moe")
+KINDS = ("qwen2", "llama", "qwen2-tied", "qwen3-moe", "qwen3-moe-fused", "qwen2-moe", "qwen3", "llama-tied", "mistral",
+         "gemma2", "phi3", "deepseek-v2", "qwen2.5-vl")
+MOE_KINDS = ("qwen3-moe", "qwen3-moe-fused", "qwen2-moe", "deepseek-v2")
+VLM_KINDS = ("qwen2.5-vl",)
+# The vision special tokens of a tiny VLM are words of its tokenizer (ids 4.. in this order, before any others).
+VISION_WORDS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
 def _config(kind: str, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, moe_intermediate: int | None = None):
@@ -42,19 +53,72 @@ def _config(kind: str, vocab: int, hidden: int, layers: int, heads: int, kv_head
         eos_token_id=2,
         pad_token_id=0,
     )
+    head_dim = hidden // heads
+    moe = moe_intermediate or hidden // 2
     if kind == "llama":
         return transformers.LlamaConfig(tie_word_embeddings=False, **common)
+    if kind == "llama-tied":  # Llama 3.2 1B/3B: tied embeddings, llama3 rope scaling
+        return transformers.LlamaConfig(tie_word_embeddings=True, head_dim=head_dim, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 128}, **common)
     if kind in ("qwen3-moe", "qwen3-moe-fused"):
         return transformers.Qwen3MoeConfig(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
-                                           moe_intermediate_size=moe_intermediate or hidden // 2, decoder_sparse_step=1,
-                                           mlp_only_layers=[], head_dim=hidden // heads, **common)
+                                           moe_intermediate_size=moe, decoder_sparse_step=1,
+                                           mlp_only_layers=[], head_dim=head_dim, **common)
     if kind == "qwen2-moe":
         return transformers.Qwen2MoeConfig(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
-                                           moe_intermediate_size=moe_intermediate or hidden // 2, shared_expert_intermediate_size=hidden,
+                                           moe_intermediate_size=moe, shared_expert_intermediate_size=hidden,
                                            decoder_sparse_step=1, mlp_only_layers=[], **common)
     if kind in ("qwen2", "qwen2-tied"):
         return transformers.Qwen2Config(tie_word_embeddings=(kind == "qwen2-tied"), **common)
+    if kind == "qwen3":  # Qwen3 0.6-4B: q/k RMS norms, tied embeddings
+        return transformers.Qwen3Config(tie_word_embeddings=True, head_dim=head_dim, **common)
+    if kind == "mistral":
+        return transformers.MistralConfig(tie_word_embeddings=False, head_dim=head_dim, sliding_window=None, **common)
+    if kind == "gemma2":  # embedding scale sqrt(hidden), attention and final logit soft-capping, sliding/full layers
+        # hidden_act beside hidden_activation, as google/gemma-2-* configs have it (SGLang reads hidden_act)
+        return transformers.Gemma2Config(tie_word_embeddings=True, head_dim=head_dim, query_pre_attn_scalar=head_dim,
+                                         sliding_window=64, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                         hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh", **common)
+    if kind == "phi3":  # qkv_proj and gate_up_proj fused in the checkpoint itself
+        return transformers.Phi3Config(tie_word_embeddings=False, **common)
+    if kind == "deepseek-v2":  # MLA (latent 512 + rope 64: vLLM's CPU MLA kernel's only head size) + MoE with a
+        # shared expert; yarn rope scaling, one expert group, moe_layer_freq and scoring_func as DeepSeek-V2-Lite's
+        # config has them (transformers 5 drops the last two; SGLang reads them; vLLM's CPU router asserts topk_group)
+        return transformers.DeepseekV2Config(tie_word_embeddings=False, **{**common, "num_key_value_heads": heads},
+                                             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=moe,
+                                             n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
+                                             qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, topk_method="greedy",
+                                             n_group=1, topk_group=1, moe_layer_freq=1, scoring_func="softmax",
+                                             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                              "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                                                              "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707})
+    if kind == "qwen2.5-vl":  # Qwen2.5-VL 3B-style: tied embeddings, mrope, a (tiny) vision tower
+        ids = word_ids(VISION_WORDS)
+        text = {k: v for k, v in common.items() if k != "torch_dtype"}
+        return transformers.Qwen2_5_VLConfig(
+            text_config=dict(text, tie_word_embeddings=True, rope_parameters={
+                "rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [head_dim // 8, 3 * head_dim // 16,
+                                                                                     3 * head_dim // 16]}),
+            vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=hidden,
+                               patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                               fullatt_block_indexes=[1]),
+            tie_word_embeddings=True, torch_dtype="bfloat16", vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"], image_token_id=ids["<|image_pad|>"],
+            video_token_id=ids["<|video_pad|>"], bos_token_id=1, eos_token_id=2, pad_token_id=0)
     raise ValueError(f"unknown tiny model kind {kind!r}; one of {KINDS}")
+
+
+def model_class(kind: str):
+    """The transformers class of ``kind`` (what a trainer holds)."""
+    import transformers
+
+    return {"llama": transformers.LlamaForCausalLM, "llama-tied": transformers.LlamaForCausalLM,
+            "qwen3-moe": transformers.Qwen3MoeForCausalLM, "qwen3-moe-fused": transformers.Qwen3MoeForCausalLM,
+            "qwen2-moe": transformers.Qwen2MoeForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+            "mistral": transformers.MistralForCausalLM, "gemma2": transformers.Gemma2ForCausalLM,
+            "phi3": transformers.Phi3ForCausalLM, "deepseek-v2": transformers.DeepseekV2ForCausalLM,
+            "qwen2.5-vl": transformers.Qwen2_5_VLForConditionalGeneration}.get(kind, transformers.Qwen2ForCausalLM)
 
 
 def word_ids(words: list[str] | tuple[str, ...]) -> dict[str, int]:
@@ -81,6 +145,21 @@ def write_tokenizer(path: str | os.PathLike, vocab: int, words: list[str] | tupl
     fast.save_pretrained(str(path))
 
 
+def build(kind: str = "qwen2", *, vocab: int = 1024, hidden: int = 128, layers: int = 2, heads: int = 4,
+          kv_heads: int = 2, seed: int = 0, std: float = 0.02, moe_intermediate: int | None = None) -> "torch.nn.Module":
+    """A tiny random ``kind`` model in float32 (a trainer's master weights), initialised as :func:`make_model` does."""
+    cfg = _config(kind, vocab, hidden, layers, heads, kv_heads, moe_intermediate)
+    torch.manual_seed(seed)
+    model = model_class(kind)(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(std * 50 * torch.randn_like(p) if "embed" in name else std * torch.randn_like(p))
+    return model
+
+
 def make_model(
     path: str | os.PathLike,
     kind: str = "qwen2",
@@ -102,34 +181,56 @@ def make_model(
 
     Weights are N(0, std) (norm weights 1 + small noise) so that greedy decoding is
     sensitive to small changes, which makes "outputs identical" a meaningful check.
+    The checkpoint is ``save_pretrained``'s (the Hub layout; see :func:`save_trainer_layout`).
     """
-    import transformers
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = _config(kind, vocab, hidden, layers, heads, kv_heads, moe_intermediate)
-    torch.manual_seed(seed)
-    cls = {"llama": transformers.LlamaForCausalLM, "qwen3-moe": transformers.Qwen3MoeForCausalLM,
-           "qwen3-moe-fused": transformers.Qwen3MoeForCausalLM,
-           "qwen2-moe": transformers.Qwen2MoeForCausalLM}.get(kind, transformers.Qwen2ForCausalLM)
-    model = cls(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(std * 50 * torch.randn_like(p) if "embed" in name else std * torch.randn_like(p))
-    model = model.to(torch.bfloat16)
+    model = build(kind, vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, seed=seed, std=std,
+                  moe_intermediate=moe_intermediate).to(torch.bfloat16)
     model.save_pretrained(str(path), safe_serialization=True)
     if kind == "qwen3-moe-fused":
         save_state_dict(path, fuse_experts(load_state_dict(path)), path)
+    finish_dir(path, kind, vocab, words)
+    return path
+
+
+def save_trainer_layout(path: str | os.PathLike, model, state: dict | None = None, *, kind: str = "qwen2",
+                        tied_copy: bool = False, words: list[str] | tuple[str, ...] = ()) -> Path:
+    """A served model dir whose checkpoint holds ``state`` (default: ``model``'s weights) in bf16 under the
+    trainer's own names: what ``model.state_dict()`` holds, each storage once (transformers 5 keeps
+    fused experts and a VLM's ``model.language_model.`` names in memory; ``save_pretrained``
+    writes the Hub's per-expert and ``model.`` names instead). ``tied_copy``: also store the tied
+    ``lm_head.weight`` beside the embedding, as some checkpoints do."""
+    from safetensors.torch import save_file
+
+    from .trainer.publisher import clean_state_dict
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    sd = clean_state_dict(model if state is None else state)
+    sd = {n: (t.detach().to(torch.bfloat16) if t.is_floating_point() else t).contiguous() for n, t in sd.items()}
+    if tied_copy:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+    model.config.save_pretrained(str(path))
+    save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+    finish_dir(path, kind, model.config.get_text_config().vocab_size, words)
+    return path
+
+
+def finish_dir(path: Path, kind: str, vocab: int, words) -> None:
+    """Tokenizer (a VLM's vision tokens first, and its image processor) and both dtype keys of config.json."""
+    if kind in VLM_KINDS:
+        from transformers import Qwen2VLImageProcessor
+
+        words = VISION_WORDS + tuple(words)
+        Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=2).save_pretrained(str(path))
     write_tokenizer(path, vocab, words)
     # transformers 5 writes "dtype"; older readers look for "torch_dtype": keep both.
     cfg_path = path / "config.json"
     cfg_json = json.loads(cfg_path.read_text())
     cfg_json.setdefault("torch_dtype", "bfloat16")
+    cfg_json["dtype"] = "bfloat16"
     cfg_path.write_text(json.dumps(cfg_json, indent=2))
-    return path
 
 
 def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -2,10 +2,10 @@
 
     ENGINE_EXT_SOURCES=/path/to/store python examples/llm_hook.py --model DIR --urls /path/to/store/v00000003.json
 
-``VLLM_PLUGINS`` (or nothing: general plugins load by default) registers the ``delta``
-weight-transfer backend; ``weight_transfer_config={"backend": "delta"}`` selects it, and
-the usual ``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` calls
-run the same update transaction as ``POST /update_weights_delta``: the chain (or anchor)
+``VLLM_PLUGINS`` (or nothing: general plugins load by default) registers the ``engine_ext``
+weight-transfer backend; ``weight_transfer_config={"backend": "engine_ext"}`` (or its old
+name ``delta``) selects it, and the usual ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update`` calls run the same update transaction as ``POST /update_weights_delta``: the chain (or anchor)
 from the held version to each URL, applied in place on every worker, verified by
 fingerprints across ranks, rolled back everywhere on any failure. Prints one JSON line:
 outputs before and after, each URL's outcome, the version each worker holds and the
@@ -36,7 +36,7 @@ def main() -> None:
     from engine_ext.server.transaction import combine_fingerprints
 
     llm = LLM(args.model, dtype="bfloat16", max_model_len=256, enforce_eager=True, tensor_parallel_size=args.tp,
-              weight_transfer_config={"backend": "delta"})
+              weight_transfer_config={"backend": "engine_ext"})
     sp = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 17, 99, 3, 250]}, {"prompt_token_ids": [100, 200, 300]}]
 

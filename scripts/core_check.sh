@@ -16,11 +16,10 @@ log="$work/pip.log"
 torch_version=$("$PY" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null || echo "")
 "${PYTHON:-python3}" -m venv "$work/venv"
 core="$work/venv/bin/python"
-quiet "$log" "$core" -m pip install --disable-pip-version-check --upgrade pip
 if [ -n "$torch_version" ]; then
-  quiet "$log" "$core" -m pip install --disable-pip-version-check "torch==$torch_version"
+  pip_install "$log" "$core" "torch==$torch_version"
 fi
-quiet "$log" "$core" -m pip install --disable-pip-version-check "$repo"
+pip_install "$log" "$core" "$repo"
 extras=$("$core" -c "import importlib.util as u; print(' '.join(m for m in ('vllm', 'sglang', 'boto3', 'transformers', 'fastapi') if u.find_spec(m)))")
 if [ -n "$extras" ]; then
   echo "core venv holds packages of the extras: $extras" >&2

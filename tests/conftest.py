@@ -33,6 +33,9 @@ def _secure_by_default_for_the_whole_run():
     os.environ["ENGINE_EXT_TOKEN"] = TEST_TOKEN
     for name in ("ENGINE_EXT_ALLOW_UNSIGNED", "ENGINE_EXT_NO_AUTH"):
         os.environ.pop(name, None)
+    # Publishers code bytes first (codec v2 wherever it saves 10 %), so every engine test decodes codec v2;
+    # the deployed default (GPU readers at 100 MB/s: v1 where v2 does not pay) is tested in test_context_codec.py.
+    os.environ["ENGINE_EXT_READER_MBPS"] = "0"
 
 
 _secure_by_default_for_the_whole_run()
@@ -50,6 +53,7 @@ def _import_kernels_for_the_interpreter():
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         import engine_ext.triton_kernels.apply_kernel  # noqa: F401
+        import engine_ext.triton_kernels.context_scan  # noqa: F401
     except ImportError:
         pass
     finally:
@@ -79,6 +83,25 @@ def interp():
     if "Interpreted" not in type(ak._apply_kernel).__name__:
         ak = importlib.reload(ak)
     yield ak
+    if old is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+
+
+@pytest.fixture(scope="module")
+def ctx_interp():
+    """The context pass's kernel module (``engine_ext.triton_kernels.context_scan``) run by Triton's
+    interpreter on CPU tensors, for one test module (as :func:`interp` does for the apply kernel)."""
+    import importlib
+
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    import engine_ext.triton_kernels.context_scan as cs
+
+    if "Interpreted" not in type(cs._block_find_kernel).__name__:
+        cs = importlib.reload(cs)
+    yield cs
     if old is None:
         os.environ.pop("TRITON_INTERPRET", None)
     else:

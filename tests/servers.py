@@ -74,12 +74,20 @@ class HttpServer:
             self.requests.clear()
 
 
-def _etag(path: str) -> str:
-    """A strong ETag: the SHA-256 of the file's bytes (fine for the small objects tests replace)."""
+def _etag(path_or_file) -> str:
+    """A strong ETag: the SHA-256 of the file's bytes (fine for the small objects tests replace).
+    Given an open file, of that file (its position is kept), so that an answer's ETag, length and
+    body describe one state of an object that a PUT may be replacing meanwhile."""
     import hashlib
 
-    with open(path, "rb") as f:
-        return '"' + hashlib.sha256(f.read()).hexdigest()[:32] + '"'
+    if not isinstance(path_or_file, (str, os.PathLike)):
+        at = path_or_file.tell()
+        path_or_file.seek(0)
+        h = hashlib.sha256(path_or_file.read()).hexdigest()
+        path_or_file.seek(at)
+        return '"' + h[:32] + '"'
+    with open(path_or_file, "rb") as f:
+        return _etag(f)
 
 
 class RangeHandler(SimpleHTTPRequestHandler):
@@ -139,10 +147,18 @@ class RangeHandler(SimpleHTTPRequestHandler):
             self.end_headers()
             return
         path = self.translate_path(self.path)
-        if not os.path.isfile(path):
+        try:  # one open file for the ETag, the length and the body: a PUT replacing it meanwhile changes none
+            f = open(path, "rb") if os.path.isfile(path) else None
+        except OSError:
+            f = None
+        if f is None:
             self.send_error(404)
             return
-        size = os.path.getsize(path)
+        with f:
+            self._send_file(f, body)
+
+    def _send_file(self, f, body: bool) -> None:
+        size = os.fstat(f.fileno()).st_size
         start, end, status = 0, size - 1, 200
         m = re.fullmatch(r"bytes=(\d*)-(\d*)", (self.headers.get("Range") or "").strip())
         if m and (m[1] or m[2]) and self.state.honor_range:
@@ -160,7 +176,7 @@ class RangeHandler(SimpleHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Accept-Ranges", "bytes")
-        self.send_header("ETag", _etag(path))
+        self.send_header("ETag", _etag(f))
         self.send_header("Content-Length", str(end - start + 1))
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
@@ -172,23 +188,22 @@ class RangeHandler(SimpleHTTPRequestHandler):
             if cut:
                 self.state.cut_next -= 1
         try:
-            with open(path, "rb") as f:
-                f.seek(start)
-                left = end - start + 1
-                if cut:  # promise the whole range, send half of it, hang up
-                    self.wfile.write(f.read(left // 2))
+            f.seek(start)
+            left = end - start + 1
+            if cut:  # promise the whole range, send half of it, hang up
+                self.wfile.write(f.read(left // 2))
+                self.wfile.flush()
+                self.close_connection = True
+                return
+            while left > 0:
+                chunk = f.read(1 if self.state.trickle else min(left, 1 << 16))
+                if not chunk:
+                    break
+                self.wfile.write(chunk)
+                left -= len(chunk)
+                if self.state.trickle:
                     self.wfile.flush()
-                    self.close_connection = True
-                    return
-                while left > 0:
-                    chunk = f.read(1 if self.state.trickle else min(left, 1 << 16))
-                    if not chunk:
-                        break
-                    self.wfile.write(chunk)
-                    left -= len(chunk)
-                    if self.state.trickle:
-                        self.wfile.flush()
-                        time.sleep(self.state.trickle)
+                    time.sleep(self.state.trickle)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client hung up early (e.g. after its range)
 

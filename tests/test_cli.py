@@ -145,3 +145,72 @@ def test_single_file_checkpoint_and_out_exists(versions, tmp_path):
     same(tmp_path / "c", b)
     code, out = run("apply", uri, "--base", a, "--out", tmp_path / "c")
     assert code == 1 and "exists; refusing to overwrite it" in out, out
+
+
+def _tied_dirs(tmp_path, versions, with_copy: tuple[bool, ...], dtype=None):
+    """The versions as tied checkpoints (config.json: tie_word_embeddings), each with or without
+    the tied copy ``lm_head.weight`` on disk (some checkpoints store it, save_pretrained does not)."""
+    out = []
+    for k, (src, copy) in enumerate(zip(versions, with_copy)):
+        sd = dict(CheckpointDir(src).iter_tensors())
+        if dtype is not None:
+            sd = {n: t.to(dtype) for n, t in sd.items()}
+        if copy:
+            sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+        d = write_sharded(tmp_path / f"tied{k}", sd)
+        (d / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+        out.append(d)
+    return out
+
+
+def test_tied_copy_on_disk_is_published_once(versions, tmp_path):
+    """Tied checkpoint dirs, with or without the tied copy on disk: anchor and diff publish the
+    embedding once (saying so), apply takes a base holding the copy, and a "tied" copy whose bytes
+    differ from the embedding is refused by name."""
+    dirs = _tied_dirs(tmp_path, versions[:3], (True, False, True))
+    store = tmp_path / "store"
+    code, out = run("anchor", dirs[0], "--out", store)
+    assert code == 0 and "lm_head.weight is tied to model.embed_tokens.weight" in out, out
+    for k in (1, 2):
+        code, out = run("diff", dirs[k - 1], dirs[k], "--out", store)
+        assert code == 0, out
+    for name in ("v00000000.anchor.json", "v00000001.json", "v00000002.json"):
+        names = [t["name"] for t in json.loads((store / name).read_text())["tensors"]]
+        assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names, name
+    code, out = run("apply", store / "v00000001.json", "--base", dirs[0], "--out", tmp_path / "applied")
+    assert code == 0, out
+    got = CheckpointDir(tmp_path / "applied")
+    assert set(got.tensors) == set(CheckpointDir(versions[1]).tensors)
+    assert "lm_head.weight" not in json.loads((tmp_path / "applied" / "model.safetensors.index.json").read_text())["weight_map"]
+    bad = CheckpointDir(dirs[2]).tensors["lm_head.weight"].file
+    sd = dict(CheckpointDir(dirs[2]).iter_tensors())
+    sd["lm_head.weight"] = sd["lm_head.weight"] * 2
+    save_file({n: t.contiguous() for n, t in sd.items() if CheckpointDir(dirs[2]).tensors[n].file == bad}, str(dirs[2] / bad))
+    code, out = run("diff", dirs[1], dirs[2], "--out", store)
+    assert code == 1 and "lm_head.weight differs from model.embed_tokens.weight" in out, out
+    untied = tmp_path / "untied"
+    shutil.copytree(dirs[0], untied)
+    (untied / "config.json").write_text(json.dumps({"text_config": {"tie_word_embeddings": False}}))
+    code, out = run("anchor", untied, "--out", tmp_path / "store2")
+    assert code == 0 and "lm_head.weight" in [t["name"] for t in json.loads(
+        (tmp_path / "store2" / "v00000000.anchor.json").read_text())["tensors"]]  # untied: both are tensors
+
+
+def test_dtype_casts_checkpoints_to_the_served_dtype(versions, tmp_path):
+    """--dtype: fp32 checkpoint dirs published as the bf16 versions a bf16 server holds (the default
+    publishes as stored); apply onto the bf16 base gives the bf16 checkpoint of the fp32 one."""
+    dirs = _tied_dirs(tmp_path, versions[:2], (False, False), dtype=torch.float32)
+    store = tmp_path / "store"
+    assert run("anchor", dirs[0], "--out", tmp_path / "asis")[0] == 0
+    assert {t["dtype"] for t in json.loads((tmp_path / "asis" / "v00000000.anchor.json").read_text())["tensors"]} == {"float32"}
+    code, out = run("anchor", dirs[0], "--out", store, "--dtype", "bfloat16")
+    assert code == 0, out
+    code, out = run("diff", dirs[0], dirs[1], "--out", store, "--dtype", "bfloat16")
+    assert code == 0, out
+    doc = json.loads((store / "v00000001.json").read_text())
+    assert {t["dtype"] for t in doc["tensors"]} == {"bfloat16"} and doc["base_version"] == 0  # on top of the bf16 anchor
+    code, out = run("apply", store / "v00000001.json", "--base", versions[0], "--out", tmp_path / "applied")
+    assert code == 0, out
+    same_bits = CheckpointDir(tmp_path / "applied")
+    assert all(torch.equal(as_bits(same_bits.load(n)), as_bits(CheckpointDir(versions[1]).load(n))) for n in same_bits.tensors)
+

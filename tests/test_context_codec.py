@@ -264,9 +264,10 @@ def _publish(tmp_path, states, **kw):
             pub.publish(sd)
 
 
-def test_on_by_default_and_the_base_fingerprint_is_checked_first(tmp_path):
+def test_bytes_first_codes_v2_and_the_base_fingerprint_is_checked_first(tmp_path):
     old, new = _pair((256, 256))
-    _publish(tmp_path, [{"w": old}, {"w": new}])  # the default settings: context coding on
+    assert settings.current().reader_mbps == 0  # the suite's publishers code bytes first (conftest)
+    _publish(tmp_path, [{"w": old}, {"w": new}])
     m = reader.read_manifest(open_store(str(tmp_path)), "v00000001.json")
     assert m.tensors[0].positions.coder == "ctx" and m.format_version == 5 and m.step_tables["bfloat16"]
     d = reader.load_delta(str(tmp_path / "v00000001.json"), bases=reader.TensorBases({"w": old}))
@@ -316,6 +317,38 @@ def test_publisher_choice_and_switch(tmp_path):
         _publish(tmp_path, [{"w": old}, {"w": new}])
     doc = json.loads((tmp_path / "v00000001.json").read_text())
     assert doc["tensors"][0]["positions"]["coder"] != "ctx" and doc["step_tables"] is None
+
+
+def test_the_publisher_chooses_v2_where_it_pays_on_its_readers(tmp_path, monkeypatch):
+    """v2 costs every reader its streams (host, per change) and a pass over the base (per element: on
+    the host for CPU readers, on the device for GPU readers); it saves bytes. The publisher keeps a
+    part context coded where the saved bytes take longer to fetch than that decode, on the readers
+    it is told of; the deployed default (GPU readers at 100 MB/s) pays nowhere, and a publisher
+    whose readers v2 cannot pay on spends no step tables and no pass over the base."""
+    gpu_fast, gpu_slow, cpu_slow = codec.Readers("gpu", 100), codec.Readers("gpu", 2), codec.Readers("cpu", 2)
+    changes, elements = 100_000, 10_000_000  # a 1 % part: ~27 KB saved (0.27 B per change, measured)
+    assert not gpu_fast.pays(27_000, changes, elements)  # 0.27 ms of fetch saved for ~7 ms of decode
+    assert gpu_slow.pays(27_000, changes, elements)  # 13.5 ms saved: the pass is near free on the device
+    assert not cpu_slow.pays(27_000, changes, elements)  # the host pass over 10 M elements adds 10 ms
+    assert codec.Readers("cpu", 0).pays(1, changes, elements)  # bytes first
+    assert settings.Settings().reader_mbps == 100 and codec.Readers() == gpu_fast  # the deployed default
+    with pytest.raises(ValueError, match="ENGINE_EXT_READER_DEVICE"):
+        settings.Settings.from_env({"ENGINE_EXT_READER_DEVICE": "tpu"})
+    with pytest.raises(ValueError, match="ENGINE_EXT_READER_MBPS"):
+        settings.Settings.from_env({"ENGINE_EXT_READER_MBPS": "-1"})
+
+    seen = []
+    real = codec.step_histograms  # what the publisher's step tables are made from
+    monkeypatch.setattr(codec, "step_histograms", lambda changes: seen.append(list(changes)) or real(seen[-1]))
+    old, new = _pair((256, 256))
+    for mbps, want in ((100.0, False), (0.05, True)):  # 100 MB/s: the deployed default; 0.05: a slow link
+        with settings.override(reader_device="gpu", reader_mbps=mbps):
+            _publish(tmp_path / str(mbps), [{"w": old}, {"w": new}])
+        m = reader.read_manifest(open_store(str(tmp_path / str(mbps))), "v00000001.json")
+        assert (m.tensors[0].positions.coder == "ctx") == want and bool(m.step_tables) == want
+    assert [len(c) for c in seen] == [0, 1]  # fast readers: the sample is never asked, no tables from any change
+    d = reader.load_delta(str(tmp_path / "0.05" / "v00000001.json"), bases=reader.TensorBases({"w": old}))
+    assert torch.equal(as_bits(apply_tensor(old, d.tensors[0])), as_bits(new))
 
 
 def test_a_sample_decides_whether_the_context_is_worth_a_pass():

@@ -169,19 +169,21 @@ class _Replica:
 def test_push_retries_transient_failures_and_names_the_replicas_that_failed():
     busy = _Replica([(409, {"reason": "busy", "error": "another update"}), (503, {"reason": "unavailable", "error": "x"})])
     refusing = _Replica([(422, {"reason": "integrity", "error": "SHA-256 mismatch"})])
+    other_model = _Replica([(409, {"reason": "model_mismatch", "error": "1 tensor(s) not in the served model"})] * 3)
     fine = _Replica([])
     dead = "http://127.0.0.1:9"  # nothing listens: connection refused on every attempt
     try:
-        res = Fleet([busy.url, refusing.url, fine.url, dead], TOKEN, retries=2, backoff_s=0.05).update(
+        res = Fleet([busy.url, refusing.url, other_model.url, fine.url, dead], TOKEN, retries=2, backoff_s=0.05).update(
             "s3://b/run/v00000007.json")
         assert res.target == 7 == version_of("s3://b/run/v00000007.json") and not res.ok
         by = {r.url: r for r in res.replicas}
         assert by[busy.url].ok and by[busy.url].attempts == 3 and busy.posts == 3  # 409, 503, then 200
         assert by[busy.url].version_before == 5 and by[busy.url].version_after == 7 and by[busy.url].fetched_bytes == 150
         assert not by[refusing.url].ok and by[refusing.url].attempts == 1 and by[refusing.url].status == 422  # not retried
+        assert not by[other_model.url].ok and other_model.posts == 1 and "model_mismatch" in by[other_model.url].error
         assert by[fine.url].ok and by[fine.url].attempts == 1
         assert not by[dead].ok and by[dead].attempts == 3 and by[dead].status is None
-        assert [r.url for r in res.failed] == [refusing.url, dead]
+        assert [r.url for r in res.failed] == [refusing.url, other_model.url, dead]
         table = res.table()
         assert "FAILED (422)" in table and "FAILED (no answer)" in table
         wrong = _Replica([], version=6)  # answers 200 with another version: not ok
@@ -190,7 +192,7 @@ def test_push_retries_transient_failures_and_names_the_replicas_that_failed():
         finally:
             wrong.close()
     finally:
-        for r in (busy, refusing, fine):
+        for r in (busy, refusing, other_model, fine):
             r.close()
 
 

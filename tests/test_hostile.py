@@ -323,9 +323,10 @@ def test_unknown_tensors_refused_before_any_blob(world):
     url = _signed_bomb(world, "unknown", tensors, b"x" * 64)
     world["http"].requests.clear()
     r, seconds, _ = _rss_peak_during(lambda: world["srv"].post({"url": str(url)}))
-    # its base fingerprint cannot match the served model's (the unknown tensor counts in it): the
-    # route is refused from the manifests, as a wrong base (409) or a broken link (422)
-    assert r.status_code in (409, 422) and r.json()["reason"] in ("base_mismatch", "integrity"), r.text
+    # a tensor the served model does not hold: refused from the target manifest, as a version of
+    # another model (409 model_mismatch, naming the tensor), before any route or blob is read
+    assert r.status_code == 409 and r.json()["reason"] == "model_mismatch", r.text
+    assert "'not.in.the.model'" in r.json()["error"] and "not in the served model" in r.json()["error"]
     _unchanged(world, before)
     assert seconds < 1.0
 

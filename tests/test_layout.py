@@ -243,3 +243,38 @@ def test_probe_then_apply_equals_loading_new_weights(rank, size):
     for k, v in again.named_parameters():
         if k != "q8":
             assert torch.equal(dict(m.named_parameters())[k].detach().view(torch.uint8), v.detach().view(torch.uint8)), k
+
+
+def test_a_loader_that_writes_from_a_thread_pool_is_probed_in_the_probing_thread():
+    """SGLang's DeepSeek loader hands its writes to a ThreadPoolExecutor, past the probe's mode (which
+    sees one thread): while probing, the pool's tasks run in the probing thread, so the maps are
+    learnt and nothing is written; a loader that starts a thread of its own is refused before the
+    thread runs, and nothing is written either."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    class Pooled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4, 6, dtype=torch.bfloat16), requires_grad=False)
+
+        def load_pool(self, name, t):
+            with ThreadPoolExecutor(2) as pool:
+                for f in [pool.submit(self.w.data[i].copy_, t[i]) for i in range(4)]:
+                    f.result()
+
+        def load_thread(self, name, t):
+            th = threading.Thread(target=self.w.data.copy_, args=(t,))
+            th.start()
+            th.join()
+
+    m = Pooled()
+    before = m.w.detach().clone()
+    maps = probe_layout(m, m.load_pool, [("w", (4, 6), torch.bfloat16)])
+    assert isinstance(maps["w"], TensorMap) and len(maps["w"].pieces) == 4, maps
+    assert torch.equal(m.w.view(torch.int16), before.view(torch.int16))  # the probe's bytes never landed
+    maps = probe_layout(m, m.load_thread, [("w", (4, 6), torch.bfloat16)])
+    assert isinstance(maps["w"], Unmappable) and "starts a thread" in maps["w"].reason, maps
+    assert torch.equal(m.w.view(torch.int16), before.view(torch.int16))
+    with ThreadPoolExecutor(1) as pool:  # outside a probe, pools and threads are untouched
+        assert pool.submit(threading.get_ident).result() != threading.get_ident()

@@ -87,16 +87,16 @@ def test_http_reader(http_server, states):
 def test_clean_state_dict_strips_wrappers_only():
     """Wrapper prefixes go only where they wrap: a prefix every name carries (torch.compile, DDP,
     nested), FSDP1/checkpoint wrapper components; names that merely contain such words stay."""
-    t = torch.zeros(1)
+    t = {n: torch.zeros(1) for n in range(8)}  # one tensor per name (one tensor under two names is a tied pair)
     inner = ["vision_module.weight", "encoder.submodule.proj.weight", "module_list.0.weight", "x._orig_mod_y.bias",
              "modules.module.weight"]
-    assert sorted(clean_state_dict({n: t for n in inner})) == sorted(inner)
-    wrapped = {f"_orig_mod.module.{n}": t for n in inner}
+    assert sorted(clean_state_dict({n: t[i] for i, n in enumerate(inner)})) == sorted(inner)
+    wrapped = {f"_orig_mod.module.{n}": t[i] for i, n in enumerate(inner)}
     assert sorted(clean_state_dict(wrapped)) == sorted(inner)
-    fsdp = {"layers.0._fsdp_wrapped_module._checkpoint_wrapped_module.mlp.weight": t, "module.lm_head.weight": t}
+    fsdp = {"layers.0._fsdp_wrapped_module._checkpoint_wrapped_module.mlp.weight": t[0], "module.lm_head.weight": t[1]}
     assert sorted(clean_state_dict(fsdp)) == ["layers.0.mlp.weight", "module.lm_head.weight"]  # not every name has module.
     with pytest.raises(ValueError, match="two tensors"):
-        clean_state_dict({"a._fsdp_wrapped_module.w": t, "a.w": torch.zeros(1)})
+        clean_state_dict({"a._fsdp_wrapped_module.w": t[0], "a.w": torch.zeros(1)})
 
 
 def test_module_with_wrapper_prefix_and_keep_on_cpu(tmp_path):
@@ -213,3 +213,114 @@ def test_partial_fetch_by_range(http_server, states):
     # close parts are read together (at most GAP bytes between them); nothing else of the blob
     assert 1 <= len(ranged) <= len(parts) and fetched <= sum(n for _, n in parts) + reader.GAP * len(parts)
     assert fetched < sum(b["size"] for b in m["blobs"]) // 2
+
+
+# ---------------------------------------------------------------- tied names and the served dtype
+
+
+def _tiny_qwen2(tied: bool, dtype=torch.float32):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(cfg).to(dtype)
+
+
+def _step(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():  # a tied parameter is one parameter: it moves once
+            p.add_(1e-2 * torch.randn(p.shape, generator=g) * (torch.rand(p.shape, generator=g) < 0.2))
+
+
+PATHS = {"module": lambda m: m, "state_dict": lambda m: m.state_dict(), "trl_iterator": lambda m: m.named_parameters()}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_every_call_path_publishes_each_storage_once_in_the_served_dtype(tmp_path, tied):
+    """publish(model), publish(model.state_dict()) and TRL's iterator of named_parameters() on fp32
+    weights publish the same versions: bf16 (the default served dtype), a tied embedding once,
+    under the name the engines load (model.embed_tokens.weight); an untied model keeps lm_head."""
+    fps, docs = {}, {}
+    for path, given in PATHS.items():
+        model = _tiny_qwen2(tied)
+        with DeltaPublisher(str(tmp_path / path), anchor_every=0) as pub:
+            for step in range(3):
+                if step:
+                    _step(model, step)
+                pub.publish(given(model))
+            assert pub.aliases == ({"lm_head.weight": "model.embed_tokens.weight"} if tied and path != "trl_iterator" else {})
+        docs[path] = [json.loads((tmp_path / path / n).read_text()) for n in ("v00000000.anchor.json", "v00000002.json")]
+        fps[path] = [d["fingerprint"] for d in docs[path]]
+    assert fps["module"] == fps["state_dict"] == fps["trl_iterator"]
+    for doc in docs["module"]:
+        names = {t["name"]: t["dtype"] for t in doc["tensors"]}
+        assert ("lm_head.weight" in names) == (not tied) and "model.embed_tokens.weight" in names
+        assert set(names.values()) == {"bfloat16"}
+    served = {n: fpr.tensor_fingerprint(p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()}
+    assert fps["module"][-1] == fpr.fmt(fpr.model_fingerprint(served))  # the trainer's weights, in bf16, each once
+
+
+def test_aliases_are_one_storage_seen_the_same_way():
+    """Only names seeing the same elements the same way are one tensor: views of one storage at
+    another offset, shape or stride (a fused qkv split by rows, a transpose) stay apart, and
+    the first name in state dict order is the one kept."""
+    w = torch.randn(6, 4)
+    kept = {}
+    sd = clean_state_dict({"a": w, "b": w[:3], "c": w[3:], "d": w.t(), "e": w.view(6, 4), "f": torch.zeros(0),
+                           "g": torch.zeros(0)}, kept)
+    assert list(sd) == ["a", "b", "c", "d", "f", "g"] and kept == {"e": "a"}
+    model = _tiny_qwen2(True)
+    first = torch.nn.Module()
+    first.lm_head, first.model = model.lm_head, model.model  # the head registered first: its name is kept
+    kept = {}
+    assert "lm_head.weight" in clean_state_dict(first, kept) and kept == {"model.embed_tokens.weight": "lm_head.weight"}
+    wrapped = torch.nn.Module()
+    wrapped._orig_mod = model  # a compiled model: the prefix goes, on the names dropped too
+    kept = {}
+    assert "lm_head.weight" not in clean_state_dict(wrapped, kept) and kept == {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def test_served_dtype_casts_floats_only(tmp_path):
+    """fp32 masters and fp16 tensors are published in the served dtype; integer, bool and fp8
+    tensors as they are; dtype=None publishes everything as held."""
+    sd = {"w": torch.randn(8, 8), "h": torch.randn(8).half(), "steps": torch.arange(4), "mask": torch.ones(3, dtype=torch.bool),
+          "q": torch.randn(4, 4).to(torch.float8_e4m3fn)}
+    with DeltaPublisher(str(tmp_path / "bf16"), anchor_every=0) as pub:
+        pub.publish(sd)
+    with DeltaPublisher(str(tmp_path / "held"), anchor_every=0, dtype=None) as pub:
+        pub.publish(sd)
+    with DeltaPublisher(str(tmp_path / "fp16"), anchor_every=0, dtype="float16") as pub:
+        pub.publish(sd)
+    for store, want in [("bf16", {"w": "bfloat16", "h": "bfloat16"}), ("held", {"w": "float32", "h": "float16"}),
+                        ("fp16", {"w": "float16", "h": "float16"})]:
+        got = {t["name"]: t["dtype"] for t in json.loads((tmp_path / store / "v00000000.anchor.json").read_text())["tensors"]}
+        assert got == {**want, "steps": "int64", "mask": "bool", "q": "float8_e4m3fn"}, store
+    d = route.resolve(str(tmp_path / "bf16"))
+    got = materialise({}, d)
+    assert torch.equal(as_bits(got["w"]), as_bits(sd["w"].to(torch.bfloat16))) and torch.equal(got["steps"], sd["steps"])
+    with pytest.raises(ValueError, match="served dtype"):
+        DeltaPublisher(str(tmp_path / "bad"), dtype=torch.int8)
+
+
+def test_a_tied_fp32_state_dict_into_a_bf16_served_model_is_named_not_a_wrong_base(tmp_path):
+    """What a served model refuses is named as a model mismatch (which tensor, what each side holds),
+    never as a wrong base: a tied copy it does not hold, an fp32 tensor where it serves bf16."""
+    from engine_ext.errors import ModelMismatchError
+
+    model = _tiny_qwen2(True)
+    served = {n: (list(p.shape), "bfloat16") for n, p in model.named_parameters()}
+    with DeltaPublisher(str(tmp_path / "held"), anchor_every=0, dtype=None) as pub:
+        pub.publish(model.named_parameters())
+    m = reader.read_manifest(open_store(str(tmp_path / "held")), "v00000000.anchor.json")
+    with pytest.raises(ModelMismatchError, match=r"'model.embed_tokens.weight' is \[96, 32\]/float32, the served model "
+                                                 r"has \[96, 32\]/bfloat16.*DeltaPublisher\(dtype=") as e:
+        reader.check_expected(m, served, "v0")
+    assert (e.value.reason, e.value.http_status) == ("model_mismatch", 409)
+    untied = {n: s for n, s in served.items() if n != "model.norm.weight"}
+    with DeltaPublisher(str(tmp_path / "bf16"), anchor_every=0) as pub:
+        pub.publish(model.named_parameters())
+    m = reader.read_manifest(open_store(str(tmp_path / "bf16")), "v00000000.anchor.json")
+    reader.check_expected(m, served, "v0")
+    with pytest.raises(ModelMismatchError, match=r"1 tensor\(s\) not in the served model: \['model.norm.weight'\]"):
+        route.plan(str(tmp_path / "bf16" / "v00000000.anchor.json"), expected=untied)

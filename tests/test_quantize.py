@@ -60,3 +60,25 @@ def test_publisher_quantizes_every_version(tmp_path):
     numel = want["model.layers.0.mlp.down_proj.weight"].numel()
     assert 0 < changed["model.layers.0.mlp.down_proj.weight"] < numel // 4  # sparse fp8 bytes
     assert "model.layers.0.mlp.down_proj.weight_scale_inv" in {t.name for t in d.tensors}
+
+
+def test_quantizer_reads_the_masters_and_dtype_casts_only_what_it_leaves(tmp_path):
+    """With a served dtype (bf16 by default) and quantize="fp8-block", the fp8 bytes and scales come
+    from the fp32 masters, never from a bf16 copy of them; the served dtype applies to the tensors
+    the recipe leaves unquantised; the scales stay float32. dtype=None leaves those as held."""
+    torch.manual_seed(2)
+    master = {"model.layers.0.mlp.down_proj.weight": 0.02 * torch.randn(256, 200),
+              "model.norm.weight": 1 + 0.1 * torch.randn(200)}
+    for dtype, rest in [(torch.bfloat16, "bfloat16"), (None, "float32")]:
+        root = tmp_path / str(rest)
+        with DeltaPublisher(str(root), "fp8", anchor_every=0, quantize="fp8-block", dtype=dtype) as pub:
+            pub.publish(master)
+        got = materialise({}, route.resolve(str(root)))
+        want = fp8_block_state_dict(master, rest_dtype=dtype)
+        assert {n: str(t.dtype) for n, t in got.items()} == {
+            "model.layers.0.mlp.down_proj.weight": "torch.float8_e4m3fn", "model.layers.0.mlp.down_proj.weight_scale_inv":
+            "torch.float32", "model.norm.weight": f"torch.{rest}"}
+        assert all(torch.equal(as_bits(got[n]), as_bits(want[n])) for n in want)
+    from_bf16 = fp8_block_state_dict({n: t.to(torch.bfloat16) for n, t in master.items()})
+    assert not torch.equal(as_bits(got["model.layers.0.mlp.down_proj.weight_scale_inv"]),
+                           as_bits(from_bf16["model.layers.0.mlp.down_proj.weight_scale_inv"]))  # the masters, not a bf16 copy

@@ -129,6 +129,49 @@ def test_resume_falls_back_to_an_anchor_and_versions_only_grow(tmp_path, states)
     assert (pub.resumed.kind, pub.resumed.first_version) == ("anchor", 4)
 
 
+def test_a_version_that_fails_to_upload_restarts_the_chain_with_an_anchor(tmp_path, states):
+    """A store that refuses writes for a while (disk full, an outage): the failure is raised once, no
+    version is ever a delta against one that was not published, and the next version is an anchor
+    that a fresh reader rebuilds bit for bit."""
+    from engine_ext.store.local import LocalStore
+
+    class Flaky(LocalStore):
+        down = False
+
+        def create_file(self, key, path):
+            if self.down:
+                raise OSError(28, "No space left on device")
+            return super().create_file(key, path)
+
+    root = str(tmp_path / "run")
+    store = Flaky(root)
+    pub = DeltaPublisher(store, anchor_every=0)
+    pub.publish(states[0])
+    pub.publish(states[1])
+    pub.wait()
+    store.down = True
+    raised = []
+    for call in (lambda: pub.publish(states[2]), lambda: pub.publish(states[3]), pub.wait):
+        try:  # v2 fails in the background; v3, queued behind it, is skipped (or refused: the error came first)
+            call()
+        except RuntimeError as e:
+            raised.append(str(e))
+    assert len(raised) == 1 and "No space left" in raised[0], raised  # raised once
+    store.down = False
+    published = objects(store)
+    uri = pub.publish(states[4])
+    pub.close()
+    assert uri.endswith(".anchor.json"), uri  # not a delta against the unpublished version
+    assert_unchanged(published, store)
+    latest = reader.read_latest(store)
+    assert latest.version == pub.version and latest.anchor_version == pub.version
+    equal(rebuilt(root), states[4])
+    for key in store.list("v"):  # every delta on the store names a base that was published
+        if key.endswith(".json") and ".anchor." not in key:
+            m = reader.read_manifest(store, key)
+            assert store.exists(f"v{m.base_version:08d}.json") or store.exists(f"v{m.base_version:08d}.anchor.json"), key
+
+
 RACER = textwrap.dedent("""
     import json, os, sys, time
     import torch
@@ -141,16 +184,20 @@ RACER = textwrap.dedent("""
     open(f"{barrier}.{me}", "w").close()
     while not all(os.path.exists(f"{barrier}.{i}") for i in (0, 1)):
         time.sleep(0.01)
-    done, error = [], None
+    done, error, stopped = [], None, None
     try:
         for _ in range(4):
             sd = {"w": (sd["w"].float() + 0.05 * torch.randn(64, 64, generator=g)).to(torch.bfloat16)}
             pub.publish(sd)
             pub.wait()
             done.append(pub.version)
-    except (ConflictError, RuntimeError) as e:
+    except ConflictError as e:
         error = str(e)
-    print(json.dumps({"done": done, "error": error}))
+        try:  # a publisher that lost the store stays stopped: it never publishes again
+            pub.publish(sd)
+        except ConflictError:
+            stopped = True
+    print(json.dumps({"done": done, "error": error, "stopped": stopped}))
 """)
 
 
@@ -188,6 +235,7 @@ def test_two_racing_publishers_never_overwrite_each_other(root, tmp_path, s3_ser
     assert losers, results  # both started from an empty store: both wanted v0
     for r in losers:
         assert "cannot be published to" in r["error"] and store.uri in r["error"], r["error"]
+        assert r["stopped"], r
     won = [v for r in results for v in r["done"]]
     assert len(won) == len(set(won)), results  # no version published twice
     latest = reader.read_latest(store)

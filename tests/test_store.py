@@ -346,7 +346,7 @@ def test_publish_order_survives_crash(backend, tmp_path, request):
     crashing = CrashingStore(store, crash_on="v00000002.json")  # dies after the blobs
     with pytest.raises(RuntimeError):
         publish(crashing, 2, blobs)
-    assert sorted(crashing.written) == sorted(blobs)
+    assert sorted(crashing.written) == sorted([*blobs, "v00000002.claim"])  # the blobs, then the version's claim
     assert held(store) == 1 and not store.exists("v00000002.json")
 
     crashing = CrashingStore(store, crash_on="v00000003.1.blob")  # dies among the blobs
@@ -384,9 +384,14 @@ def test_published_objects_are_written_once_and_latest_only_moves_forward(backen
             publish_version(store, blobs, "v00000002.json", b'{"v":"other"}', latest(2), 2, signature=sig)
     with pytest.raises(ConflictError, match="LATEST names v2, not older than v1"):
         publish_version(store, {}, "v00000001.json", b'{"v":1}', latest(1), 1)
-    with pytest.raises(ConflictError, match="LATEST names v2, not older than v2"):  # same version, other weights
+    # same version, other weights, under the version's other manifest key (a racing publisher's anchor
+    # beside the winner's delta): the version's claim refuses it before its manifest exists (chaos seed 1 found it)
+    with pytest.raises(ConflictError, match="v2 is already claimed by other weights"):
         publish_version(store, {}, "v00000002.anchor.json", b'{"v":2}', latest(2, "1" * 16), 2)
+    assert not store.exists("v00000002.anchor.json")
     assert {k: store.read(k) for k in before} == before
+    publish_version(store, {}, "v00000002.anchor.json", b'{"v":2}', latest(2), 2)  # the same weights' anchor: taken
+    assert store.read("v00000002.anchor.json") == b'{"v":2}' and held(store) == 2
     with pytest.raises(ConflictError):
         store.create("v00000002.json", b"again")
     store.write_if("LATEST", latest(3), lambda cur: None)

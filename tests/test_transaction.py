@@ -23,7 +23,8 @@ from engine_ext.server.controller import Auth, Busy, Controller, Unauthorized, e
 from engine_ext.settings import Settings
 from fake_ranks import FakeRanks, bits, make_rank, same_bits  # noqa: E402
 from engine_ext.server.protocol import RankReply, RequestError, TensorReport, UpdateRequest
-from engine_ext.server.rank import run_op
+from engine_ext.server.rank import RankUpdater, run_op
+from engine_ext.format import fingerprint as fpr
 from engine_ext.store.sources import Sources
 from engine_ext.server.transaction import combine_fingerprints
 
@@ -160,9 +161,10 @@ def test_controller_updates_and_chains(world):
         assert torch.equal(up.module.w.view(torch.int16), want["w"][up.rank * 4:(up.rank + 1) * 4].view(torch.int16))
         assert torch.equal(up.module.b.view(torch.int16), want["b"].view(torch.int16))
     assert ctl.ranks.calls[-3:] == ["commit", "after:3", "resume"]
+    n = len(ctl.ranks.calls)
     a = run(ctl.update(parse_request({"url": str(store / "v00000003.json")})))  # a replay: nothing to do
     assert a["noop"] is True and a["version"] == 3 and a["payload_bytes"] == 0
-    assert ctl.ranks.calls[-1] == "resume"  # nothing called since the v3 update
+    assert set(ctl.ranks.calls[n:]) == {"status"}  # since the v3 update: only the committed state read back
     held = bits(ranks)
     with pytest.raises(BaseMismatchError, match="rollback") as e:  # going back must be asked for
         run(ctl.update(parse_request({"url": str(store / "v00000002.json")})))
@@ -269,3 +271,108 @@ def test_forbidden_before_fetch(world, monkeypatch):
         run(ctl.update(parse_request({"url": str(store / "v00000001.json")})))
 
 
+
+
+def test_audit_rereads_the_live_weights(world):
+    """``GET ...?audit=1``: every rank's live weights re-read and checked against the served state;
+    a write behind the transaction's back (a mix of two versions) is named."""
+    from engine_ext.server.http import get_answer, wants_audit
+
+    store, versions = world
+    ranks = [make_rank(0, versions[0]), make_rank(1, versions[0])]
+    ctl = Controller(FakeRanks(ranks), Sources([str(store)]))
+    run(ctl.start())
+    run(ctl.update(parse_request({"url": str(store / "v00000002.json")})))
+    audit = run(ctl.audit())
+    assert audit == {"ok": True, "version": 2, "fingerprint": ctl.status()["fingerprint"], "differ": []}
+    assert wants_audit({"audit": "1"}) and not wants_audit({})
+
+    async def me():
+        return ctl
+
+    status, body = run(get_answer(Auth(("t",)), me, "Bearer t", audit=True))
+    assert status == 200 and body["audit"]["ok"] and body["version"] == 2
+    with torch.no_grad():
+        ranks[1].module.w[0, :3] = versions[3]["w"][4, :3]  # rank 1 holds rows 4-7: three elements of v3
+    audit = run(ctl.audit())
+    assert not audit["ok"] and audit["differ"] == ["w"] and audit["fingerprint"] != ctl.status()["fingerprint"]
+    assert ctl.status()["version"] == 2  # an audit changes nothing
+
+
+# ---------------------------------------------------------------- a tied copy in the served checkpoint
+
+
+class TiedRank(torch.nn.Module):
+    """Rank ``r`` of ``world`` of a tied model as vLLM builds it: ``lm_head.weight`` is the embedding's
+    parameter (rows sharded by rank). The loader skips the tied copy (SGLang), or refuses it when it
+    comes without the embedding (vLLM 0.32's AutoWeightsLoader: ``refuse_alone``)."""
+
+    def __init__(self, r: int, world: int, sd: dict, refuse_alone: bool = False):
+        super().__init__()
+        self.r, self.world, self.refuse_alone = r, world, refuse_alone
+        self.model = torch.nn.Module()
+        rows, hidden = sd["model.embed_tokens.weight"].shape
+        self.model.embed_tokens = torch.nn.Embedding(rows // world, hidden, dtype=torch.bfloat16)
+        self.model.norm = torch.nn.Module()
+        self.model.norm.weight = torch.nn.Parameter(torch.zeros(hidden, dtype=torch.bfloat16))
+        self.lm_head = torch.nn.Module()
+        self.lm_head.weight = self.model.embed_tokens.weight
+        for n, t in sd.items():
+            self.load(n, t)
+
+    def load(self, name: str, t: torch.Tensor) -> None:
+        if name == "lm_head.weight":
+            if self.refuse_alone:
+                raise ValueError("'lm_head.weight' was skipped because it is tied to 'model.embed_tokens.weight', "
+                                 "but 'model.embed_tokens.weight' was not found in the checkpoint")
+            return
+        p = dict(self.named_parameters())[name]
+        with torch.no_grad():
+            p.copy_(t if name == "model.norm.weight" else t[self.r * p.shape[0]:(self.r + 1) * p.shape[0]])
+
+
+@pytest.mark.parametrize("refuse_alone", [False, True], ids=["skipped", "refused-alone"])
+def test_a_tied_copy_in_the_served_checkpoint_is_not_served(tmp_path, refuse_alone):
+    """A served checkpoint that stores the tied copy (``lm_head.weight`` beside the embedding):
+    the engine's loader writes none of it, so it is not served on its own (start-up says so), and
+    the trainer's versions, which hold the embedding once, apply on both ranks. A version that
+    holds tensors the model lacks (an untied lm_head, another tensor) is refused as a model
+    mismatch naming them; nothing changes."""
+    from engine_ext.errors import ModelMismatchError
+    from engine_ext.format.dtypes import BY_TORCH
+
+    g = torch.Generator().manual_seed(0)
+    embed = torch.randn(16, 8, generator=g).to(torch.bfloat16)
+    ckpt = {"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(8, dtype=torch.bfloat16),
+            "lm_head.weight": embed.clone()}
+    specs = {n: (tuple(t.shape), BY_TORCH[t.dtype]) for n, t in ckpt.items()}
+    modules = [TiedRank(r, 2, ckpt) for r in range(2)]
+    for m in modules:
+        m.refuse_alone = refuse_alone  # loaded whole; the probe then gives it tensor by tensor
+    ranks = [RankUpdater(m, m.load, dict(specs), rank=r) for r, m in enumerate(modules)]
+    ctl = Controller(FakeRanks(ranks), Sources([str(tmp_path)]))
+    run(ctl.start())
+    st = ctl.status()
+    assert st["layout"]["tied"] == {"lm_head.weight": "model.embed_tokens.weight"} and st["tensors"] == 2
+    trainer = TiedRank(0, 1, ckpt)  # the trainer's model: one parameter under both names
+    with DeltaPublisher(str(tmp_path / "run"), anchor_every=0) as pub:
+        pub.publish(trainer)
+        for _ in range(2):
+            with torch.no_grad():
+                trainer.model.embed_tokens.weight.add_(torch.randn(16, 8, generator=g).to(torch.bfloat16))
+            pub.publish(trainer)
+    assert st["fingerprint"] == json.loads((tmp_path / "run" / "v00000000.anchor.json").read_text())["fingerprint"]
+    a = run(ctl.update(parse_request({"url": str(tmp_path / "run" / "v00000002.json")})))
+    assert a["version"] == 2 and a["fingerprint"] == fpr.fmt(pub.fingerprint)
+    for up in ranks:
+        rows = trainer.model.embed_tokens.weight[up.rank * 8:(up.rank + 1) * 8]
+        assert torch.equal(up.module.lm_head.weight.view(torch.int16), rows.view(torch.int16))
+    run(ctl.resync())
+    assert ctl.status()["fingerprint"] == fpr.fmt(pub.fingerprint)
+    with DeltaPublisher(str(tmp_path / "other"), anchor_every=0) as other:
+        other.publish(ckpt | {"model.extra.weight": torch.zeros(3, dtype=torch.bfloat16)})
+    held = bits(ranks)
+    # the checkpoint's own dict holds lm_head as a separate tensor (a clone: an untied model) and one more
+    with pytest.raises(ModelMismatchError, match=r"2 tensor\(s\) not in the served model: \['lm_head.weight', 'model.extra.weight'\]") as e:
+        run(ctl.update(parse_request({"url": str(tmp_path / "other" / "v00000000.anchor.json"), "rollback": True})))
+    assert e.value.http_status == 409 and same_bits(held, bits(ranks))

@@ -125,7 +125,7 @@ def test_single_steps(world):
     (lambda w: {"url": v(w["root"], "run", 3), "pause_mode": "later"}, 400, "bad_request"),
     (lambda w: {"url": f"{w['http']}/stores%2Frun%2Fv00000003.json"}, 403, "forbidden_source"),
     (lambda w: {"url": v(w["root"], "unsigned", 3)}, 403, "signature"),
-    (lambda w: {"url": v(w["root"], "bomb", 3)}, 422, "integrity"),
+    (lambda w: {"url": v(w["root"], "bomb", 3)}, 409, "model_mismatch"),  # another model: refused by name, no bytes read
     (lambda w: {"url": f"{w['http']}/stores/run/v00000003.json"}, 403, "forbidden_source"),
     (lambda w: {"url": v(w["root"], "run", 1)}, 409, "downgrade"),
     (lambda w: {"url": v(w["root"], "run", 3)}, 401, "unauthorized"),

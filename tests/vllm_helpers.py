@@ -91,10 +91,50 @@ def rl_trajectory(model_dir, store, steps: int, *, seed: int = 1, lr: float = 1e
     return {n: t.to(torch.bfloat16) for n, t in master.items()}
 
 
+class Trainer:
+    """A trainer's side in a test: the served model's weights as fp32 masters (``transformers``), moved a
+    little at every step (an optimizer's noise), served in bf16."""
+
+    def __init__(self, model_dir, seed: int = 1, lr: float = 1e-3):
+        import transformers
+
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.g, self.lr = torch.Generator().manual_seed(seed), lr
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p in self.model.parameters():
+            p.add_(torch.randn(p.shape, generator=self.g) * self.lr * (p.abs().mean() + 1e-3))
+
+    def served(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().to(torch.bfloat16) for n, p in self.model.named_parameters()}
+
+
+def fingerprint(state: dict[str, torch.Tensor]) -> str:
+    """The model fingerprint of a state dict (what a manifest and a server's status show)."""
+    from engine_ext.format import fingerprint as fpr
+
+    return fpr.fmt(fpr.model_fingerprint({n: fpr.tensor_fingerprint(t) for n, t in state.items()}))
+
+
+def broken_copy(src, dst, version: int, how: str) -> str:
+    """A copy of the store ``src`` at ``dst`` whose ``version`` is unsigned (``how="unsigned"``), has
+    a corrupted blob (``"corrupt"``), or is intact (elsewhere: ``"outside"``); its manifest's path."""
+    dst = copy_store(src, dst)
+    if how == "unsigned":
+        (dst / f"v{version:08d}.json.sig").unlink()
+    elif how == "corrupt":
+        blob = next(dst.glob(f"v{version:08d}.0.*.bin"))
+        b = bytearray(blob.read_bytes())
+        b[len(b) // 2] ^= 0x40
+        blob.write_bytes(bytes(b))
+    return str(dst / f"v{version:08d}.json")
+
+
 def copy_store(src, dst) -> Path:
     shutil.copytree(src, dst)
     return Path(dst)
 
 
 __all__ = ["Server", "ServerDied", "PROMPTS", "assert_layout_on_this_host", "rl_trajectory", "copy_store", "make_model", "save_state_dict",
-           "load_state_dict", "free_port"]
+           "load_state_dict", "free_port", "Trainer", "fingerprint", "broken_copy"]

@@ -9,7 +9,8 @@ docs/benchmarks.md). ``zstd`` (with byte planes split for values) is kept for ti
 segments where pco's header dominates. Given a :class:`Context` (the tensor's base bits,
 block policy and the version's step tables), the context-conditioned coder
 (:mod:`engine_ext.format.context_codec`) is tried too and kept when it saves at least
-``CONTEXT_GAIN``. Decoding never allocates more than the
+``CONTEXT_GAIN`` and pays on the version's :class:`Readers` (its saved bytes take longer to
+fetch than its decode takes beyond v1's). Decoding never allocates more than the
 manifest-declared count, which the caller bounds before fetching.
 """
 from __future__ import annotations
@@ -34,19 +35,71 @@ _NP_INT = {8: np.int8, 16: np.int16, 32: np.int32, 64: np.int64}
 _PCO = pcodec.ChunkConfig()
 
 
+# What a reader pays to decode a context-coded part beyond the same part coded plainly, from
+# `python bench/context_bench.py --costs` (the 2-core host, 2026-12-01; docs/benchmarks.md):
+V1_NS_PER_CHANGE = 2.4  # v1's whole decode (pcodec), per change
+STREAMS_NS_PER_CHANGE = 73.0  # v2's range-coded streams, on the host of every reader: one thread (it holds the GIL)
+PASS_NS_PER_ELEMENT = {"cpu": 1.0,  # the context pass over the base: numba, every core of a 2-core host
+                       "gpu": 0.001}  # Triton on the device: ESTIMATED (two reads of a bf16 base at ~4 TB/s; no GPU lent)
+PART_NS = {"cpu": 0.3e6,  # per part: the streams' fixed costs on the host (models, headers), measured on small parts
+           "gpu": 0.6e6}  # the same, and the pass's launches and two syncs on the device: ESTIMATED
+MOST_SAVED_PER_CHANGE = 0.6  # bytes: the most v2 saves per change on real training (fp8 block: 0.54-0.59)
+
+
+@dataclass(frozen=True)
+class Readers:
+    """Who decodes the versions a publisher writes, as it is told (``ENGINE_EXT_READER_DEVICE``,
+    ``ENGINE_EXT_READER_MBPS``): where the readers' weights live (``gpu``: the context pass runs
+    there, :mod:`engine_ext.format.context_device`; ``cpu``: on the host) and the store bandwidth
+    one reader rank fetches at, in MB/s. Every reader decodes every part it holds and no reader
+    chooses a coding, so the publisher chooses for all: a part is context coded only where it
+    pays on them (:meth:`pays`). ``mbps`` 0: bytes first (metered or slow links)."""
+
+    device: str = "gpu"
+    mbps: float = 100.0
+
+    def __post_init__(self):
+        if self.device not in PASS_NS_PER_ELEMENT or not self.mbps >= 0:
+            raise ValueError(f"readers: device one of {sorted(PASS_NS_PER_ELEMENT)} and MB/s >= 0, got {self}")
+
+    @classmethod
+    def from_settings(cls) -> "Readers":
+        from .. import settings
+
+        s = settings.current()
+        return cls(s.reader_device, s.reader_mbps)
+
+    def extra_decode_s(self, changes: int, elements: int) -> float:
+        """Seconds a reader spends decoding a part of ``elements`` with ``changes`` as v2 beyond v1."""
+        return (changes * (STREAMS_NS_PER_CHANGE - V1_NS_PER_CHANGE) + elements * PASS_NS_PER_ELEMENT[self.device]
+                + PART_NS[self.device]) * 1e-9
+
+    def pays(self, saved_bytes: float, changes: int, elements: int) -> bool:
+        """Whether ``saved_bytes`` fewer to fetch at the readers' bandwidth save more time than the
+        part's v2 decode costs beyond v1 (bytes first: always)."""
+        return self.mbps == 0 or saved_bytes / (self.mbps * 1e6) >= self.extra_decode_s(changes, elements)
+
+    def may_pay(self, changes: int, elements: int) -> bool:
+        """Before anything is encoded: whether v2 could pay at the most it saves per change (else the
+        publisher spends no step tables and no pass over the base on the tensor)."""
+        return self.pays(MOST_SAVED_PER_CHANGE * changes, changes, elements)
+
+
 @dataclass(frozen=True)
 class Context:
     """What the context coder needs besides a tensor's changes: its bits (flat, any device),
     the base's or the new version's (the changed elements are put back from the old bits
     part by part, so a publisher hands its kept bits without copying the model), its block
-    policy (:func:`engine_ext.format.context_blocks.block_policy`) and the version's step
-    tables for its dtype. ``base`` may hold only rows ``origin`` onwards of the tensor (what
-    one rank of a sharded trainer holds): then only parts inside those rows are coded."""
+    policy (:func:`engine_ext.format.context_blocks.block_policy`), the version's step
+    tables for its dtype, and its readers (None: :meth:`Readers.from_settings`). ``base`` may
+    hold only rows ``origin`` onwards of the tensor (what one rank of a sharded trainer
+    holds): then only parts inside those rows are coded."""
 
     base: torch.Tensor
     policy: int
     tables: list
     origin: int = 0  # the row (index along dimension 0) of the tensor that ``base`` starts at: a trainer rank's rows
+    readers: Readers | None = None
 
 
 @dataclass
@@ -142,9 +195,12 @@ def encode(dtype: DType, numel: int, positions: torch.Tensor, new_bits: torch.Te
     m, val_coder, val_bytes = min(((k, *encode_values(v)) for k, v in values.items()), key=lambda c: len(c[2]))
     best = Encoded(pos_coder, pos_bytes, m, val_coder, val_bytes)
     if context is not None and old_bits is not None and mode != "abs" and CONTEXT_MIN <= pos.size < numel:
-        ctx = encode_context(dtype, shape, box, context, pos, old_bits, new_bits)
-        if ctx is not None and len(ctx.pos) + len(ctx.val) <= (1 - CONTEXT_GAIN) * (len(best.pos) + len(best.val)):
-            return ctx
+        readers = context.readers or Readers.from_settings()
+        if readers.may_pay(pos.size, numel):
+            ctx = encode_context(dtype, shape, box, context, pos, old_bits, new_bits)
+            plain, coded = len(best.pos) + len(best.val), None if ctx is None else len(ctx.pos) + len(ctx.val)
+            if coded is not None and coded <= (1 - CONTEXT_GAIN) * plain and readers.pays(plain - coded, pos.size, numel):
+                return ctx
     return best
 
 
@@ -180,14 +236,16 @@ def step_tables_from(histograms: dict[str, np.ndarray]) -> dict[str, list[bytes]
     return {dt: context_models.tables_from_histogram(dt, h) for dt, h in sorted(histograms.items())}
 
 
-def context_pays(dtype: DType, base: torch.Tensor, old_bits: torch.Tensor) -> bool:
+def context_pays(dtype: DType, base: torch.Tensor, old_bits: torch.Tensor, readers: Readers | None = None) -> bool:
     """Whether a sample of a tensor's bits (``base``, flat, either version's: they differ only
     at the changes) promises the context coder ``CONTEXT_GAIN`` on its changes (whose old
-    bits are ``old_bits``). Asked before a tensor gets a :class:`Context`, so uniform changes
-    cost neither step tables nor a pass over the whole base."""
+    bits are ``old_bits``), and whether it could pay on the ``readers`` (default: the
+    settings'). Asked before a tensor gets a :class:`Context`, so uniform changes, or readers
+    on whom v2 cannot pay, cost neither step tables nor a pass over the whole base."""
     from . import context_codec
 
-    return context_models.supports(dtype.name) and context_codec.pays(
+    readers = readers or Readers.from_settings()
+    return context_models.supports(dtype.name) and readers.may_pay(old_bits.numel(), base.numel()) and context_codec.pays(
         dtype.name, context_codec.sample(base.detach().reshape(-1)), old_bits.detach().cpu().numpy(), base.numel(),
         CONTEXT_GAIN)
 

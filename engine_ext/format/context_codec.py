@@ -389,25 +389,36 @@ def decode_steps(data: bytes, totals: np.ndarray, tables: list[bytes], dtype_nam
     return unzigzag(z, itemsize)
 
 
-def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_data: bytes, nnz: int,
-           base_of, tables: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-    """(sorted part-local positions, steps) of the changes in the blocks the caller holds.
+@dataclass
+class Streams:
+    """What the host decodes of one part before its context pass: the part's blocks, its classes,
+    and the ranks with their steps regrouped block-major (block ``b``, class ``c`` at
+    ``ranks[starts[b, c] : starts[b, c + 1]]``), every count and rank bounded by its block."""
 
-    ``base_of(box)`` gives the flat raw bits (numpy, row-major) of a box of the part's base
-    (part-local coordinates), None when the caller holds none of it, or raises
-    :class:`PartlyHeldError` when it holds only some: then each block is asked for alone."""
+    bl: Blocks
+    edges: list[int]
+    ranks: np.ndarray
+    starts: np.ndarray  # [S, K + 1]
+    steps: np.ndarray  # the step of each of ``ranks``
+
+    @property
+    def K(self) -> int:
+        return self.starts.shape[1] - 1
+
+
+def decode_streams(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_data: bytes, nnz: int,
+                   tables: list[bytes]) -> Streams:
+    """The range-coded streams of a part, decoded without its base (small: O(changes))."""
     m, queue = _models()
     full = tuple(int(x) for x in tensor_shape) or (1,)
     numel = math.prod(b - a for a, b in zip(*box)) if box else math.prod(full)
     h = parse_positions_header(pos_data, nnz, numel, dtype_name)
     bl = blocks(full, box, h.policy)
-    itemsize = ITEMSIZE[dtype_name]
     try:  # the range decoder refuses some invalid words with its own exceptions
         k, ranks = decode_ranks(h, bl, queue.RangeDecoder(h.words), m)
         steps = decode_steps(val_data, h.totals, tables, dtype_name, queue.RangeDecoder, m)
     except (AssertionError, ValueError, RuntimeError, OverflowError) as e:
         raise IntegrityError(f"corrupt context stream ({type(e).__name__}: {e})") from None
-    shift, mask, lut = class_key(h.edges, dtype_name, bl.numel)
     K, S = h.K, bl.S
     # ranks regrouped block-major (block b, class c at starts[b, c]); perm: block-major -> class-major
     group = np.repeat(np.arange(K * S), k.reshape(-1))
@@ -415,7 +426,23 @@ def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_
     starts = np.zeros((S, K + 1), dtype=np.int64)
     starts[:, 1:] = np.cumsum(k.T, axis=1)
     starts += np.concatenate([[0], np.cumsum(k.sum(axis=0))])[:-1, None]
-    ranks_b = ranks[perm]
+    return Streams(bl, h.edges, ranks[perm], starts, steps[perm])
+
+
+def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_data: bytes, nnz: int,
+           base_of, tables: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted part-local positions, steps) of the changes in the blocks the caller holds.
+
+    ``base_of(box)`` gives the flat raw bits (numpy, row-major) of a box of the part's base
+    (part-local coordinates), None when the caller holds none of it, or raises
+    :class:`PartlyHeldError` when it holds only some: then each block is asked for alone.
+    The context pass runs here on the host (numba); a base on an accelerator is decoded there
+    by :func:`engine_ext.format.context_device.decode` from the same :func:`decode_streams`."""
+    st = decode_streams(dtype_name, tensor_shape, box, pos_data, val_data, nnz, tables)
+    bl, steps, starts, ranks_b = st.bl, st.steps, st.starts, st.ranks
+    itemsize = ITEMSIZE[dtype_name]
+    shift, mask, lut = class_key(st.edges, dtype_name, bl.numel)
+    S = bl.S
     empty = np.empty(0, np.int64), np.empty(0, INT[itemsize])
     try:
         whole = base_of(((0,) * len(bl.shape), bl.shape))
@@ -428,15 +455,14 @@ def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_
         if u.size != bl.numel:
             raise IntegrityError("the base of a context-coded part has the wrong size")
         pos, src = scan(u, shift, mask, lut, bl, ranks_b, starts)
-        vals = steps[perm[src]]
+        vals = steps[src]
     else:
         out_pos, out_val = [], []
         for b, sub in enumerate(bl.boxes):
             try:
                 bits = base_of(sub)
             except PartlyHeldError as e:
-                raise IntegrityError(f"{e}: this rank's shard cuts a context-coded block (a layout its block "
-                                     "policy does not anticipate: publish with ENGINE_EXT_CONTEXT_CODER=0)") from None
+                raise IntegrityError(f"{e}: {CUT_BLOCK}") from None
             if bits is None:
                 continue
             ext = tuple(t - a for a, t in zip(*sub))
@@ -444,11 +470,11 @@ def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_
             if u.size != bl.sizes[b]:
                 raise IntegrityError("the base of a context-coded block has the wrong size")
             one = blocks(ext, None, 0)  # the block alone, as a part of one block
-            st = starts[b:b + 1] - starts[b, 0]
-            p, src = scan(u, shift, mask, lut, one, ranks_b[starts[b, 0]:starts[b, -1]], st)
+            sb = starts[b:b + 1] - starts[b, 0]
+            p, src = scan(u, shift, mask, lut, one, ranks_b[starts[b, 0]:starts[b, -1]], sb)
             coords = np.unravel_index(p, ext)
             out_pos.append(np.ravel_multi_index(tuple(c + a for c, a in zip(coords, sub[0])), bl.shape))
-            out_val.append(steps[perm[starts[b, 0] + src]])
+            out_val.append(steps[starts[b, 0] + src])
         if not out_pos:
             return empty
         pos, vals = np.concatenate(out_pos), np.concatenate(out_val)
@@ -456,3 +482,7 @@ def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_
         order = np.argsort(pos, kind="stable")
         pos, vals = pos[order], vals[order]
     return pos, vals
+
+
+CUT_BLOCK = ("this rank's shard cuts a context-coded block (a layout its block policy does not anticipate: "
+             "publish with ENGINE_EXT_CONTEXT_CODER=0)")

@@ -43,7 +43,7 @@ class TensorDelta:
     def index(self) -> torch.Tensor:
         """The flat indices, materialised (an arange for dense deltas)."""
         if self.positions is None:
-            return torch.arange(self.numel, dtype=torch.int64)
+            return torch.arange(self.numel, dtype=torch.int64, device=self.values.device)
         return self.positions
 
 
@@ -125,7 +125,7 @@ def _member(x: torch.Tensor, sorted_set: torch.Tensor) -> torch.Tensor:
     """``torch.isin(x, sorted_set)`` for a sorted set, by binary search (a dense anchor holds
     millions of positions; sorting them again per step took seconds)."""
     if not sorted_set.numel() or not x.numel():
-        return torch.zeros(x.shape, dtype=torch.bool)
+        return torch.zeros(x.shape, dtype=torch.bool, device=x.device)
     at = torch.searchsorted(sorted_set, x).clamp_(max=sorted_set.numel() - 1)
     return sorted_set[at] == x
 
@@ -147,15 +147,19 @@ def compose(chain: list[TensorDelta]) -> list[TensorDelta]:
     followed by steps stays absolute. Returns one delta per mode present (an
     absolute part and a relative part on disjoint positions); elements whose steps
     sum to zero are dropped. The parts carry the first base and the last result
-    fingerprint.
+    fingerprint. Links decoded on an accelerator and on the host compose on the accelerator.
     """
     first, last = chain[0], chain[-1]
-    empty = torch.empty(0, dtype=torch.int64)
-    abs_pos, abs_val = empty, torch.empty(0, dtype=first.dtype.int_view)
-    rel_pos, rel_val = empty, torch.empty(0, dtype=first.dtype.int_view)
+    dev = next((d.values.device for d in chain if d.values.device.type != "cpu"), first.values.device)
+    empty = torch.empty(0, dtype=torch.int64, device=dev)
+    abs_pos, abs_val = empty, torch.empty(0, dtype=first.dtype.int_view, device=dev)
+    rel_pos, rel_val = empty, torch.empty(0, dtype=first.dtype.int_view, device=dev)
     for d in chain:
         if (d.name, d.shape, d.dtype) != (first.name, first.shape, first.dtype):
             raise ValueError(f"cannot compose deltas of different tensors: {d.name} {d.shape} vs {first.name} {first.shape}")
+        if d.values.device != dev:
+            d = TensorDelta(d.name, d.dtype, d.shape, d.mode, None if d.positions is None else d.positions.to(dev),
+                            d.values.to(dev))
         pos = d.index()
         if d.mode == ABS:
             keep = ~_member(rel_pos, pos)

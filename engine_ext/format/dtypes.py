@@ -71,6 +71,36 @@ def dtype_of(t: torch.Tensor) -> DType:
         raise ValueError(f"unsupported tensor dtype {t.dtype}") from None
 
 
+SERVED_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def served_dtype(dtype: "torch.dtype | str | None") -> torch.dtype | None:
+    """A served dtype given as a torch dtype or its name (``"bfloat16"``, ``"bf16"``...); None stays None."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        d = dtype
+    else:
+        d = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+                            "float": "float32"}.get(str(dtype), str(dtype)), None)
+    if d is not None and (not isinstance(d, torch.dtype) or BY_TORCH.get(d) is None or BY_TORCH[d].name not in SERVED_DTYPES):
+        raise ValueError(f"served dtype must be one of {SERVED_DTYPES} (or None: as held), got {dtype!r}")
+    return d
+
+
+def served_as(d: DType, dtype: torch.dtype | None) -> DType:
+    """The dtype a tensor held as ``d`` is published in, for served ``dtype`` (:func:`to_served`'s rule)."""
+    return BY_TORCH[dtype] if dtype is not None and d.is_float and d.bits >= 16 else d
+
+
+def to_served(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` cast to the served ``dtype``, or ``t`` itself when nothing is to be cast: integer
+    and bool tensors, 8-bit floats (already quantised bytes; their scales come with them,
+    so an fp8 state dict is published with ``dtype=None``), a tensor already in ``dtype``,
+    or ``dtype`` None (as held)."""
+    if dtype is None or t.dtype == dtype or not t.is_floating_point() or t.element_size() < 2:
+        return t
+    return t.detach().to(dtype)
+
+
 def as_bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bits of ``t`` as a signed integer tensor of the same width (a view)."""
     d = dtype_of(t)

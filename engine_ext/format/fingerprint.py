@@ -23,6 +23,7 @@ functions (:func:`element_hash`) are the reference and the path for other device
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -193,7 +194,12 @@ def fmt(fp: int) -> str:
     return f"{fp & MASK64:016x}"
 
 
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+
+
 def parse(s: str) -> int:
-    if not isinstance(s, str) or len(s) != 16:
-        raise ValueError(f"bad fingerprint {s!r}: expected 16 hex digits")
+    """The fingerprint written as 16 lower-case hex digits (exactly: ``int(s, 16)`` alone would also
+    take a sign, spaces, underscores, a ``0x`` or upper case, and "-000000000000001" as -1)."""
+    if not isinstance(s, str) or not _HEX16.fullmatch(s):
+        raise ValueError(f"bad fingerprint {s!r:.40}: expected 16 lower-case hex digits")
     return int(s, 16)

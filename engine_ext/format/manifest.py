@@ -44,6 +44,7 @@ MAX_NDIM = 8
 MAX_LATEST_BYTES = 16 << 10
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
 _HEX_RE = re.compile(r"(?:[0-9a-f]{2})+")
+_FP_RE = re.compile(r"[0-9a-f]{16}")
 _KEY_RE = re.compile(r"[A-Za-z0-9._-]+")  # blob keys are plain names next to the manifest (fullmatch)
 
 
@@ -158,21 +159,21 @@ class Manifest:
             raise ManifestError(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
         try:
             d = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestError(f"manifest is not valid JSON: {e}") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
+            raise ManifestError(f"manifest is not valid JSON: {str(e)[:200]}") from None
         try:
             m = _parse(d)
             m.validate()
         except ManifestError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ManifestError(f"malformed manifest: {type(e).__name__}: {e}") from None
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
+            raise ManifestError(f"malformed manifest: {type(e).__name__}: {str(e)[:200]}") from None
         return m
 
     def _check_bytes(self, where: str, e, numel: int, dtype: str, per_blob: list) -> None:
         """The coders, byte range and hash of a changed tensor or chunk ``e`` (``numel`` elements)."""
         def bad(msg):
-            raise ManifestError(msg)
+            raise ManifestError(_cut(msg))
 
         p, v = e.positions, e.values
         if p.coder not in POSITION_CODERS or v.coder not in VALUE_CODERS:
@@ -224,9 +225,9 @@ class Manifest:
     def validate(self) -> None:
         """Raise ManifestError unless every field is consistent and within limits."""
         def bad(msg):
-            raise ManifestError(msg)
+            raise ManifestError(_cut(msg))
 
-        if self.format != FORMAT or self.format_version not in READABLE_VERSIONS:
+        if self.format != FORMAT or not _is_int(self.format_version) or self.format_version not in READABLE_VERSIONS:
             bad(f"unknown format {self.format!r} version {self.format_version!r} (this reader: {FORMAT} {READABLE_VERSIONS})")
         if not isinstance(self.base_manifests, list) or len(self.base_manifests) > 4 or not all(
                 isinstance(h, str) and _SHA_RE.fullmatch(h) for h in self.base_manifests):
@@ -239,10 +240,14 @@ class Manifest:
             self._check_step_tables()
         if not _is_int(self.version) or self.version < 0:
             bad(f"bad version {self.version!r}")
+        if self.anchor_version is not None and not (_is_int(self.anchor_version) and 0 <= self.anchor_version <= self.version):
+            bad(f"anchor_version {self.anchor_version!r} is not a version at or before {self.version}")
+        if not isinstance(self.model, str) or isinstance(self.created_unix, bool) or not isinstance(self.created_unix, (int, float)):
+            bad("model must be a string and created_unix a number")
         if self.kind == DELTA and (not _is_int(self.base_version) or not 0 <= self.base_version < self.version):
             bad(f"a delta needs a base_version below its version, got {self.base_version!r} -> {self.version}")
         fpr.parse(self.fingerprint)
-        if self.kind == DELTA:
+        if self.kind == DELTA or self.base_fingerprint is not None:  # an anchor's is null or a fingerprint
             fpr.parse(self.base_fingerprint)
         if len(self.tensors) > MAX_TENSORS:
             bad(f"{len(self.tensors)} tensors, over the {MAX_TENSORS} limit")
@@ -267,7 +272,7 @@ class Manifest:
             if not _is_int(t.nnz) or not 0 <= t.nnz <= t.numel:
                 bad(f"{where}: nnz {t.nnz!r} outside [0, {t.numel}]")
             fpr.parse(t.fingerprint)
-            if self.kind == DELTA:
+            if self.kind == DELTA or t.base_fingerprint is not None:
                 fpr.parse(t.base_fingerprint)
             tensor_fps.append((t.name, fpr.parse(t.fingerprint)))
             if t.nnz == 0:
@@ -320,7 +325,12 @@ def dtype_by_name_checked(name, where):
     try:
         return dtype_by_name(name)
     except (ValueError, TypeError):
-        raise ManifestError(f"{where}: unsupported dtype {name!r}") from None
+        raise ManifestError(_cut(f"{where}: unsupported dtype {name!r}")) from None
+
+
+def _cut(msg: str, n: int = 500) -> str:
+    """An error message cut short: a hostile manifest's values are never echoed at length."""
+    return msg if len(msg) <= n else msg[:n] + "..."
 
 
 def _is_int(x) -> bool:
@@ -330,8 +340,12 @@ def _is_int(x) -> bool:
 def _parse(d: dict) -> Manifest:
     if not isinstance(d, dict):
         raise ManifestError("manifest must be a JSON object")
+    if "format" not in d or "format_version" not in d:  # not assumed to be this reader's own
+        raise ManifestError("manifest names no format and format_version")
     tensors = []
     for t in d["tensors"]:
+        if not isinstance(t, dict):  # dict() would also take a list of [key, value] pairs
+            raise ManifestError("each tensor must be a JSON object")
         t = dict(t)
         t["positions"] = Segment(**t.get("positions", {"coder": "none", "length": 0}))
         t["values"] = Segment(**t.get("values", {"coder": "none", "length": 0}))
@@ -379,11 +393,14 @@ class Latest:
                 lt, sigs = cls(**d["signed"]), d["signatures"]
             else:
                 lt, sigs = cls(**d), []
-        except (ValueError, TypeError, UnicodeDecodeError) as e:
+        except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as e:
             raise ManifestError(f"bad LATEST pointer: {type(e).__name__}: {str(e)[:200]}") from None
         if (not _is_int(lt.version) or lt.version < 0 or not isinstance(lt.manifest, str)
                 or not _KEY_RE.fullmatch(lt.manifest) or lt.manifest.startswith(".")
                 or (lt.sha256 is not None and not (isinstance(lt.sha256, str) and _SHA_RE.fullmatch(lt.sha256)))
-                or (lt.expires_unix is not None and not isinstance(lt.expires_unix, (int, float)))):
+                or not (isinstance(lt.fingerprint, str) and _FP_RE.fullmatch(lt.fingerprint))
+                or (lt.anchor_version is not None and not (_is_int(lt.anchor_version) and 0 <= lt.anchor_version <= lt.version))
+                or (lt.expires_unix is not None and not (isinstance(lt.expires_unix, (int, float))  # NaN, inf: never stale
+                                                         and not isinstance(lt.expires_unix, bool) and math.isfinite(lt.expires_unix)))):
             raise ManifestError("bad LATEST pointer: a field is malformed")
         return lt, sigs

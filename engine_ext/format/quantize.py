@@ -71,16 +71,18 @@ def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 
 
 
 def fp8_block_state_dict(sd: dict[str, torch.Tensor], block: int = BLOCK,
-                         rest_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+                         rest_dtype: torch.dtype | None = torch.bfloat16) -> dict[str, torch.Tensor]:
     """The fp8 checkpoint of ``sd`` (master weights): each quantised weight followed by its
     ``weight_scale_inv``; every other floating tensor cast to ``rest_dtype`` (bf16, as the
-    published FP8 checkpoints keep embeddings, norms and biases). Names and order are stable."""
+    published FP8 checkpoints keep embeddings, norms and biases; None: as held). Names and
+    order are stable."""
     out: dict[str, torch.Tensor] = {}
     for name, t in sd.items():
         if quantizes(name, t):
             out[name], out[scale_name(name)] = quantize_fp8_block(t.detach(), block)
         else:
-            out[name] = t.detach().to(rest_dtype) if t.is_floating_point() and t.dtype != FP8 else t
+            cast = rest_dtype is not None and t.is_floating_point() and t.dtype != FP8
+            out[name] = t.detach().to(rest_dtype) if cast else t
     return out
 
 

@@ -33,6 +33,7 @@ import torch
 
 from ..fleet import Fleet, FleetResult
 from ..format import fingerprint as fpr
+from ..trainer.checkpoint_layout import transformers_model
 from ..trainer.publisher import DeltaPublisher
 
 log = logging.getLogger("engine_ext")
@@ -64,22 +65,25 @@ class DeltaWeightTransfer:
         token: the bearer token of the servers' update route (``ENGINE_EXT_TOKEN`` on the servers).
         signing_key: the publisher's Ed25519 private key (default ``ENGINE_EXT_SIGNING_KEY``);
             the servers trust its public key (``ENGINE_EXT_TRUSTED_KEYS``).
-        dtype: the served dtype the trainer's weights are cast to (fp32 masters, bf16 served).
+        dtype: the served dtype the trainer's weights are cast to (fp32 masters, bf16 served; the
+            publisher's ``dtype``, cast after tied names are found, so a tied embedding is sent once).
         pause_servers: ``False`` (default): ``pause``/``resume`` do nothing, since each server
             pauses itself only while it applies (milliseconds) and keeps serving while the
             version is published and fetched; ``True``: they call the servers' ``/pause``
             (mode ``keep``) and ``/resume`` (``VLLM_SERVER_DEV_MODE=1``); the update itself
             resumes generation once applied, so rollouts continue on the new weights.
         publisher: further :class:`~engine_ext.trainer.publisher.DeltaPublisher` arguments
-            (``anchor_every``, ``model``, ``resume``, ...).
+            (``anchor_every``, ``model``, ``resume``, ...); ``checkpoint_layout=model`` where the
+            iterator's names are those of a transformers 5 model in memory (fused MoE experts, a VLM):
+            :class:`DeltaGRPOTrainer` sets it to its own model.
     """
 
     def __init__(self, store, servers: Iterable[str], *, token: str | None = None, signing_key=None,
                  dtype: torch.dtype = torch.bfloat16, pause_servers: bool = False, retries: int = 4,
                  timeout_s: float = 900.0, **publisher):
-        self.publisher = DeltaPublisher(store, signing_key=signing_key, **publisher)
+        self.publisher = DeltaPublisher(store, signing_key=signing_key, dtype=dtype, **publisher)
         self.fleet = Fleet(list(servers), token, retries=retries, timeout_s=timeout_s)
-        self.dtype, self.pause_servers = dtype, pause_servers
+        self.dtype, self.pause_servers = self.publisher.dtype, pause_servers
         self.syncs: list[SyncStats] = []
         self.last: FleetResult | None = None
 
@@ -107,15 +111,13 @@ class DeltaWeightTransfer:
         one version of the weights cast to the served dtype, and return once every server serves it
         with the trainer's fingerprint; :class:`WeightSyncError` names the servers that did not."""
         t0 = time.perf_counter()
-        state = {name: tensor.detach().to(self.dtype) for name, tensor in iterator}
-        uri = self.publisher.publish(state)
-        self.publisher.wait()
+        pub = self.publisher
+        uri = pub.publish((name, tensor.detach()) for name, tensor in iterator)  # taken whole, then cast
+        pub.wait()
         t1 = time.perf_counter()
-        result = self._push(uri, self.publisher.fingerprint)
-        dense = sum(t.numel() * t.element_size() for t in state.values())
-        numel = sum(t.numel() for t in state.values())
-        self.syncs.append(SyncStats(self.publisher.version, max((r.fetched_bytes or 0) for r in result.replicas), dense,
-                                    t1 - t0, time.perf_counter() - t1, self.publisher.last_changed / max(numel, 1)))
+        result = self._push(uri, pub.fingerprint)
+        self.syncs.append(SyncStats(pub.version, max((r.fetched_bytes or 0) for r in result.replicas), pub.last_nbytes,
+                                    t1 - t0, time.perf_counter() - t1, pub.last_changed / max(pub.last_numel, 1)))
         return result
 
     def destroy(self) -> None:
@@ -229,6 +231,9 @@ def delta_grpo_trainer_class():
             generation = _delta_generation_class()
             with _generation_from(lambda **kw: generation(self.weight_transfer, **kw)):
                 super().__init__(*args, **kwargs)
+            pub = self.weight_transfer.publisher
+            if pub.checkpoint_layout == "auto":  # TRL hands (name, tensor) pairs: the names of the model in memory
+                pub.checkpoint_layout = transformers_model(self.model) or "auto"
 
         def train(self, *args, **kwargs):
             """TRL's training, then one more sync: the servers end on the trained weights (TRL syncs

@@ -3,7 +3,7 @@
 One :class:`Controller` lives where updates are driven from: the process that answers
 HTTP (vLLM's API server, SGLang's TokenizerManager process, which also serves the
 in-process ``sglang.Engine`` hook), or rank 0 of an in-process vLLM engine (the
-``delta`` weight-transfer backend). It checks the source against the allow-list
+``engine_ext`` weight-transfer backend). It checks the source against the allow-list
 before anything is fetched, prepares each update (plan, every rank fetches its part:
 an :class:`~engine_ext.server.transaction.UpdateTransaction`) outside its lock, so a slow source
 holds no other update back, and executes it (pause, apply, verify, commit) under the
@@ -11,11 +11,18 @@ lock on the state it was planned from, planning again if another update committe
 meanwhile. At most ``ENGINE_EXT_MAX_WAITING`` updates wait (429 beyond). It records
 the outcome (bounded history, Prometheus metrics). :class:`Auth` and
 :func:`error_answer` serve the HTTP routes of both engines.
+
+The ranks carry the committed state themselves (version, manifest, a commit count and the
+caller's label for the version): a driver that finds their count moved since it last
+looked (another driver, or a direct RPC, committed) re-reads its :class:`ServedState`
+from them before it plans (:meth:`Controller.sync`), so one engine has one served state
+whichever door an update came through.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import hmac
 import logging
 import time
@@ -29,7 +36,8 @@ from .follow import Follower
 from .protocol import UpdateRequest
 from ..store.signing import Trust
 from ..store.sources import Sources
-from .transaction import ApplyError, Ranks, ServedState, UpdateTransaction, check_replies, combine_fingerprints
+from .transaction import (ApplyError, Ranks, ServedState, UpdateTransaction, check_replies, combine_fingerprints,
+                          committed_state)
 
 log = logging.getLogger("engine_ext")
 
@@ -85,6 +93,14 @@ def error_answer(e: Exception) -> tuple[int, dict]:
     return 500, {"ok": False, "reason": "internal", "error": repr(e)}
 
 
+@dataclass(frozen=True)
+class Policy:
+    """What an update may come from: the stores it may be read from and the keys that must sign it."""
+
+    sources: Sources
+    trust: Trust
+
+
 def initial_version(model_dir: str | None) -> int | None:
     """``ENGINE_EXT_BASE_VERSION``, else the ``engine_ext_version`` file in the model dir."""
     v = settings.current().base_version
@@ -118,6 +134,7 @@ class Controller:
         self.history: collections.deque = collections.deque(maxlen=history)
         self.max_waiting = settings.current().max_waiting if max_waiting is None else max_waiting
         self._lock = asyncio.Lock()
+        self._applying = False  # an update executes (under the lock): others answer 409 unless they wait
         self._inflight = 0
         self.ready = False
         self.start_error: str | None = None
@@ -160,17 +177,89 @@ class Controller:
     async def resync(self, reason: str = "weights changed outside engine_ext") -> None:
         """Re-read every rank's live fingerprints after the engine's own weight update.
 
-        The version becomes unknown; a delta whose base fingerprint matches the new
-        weights is still accepted.
+        Where they changed, the version becomes unknown (on every rank too); a delta whose base
+        fingerprint matches the new weights is still accepted.
         """
         async with self._lock:
             replies = check_replies(await self.ranks.call("resync"))
-            self.state.tensor_fps, self.state.version = combine_fingerprints(replies), None
-            self.state.manifests = ()  # no manifest produced these weights: the next delta is bound by fingerprint
+            fps = self._served_fingerprints(replies)
+            if fps == self.state.tensor_fps and self.state.commits == max(r.commits for r in replies):
+                log.info("engine_ext: %s, but the live weights are the served version's; nothing changed", reason)
+                return
+            await self._forget(replies)  # the version and its manifest are unknown: the next delta is bound by fingerprint
+            self.state.tensor_fps = fps
             metrics.VERSION.set(-1)
             self.history.append({"ok": True, "outside_update": True, "version": None,
                                  "fingerprint": fpr.fmt(self.state.model_fingerprint), "time": time.time()})
             log.info("engine_ext: %s; fingerprint now %s", reason, fpr.fmt(self.state.model_fingerprint))
+
+    async def sync(self) -> bool:
+        """With the update lock held: ask the ranks for the committed state they carry; where their
+        commit count is not the one this driver knows (an update committed through another door:
+        an in-process backend, a direct RPC), re-read the served state from them. True if it moved."""
+        if not self.ready:
+            return False
+        replies = check_replies(await self.ranks.call("status"))
+        try:
+            commits, _, _, label = committed_state(replies)
+            moved = commits != self.state.commits
+        except ApplyError as e:  # a commit reached only some ranks: the version is unknown, the fingerprints tell
+            log.error("engine_ext: %s; the version is forgotten on every rank", e)
+            await self._forget(replies)
+            moved = True
+        if not moved:
+            self.state.label = label
+            return False
+        fresh = ServedState.from_setup(await self.ranks.call("setup"), None)
+        before = self.state.version
+        for f in dataclasses.fields(ServedState):
+            setattr(self.state, f.name, getattr(fresh, f.name))
+        metrics.VERSION.set(-1 if self.state.version is None else self.state.version)
+        self.history.append({"ok": True, "outside_update": True, "version": self.state.version,
+                             "fingerprint": fpr.fmt(self.state.model_fingerprint), "time": time.time()})
+        log.info("engine_ext: the ranks moved from v%s to v%s (commit %d) through another door; served state re-read, "
+                 "fingerprint %s", before, self.state.version, self.state.commits, fpr.fmt(self.state.model_fingerprint))
+        return True
+
+    async def _forget(self, replies) -> int:
+        """Every rank drops its committed version and takes one new commit count (past all of theirs);
+        so does the served state. Returns the count."""
+        commits = max(r.commits for r in replies) + 1
+        check_replies(await self.ranks.call("forget", commits=commits))
+        self.state.version, self.state.manifests, self.state.label, self.state.commits = None, (), None, commits
+        return commits
+
+    async def set_label(self, label: str | None) -> None:
+        """Record the caller's name for the served version (vLLM's ``finish_weight_update(weight_version)``)
+        on every rank, beside the version (``weight_version`` in :meth:`status`)."""
+        async with self._lock:
+            replies = check_replies(await self.ranks.call("set_label", label=label))
+            _, _, _, self.state.label = committed_state(replies)
+
+    async def fresh_status(self) -> dict:
+        """:meth:`status`, re-read from the ranks first unless an update holds the lock."""
+        if self.ready and not self._lock.locked():
+            try:
+                async with self._lock:
+                    await self.sync()
+            except Exception as e:  # noqa: BLE001 - the status still answers, with what is known
+                log.warning("engine_ext: re-reading the ranks' committed state failed: %s", e)
+        return self.status()
+
+    async def audit(self) -> dict:
+        """Re-read every rank's live weights, under the update lock (never in the middle of an apply),
+        and compare their fingerprints with the served state's: what ``GET ...?audit=1`` answers."""
+        async with self._lock:
+            live = self._served_fingerprints(check_replies(await self.ranks.call("audit")))
+            differ = sorted(n for n in set(live) | set(self.state.tensor_fps) if live.get(n) != self.state.tensor_fps.get(n))
+            return {"ok": not differ, "version": self.state.version, "fingerprint": fpr.fmt(fpr.model_fingerprint(live)),
+                    "differ": differ[:20]}
+
+    def _served_fingerprints(self, replies) -> dict[str, int]:
+        """The whole-tensor fingerprints of the served tensors from the ranks' reports (a checkpoint's
+        stored tied copy, which no rank loads, is not served)."""
+        tied = set(self.state.layout.get("tied", ())) | {n for r in replies for n in r.tied}
+        return combine_fingerprints(replies, sorted({n for r in replies for n in r.fingerprints} - tied))
 
     @property
     def version(self) -> int | None:
@@ -184,9 +273,11 @@ class Controller:
         return {
             "engine": self.engine_name,
             "version": self.state.version,
+            "weight_version": self.state.label,  # the caller's name for it (vLLM's finish_weight_update), if given
+            "commits": self.state.commits,
             "fingerprint": fpr.fmt(self.state.model_fingerprint) if self.ready else None,
             "tensors": len(self.state.tensor_fps),
-            "busy": self._lock.locked(),
+            "busy": self._applying,
             "error": self.start_error,
             "layout": self.state.layout,
             "history": list(self.history),
@@ -194,11 +285,13 @@ class Controller:
         }
 
     # ---- update
-    async def update(self, req: UpdateRequest) -> dict:
-        """Run one update transaction; the answer as JSON, or a DeltaError saying why nothing changed."""
+    async def update(self, req: UpdateRequest, policy: Policy | None = None) -> dict:
+        """Run one update transaction; the answer as JSON, or a DeltaError saying why nothing changed.
+        ``policy``: the sources and trusted keys of the door it came through (default: the server's)."""
+        policy = policy or Policy(self.sources, self.trust)
         try:
-            source = self.sources.check(req.url)  # 403 before anything is fetched
-            if self._lock.locked() and not req.wait:
+            source = policy.sources.check(req.url)  # 403 before anything is fetched
+            if self._applying and not req.wait:
                 raise Busy("another update is being applied; retry, or send \"wait\": true to queue")
             if self._inflight > self.max_waiting:
                 raise QueueFull(f"{self._inflight} updates are already in flight (ENGINE_EXT_MAX_WAITING="
@@ -207,7 +300,7 @@ class Controller:
                 raise ApplyError(f"the engine_ext start-up probe did not complete: {self.start_error or 'still running'}")
             self._inflight += 1
             try:
-                answer, phases = await self._prepare_and_execute(req, source)
+                answer, phases = await self._prepare_and_execute(req, source, policy.trust)
             finally:
                 self._inflight -= 1
         except DeltaError as e:
@@ -228,18 +321,26 @@ class Controller:
                              "url": _cut(req.url, 300), "ok": True, "time": time.time()})
         return answer.to_json()
 
-    async def _prepare_and_execute(self, req: UpdateRequest, source: str):
-        """Prepare outside the lock, execute under it; plan again if the state moved meanwhile."""
+    async def _prepare_and_execute(self, req: UpdateRequest, source: str, trust: Trust):
+        """Prepare outside the lock, execute under it; plan again if the state moved meanwhile
+        (here, or on the ranks through another door: :meth:`sync` before planning and executing)."""
         for _ in range(self.REPLANS):
-            txn = UpdateTransaction(self.ranks, self.state, req, source, self.trust)
+            async with self._lock:
+                await self.sync()
+            txn = UpdateTransaction(self.ranks, self.state, req, source, trust)
             try:
                 await txn.prepare()
                 async with self._lock:
+                    await self.sync()
                     if self.state.key() == txn.planned_from:
-                        return await txn.execute(), txn.phases
+                        self._applying = True
+                        try:
+                            return await txn.execute(), txn.phases
+                        finally:
+                            self._applying = False
             finally:
                 await txn.release()
         raise BaseMismatchError("other updates kept changing the served weights while this one was fetched; retry")
 
 
-__all__ = ["Controller", "Auth", "Busy", "QueueFull", "Unauthorized", "error_answer", "initial_version"]
+__all__ = ["Controller", "Auth", "Busy", "Policy", "QueueFull", "Unauthorized", "error_answer", "initial_version"]

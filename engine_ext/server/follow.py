@@ -29,7 +29,7 @@ from ..store import open_store
 
 log = logging.getLogger("engine_ext")
 
-MAX_BACKOFF_S = 300.0
+MAX_BACKOFF_S = 60.0  # a failing store sees one look a minute per server; a healed one is met within ~72 s
 JITTER = 0.2
 
 

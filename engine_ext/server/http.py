@@ -12,7 +12,7 @@ import logging
 from typing import Awaitable, Callable
 
 from .controller import Auth, Controller, error_answer
-from .protocol import UpdateRequest
+from .protocol import MAX_BODY_BYTES, RequestError, UpdateRequest
 
 log = logging.getLogger("engine_ext")
 
@@ -37,13 +37,38 @@ async def post_answer(auth: Auth, get_controller: ControllerGetter, authorizatio
         return status, answer
 
 
-async def get_answer(auth: Auth, get_controller: ControllerGetter, authorization: str | None) -> tuple[int, dict]:
+def bounded_body(request) -> Callable[[], Awaitable[bytes]]:
+    """``read_body`` for a Starlette request (vLLM's and SGLang's FastAPI apps): read chunk by chunk
+    and refused (400) once past ``MAX_BODY_BYTES``, so a long body is never held whole
+    (``request.body()`` reads all of it before anything can look at its size)."""
+    async def read() -> bytes:
+        out = bytearray()
+        async for chunk in request.stream():
+            out += chunk
+            if len(out) > MAX_BODY_BYTES:
+                raise RequestError(f"body is over {MAX_BODY_BYTES} bytes")
+        return bytes(out)
+
+    return read
+
+
+async def get_answer(auth: Auth, get_controller: ControllerGetter, authorization: str | None,
+                     audit: bool = False) -> tuple[int, dict]:
     """Status and JSON body of ``GET``: the controller's status, to authorised callers only
-    (it shows fingerprints and history); 503 while the controller cannot start."""
+    (it shows fingerprints and history); 503 while the controller cannot start. With ``audit``
+    (``?audit=1``) also ``audit``: the live weights re-read and checked against the served state
+    (reads the whole model on every rank; waits for an update in progress)."""
     try:
         auth.check(authorization)
         ctl = await get_controller()
+        if ctl is None:
+            return _UNAVAILABLE
+        return 200, await ctl.fresh_status() | ({"audit": await ctl.audit()} if audit else {})
     except Exception as e:  # noqa: BLE001
         status, answer = error_answer(e)
         return (503 if status == 500 else status), answer
-    return _UNAVAILABLE if ctl is None else (200, ctl.status())
+
+
+def wants_audit(query: dict) -> bool:
+    """``?audit=1`` (or ``true``) on ``GET``."""
+    return str(query.get("audit", "")).lower() in ("1", "true", "yes")

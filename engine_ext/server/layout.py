@@ -15,10 +15,20 @@ GEMM path keeps biases) is such a map too, a *converting* one
 (narrowed, computed, quantised, concatenated data; scatter-like ops; rebinding
 ``.data``) makes the tensor :class:`~engine_ext.server.maps.Unmappable`, with the reason. Constant fills (padding) are
 not checkpoint data and are ignored. No model-specific tables.
+
+A ``TorchFunctionMode`` sees only the thread it is entered in, and some loaders fan their
+writes out to a thread pool (SGLang's DeepSeek loader): writes the mode never saw would put
+the probe's uninitialised bytes into the live weights. While a loader is probed, a
+``ThreadPoolExecutor`` it uses runs each task in the probing thread (:func:`_loader_inline`),
+and a loader that starts a thread of its own is stopped before the thread runs (the tensor is
+then unmappable: reloaded densely).
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -153,6 +163,36 @@ class _Probe(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def _loader_inline():
+    """While the probing thread runs the loader: a thread pool's tasks run in that thread (where the
+    probe's mode sees their writes), and starting a thread raises before it runs. Other threads of the
+    process are left alone."""
+    me = threading.get_ident()
+    submit, start = ThreadPoolExecutor.submit, threading.Thread.start
+
+    def inline_submit(self, fn, /, *args, **kwargs):
+        if threading.get_ident() != me:
+            return submit(self, fn, *args, **kwargs)
+        f = Future()
+        try:
+            f.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - the task's failure is the future's, as in a pool
+            f.set_exception(e)
+        return f
+
+    def refused_start(self):
+        if threading.get_ident() != me:
+            return start(self)
+        raise RuntimeError("the loader starts a thread, whose writes the layout probe cannot see")
+
+    ThreadPoolExecutor.submit, threading.Thread.start = inline_submit, refused_start
+    try:
+        yield
+    finally:
+        ThreadPoolExecutor.submit, threading.Thread.start = submit, start
+
+
 def tracked_storages(module: torch.nn.Module) -> dict:
     """Storage key -> (name, tensor) for every parameter and buffer with storage."""
     out = {}
@@ -201,7 +241,7 @@ def probe_layout(module: torch.nn.Module, load, names_shapes_dtypes, device="cpu
         probe = torch.empty(shape, dtype=d.torch, device=device)
         mode = _Probe(tracked, probe)
         try:
-            with torch.no_grad(), mode:
+            with torch.no_grad(), _loader_inline(), mode:
                 load(name, probe)
         except Exception as e:  # noqa: BLE001 - the loader's own failure makes the tensor unmappable
             mode._fail(f"loader raised {type(e).__name__}: {e}")

@@ -50,7 +50,7 @@ class UpdateRequest:
                 raise RequestError(f"body is over {MAX_BODY_BYTES} bytes")
             try:
                 body = json.loads(body or b"")
-            except (ValueError, UnicodeDecodeError) as e:
+            except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
                 raise RequestError(f"body is not valid JSON: {str(e)[:120]}") from None
         if not isinstance(body, dict):
             raise RequestError('body must be a JSON object like {"url": "<manifest URI or path>"}')
@@ -111,11 +111,15 @@ class RankReply:
     fallback: tuple[str, ...] = ()  # setup, apply: tensors reloaded densely through the engine's loader
     converted: tuple[str, ...] = ()  # setup: tensors mapped through a converting map
     mismatched: tuple[str, ...] = ()  # setup: tensors whose live weights differ from the loaded checkpoint
+    tied: dict[str, str] = field(default_factory=dict)  # setup: checkpoint tensors not served, tied to another {name: kept}
     engine: dict = field(default_factory=dict)  # setup: the engine's kernels/paths on this rank
     written: int = 0  # apply: checkpoint elements written
     undo_bytes: int = 0  # apply
     seconds: dict[str, float] = field(default_factory=dict)  # setup, apply: time per step on the rank
-    version: int | None = None  # commit, status
+    version: int | None = None  # the committed state the rank carries (setup, commit, status, resync, set_label):
+    manifest: str | None = None  # SHA-256 of the manifest of the served version
+    commits: int = 0  # commits and resyncs so far
+    label: str | None = None  # the caller's name for the served version
     pending: bool = False  # status: an apply is neither committed nor rolled back; fetched: still fetching
     fetched_bytes: int = 0  # fetched: bytes this rank read from the store
     http_status: int | None = None  # a failure's status when it is a DeltaError (422 corrupt, 504 deadline...)

@@ -29,7 +29,6 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-import numpy as np
 import torch
 
 from ..format import fingerprint as fpr
@@ -38,7 +37,7 @@ from .. import settings
 from .maps import ApplyResult, TensorMap, Unmappable, checkpoint_view, covered_elements, local_fingerprint
 from ..format.delta import TensorDelta, apply_tensor
 from ..format.dtypes import DType
-from ..errors import IntegrityError
+from ..errors import BaseMismatchError, IntegrityError
 from .protocol import RankReply, TensorReport
 from .touched import Touched
 
@@ -47,7 +46,9 @@ log = logging.getLogger("engine_ext")
 Loader = Callable[[str, torch.Tensor], None]  # load one whole checkpoint tensor via the engine's loader
 Refresh = Callable[["Touched | None"], None]  # rebuild derived copies of what an apply wrote; None: of everything
 Describe = Callable[[], dict]  # the engine's kernels/paths on this rank, for the start-up log and status
-OPS = ("setup", "fetch", "fetched", "apply", "discard", "commit", "rollback", "status", "resync")
+OPS = ("setup", "fetch", "fetched", "apply", "discard", "commit", "rollback", "status", "resync", "audit", "forget",
+       "set_label")
+DECODE_BACKENDS = ("auto", "host", "device")
 MAX_FETCHES = 8  # fetches a rank holds at once (the driver's queue bound keeps it lower)
 
 
@@ -79,22 +80,36 @@ class RankUpdater:
     ``checkpoint``: {name: (shape, dtype)} of the served checkpoint; ``read_checkpoint``
     reads one tensor of it (the dense fallback starts from it); ``refresh`` rebuilds
     derived copies of the storages an apply wrote; ``describe`` reports the engine's paths.
+    ``decode_backend``: where context-coded parts are decoded: "auto" where the weights
+    live (on an accelerator in Triton, on the host in numba), "host" always on the host,
+    "device" always through the Triton pass (on CPU weights only under ``TRITON_INTERPRET=1``:
+    tests). ``apply_backend``: :func:`engine_ext.server.apply.apply_delta`'s backend.
     """
 
     def __init__(self, module: torch.nn.Module, load: Loader, checkpoint: dict[str, tuple[tuple[int, ...], DType]],
                  read_checkpoint: Callable[[str], torch.Tensor] | None = None, refresh: Refresh | None = None,
-                 rank: int = 0, describe: Describe | None = None):
+                 rank: int = 0, describe: Describe | None = None, decode_backend: str = "auto",
+                 apply_backend: str = "auto"):
+        if decode_backend not in DECODE_BACKENDS:
+            raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
         self.module, self.load, self.checkpoint = module, load, checkpoint
         self.read_checkpoint, self.refresh, self.rank, self.describe = read_checkpoint, refresh, rank, describe
+        self.decode_backend, self.apply_backend = decode_backend, apply_backend
         self.maps: dict[str, TensorMap | Unmappable] = {}
         self.host: dict[str, torch.Tensor] = {}  # checkpoint copies of unmappable tensors (dense fallback)
         self.fps: dict[str, int] = {}  # rank-local partial fingerprints (whole for host tensors)
         self.covered: dict[str, int] = {}
+        # The committed state, carried by the rank itself so that every driver that reaches it
+        # (the API server's route, an in-process backend, a direct RPC) sees the same one:
         self.version: int | None = None
+        self.manifest: str | None = None  # SHA-256 of the manifest the served weights came from
+        self.commits = 0  # every commit and resync counts one: a driver that saw another count re-reads
+        self.label: str | None = None  # the caller's own name for the served version (vLLM's weight version)
         self._pending: _Pending | None = None
         self._fetches: dict[str, _Fetch] = {}
         self.setup_s = 0.0
         self.mismatched: tuple[str, ...] = ()
+        self.tied: dict[str, str] = {}  # checkpoint tensors the engine ties to another and does not load: {name: kept}
 
     # ---- start-up
     def setup(self) -> RankReply:
@@ -105,6 +120,7 @@ class RankUpdater:
             t = time.perf_counter()
             specs = [(n, tuple(s), d) for n, (s, d) in self.checkpoint.items()]
             self.maps = probe_layout(self.module, self.load, specs)
+            self._leave_out_tied()
             for name, m in self.maps.items():
                 if isinstance(m, Unmappable):
                     if self.read_checkpoint is None:
@@ -121,7 +137,29 @@ class RankUpdater:
         return RankReply(True, self.rank, fingerprints=self.report(), fallback=tuple(sorted(self.host)),
                          converted=tuple(self.converted()), mismatched=self.mismatched, engine=self.describe() if self.describe else {},
                          tensors={n: (tuple(s), d.name) for n, (s, d) in self.checkpoint.items()},
-                         seconds={"setup": self.setup_s})
+                         tied=dict(self.tied), seconds={"setup": self.setup_s}, **self.committed())
+
+    def _leave_out_tied(self) -> None:
+        """A checkpoint tensor that the engine holds as a second name of a parameter registered
+        first under another name (tied embeddings: ``lm_head.weight`` is ``model.embed_tokens.weight``)
+        and that its loader does not write is not served: the kept parameter is, under its own
+        name. SGLang's loader skips the tied copy; vLLM 0.32's skips it too, and refuses it when it
+        comes alone (as the probe gives it: "skipped because it is tied to ..., which was not
+        found"). It leaves this rank's served set (a version holds each storage once, under the
+        kept name, and need not carry the copy that some checkpoints also store), and the
+        start-up says so."""
+        tied = tied_names(self.module)
+        for name, m in list(self.maps.items()):
+            if name in tied and (isinstance(m, Unmappable) or not any(p.numel for p in m.pieces)):
+                self.tied[name] = tied[name]
+                del self.maps[name], self.checkpoint[name]
+                how = f"its loader refuses it alone ({m.reason[:200]})" if isinstance(m, Unmappable) else "its loader skips it"
+                log.info("engine_ext: rank %s: checkpoint tensor %s is not served on its own: the engine ties it to %s "
+                         "and %s; versions carry that tensor once, as %s", self.rank, name, tied[name], how, tied[name])
+
+    def committed(self) -> dict:
+        """The committed state this rank carries, as RankReply fields."""
+        return {"version": self.version, "manifest": self.manifest, "commits": self.commits, "label": self.label}
 
     def check_load(self) -> list[str]:
         """Tensors whose live weights, read through this rank's maps, differ from the checkpoint the
@@ -144,13 +182,33 @@ class RankUpdater:
                       and any(p.dest.dtype != m.dtype.torch for p in m.pieces))
 
     def resync(self) -> RankReply:
-        """Recompute the fingerprints from the live weights (after an outside dense reload)."""
+        """Recompute the fingerprints from the live weights (after an outside dense reload; also a
+        read of the live weights). The committed state is the driver's to drop (:meth:`forget`)."""
         self._refuse_pending()
         self.setup()
         for name, m in self.maps.items():
             if name not in self.host:
                 self.fps[name] = local_fingerprint(m)
-        return RankReply(True, self.rank, fingerprints=self.report())
+        return RankReply(True, self.rank, fingerprints=self.report(), **self.committed())
+
+    def forget(self, commits: int) -> RankReply:
+        """The served weights are no longer a committed version's (changed outside engine_ext, or
+        the ranks disagreed): no version, manifest or label, and the commit count the driver gives
+        (one for every rank, so that they agree again)."""
+        self._refuse_pending()
+        self.version = self.manifest = self.label = None
+        self.commits = int(commits)
+        return RankReply(True, self.rank, **self.committed())
+
+    def audit(self) -> RankReply:
+        """The fingerprints of the live weights, read again through the maps; nothing changes. What is
+        served checked against what the bookkeeping says (an operator's audit, the chaos soak's "never
+        a mix"); dense-fallback tensors report their host copy, the only copy the maps can read."""
+        self.setup()
+        live = {n: fpr.tensor_fingerprint(self.host[n]) if n in self.host else local_fingerprint(m)
+                for n, m in self.maps.items()}
+        return RankReply(True, self.rank, pending=self._pending is not None, fingerprints={
+            n: TensorReport(fp, self.covered[n], _numel(self.checkpoint[n][0])) for n, fp in live.items()})
 
     def report(self, names: Iterable[str] | None = None) -> dict[str, TensorReport]:
         """This rank's view of each tensor's fingerprint, for the driver to combine."""
@@ -244,11 +302,17 @@ class RankUpdater:
         return RankReply(True, self.rank)
 
     # ---- apply / commit / rollback
-    def apply(self, deltas: list[TensorDelta] | None = None, txn: str | None = None) -> RankReply:
+    def apply(self, deltas: list[TensorDelta] | None = None, txn: str | None = None,
+              commits: int | None = None) -> RankReply:
         """Apply in place (``deltas``, or the part fetched for ``txn``), keeping an undo log until
-        :meth:`commit` or :meth:`rollback`. The reply reports every changed tensor this rank holds."""
+        :meth:`commit` or :meth:`rollback`. The reply reports every changed tensor this rank holds.
+        ``commits``: the commit count the driver planned from; refused if this rank moved since
+        (another driver committed in between)."""
         self._refuse_pending()
         self.setup()
+        if commits is not None and commits != self.commits:
+            raise BaseMismatchError(f"the served weights changed through another door since this update was planned "
+                                    f"(rank {self.rank} is at commit {self.commits}, the plan at {commits}); retry")
         t = time.perf_counter()
         names: set[str] = set()
         if deltas is None:
@@ -267,7 +331,7 @@ class RankUpdater:
         dense = [td for td in deltas if td.name in self.host]
         old_fps = {td.name: self.fps[td.name] for td in deltas}
         t = time.perf_counter()
-        res = apply_delta(mapped, self.maps, undo=True)
+        res = apply_delta(mapped, self.maps, undo=True, backend=self.apply_backend)
         touched = None if dense else Touched(mapped, self.maps)
         self._pending = _Pending(res, old_fps, {}, touched)
         try:
@@ -295,15 +359,25 @@ class RankUpdater:
                          undo_bytes=res.undo.nbytes if res.undo is not None else 0,
                          seconds={"load": t_load, "apply": t_apply})
 
-    def commit(self, version: int | None = None) -> RankReply:
-        """Keep the applied update: drop its undo log; record the version."""
+    def commit(self, version: int | None = None, manifest: str | None = None) -> RankReply:
+        """Keep the applied update (or adopt a version whose weights are held): drop the undo log;
+        record the version and its manifest; count the commit."""
         if self._pending is not None:
             if self._pending.result.undo is not None:
                 self._pending.result.undo.discard()
             self._pending = None
         if version is not None:
-            self.version = version
-        return RankReply(True, self.rank, version=self.version)
+            self.version, self.manifest = version, manifest
+        self.label = None  # a name given to the previous version
+        self.commits += 1
+        return RankReply(True, self.rank, **self.committed())
+
+    def set_label(self, label: str | None) -> RankReply:
+        """The caller's name for the served version (vLLM's ``finish_weight_update(weight_version)``)."""
+        if label is not None and (not isinstance(label, str) or len(label) > 256):
+            raise ValueError("a weight version label is a string of at most 256 characters")
+        self.label = label
+        return RankReply(True, self.rank, **self.committed())
 
     def rollback(self) -> RankReply:
         """Restore the exact old bits of the last apply (no-op when nothing is pending)."""
@@ -320,8 +394,8 @@ class RankUpdater:
         return RankReply(True, self.rank)
 
     def status(self) -> RankReply:
-        return RankReply(True, self.rank, version=self.version, fallback=tuple(sorted(self.host)),
-                         pending=self._pending is not None)
+        return RankReply(True, self.rank, fallback=tuple(sorted(self.host)), pending=self._pending is not None,
+                         **self.committed())
 
     # ---- helpers
     def _refuse_pending(self) -> None:
@@ -342,8 +416,24 @@ class _LiveBases:
         self.up = up
         self.overlay: dict[str, list[TensorDelta]] = {}
 
+    def context_device(self, name):
+        """The device of this rank's weights of ``name`` when its context pass runs there
+        (:class:`RankUpdater`'s ``decode_backend``), else None (the host)."""
+        up = self.up
+        if up.decode_backend == "host" or name in up.host:
+            return None
+        dev = next((p.dest.device for p in up.maps[name].pieces if p.count_fingerprint and p.numel), None)
+        if dev is None or (dev.type == "cpu" and up.decode_backend != "device"):
+            return None
+        return dev
+
     def bits(self, name, start, stop):
-        from ..format import chunks
+        box = self.tensor_bits(name, start, stop)
+        return None if box is None else box.cpu().numpy()
+
+    def tensor_bits(self, name, start, stop):
+        """The box's checkpoint bits, flat, as the earlier links of the route left them, on the
+        weights' device (a copy: the live weights are never written here)."""
         from ..format.dtypes import as_bits
         from .maps import read_box
 
@@ -354,22 +444,14 @@ class _LiveBases:
             box = read_box(up.maps[name], start, stop)  # PartlyHeld: the decoder asks block by block
             if box is None:
                 return None
-        box = box.cpu()
         shape, ext = up.checkpoint[name][0], tuple(b - a for a, b in zip(start, stop))
         for td in self.overlay.get(name, []):  # earlier links of the route, inside this box
-            idx = td.index().numpy()
-            coords = np.unravel_index(idx, shape) if len(shape) else ()
-            inside = np.ones(idx.size, dtype=bool)
-            for c, a, b in zip(coords, start, stop):
-                inside &= (c >= a) & (c < b)
-            local = torch.from_numpy(chunks.to_local(idx[inside], shape, (start, stop)))
-            part = TensorDelta(td.name, td.dtype, ext, td.mode, local, td.values[torch.from_numpy(inside)])
+            inside, local = _in_box(td.index().to(box.device), shape, start, stop)
+            part = TensorDelta(td.name, td.dtype, ext, td.mode, local, td.values.to(box.device)[inside])
             box = as_bits(apply_tensor(box.view(td.dtype.torch), part, check=False))
-        return box.reshape(-1).numpy()
+        return box.reshape(-1)
 
     def verify(self, name, fingerprint):
-        from ..errors import BaseMismatchError
-
         up = self.up
         if self.overlay.get(name) or up.covered.get(name) != _numel(up.checkpoint[name][0]):
             return  # a later link (hash-chained to the first), or a shard (the driver checked the whole)
@@ -380,6 +462,33 @@ class _LiveBases:
     def advance(self, tensors):
         for td in tensors:
             self.overlay.setdefault(td.name, []).append(td)
+
+
+def _in_box(idx: torch.Tensor, shape, start, stop) -> tuple[torch.Tensor, torch.Tensor]:
+    """(which flat indices of a tensor of ``shape`` lie in box [start, stop), the box-local row-major
+    indices of those), on ``idx``'s device."""
+    coords, rem = [], idx
+    for n in reversed(tuple(shape)):
+        coords.append(rem % n)
+        rem = rem // n
+    inside = torch.ones(idx.shape, dtype=torch.bool, device=idx.device)
+    local = torch.zeros_like(idx)
+    for c, a, b in zip(reversed(coords), start, stop):
+        inside &= (c >= a) & (c < b)
+        local = local * (b - a) + (c - a)
+    return inside, local[inside]
+
+
+def tied_names(module: torch.nn.Module) -> dict[str, str]:
+    """{later name: first name} of the parameters ``module`` registers under more than one name."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out
 
 
 def _numel(shape) -> int:

@@ -1,7 +1,8 @@
 """One update of the served weights, all ranks or none: the transaction every entry point runs.
 
-The HTTP routes on vLLM and SGLang, the in-process SGLang ``Engine`` hook and vLLM's
-``delta`` weight-transfer backend all drive the same :class:`UpdateTransaction` from
+The HTTP routes on vLLM and SGLang (``/update_weights_delta``, and vLLM's own weight-transfer
+routes when its backend is ours), the in-process SGLang ``Engine`` hook and vLLM's
+``engine_ext`` weight-transfer backend all drive the same :class:`UpdateTransaction` from
 one place (the *driver*: the API server process, SGLang's TokenizerManager, or rank 0
 of the in-process engine). They differ only in how the driver reaches the ranks, the
 small :class:`Ranks` protocol each engine adapter implements. The lifecycle, in order
@@ -80,6 +81,16 @@ def check_replies(replies: list[RankReply]) -> list[RankReply]:
     return replies
 
 
+def committed_state(replies: list[RankReply]) -> tuple[int, int | None, str | None, str | None]:
+    """(commits, version, manifest SHA-256, label) that every rank carries; :class:`ApplyError` when
+    the ranks disagree (a commit reached only some of them: no update can be planned safely)."""
+    seen = {(r.commits, r.version, r.manifest, r.label) for r in replies}
+    if len(seen) != 1:
+        raise ApplyError("the ranks carry different committed states (a commit reached only some of them): "
+                         + "; ".join(f"rank {r.rank}: commit {r.commits}, v{r.version}" for r in replies))
+    return seen.pop()
+
+
 def combine_fingerprints(replies: list[RankReply], names=None) -> dict[str, int]:
     """The whole-tensor fingerprints from every rank's :class:`~engine_ext.server.protocol.TensorReport`.
 
@@ -125,19 +136,38 @@ class ServedState:
     tensors: dict[str, tuple[tuple[int, ...], str]]
     layout: dict = field(default_factory=dict)
     manifests: tuple[str, ...] = ()
+    commits: int = 0  # the ranks' commit count this state describes (:func:`committed_state`)
+    label: str | None = None  # the caller's name for the served version (vLLM's weight version)
 
     def key(self) -> tuple:
         """What a planned route depends on: changes only when an update commits."""
-        return self.version, self.model_fingerprint, self.manifests
+        return self.version, self.model_fingerprint, self.manifests, self.commits
 
     @classmethod
     def from_setup(cls, replies: list[RankReply], version: int | None) -> "ServedState":
+        """The served state from every rank's ``setup`` (or ``resync``) reply: the live fingerprints, and
+        the committed state the ranks carry; ``version`` (the configured start version) only where no
+        commit happened yet. A checkpoint tensor that some rank's engine ties to another and loads
+        nowhere (a tied ``lm_head.weight`` that the checkpoint also stores) is not part of it: versions
+        carry the kept tensor only."""
         check_replies(replies)
+        tied = {n: k for r in replies for n, k in r.tied.items()}
         layout = {"fallback": sorted({n for r in replies for n in r.fallback}),
                   "converted": sorted({n for r in replies for n in r.converted}),
                   "mismatched": sorted({n for r in replies for n in r.mismatched}),
+                  "tied": dict(sorted(tied.items())),
                   "engine": [r.engine for r in replies]}
-        return cls(version, combine_fingerprints(replies), replies[0].tensors, layout)
+        if tied:
+            log.info("engine_ext: not served on their own, tied by the engine to another tensor: %s",
+                     ", ".join(f"{n} (= {k})" for n, k in sorted(tied.items())))
+        names = sorted({n for r in replies for n in r.fingerprints} - set(tied))
+        tensors = {n: s for n, s in replies[0].tensors.items() if n not in tied}
+        state = cls(version, combine_fingerprints(replies, names), tensors, layout)
+        commits, held, manifest, label = committed_state(replies)
+        if commits:
+            state.version, state.manifests = held, ((manifest,) if manifest else ())
+        state.commits, state.label = commits, label
+        return state
 
     @property
     def model_fingerprint(self) -> int:
@@ -236,7 +266,8 @@ class UpdateTransaction:
         planned = route.plan(
             self.source, self.state.version, self.state.model_fingerprint, have_manifests=self.state.manifests,
             trust=self.trust, limits=self.limits, allow_older=self.request.rollback,
-            deadline=time.monotonic() + settings.current().fetch_timeout, tensor_fps=self.state.tensor_fps)
+            deadline=time.monotonic() + settings.current().fetch_timeout, tensor_fps=self.state.tensor_fps,
+            expected=self.state.tensors)
         self.store, self.chain, self.target = planned.store, planned.links, planned.target
         if not self.chain:
             self._check_manifests([self.target])  # a target adopted without a fetch is held to the same rules
@@ -282,7 +313,7 @@ class UpdateTransaction:
     async def apply(self) -> None:
         """Paused: every rank writes its fetched part in place and keeps an undo log; any rank's
         failure rolls every rank back (ranks that did not fail hold a pending apply)."""
-        self.replies = await self.ranks.call("apply", txn=self.id)
+        self.replies = await self.ranks.call("apply", txn=self.id, commits=self.state.commits)
         try:
             check_replies(self.replies)
             self._fetching = False  # every rank took its part: nothing left to release
@@ -315,19 +346,21 @@ class UpdateTransaction:
     async def commit(self) -> None:
         """Verified: every rank drops its undo log and records the version; the served state moves
         (and remembers the manifest it came from, which the next delta must name as its base)."""
-        version = self.chain[-1].manifest.version
-        check_replies(await self.ranks.call("commit", version=version))
+        version, sha = self.chain[-1].manifest.version, self.chain[-1].sha256
+        replies = check_replies(await self.ranks.call("commit", version=version, manifest=sha))
         self.state.tensor_fps, self.state.version = self.new_fps, version
-        self.state.manifests = (self.chain[-1].sha256,)
+        self.state.manifests = (sha,)
+        self.state.commits, _, _, self.state.label = committed_state(replies)
 
     async def adopt(self) -> None:
         """Under the lock, when the served weights already are the target's (same fingerprint) but
         under another version or none (a server started from the run's first checkpoint): every
         rank records the target's version and the state binds to its manifest; nothing is
         fetched, written or paused."""
-        version = self.target.manifest.version
-        check_replies(await self.ranks.call("commit", version=version))
-        self.state.version, self.state.manifests = version, (self.target.sha256,)
+        version, sha = self.target.manifest.version, self.target.sha256
+        replies = check_replies(await self.ranks.call("commit", version=version, manifest=sha))
+        self.state.version, self.state.manifests = version, (sha,)
+        self.state.commits, _, _, self.state.label = committed_state(replies)
 
     async def rollback(self) -> None:
         """Failed after a write: every rank restores the exact old bits (a no-op where nothing is pending)."""
@@ -390,4 +423,5 @@ class UpdateTransaction:
             self.phases[phase] = time.perf_counter() - t
 
 
-__all__ = ["UpdateTransaction", "ServedState", "Ranks", "ApplyError", "combine_fingerprints", "check_replies"]
+__all__ = ["UpdateTransaction", "ServedState", "Ranks", "ApplyError", "combine_fingerprints", "check_replies",
+           "committed_state"]

@@ -44,12 +44,27 @@ class TensorInfo:
 
 
 def read_header(path: str | Path) -> dict:
-    """The JSON header of a safetensors file (without reading its data)."""
+    """The JSON header of a safetensors file (without reading its data). ValueError for anything
+    else: a file too short, a header longer than the file (never allocated), not a JSON object."""
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > 100 << 20:
-            raise ValueError(f"{path}: safetensors header of {n} bytes is implausible")
-        return json.loads(f.read(n))
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path}: {len(head)} bytes, too short for a safetensors file")
+        (n,) = struct.unpack("<Q", head)
+        size = os.fstat(f.fileno()).st_size
+        if n > 100 << 20 or n > size - 8:
+            raise ValueError(f"{path}: safetensors header of {n} bytes is implausible (the file holds {size})")
+        try:
+            header = json.loads(f.read(n))
+        except RecursionError:
+            raise ValueError(f"{path}: safetensors header nested too deep") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the safetensors header is not a JSON object")
+    return header
+
+
+def _is_shape(shape) -> bool:
+    return isinstance(shape, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
 
 
 class CheckpointDir:
@@ -74,13 +89,52 @@ class CheckpointDir:
             for name, meta in read_header(self.path / fname).items():
                 if name == "__metadata__":
                     continue
+                if not isinstance(meta, dict) or not isinstance(meta.get("dtype"), str) or not _is_shape(meta.get("shape")):
+                    raise ValueError(f"{fname}:{name!r:.100}: not a tensor entry (a dtype and a shape of non-negative ints)")
                 dt = BY_SAFETENSORS.get(meta["dtype"])
                 if dt is None:
-                    raise ValueError(f"{fname}:{name}: unsupported dtype {meta['dtype']}")
+                    raise ValueError(f"{fname}:{name!r:.100}: unsupported dtype {meta['dtype'][:40]!r}")
                 self.tensors[name] = TensorInfo(name, dt, tuple(meta["shape"]), fname)
 
     def names(self) -> list[str]:
         return list(self.tensors)
+
+    def config(self) -> dict:
+        """``config.json`` of the directory ({} when there is none)."""
+        path = self.path / "config.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def drop_tied_copies(self) -> dict[str, str]:
+        """Leave out the tied copy of the input embedding that some checkpoints store beside it.
+
+        A model whose ``config.json`` says ``tie_word_embeddings`` (at its top level, else in its
+        ``text_config``) holds one tensor under two names; engines load the input embedding and
+        skip ``lm_head.weight``, and a version carries it once, under the kept name. Each
+        ``lm_head.weight`` here is checked to be byte for byte the input embedding of its shape
+        and dtype (an ``embed`` tensor) before it is left out; a "tied" copy that differs is
+        refused (ValueError): the checkpoint is not what its config says. Returns {dropped: kept}.
+        """
+        cfg = self.config()
+        tie = cfg.get("tie_word_embeddings")
+        if tie is None:
+            tie = (cfg.get("text_config") or {}).get("tie_word_embeddings")
+        if not tie:
+            return {}
+        out = {}
+        for copy in [n for n in self.tensors if n == "lm_head.weight" or n.endswith(".lm_head.weight")]:
+            info = self.tensors[copy]
+            kept = next((n for n, i in self.tensors.items() if n != copy and "embed" in n
+                         and (i.shape, i.dtype) == (info.shape, info.dtype)), None)
+            if kept is None:
+                raise ValueError(f"{self.path}: config.json ties the word embeddings, but no input embedding has "
+                                 f"{copy}'s shape {list(info.shape)} and dtype {info.dtype.name}")
+            if not torch.equal(as_bits(self.load(copy)), as_bits(self.load(kept))):
+                raise ValueError(f"{self.path}: config.json ties the word embeddings, but {copy} differs from {kept} "
+                                 "(the checkpoint is not what its config says: untie it in config.json, or fix the weights)")
+            out[copy] = kept
+        for copy in out:
+            del self.tensors[copy]
+        return out
 
     def specs(self) -> dict[str, tuple[tuple[int, ...], DType]]:
         """{name: (shape, dtype)} from the headers only."""
@@ -96,7 +150,8 @@ class CheckpointDir:
         for fname in self.files:
             with safe_open(self.path / fname, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if name in self.tensors:  # not a tied copy left out
+                        yield name, f.get_tensor(name)
 
 
 def served_checkpoint(model: str, revision: str | None = None) -> CheckpointDir:

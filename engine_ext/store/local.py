@@ -72,7 +72,11 @@ class LocalStore(Store):
         with self._open(key) as f:
             if limit is None:
                 return f.read()
-            data = f.read(limit + 1)  # never more, whatever st_size says
+            # never more than the limit, whatever st_size says; no buffer of the limit's size for a small file
+            size = os.fstat(f.fileno()).st_size
+            data = f.read(min(limit, size) + 1)
+            if len(data) > size:  # it grew meanwhile: the rest, still bounded
+                data += f.read(limit + 1 - len(data))
             if len(data) > limit:
                 raise _too_large(key, len(data), limit)
             return data

@@ -31,7 +31,7 @@ from ..format import fingerprint as fpr
 from .. import settings
 from ..format.delta import TensorDelta, apply_tensor
 from ..format.dtypes import as_bits, dtype_by_name
-from ..errors import BaseMismatchError, IntegrityError, ManifestError, NotFoundError
+from ..errors import BaseMismatchError, IntegrityError, ManifestError, ModelMismatchError, NotFoundError
 from ..format.manifest import LATEST_KEY, MAX_LATEST_BYTES, MAX_MANIFEST_BYTES, Latest, Manifest
 from .signing import MAX_SIGNATURE_BYTES, SIG_SUFFIX, SignatureError, Trust, sha256_hex
 from . import Store, split_uri
@@ -103,18 +103,25 @@ def read_latest(store: Store, trust: Trust | None = None, allow_expired: bool = 
 
 
 def check_expected(m: Manifest, expected: dict | None, where: str) -> None:
-    """Refuse (as a delta for another model) a manifest whose tensors differ from ``expected``
-    {name: (shape, dtype name)}: checked from the manifest alone, before any blob is read."""
+    """Refuse (:class:`~engine_ext.errors.ModelMismatchError`: a version of another model, layout
+    or dtype) a manifest holding a tensor that ``expected`` {name: (shape, dtype name)} does not,
+    or holds with another shape or dtype: checked from the manifest alone, before any blob is
+    read. Every tensor that differs is named, with what each side holds."""
     if expected is None:
         return
+    missing, differ, dtype_only = [], [], False
     for t in m.tensors:
         want = expected.get(t.name)
         if want is None:
-            raise BaseMismatchError(f"{where}: tensor {t.name!r} is not in the served model")
-        shape, dtype = want
-        if tuple(shape) != tuple(t.shape) or dtype != t.dtype:
-            raise BaseMismatchError(f"{where}: tensor {t.name!r} is {list(t.shape)}/{t.dtype}, "
-                                    f"the served model has {list(shape)}/{dtype}")
+            missing.append(t.name)
+        elif tuple(want[0]) != tuple(t.shape) or want[1] != t.dtype:
+            differ.append(f"{t.name!r} is {list(t.shape)}/{t.dtype}, the served model has {list(want[0])}/{want[1]}")
+            dtype_only |= tuple(want[0]) == tuple(t.shape)
+    if missing or differ:
+        why = ([f"{len(missing)} tensor(s) not in the served model: {missing[:5]}"] if missing else []) + (
+            [f"{len(differ)} tensor(s) differ: " + "; ".join(differ[:5])] if differ else [])
+        hint = " (publish in the served dtype: DeltaPublisher(dtype=...), engine-ext --dtype)" if dtype_only else ""
+        raise ModelMismatchError(f"{where}: " + "; ".join(why) + hint)
 
 
 def fetch_blobs(store: Store, m: Manifest, workers: int = 8) -> list[bytearray]:
@@ -236,6 +243,18 @@ class Bases:
         """Flat row-major raw bits of box [start, stop) of tensor ``name``; None when none of it is held."""
         raise NotImplementedError
 
+    def context_device(self, name: str) -> torch.device | None:
+        """Where the context pass over ``name``'s base runs: None on the host (numba, from
+        :meth:`bits`); a torch device: there (:mod:`engine_ext.format.context_device`, Triton),
+        from :meth:`tensor_bits`, with no copy of the base to the host. The decoded positions
+        and values of such a tensor are on that device."""
+        return None
+
+    def tensor_bits(self, name: str, start: tuple, stop: tuple) -> torch.Tensor | None:
+        """:meth:`bits` as a flat torch tensor on :meth:`context_device` (PartlyHeldError as :meth:`bits`)."""
+        bits = self.bits(name, start, stop)
+        return None if bits is None else torch.from_numpy(bits)
+
     def verify(self, name: str, fingerprint: int) -> None:
         """Raise BaseMismatchError unless the held base of ``name`` has ``fingerprint`` (where checkable)."""
 
@@ -286,17 +305,23 @@ def _decode_context(p: _Part, data: memoryview, bases: Bases | None) -> tuple[to
     if bases is None:
         raise IntegrityError(f"tensor {t.name!r} is context-coded: decoding needs the base weights")
     start = (0,) * len(t.shape) if box is None else box[0]
+    device = bases.context_device(t.name)  # where the base lives: the pass runs there
+    read = bases.bits if device is None else bases.tensor_bits
 
     def base_of(sub):
-        return bases.bits(t.name, tuple(a + s for a, s in zip(start, sub[0])), tuple(a + s for a, s in zip(start, sub[1])))
+        return read(t.name, tuple(a + s for a, s in zip(start, sub[0])), tuple(a + s for a, s in zip(start, sub[1])))
 
     n = e.positions.length
-    pos, vals = context_codec.decode(t.dtype, tuple(t.shape), box, bytes(data[:n]), bytes(data[n:]), e.nnz, base_of,
-                                     list(p.tables))
-    pos = torch.from_numpy(pos)
+    args = (t.dtype, tuple(t.shape), box, bytes(data[:n]), bytes(data[n:]), e.nnz, base_of, list(p.tables))
+    if device is None:
+        pos, vals = (torch.from_numpy(a) for a in context_codec.decode(*args))
+    else:
+        from ..format import context_device
+
+        pos, vals = context_device.decode(*args)
     if box is not None:
         pos = chunks.to_global(pos, t.shape, box)
-    return pos, torch.from_numpy(vals)
+    return pos, vals
 
 
 def _decode_part(p: _Part, data: memoryview, bases: Bases | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -326,6 +351,16 @@ def _decode_values(p: _Part, data: memoryview) -> torch.Tensor:
         raise IntegrityError(f"tensor {p.tensor.name!r}: {err}") from None
 
 
+def _on_one_device(pieces: list) -> list:
+    """Parts of one tensor decoded on its base's device (context-coded) and on the host (the others),
+    all on the base's device, where the apply reads them."""
+    devices = {v.device for _, v in pieces}
+    if len(devices) == 1:
+        return pieces
+    dev = next(d for d in devices if d.type != "cpu")
+    return [(None if q is None else q.to(dev), v.to(dev)) for q, v in pieces]
+
+
 def _decode_parts(parts: list[_Part], data_of, workers: int, bases: Bases | None = None) -> list[TensorDelta]:
     """One TensorDelta per tensor from its decoded parts (cells merged into sorted positions);
     one task per tensor, so that small cells do not pay a thread hand-off each."""
@@ -346,6 +381,7 @@ def _decode_parts(parts: list[_Part], data_of, workers: int, bases: Bases | None
         for p in ps:
             by_mode.setdefault(p.entry.values.mode, []).append(_decode_part(p, data_of((p.blob, p.offset)), bases))
         for mode, pieces in by_mode.items():
+            pieces = _on_one_device(pieces)
             if len(pieces) == 1:
                 pos, vals = pieces[0]
             else:

@@ -110,7 +110,7 @@ def differing_tensors(m: Manifest, tensor_fps: Mapping[str, int] | None, show: i
 def plan(source: str, have_version: int | None = None, have_fingerprint: int | None = None, *,
          have_manifests: tuple[str, ...] = (), trust: Trust | None = None, limits: Limits = Limits(),
          allow_older: bool = False, deadline: float | None = None, tensor_fps: Mapping[str, int] | None = None,
-         **store_options) -> Route:
+         expected: dict | None = None, **store_options) -> Route:
     """The verified links to fetch to go from what is held to the target, fewest bytes first.
 
     ``source`` is a manifest URI (``.../v00000042.json``) or a store root (its signed LATEST).
@@ -123,6 +123,9 @@ def plan(source: str, have_version: int | None = None, have_fingerprint: int | N
     weights are what is held (a replay, or weights equal by fingerprint). Raises
     BaseMismatchError when no route leads there, DowngradeError for an older target unless
     ``allow_older``. ``deadline`` (``time.monotonic()``) bounds every read of the store.
+    ``expected`` ({name: (shape, dtype name)} of the held model): the target is checked against
+    it first (:class:`~engine_ext.errors.ModelMismatchError`), so that a version of another model,
+    layout or dtype is named as such, not as a wrong base.
     """
     trust = trust or Trust.from_settings()
     if source.endswith(".json"):
@@ -147,6 +150,7 @@ def plan(source: str, have_version: int | None = None, have_fingerprint: int | N
     if want_sha is not None and target.sha256 != want_sha:
         raise IntegrityError(f"{store.key_uri(key)} is not the manifest LATEST names (SHA-256 differs)")
     tm = target.manifest
+    check_expected(tm, expected, store.key_uri(key))
     if have_version is not None and have_fingerprint is not None and tm.version == have_version:
         if fpr.parse(tm.fingerprint) != have_fingerprint:
             raise BaseMismatchError(f"{store.key_uri(key)} is version {tm.version} with another fingerprint than the "
@@ -239,7 +243,8 @@ def resolve(source: str, have_version: int | None = None, have_fingerprint: int 
             allow_older: bool = True, bases: Bases | None = None, **store_options) -> DecodedDelta:
     """Everything needed to go from the held version to ``source``'s, composed into one delta
     (:func:`plan`, each manifest checked against ``expected``, then :func:`fetch_planned`)."""
-    route = plan(source, have_version, have_fingerprint, trust=trust, allow_older=allow_older, **store_options)
+    route = plan(source, have_version, have_fingerprint, trust=trust, allow_older=allow_older, expected=expected,
+                 **store_options)
     for link in route.links:
         check_expected(link.manifest, expected, route.store.key_uri(link.key))
     return fetch_planned(route.store, route.links, workers, bases=bases)

@@ -195,7 +195,7 @@ class Trust:
         if sig_object is not None:
             try:
                 signatures = json.loads(sig_object)["signatures"]
-            except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
                 raise SignatureError(f"{what}: malformed signature object") from None
             if not isinstance(signatures, list):
                 raise SignatureError(f"{what}: malformed signature object")

@@ -67,11 +67,13 @@ def _under(path: str, prefix: str) -> bool:
 
 
 class Sources:
-    """The allow-list of manifest sources (``ENGINE_EXT_SOURCES``, comma-separated)."""
+    """The allow-list of manifest sources (``ENGINE_EXT_SOURCES``, comma-separated). ``origin``
+    names where the list came from in refusals (a narrowed list is not the setting)."""
 
-    def __init__(self, prefixes: list[str]):
+    def __init__(self, prefixes: list[str], origin: str = "ENGINE_EXT_SOURCES"):
         self.raw = [p.strip() for p in prefixes if p.strip()]
         self.prefixes = [_normalise(p) for p in self.raw]
+        self.origin = origin
 
     @classmethod
     def from_settings(cls, s: "settings.Settings | None" = None) -> "Sources":
@@ -86,4 +88,4 @@ class Sources:
         for s, a, p in self.prefixes:
             if s == scheme and a == auth and _under(path, p):
                 return path if scheme == "file" else uri
-        raise ForbiddenSourceError(f"source {_show(uri)} is not under an allowed prefix (ENGINE_EXT_SOURCES)")
+        raise ForbiddenSourceError(f"source {_show(uri)} is not under an allowed prefix ({self.origin})")

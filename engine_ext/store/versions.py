@@ -1,4 +1,5 @@
-"""Publishing one version to a store: all or nothing, write-once, LATEST last and forward only."""
+"""Publishing one version to a store: all or nothing, write-once, one set of weights per version
+number, LATEST last and forward only."""
 from __future__ import annotations
 
 import os
@@ -9,12 +10,39 @@ from ..errors import ConflictError
 from ..format.manifest import LATEST_KEY
 from .base import Store
 
+MAX_CLAIM_BYTES = 256
+
+
+def claim_key(version: int) -> str:
+    """The object that binds a version number to one set of weights (:func:`claim_version`)."""
+    return f"v{version:08d}.claim"
+
+
+def claim_version(store: Store, version: int, fingerprint: str) -> None:
+    """Bind ``version`` to the weights of ``fingerprint``, or raise :class:`ConflictError`.
+
+    A version has up to two manifests under two keys (``vN.json``, ``vN.anchor.json``), each
+    created write-once; without a claim, a racing publisher could win one key with other weights
+    while its rival wins the other, and vN would name two models (a follower rebuilding from the
+    anchor then finds no chain to the delta). The claim is created once with the fingerprint; the
+    anchor and delta of one version (the same weights) pass it, and so does a retry of a create
+    that succeeded before its answer was cut."""
+    body = f"{fingerprint}\n".encode()
+    key = claim_key(version)
+    try:
+        store.create(key, body)
+    except ConflictError:
+        held = store.read(key, MAX_CLAIM_BYTES)
+        if held != body:
+            raise ConflictError(f"{store.key_uri(key)}: v{version} is already claimed by other weights "
+                                f"({held[:80]!r}, not {fingerprint})") from None
+
 
 def publish_version(store: Store, blobs: Mapping[str, bytes | os.PathLike] | Iterable[tuple[str, bytes | os.PathLike]],
                     manifest_key: str, manifest_bytes: bytes, latest_bytes: bytes, version: int,
                     latest_key: str = LATEST_KEY, workers: int = 4, signature: bytes | None = None) -> str:
-    """Publish one version all-or-nothing and write-once: every blob, the manifest's signature, the
-    manifest, then LATEST.
+    """Publish one version all-or-nothing and write-once: every blob, the version's claim
+    (:func:`claim_version`: LATEST's fingerprint), the manifest's signature, the manifest, then LATEST.
 
     Blobs, signature and manifest are *created* (:meth:`Store.create`: never over an existing
     object), so a version is written once: a second publisher of the same version (a restarted
@@ -54,6 +82,9 @@ def publish_version(store: Store, blobs: Mapping[str, bytes | os.PathLike] | Ite
         if items:
             with ThreadPoolExecutor(max_workers=max(1, min(workers, len(items)))) as pool:
                 list(pool.map(put, items))  # re-raises the first failure after all finish
+        from ..format.manifest import Latest
+
+        claim_version(store, version, Latest.from_json(latest_bytes)[0].fingerprint)
         if signature is not None:
             store.create(manifest_key + ".sig", signature)
         store.create(manifest_key, manifest_bytes)

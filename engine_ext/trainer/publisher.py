@@ -5,7 +5,10 @@ previous version on the tensors' own device (GPU on a GPU trainer), so only the
 changed positions and values ever leave the device; fingerprints are updated in
 O(changed). Encoding (all cores) and upload run on a background thread behind a
 bounded queue: ``publish`` returns the manifest URI at once and blocks only when the
-queue is full (backpressure); ``wait()`` drains it and re-raises upload errors.
+queue is full (backpressure); ``wait()`` drains it and re-raises upload errors. A version
+that fails to publish (the store down, a full disk) is raised once, by ``publish`` or
+``wait``; the versions queued behind it are skipped, and the next version is an anchor, so
+that no delta ever names a base that was not published.
 
 Versions are write-once and only grow. A publisher on a store that already holds
 versions (a restarted trainer) continues after them (:mod:`engine_ext.trainer.lineage`): its first
@@ -37,9 +40,10 @@ from ..format.delta import changed_bits
 from ..errors import ConflictError, DeltaError
 from ..format.quantize import quantizer
 from ..store.signing import Signer, Trust
-from ..format.dtypes import as_bits, dtype_of
+from ..format.dtypes import as_bits, dtype_of, served_dtype, to_served
 from ..format.manifest import ANCHOR, DELTA, LATEST_KEY, MAX_LATEST_BYTES, Latest, manifest_key
 from ..store import Store, open_store
+from .checkpoint_layout import to_checkpoint_layout, transformers_model
 
 log = logging.getLogger("engine_ext")
 RESUME_MODES = ("auto", "delta", "anchor")
@@ -50,28 +54,80 @@ WHOLE_MODEL_PREFIXES = ("_orig_mod.", "module.")
 WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
 
-def clean_state_dict(model_or_sd) -> dict[str, torch.Tensor]:
-    """A flat {checkpoint name: tensor} from an nn.Module or state dict, wrapper names removed.
+def _alias_key(t: torch.Tensor):
+    """What makes two tensors one: the same elements of one storage, seen the same way
+    (device, address of the first element, dtype, shape, strides); None for a tensor that
+    aliases nothing it could be confused with (empty, meta, another tensor subclass). An FSDP2
+    ``DTensor`` is keyed by its local shard and placements."""
+    if hasattr(t, "to_local") and hasattr(t, "placements"):
+        local = _alias_key(t.to_local())
+        return None if local is None else (local, tuple(t.placements), tuple(t.shape))
+    if t.numel() == 0 or t.device.type == "meta" or type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return None
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+
+def _checkpoint_names(names: list[str]) -> tuple[list[str], list[str]]:
+    """(names without wrapper prefixes and components, the whole-model prefixes stripped in order)."""
+    stripped = []
+    while names and (p := next((p for p in WHOLE_MODEL_PREFIXES if all(n.startswith(p) for n in names)), None)):
+        names = [n[len(p):] for n in names]
+        stripped.append(p)
+    return [".".join(c for c in n.split(".") if c not in WRAPPER_COMPONENTS) for n in names], stripped
+
+
+def clean_state_dict(model_or_sd, aliases: dict[str, str] | None = None, cast=None) -> dict[str, torch.Tensor]:
+    """A flat {checkpoint name: tensor} from an nn.Module, a state dict, or an iterable of
+    ``(name, tensor)`` (TRL's parameter iterator), wrapper names removed, each storage once.
 
     A whole-model wrapper's prefix is stripped only where every name starts with it
-    (``consume_prefix_in_state_dict_if_present``, repeated for nested wrappers), and
-    submodule wrappers only as whole dot-separated components, so names that merely
-    contain ``module`` or ``_orig_mod`` (``vision_module.weight``) are left alone.
+    (repeated for nested wrappers), and submodule wrappers only as whole dot-separated
+    components, so names that merely contain ``module`` or ``_orig_mod``
+    (``vision_module.weight``) are left alone.
+
+    Names that alias one storage (tied embeddings: ``state_dict()`` holds
+    ``model.embed_tokens.weight`` and ``lm_head.weight``, one tensor under two names) are
+    one tensor: the first in state dict / registration order is kept, which is the name
+    ``named_parameters()`` and ``save_pretrained`` keep and the one vLLM and SGLang load
+    (their loaders skip the tied copy). The names dropped go into ``aliases`` ({dropped:
+    kept}). Tensors that only share a storage (views at other offsets or strides) stay.
+    ``cast`` (e.g. to the served dtype) is applied to each kept tensor as it is taken, after
+    aliases are found on the tensors as given (a cast copy aliases nothing), so an iterator
+    of gathered fp32 tensors is never held whole in fp32.
     """
-    from collections import OrderedDict
+    from collections.abc import Mapping
 
-    from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
-
-    sd = model_or_sd.state_dict() if isinstance(model_or_sd, torch.nn.Module) else model_or_sd
-    sd = OrderedDict((k, v) for k, v in sd.items() if isinstance(v, torch.Tensor))
-    while sd and (p := next((p for p in WHOLE_MODEL_PREFIXES if all(k.startswith(p) for k in sd)), None)):
-        consume_prefix_in_state_dict_if_present(sd, p)
-    out = {}
-    for name, t in sd.items():
-        name = ".".join(c for c in name.split(".") if c not in WRAPPER_COMPONENTS)
-        if name in out and out[name].data_ptr() != t.data_ptr():
+    if isinstance(model_or_sd, torch.nn.Module):
+        items = model_or_sd.state_dict().items()
+    elif isinstance(model_or_sd, Mapping):
+        items = model_or_sd.items()
+    else:
+        items = model_or_sd  # an iterable of (name, tensor), walked once
+    names, tensors, keys, first, dropped = [], [], [], {}, {}
+    for name, t in items:
+        if not isinstance(t, torch.Tensor):
+            continue
+        key = _alias_key(t)
+        if key is not None and key in first:
+            dropped[name] = first[key]
+            continue
+        if key is not None:
+            first[key] = name
+        names.append(name)
+        keys.append(key)
+        tensors.append(t if cast is None else cast(t))
+    clean, prefixes = _checkpoint_names(names)
+    out, key_of = {}, {}
+    for name, key, t in zip(clean, keys, tensors):
+        if name in out and (key is None or key != key_of[name]):
             raise ValueError(f"two tensors map to the checkpoint name {name!r}")
-        out[name] = t
+        out[name], key_of[name] = t, key
+    if aliases is not None and dropped:
+        rename = dict(zip(names, clean))
+        for d, k in dropped.items():
+            for p in prefixes:
+                d = d[len(p):] if d.startswith(p) else d
+            aliases[".".join(c for c in d.split(".") if c not in WRAPPER_COMPONENTS)] = rename[k]
     return out
 
 
@@ -130,12 +186,26 @@ class DeltaPublisher:
         chunk_min_cell: big tensors are encoded per grid cell of at least this many elements,
             so each tensor-parallel rank fetches only its cells (None: never cut); see
             :mod:`engine_ext.format.chunks`.
+        dtype: the served dtype (default ``torch.bfloat16``, what RL rollout servers serve and what
+            :class:`~engine_ext.integrations.trl.DeltaWeightTransfer` casts to): floating-point
+            tensors (16 bits and wider) are cast to it before diffing, so a trainer holding fp32
+            master weights publishes the bf16 weights the servers hold; integer, bool and 8-bit
+            float tensors are published as they are. ``None``: every tensor as held (a trainer
+            that already holds the served dtype, or a model served in fp32/fp16 on purpose).
         quantize: None (publish the given weights) or ``"fp8-block"``: publish the fp8 checkpoint
             the servers load, quantised from the given (master) weights by
             :func:`engine_ext.format.quantize.fp8_block_state_dict` at every version, so a delta carries
-            the changed fp8 bytes and scales (:mod:`engine_ext.format.quantize`).
+            the changed fp8 bytes and scales (:mod:`engine_ext.format.quantize`). The quantiser reads
+            the masters as given (never a bf16 copy of them); ``dtype`` applies to the tensors it
+            leaves unquantised (embeddings, norms, gates), its scales stay float32.
         start_version: the first version (default: 0 on an empty store, else the first free
             version after the store's LATEST); never at or below a version the store holds.
+        checkpoint_layout: the names and layout a version holds. ``"auto"`` (default): what
+            ``save_pretrained`` would write, which is what the engines load, when ``publish`` is given a
+            transformers model (transformers 5 holds MoE experts fused and a VLM's language model under
+            ``model.language_model.`` in memory: :mod:`engine_ext.trainer.checkpoint_layout`), the names
+            as given otherwise; a transformers model: its conversions for every ``publish``, state dicts
+            and ``(name, tensor)`` iterators too (TRL's); ``None``: always the names as given.
         resume: on a store that already holds versions, what the first version is: ``"auto"``
             a delta against LATEST where its weights can be rebuilt from the store and proven,
             else an anchor; ``"delta"`` that delta or an error; ``"anchor"`` an anchor.
@@ -147,7 +217,8 @@ class DeltaPublisher:
                  keep_on_cpu: bool = False, mode: str | None = None, queue_size: int = 2,
                  workers: int | None = None, start_version: int | None = None, blob_target: int | None = None,
                  signing_key=None, chunk_min_cell: int | None = chunks.MIN_CELL, quantize: str | None = None,
-                 resume: str = "auto", latest_ttl_s: float = LATEST_TTL_S):
+                 resume: str = "auto", latest_ttl_s: float = LATEST_TTL_S, dtype: torch.dtype | str | None = torch.bfloat16,
+                 checkpoint_layout="auto"):
         if resume not in RESUME_MODES:
             raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
         self.store = open_store(store) if isinstance(store, (str, os.PathLike)) else store
@@ -156,6 +227,11 @@ class DeltaPublisher:
         self.blob_target = blob_target
         self.chunk_min_cell = chunk_min_cell
         self.quantize = quantizer(quantize)
+        self.dtype = served_dtype(dtype)
+        if not (checkpoint_layout in ("auto", None) or isinstance(checkpoint_layout, torch.nn.Module)):
+            raise ValueError(f"checkpoint_layout must be 'auto', None or a transformers model, got {checkpoint_layout!r}")
+        self.checkpoint_layout = checkpoint_layout
+        self.aliases: dict[str, str] = {}  # names left out as aliases of a kept tensor (tied embeddings): {dropped: kept}
         self.signer = Signer(signing_key) if signing_key is not None else Signer.from_settings()
         # Reading back its own store, a publisher trusts what it signed (and, unsigned, its own bytes).
         trust = Trust.from_settings()
@@ -178,10 +254,13 @@ class DeltaPublisher:
         self._kept_readers = 0  # queued jobs that read the kept bits (under _kept_lock)
         self._kept_lock = threading.Lock()
         self.last_changed = 0  # elements that changed in the last version published (all of them in a first one)
+        self.last_numel = self.last_nbytes = 0  # elements and bytes of the last version (in the served dtype)
         self._prev: dict[str, torch.Tensor] = {}  # raw bits of the last published version
         self._fps: dict[str, int] = {}
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._error: BaseException | None = None
+        self._restart_chain = False  # a version failed to publish: the next one is an anchor
+        self._lost: ConflictError | None = None  # another publisher took this store over: this one stops
         self._pool = ThreadPoolExecutor(self.workers)
         self._thread = threading.Thread(target=self._upload_loop, name="engine-ext-publisher", daemon=True)
         self._thread.start()
@@ -192,11 +271,26 @@ class DeltaPublisher:
 
     # -- trainer-facing -------------------------------------------------------
     def publish(self, model_or_state_dict, version: int | None = None) -> str:
-        """Snapshot the changes since the last version and queue them; returns the manifest URI."""
+        """Snapshot the changes since the last version and queue them; returns the manifest URI.
+
+        ``model_or_state_dict``: an ``nn.Module``, a state dict, or an iterable of ``(name, tensor)``
+        (TRL's parameter iterator); tied names are published once (:func:`clean_state_dict`), and
+        floating-point tensors in the served ``dtype``."""
         self._raise_pending()
-        sd = clean_state_dict(model_or_state_dict)
-        if self.quantize is not None:
-            sd = self.quantize(sd)
+        aliases: dict[str, str] = {}
+        layout = self.checkpoint_layout if self.checkpoint_layout != "auto" else transformers_model(model_or_state_dict)
+        if self.quantize is not None:  # the quantiser reads the masters; it casts what it leaves unquantised
+            sd = to_checkpoint_layout(clean_state_dict(model_or_state_dict, aliases), layout)
+            sd = self.quantize(sd, rest_dtype=self.dtype)
+        else:
+            sd = to_checkpoint_layout(clean_state_dict(model_or_state_dict, aliases,
+                                                       cast=lambda t: to_served(t, self.dtype)), layout)
+        if aliases != self.aliases:
+            log.info("engine_ext: publishing %d tied name(s) once, under the name the engines load: %s",
+                     len(aliases), ", ".join(f"{d} -> {k}" for d, k in sorted(aliases.items())))
+            self.aliases = aliases
+        self.last_numel = sum(t.numel() for t in sd.values())
+        self.last_nbytes = sum(t.numel() * t.element_size() for t in sd.values())
         version = self.next_version if version is None else version
         if self.version is None and self.head.latest is not None:
             self._resume_from_latest(sd, version)
@@ -204,11 +298,14 @@ class DeltaPublisher:
             raise ValueError(f"version {version} must be above the last published {self.version}")
         if version < self.head.next_version:
             raise ValueError(f"version {version}: {self.store.uri} already holds versions up to v{self.head.next_version - 1}")
-        first = self.version is None
+        # after a version that failed to publish, the chain starts again: no delta names an unpublished base
+        first = self.version is None or self._restart_chain
         is_anchor = first or bool(self.anchor_every and version % self.anchor_every == 0)
         if is_anchor:
             self.anchor_version = version
         if first:
+            self._kept_free.wait()  # a job of the failed chain may still be reading the kept bits
+            self._restart_chain, self._fps = False, {}
             self._remember(sd)  # the one copy of this version: the diff's base, and what its anchor is written from
             delta_job = None
             self.last_changed = sum(t.numel() for t in sd.values())
@@ -460,6 +557,17 @@ class DeltaPublisher:
                     b.add_step_tables(c.dtype.name, tables[c.dtype.name])
 
     def _raise_pending(self):
+        """Raise the first failure of the background (once). Every version queued after it was skipped,
+        so none of them is published: the next :meth:`publish` writes an anchor. A
+        :class:`~engine_ext.errors.ConflictError` (another publisher took a version of this store) is
+        raised as such and stops this publisher for good: every later call raises it again."""
+        if self._lost is not None:
+            raise ConflictError(f"this publisher stopped: {self._lost}") from self._lost
         if self._error is not None:
             e, self._error = self._error, None
+            if isinstance(e, ConflictError):
+                self._lost = e
+                raise ConflictError(f"{e}; this publisher stops (a new DeltaPublisher continues the store after "
+                                    "the other one's versions)") from e
+            self._restart_chain = True
             raise RuntimeError(f"publishing failed: {e}") from e

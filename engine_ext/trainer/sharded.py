@@ -36,7 +36,7 @@ import torch
 
 from ..errors import DeltaError
 from ..format import fingerprint as fpr
-from ..format.dtypes import as_bits, dtype_by_name
+from ..format.dtypes import as_bits, dtype_by_name, served_as, to_served
 from ..format.manifest import ANCHOR, DELTA, manifest_key
 from . import lineage
 from .builder import Rows, commit, merge_parts
@@ -62,11 +62,11 @@ class ShardedPublisher(DeltaPublisher):
     Args (besides :class:`DeltaPublisher`'s, which apply per rank):
         group: the process group of the publishers (default: a new gloo group over all ranks).
         timeout_s: how long a rank waits for the others at each step of a commit.
-        dtype: the served dtype the held tensors are cast to, one tensor at a time (None: as held).
+        (``dtype``, the served dtype, is DeltaPublisher's: bf16 by default; the held tensors are cast
+        to it one tensor at a time, on the training thread.)
     """
 
-    def __init__(self, store, model: str = "model", *, group=None, timeout_s: float = 1800.0,
-                 dtype: torch.dtype | None = None, **kwargs):
+    def __init__(self, store, model: str = "model", *, group=None, timeout_s: float = 1800.0, **kwargs):
         import torch.distributed as dist
 
         if kwargs.get("quantize") is not None:
@@ -78,7 +78,6 @@ class ShardedPublisher(DeltaPublisher):
         if dist.is_available() and dist.is_initialized():
             self.group = group if group is not None else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
             self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self.dtype = dtype
         self.layout: dict[str, Placement] | None = None  # agreed at the first publish
         self._views: list | None = None
         self._starts: dict[str, int] = {}  # first row of each tensor this rank publishes
@@ -102,6 +101,8 @@ class ShardedPublisher(DeltaPublisher):
         if self.layout is None:
             self._agree_layout(held)  # a collective on the training thread: no job is queued yet
         sd = self._owned(held)
+        self.last_numel = sum(t.numel() for t in sd.values())  # what this rank publishes (in the served dtype)
+        self.last_nbytes = sum(t.numel() * self._describe(n, t)[0].itemsize for n, t in sd.items())
         version = self.next_version if version is None else version
         if self.version is not None and version <= self.version:
             raise ValueError(f"version {version} must be above the last published {self.version}")
@@ -115,7 +116,8 @@ class ShardedPublisher(DeltaPublisher):
             self._kept_free.wait()  # an anchor may still be being written from the kept bits
             self._raise_pending()
             first = not self._fps  # the first anchor was never written, nor were its fingerprints computed
-        forced = self._needs_anchor
+        forced = self._needs_anchor or self._restart_chain  # a version failed (aborted, or raised here)
+        self._restart_chain = False
         anchor = first or forced or bool(self.anchor_every and version % self.anchor_every == 0)
         delta = None
         if first:
@@ -169,11 +171,10 @@ class ShardedPublisher(DeltaPublisher):
 
     def _describe(self, name: str, t: torch.Tensor) -> tuple:
         p = self.layout[name]
-        return (dtype_by_name(p.dtype) if self.dtype is None else _dtype(self.dtype)), p.shape, self._starts[name]
+        return served_as(dtype_by_name(p.dtype), self.dtype), p.shape, self._starts[name]
 
     def _bits(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
-        return as_bits(t if self.dtype is None else t.to(self.dtype)).reshape(-1)
+        return as_bits(to_served(t.detach(), self.dtype)).reshape(-1)
 
     def _cuts(self, c: _Change):
         p = self.layout[c.name]

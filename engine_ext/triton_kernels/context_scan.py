@@ -7,7 +7,7 @@ CPU included). ``tests/test_context_scan.py`` holds the two side by side with a 
 model.
 
 **Inputs.** One tensor part of ``n`` elements: ``bits``, its base weights' raw bits,
-1-D int16 (bf16, fp16) or int32 (fp32), read as *unsigned* ``W``-bit integers. The class
+1-D int8 (fp8), int16 (bf16, fp16) or int32 (fp32), read as *unsigned* ``W``-bit integers. The class
 of element ``i`` is ``cls[i] = lut[(bits[i] >> shift) & emask]`` (a logical shift; both
 paths shift the sign-extended bits arithmetically and mask with
 ``emask & (2^(W - shift) - 1)``, which drops the sign copies),
@@ -41,6 +41,31 @@ and ``src[k] = j`` with ``ranks[j]`` the rank of ``pos[k]``.
 and ``pop``; then ``pos = order[off[c] + ranks[j]]`` for each ``j``, sorted with ``src``
 alongside. Same bijection read the other way round (sorted index -> element), which
 on a CPU avoids the random gathers over ``n`` of steps 3-5.
+
+**Blocked pass** (:func:`block_positions`, what a rank's decode runs). A part is cut into
+*blocks* (ranks restart in each); block ``b`` is ``run[b]``-element runs starting at
+``read_rows[row_ptr[b] : row_ptr[b + 1]]`` in ``bits`` (its ``size[b]`` elements in
+row-major order), and ``pos_rows`` gives the position reported for each run's first
+element (the part-flat one; equal to ``read_rows`` when ``bits`` is the whole part). A
+*group* ``g = b * K + c``; ``ranks[starts[b, c]:starts[b, c + 1]]`` are its ranks
+(``starts`` ``[S, K + 1]``, block-major, so ``starts[b, K] == starts[b + 1, 0]``). With
+``G[g]`` the exclusive cumsum of the groups' populations, element ``e`` of group ``g``
+and within-group rank ``r`` has *sorted index* ``G[g] + r``, and the listed ones,
+``sidx[j] = G[g(j)] + ranks[j]``, increase with ``j``. Tiles of ``BLOCK`` elements of one
+block each:
+
+1. :func:`_block_hist_kernel`: ``hist[t, c]``;
+2. torch: ``base[t, c] = G[b(t), c] + sum of hist[t', c]`` over the block's earlier tiles
+   (the sorted index of the tile's first element of class ``c``), the rank checks, and
+   ``[jlo, jhi)[t, c]`` = the ``j`` whose ``sidx`` fall in ``[base, base + hist)``
+   (``searchsorted``);
+3. :func:`_block_find_kernel`: each element's sorted index ``s = base[t, c] + local``
+   (as above), looked up by binary search in ``sidx[jlo:jhi]`` (at 1 % a few steps, in
+   cache); where found at ``j``: ``out[j] = pos_rows[...] + offset in the run``;
+4. torch: ``pos, src = sort(out)``.
+
+No array over the part's elements is allocated besides the tile tables (``O(n / BLOCK)``):
+a rank decoding beside a serving engine needs ``O(changes)`` device memory.
 """
 from __future__ import annotations
 
@@ -63,7 +88,7 @@ KP = 16  # classes, padded (K <= KP)
 NUM_WARPS = 8
 
 INT_OF_FLOAT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
-WIDTH = {torch.int16: 16, torch.int32: 32}
+WIDTH = {torch.int8: 8, torch.int16: 16, torch.int32: 32}
 
 
 @_jit
@@ -106,6 +131,64 @@ def _context_gather_kernel(bits_ptr, lut_ptr, base_ptr, slot_ptr, out_ptr, n, sh
     tl.store(out_ptr + offs, v, mask=m)
 
 
+@_jit
+def _tile(read_ptr, row_ptr_ptr, run_ptr, size_ptr, tiles_ptr, t, BLOCK: tl.constexpr):
+    """Tile ``t``: (its block's run index of each lane, the lane's offset in its run, the lane mask, the
+    lane's index in ``bits``)."""
+    b = tl.load(tiles_ptr + 2 * t)
+    q = tl.load(tiles_ptr + 2 * t + 1) + tl.arange(0, BLOCK).to(tl.int64)
+    m = q < tl.load(size_ptr + b)
+    run = tl.load(run_ptr + b)
+    k = q // run
+    r = tl.load(row_ptr_ptr + b) + k
+    w = q - k * run
+    idx = tl.load(read_ptr + r, mask=m, other=0) + w
+    return r, w, m, idx
+
+
+@_jit
+def _block_hist_kernel(bits_ptr, read_ptr, row_ptr_ptr, run_ptr, size_ptr, tiles_ptr, lut_ptr, hist_ptr, shift, emask, K,
+                       KP: tl.constexpr, BLOCK: tl.constexpr):
+    """hist[t, c] = #{elements of tile t of class c}, int32 [tiles, K]."""
+    t = tl.program_id(0).to(tl.int64)
+    r, w, m, idx = _tile(read_ptr, row_ptr_ptr, run_ptr, size_ptr, tiles_ptr, t, BLOCK)
+    c = _classes(bits_ptr, lut_ptr, idx, m, shift, emask)
+    ks = tl.arange(0, KP)
+    onehot = (c[:, None] == ks[None, :]).to(tl.int32)
+    tl.store(hist_ptr + t * K + ks, tl.sum(onehot, axis=0), mask=ks < K)
+
+
+@_jit
+def _block_find_kernel(bits_ptr, read_ptr, pos_rows_ptr, row_ptr_ptr, run_ptr, size_ptr, tiles_ptr, lut_ptr, base_ptr,
+                       jlo_ptr, jhi_ptr, sidx_ptr, out_ptr, shift, emask, K, nsteps, KP: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """out[j] = the reported position of the element whose sorted index is sidx[j], for the j of tile t."""
+    t = tl.program_id(0).to(tl.int64)
+    r, w, m, idx = _tile(read_ptr, row_ptr_ptr, run_ptr, size_ptr, tiles_ptr, t, BLOCK)
+    c = _classes(bits_ptr, lut_ptr, idx, m, shift, emask)
+    ks = tl.arange(0, KP)
+    onehot = (c[:, None] == ks[None, :]).to(tl.int32)
+    sel = onehot != 0
+    local = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
+    kk = ks < K
+    base = tl.load(base_ptr + t * K + ks, mask=kk, other=0)
+    lo = tl.sum(tl.where(sel, tl.load(jlo_ptr + t * K + ks, mask=kk, other=0)[None, :], 0), axis=1)
+    hi = tl.sum(tl.where(sel, tl.load(jhi_ptr + t * K + ks, mask=kk, other=0)[None, :], 0), axis=1)
+    s = tl.sum(tl.where(sel, base[None, :], 0), axis=1) + local
+    cnt = hi - lo  # zero on masked lanes (no class)
+    for _ in range(nsteps):  # lower bound of s in sidx[lo:hi]
+        half = cnt // 2
+        mid = lo + half
+        v = tl.load(sidx_ptr + mid, mask=cnt > 0, other=0)
+        go = (cnt > 0) & (v < s)
+        lo = tl.where(go, mid + 1, lo)
+        cnt = tl.where(go, cnt - half - 1, half)
+    inside = m & (lo < hi)
+    found = inside & (tl.load(sidx_ptr + lo, mask=inside, other=-1) == s)
+    pos = tl.load(pos_rows_ptr + r, mask=found, other=0) + w
+    tl.store(out_ptr + lo, pos, mask=found)
+
+
 # ----------------------------------------------------------------------------- shared torch steps
 
 
@@ -121,7 +204,7 @@ def _prepare(bits: torch.Tensor, shift: int, emask: int, lut: torch.Tensor, rank
     if bits.dtype in INT_OF_FLOAT:
         bits = bits.view(INT_OF_FLOAT[bits.dtype])
     if bits.dtype not in WIDTH:
-        raise TypeError(f"bits must be int16 or int32 raw bits (or bf16/fp16/fp32), got {bits.dtype}")
+        raise TypeError(f"bits must be int8, int16 or int32 raw bits (or bf16/fp16/fp32), got {bits.dtype}")
     if bits.dim() != 1:
         raise ValueError(f"bits must be 1-D, got shape {tuple(bits.shape)}")
     width = WIDTH[bits.dtype]
@@ -165,7 +248,7 @@ def _rank_classes(ranks: torch.Tensor, starts: torch.Tensor, pop: torch.Tensor) 
 
 
 def class_hist(bits: torch.Tensor, shift: int, emask: int, lut: torch.Tensor, K: int) -> torch.Tensor:
-    """Kernel A: int32 ``[nblocks, K]`` per-block class histogram of validated ``bits`` (1-D int16/int32)."""
+    """Kernel A: int32 ``[nblocks, K]`` per-block class histogram of validated ``bits`` (1-D int8/int16/int32)."""
     n = bits.numel()
     nb = -(-n // BLOCK)
     hist = torch.empty(nb, K, dtype=torch.int32, device=bits.device)
@@ -200,7 +283,7 @@ def _triton_positions(bits, width, K, shift, emask, lut, ranks, starts):
 
 
 def reference_classes(bits: torch.Tensor, shift: int, emask: int, lut: torch.Tensor) -> torch.Tensor:
-    """``cls`` (uint8) of validated 1-D int16/int32 ``bits``: ``lut[(zext(bits) >> shift) & emask]``."""
+    """``cls`` (uint8) of validated 1-D int8/int16/int32 ``bits``: ``lut[(zext(bits) >> shift) & emask]``."""
     e = (bits.to(torch.int32) >> shift) & effective_mask(WIDTH[bits.dtype], shift, emask)
     return lut.to(torch.uint8).index_select(0, e)  # (index_select: ~4x faster than lut[e] on a CPU)
 
@@ -263,5 +346,150 @@ def context_positions(bits: torch.Tensor, shift: int, emask: int, lut: torch.Ten
     return _triton_positions(bits, width, K, shift, emask, lut, ranks, starts)
 
 
-__all__ = ["context_positions", "reference_context_positions", "reference_classes", "reference_class_hist",
+# ----------------------------------------------------------------------------- the blocked pass
+
+INT_BITS = tuple(WIDTH)  # raw bits of fp8, 16- and 32-bit floats
+
+
+def _host(a) -> torch.Tensor:
+    return (a if isinstance(a, torch.Tensor) else torch.as_tensor(a)).to("cpu", torch.int64).reshape(-1)
+
+
+def _prepare_blocks(bits, geo, shift, emask, lut, ranks, starts):
+    if bits.dtype not in INT_BITS:
+        bits = bits.view({1: torch.int8, 2: torch.int16, 4: torch.int32}.get(bits.element_size(), bits.dtype))
+    if bits.dtype not in INT_BITS or bits.dim() != 1:
+        raise TypeError(f"bits must be 1-D raw bits of 8, 16 or 32 bits, got {tuple(bits.shape)} {bits.dtype}")
+    width = WIDTH[bits.dtype]
+    shift, emask = int(shift), int(emask)
+    if not 0 <= shift < width or emask < 0:
+        raise ValueError(f"shift {shift} / emask {emask} out of range for {width}-bit elements")
+    read, prow, row_ptr, run = (_host(a) for a in geo)
+    S = run.numel()
+    st = starts.to("cpu", torch.int64) if isinstance(starts, torch.Tensor) else torch.as_tensor(starts, dtype=torch.int64)
+    if st.dim() != 2 or st.shape[0] != S or not 2 <= st.shape[1] <= KP + 1:
+        raise ValueError(f"starts must be [blocks = {S}, K + 1] with 1 <= K <= {KP}")
+    K = st.shape[1] - 1
+    R = ranks.numel()
+    flat = torch.cat([st[:, :K].reshape(-1), st[-1:, K]]) if S else torch.zeros(1, dtype=torch.int64)
+    if (S and (bool((st[1:, 0] != st[:-1, K]).any()) or int(flat[0]) != 0)) or int(flat[-1]) != R \
+            or bool((flat[1:] < flat[:-1]).any()):
+        raise ValueError("starts must run block-major and non-decreasing from 0 to ranks.numel()")
+    if row_ptr.numel() != S + 1 or read.numel() != prow.numel() or int(row_ptr[0]) != 0 \
+            or int(row_ptr[-1]) != read.numel() or bool((row_ptr[1:] < row_ptr[:-1]).any()) or bool((run < 1).any()):
+        raise ValueError("block geometry: row_ptr must index read_rows/pos_rows, every run at least one element")
+    n = bits.numel()
+    if read.numel() and (int(read.min()) < 0 or int((read + run.repeat_interleave(row_ptr.diff())).max()) > n):
+        raise ValueError(f"block geometry: a run outside the {n} elements of bits")
+    lut = lut.to(bits.device).contiguous()
+    if lut.dim() != 1 or lut.numel() < emask + 1 or (lut.numel() and (int(lut.min()) < 0 or int(lut.max()) >= K)):
+        raise ValueError(f"lut must be 1-D, at least emask + 1 = {emask + 1} entries, classes in [0, {K})")
+    return bits.contiguous(), width, K, lut, (read, prow, row_ptr, run), ranks.to(bits.device, torch.int64).reshape(-1), st
+
+
+def block_positions(bits: torch.Tensor, geo, shift: int, emask: int, lut: torch.Tensor, ranks: torch.Tensor, starts,
+                    backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocked pass (module docstring): ``(pos, src)``, ``pos`` the reported positions of the listed
+    elements, increasing, and ``src[k]`` the index into ``ranks`` of ``pos[k]``'s rank; on ``bits``' device.
+    ``geo`` = ``(read_rows, pos_rows, row_ptr, run)``, host int64 arrays (numpy or torch).
+    ValueError for a rank beyond its (block, class) population, or ranks not strictly increasing within one.
+
+    ``backend``: "triton" (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``), "torch"
+    (:func:`reference_block_positions`, any device), "auto" (triton when ``bits.is_cuda``)."""
+    if backend == "auto":
+        backend = "triton" if bits.is_cuda else "torch"
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    bits, width, K, lut, host, ranks, st = _prepare_blocks(bits, geo, shift, emask, lut, ranks, starts)
+    if backend == "torch":
+        return _torch_block_positions(bits, K, shift, emask, lut, host, ranks, st)
+    if triton is None:
+        raise RuntimeError("backend 'triton' needs Triton installed")
+    return _triton_block_positions(bits, width, K, shift, emask, lut, host, ranks, st)
+
+
+def _group_checks(ranks, st, pop):
+    """(a device flag: some rank beyond its group or out of order, sidx) for ranks grouped by ``st``."""
+    S, K = pop.shape
+    dev = ranks.device
+    counts = (st[:, 1:] - st[:, :-1]).reshape(-1)
+    g = torch.repeat_interleave(torch.arange(S * K), counts).to(dev)
+    pop_flat = pop.reshape(-1)
+    G = torch.cumsum(pop_flat, 0) - pop_flat
+    bad = (ranks < 0) | (ranks >= pop_flat[g])
+    bad[1:] |= (g[1:] == g[:-1]) & (ranks[1:] <= ranks[:-1])
+    return bad.any(), G[g] + ranks
+
+
+def _triton_block_positions(bits, width, K, shift, emask, lut, host, ranks, st):
+    read, prow, row_ptr, run = host
+    dev = bits.device
+    S = run.numel()
+    R = ranks.numel()
+    size = run * row_ptr.diff()
+    ntile = (size + BLOCK - 1) // BLOCK
+    tile_block = torch.repeat_interleave(torch.arange(S), ntile)
+    first = torch.cumsum(ntile, 0) - ntile
+    q0 = (torch.arange(tile_block.numel()) - first[tile_block]) * BLOCK
+    T = tile_block.numel()
+    empty = torch.empty(0, dtype=torch.int64, device=dev)
+    if T == 0 or R == 0:
+        if R:
+            raise ValueError(f"{R} ranks listed for a part with no elements (wrong base or corrupt input)")
+        return empty, empty
+    tiles = torch.stack([tile_block, q0], 1).to(dev)
+    read_d, prow_d, row_ptr_d, run_d, size_d = (a.to(dev) for a in (read, prow, row_ptr, run, size))
+    em = effective_mask(width, shift, emask)
+    hist = torch.empty(T, K, dtype=torch.int32, device=dev)
+    _block_hist_kernel[(T,)](bits, read_d, row_ptr_d, run_d, size_d, tiles, lut, hist, shift, em, K, KP=KP, BLOCK=BLOCK,
+                             num_warps=NUM_WARPS)
+    hist = hist.to(torch.int64)
+    tb = tile_block.to(dev)
+    pop = torch.zeros(S, K, dtype=torch.int64, device=dev).index_add_(0, tb, hist)
+    bad, sidx = _group_checks(ranks, st, pop)
+    G = (torch.cumsum(pop.reshape(-1), 0) - pop.reshape(-1)).view(S, K)
+    excl = torch.cumsum(hist, 0) - hist
+    base = (G[tb] + excl - excl[first.to(dev)[tb]]).contiguous()
+    jlo = torch.searchsorted(sidx, base).contiguous()
+    jhi = torch.searchsorted(sidx, base + hist).contiguous()
+    is_bad, most = torch.stack([bad.to(torch.int64), (jhi - jlo).max()]).tolist()  # the one sync before the pass
+    if is_bad:
+        raise ValueError("a rank beyond its (block, class) population, or ranks not strictly increasing "
+                         "(wrong base or corrupt input)")
+    out = torch.full((R,), -1, dtype=torch.int64, device=dev)
+    _block_find_kernel[(T,)](bits, read_d, prow_d, row_ptr_d, run_d, size_d, tiles, lut, base, jlo, jhi, sidx, out, shift,
+                             em, K, int(most).bit_length(), KP=KP, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    pos, src = torch.sort(out)
+    if bool(pos[0] < 0):  # every listed rank lies in a tile of its block: none is left unfound
+        raise ValueError("a listed rank was not found in its block")
+    return pos, src
+
+
+def reference_block_positions(bits, geo, shift, emask, lut, ranks, starts):
+    """:func:`block_positions` in plain torch, block by block through :func:`reference_context_positions`' path."""
+    return block_positions(bits, geo, shift, emask, lut, ranks, starts, backend="torch")
+
+
+def _torch_block_positions(bits, K, shift, emask, lut, host, ranks, st):
+    read, prow, row_ptr, run = host
+    dev = bits.device
+    pos, src = [], []
+    for b in range(run.numel()):
+        rr = read[row_ptr[b]:row_ptr[b + 1]]
+        idx = (rr[:, None] + torch.arange(int(run[b]))[None, :]).reshape(-1).to(dev)
+        a, z = int(st[b, 0]), int(st[b, K])
+        p, s = _torch_positions(bits[idx], K, shift, emask, lut, ranks[a:z], (st[b] - a).to(dev))
+        pr = prow[row_ptr[b]:row_ptr[b + 1]]
+        rep = (pr[:, None] + torch.arange(int(run[b]))[None, :]).reshape(-1).to(dev)
+        pos.append(rep[p])
+        src.append(s + a)
+    if not pos:
+        if ranks.numel():
+            raise ValueError(f"{ranks.numel()} ranks listed for a part with no blocks")
+        return torch.empty(0, dtype=torch.int64, device=dev), torch.empty(0, dtype=torch.int64, device=dev)
+    pos, order = torch.sort(torch.cat(pos))
+    return pos, torch.cat(src)[order]
+
+
+__all__ = ["block_positions", "reference_block_positions", "context_positions", "reference_context_positions", "reference_classes", "reference_class_hist",
            "class_hist", "effective_mask", "BLOCK", "KP"]

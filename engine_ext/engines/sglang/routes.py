@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 
 from ...server.controller import Auth
 from ...server.protocol import ROUTE
-from ...server.http import get_answer, post_answer
+from ...server.http import bounded_body, get_answer, post_answer, wants_audit
 from . import compat, engine
 
 log = logging.getLogger("engine_ext")
@@ -39,12 +39,13 @@ def _auth() -> Auth:
 
 
 async def post_update(request: Request) -> JSONResponse:
-    status, body = await post_answer(_auth(), _controller, request.headers.get("authorization"), request.body)
+    status, body = await post_answer(_auth(), _controller, request.headers.get("authorization"), bounded_body(request))
     return JSONResponse(body, status)
 
 
 async def get_update(request: Request) -> JSONResponse:
-    status, body = await get_answer(_auth(), _controller, request.headers.get("authorization"))
+    status, body = await get_answer(_auth(), _controller, request.headers.get("authorization"),
+                                    wants_audit(request.query_params))
     return JSONResponse(body, status)
 
 

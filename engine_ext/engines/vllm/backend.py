@@ -1,13 +1,20 @@
-"""The ``delta`` weight-transfer backend: vLLM's own update API drives the update transaction.
+"""The ``engine_ext`` weight-transfer backend (alias ``delta``): vLLM's own update API drives the
+update transaction.
 
-With ``weight_transfer_config={"backend": "delta"}`` (``--weight-transfer-config
-'{"backend": "delta"}'``), ``LLM.update_weights({"update_info": {"url": ...}})`` and
-vLLM's RL routes run the same :class:`~engine_ext.server.transaction.UpdateTransaction` as
-``POST /update_weights_delta``: chains and anchors from the served version, the
-version kept, every rank verified and rolled back together. vLLM calls the backend in
-every worker at once; worker rank 0 drives the transaction
+With ``weight_transfer_config={"backend": "engine_ext"}`` (``--weight-transfer-config
+'{"backend": "engine_ext"}'``), ``LLM.update_weights({"update_info": {"url": ...}})`` runs the
+same :class:`~engine_ext.server.transaction.UpdateTransaction` as ``POST /update_weights_delta``:
+signed manifests from allowed sources, chains and anchors from the served version, every rank
+fetching its own part, verified and rolled back together. ``init_weight_transfer_engine``
+may narrow the sources and keys (:mod:`engine_ext.server.transfer_api`); a refusal raises on
+every worker with its reason and status in the message (:class:`~engine_ext.errors.UpdateRefused`).
+
+vLLM calls the backend in every worker at once; worker rank 0 drives the transaction
 (:class:`WorkerGroupRanks`) and every other worker follows its ops (:func:`follow`)
-over the workers' CPU process group until rank 0 says it is done.
+over the workers' CPU process group until rank 0 says it is done. Offline this is the only
+door; online the API server's endpoint takes over vLLM's routes and drives its own
+controller, and a backend reached anyway (a direct RPC) finds the committed state on the
+ranks (:meth:`~engine_ext.server.controller.Controller.sync`).
 """
 from __future__ import annotations
 
@@ -22,9 +29,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ...server.controller import Controller, initial_version
+from ...errors import DeltaError, UpdateRefused
+from ...server.controller import Controller, Policy, initial_version
 from ...server.protocol import RankReply, UpdateRequest
 from ...server.rank import run_op
+from ...server.transfer_api import narrow, update_request
 from . import compat
 from .worker import updater_for
 
@@ -33,12 +42,13 @@ _DONE, _OP = "done", "op"
 
 @dataclass
 class DeltaInitInfo(WeightTransferInitInfo):
-    pass
+    sources: list[str] | None = None  # narrow ENGINE_EXT_SOURCES to these (each under an allowed one)
+    trusted_keys: list[str] | None = None  # narrow ENGINE_EXT_TRUSTED_KEYS to these (PEM text or key ids)
 
 
 @dataclass
 class DeltaUpdateInfo(WeightTransferUpdateInfo):
-    url: str  # manifest URI or path, or a store root (its LATEST); must be under ENGINE_EXT_SOURCES
+    url: str  # manifest URI or path, or a store root (its LATEST); must be under the allowed sources
     base_version: int | None = None  # refuse unless the engine holds this version
 
 
@@ -95,17 +105,35 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
     update_info_cls = DeltaUpdateInfo
     supports_draft_weight_update = False
 
-    _controller: Controller | None = None
+    _controller: Controller | None = None  # rank 0 only
+    _policy: Policy | None = None  # rank 0: what init_weight_transfer_engine narrowed the sources and keys to
 
     def init_transfer_engine(self, init_info: DeltaInitInfo) -> None:
-        """Once, before the first update: every rank probes its layout and fingerprints its weights."""
-        self._drive(lambda ctl: ctl.start())
+        """Narrow the sources and trusted keys (refused, nothing changed, if it would widen them), then
+        every rank probes its layout and fingerprints its weights (once)."""
+        wanted = {k: v for k, v in (("sources", init_info.sources), ("trusted_keys", init_info.trusted_keys))
+                  if v is not None}
+
+        async def init(ctl: Controller):
+            policy = narrow(wanted, Policy(ctl.sources, ctl.trust))
+            if not ctl.ready:
+                await ctl.start()
+            self._policy = policy
+
+        self._drive(init)
 
     def start_weight_update(self) -> None:
-        pass
+        pass  # nothing to prepare: the update is applied in place, in one transaction
 
     def finish_weight_update(self) -> None:
-        pass
+        pass  # the weight version label reaches the ranks from LLM.finish_weight_update (plugin.py)
+
+    def parse_update_info(self, update_dict: dict) -> DeltaUpdateInfo:
+        try:
+            req = update_request(update_dict)
+        except DeltaError as e:
+            raise UpdateRefused.of(e) from None
+        return DeltaUpdateInfo(req.url, req.base_version)
 
     def update_weights(self, update_info: dict) -> None:
         # The base class synchronises an accelerator, which fails on CPU-only hosts;
@@ -114,18 +142,19 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
 
     def receive_weights(self, info: DeltaUpdateInfo) -> None:
         """One update transaction to ``info.url``; raises (on every rank) when it did not commit."""
-        req = UpdateRequest.parse({"url": info.url, "base_version": info.base_version})
+        req = UpdateRequest(info.url, info.base_version, wait=True)
 
         async def update(ctl: Controller):
             if not ctl.ready:
                 await ctl.start()
-            return await ctl.update(req)
+            return await ctl.update(req, self._policy)
 
         self._drive(update)
 
     def _drive(self, step):
         """Run ``step(controller)`` on rank 0 while the other workers follow; every worker raises
-        rank 0's failure, so that vLLM ends the weight-update session on all of them alike."""
+        rank 0's failure as an :class:`UpdateRefused` (reason and status in its message), so that
+        vLLM ends the weight-update session on all of them alike."""
         group, rank, world = compat.world_cpu_group()
 
         def updater():
@@ -135,7 +164,7 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
             if rank != 0:
                 error = follow(updater, group, rank)
                 if error is not None:
-                    raise RuntimeError(f"engine_ext update failed on rank 0, every rank rolled back: {error}")
+                    raise UpdateRefused.find(error) or RuntimeError(error)
                 return
             ranks = WorkerGroupRanks(updater, group, world)
             if self._controller is None:
@@ -146,8 +175,9 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
             try:
                 asyncio.run(step(self._controller))
             except Exception as e:
-                error = f"{type(e).__name__}: {e}"
-                raise
+                refused = UpdateRefused.of(e)
+                error = str(refused)
+                raise refused from e
             finally:
                 ranks.release(error)
 

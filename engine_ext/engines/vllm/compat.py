@@ -60,6 +60,23 @@ TOUCHPOINTS = (
     Touchpoint("vllm.distributed.weight_transfer.base", "WeightTransferEngine.init_transfer_engine", ("init_info",), ""),
     Touchpoint("vllm.distributed.weight_transfer.base", "WeightTransferInitInfo", (), ""),
     Touchpoint("vllm.distributed.weight_transfer.base", "WeightTransferUpdateInfo", (), ""),
+    Touchpoint("vllm.config.weight_transfer", "WeightTransferConfig.backend", (), "which backend a server or LLM runs"),
+    Touchpoint("vllm.config", "VllmConfig.weight_transfer_config", (), ""),
+    Touchpoint("vllm.entrypoints.rl.offline", "RLOfflineMixin.finish_weight_update", ("weight_version",),
+               "wrapped: LLM's weight version label reaches the ranks (the worker's finish gets no argument)"),
+    Touchpoint("vllm.entrypoints.rl.offline", "RLOfflineMixin.llm_engine", (), "LLM's engine (collective_rpc, config)"),
+    # the dev-mode weight-transfer routes our endpoint takes over when the backend is ours (endpoint.NativeDoor)
+    Touchpoint("vllm.envs", "VLLM_SERVER_DEV_MODE", (), "vLLM registers its weight-transfer routes only with it"),
+    Touchpoint("vllm.entrypoints.rl.online.api_router", "init_weight_transfer_engine", ("raw_request", "init_info"),
+               "replaced by ours: body {\"init_info\": ...}"),
+    Touchpoint("vllm.entrypoints.rl.online.api_router", "start_weight_update", ("raw_request",), "replaced by ours"),
+    Touchpoint("vllm.entrypoints.rl.online.api_router", "update_weights", ("raw_request", "update_info"),
+               "replaced by ours: body {\"update_info\": ...}"),
+    Touchpoint("vllm.entrypoints.rl.online.api_router", "finish_weight_update", ("raw_request", "weight_version"),
+               "replaced by ours: body {\"weight_version\": ...}"),
+    Touchpoint("vllm.engine.protocol", "EngineClient.start_weight_update", (), "the workers' session opens"),
+    Touchpoint("vllm.engine.protocol", "EngineClient.finish_weight_update", ("weight_version",),
+               "the workers' session closes, vLLM's weight version is set"),
     # API server side: endpoint plugin contract and the engine client
     Touchpoint("vllm.plugins.endpoint_plugins.interface", "EndpointPlugin.attach_router", ("app",), ""),
     Touchpoint("vllm.envs", "VLLM_API_KEY", (), "vLLM's API key opens our route too"),
@@ -159,6 +176,58 @@ def register_weight_transfer_backend(name: str, module: str, cls: str) -> bool:
     if name not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(name, module, cls)
     return True
+
+
+def weight_transfer_backend(config) -> str | None:
+    """The backend name of a ``WeightTransferConfig``, of the dict or JSON text given for one on the
+    command line, or of an object holding one as ``weight_transfer_config`` (vLLM's parsed
+    arguments, a ``VllmConfig``); None where there is none."""
+    import json
+
+    config = getattr(config, "weight_transfer_config", config)
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except ValueError:
+            return None
+    if isinstance(config, dict):
+        return config.get("backend", "nccl")
+    return getattr(config, "backend", None)
+
+
+def dev_mode() -> bool:
+    """``VLLM_SERVER_DEV_MODE``: vLLM serves its weight-transfer (RL) routes."""
+    import vllm.envs as envs
+
+    return bool(envs.VLLM_SERVER_DEV_MODE)
+
+
+def llm_vllm_config(llm):
+    """The ``VllmConfig`` of an offline ``vllm.LLM``."""
+    return llm.llm_engine.vllm_config
+
+
+def llm_collective_rpc(llm, method: str, args=(), kwargs=None) -> list:
+    return llm.llm_engine.collective_rpc(method, args=args, kwargs=kwargs)
+
+
+def wrap_offline_finish_weight_update(after) -> None:
+    """Have ``LLM.finish_weight_update(weight_version)`` call ``after(llm, weight_version)`` once vLLM's
+    own finish is done (idempotent). The workers' ``finish_weight_update`` gets no argument, so
+    this is the one place an offline backend can learn the caller's name for the version."""
+    from vllm.entrypoints.rl.offline import RLOfflineMixin
+
+    original = RLOfflineMixin.finish_weight_update
+    if getattr(original, "_engine_ext", False):
+        return
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        original(self, weight_version)
+        after(self, weight_version)
+
+    finish_weight_update._engine_ext = True
+    finish_weight_update.__doc__ = original.__doc__
+    RLOfflineMixin.finish_weight_update = finish_weight_update
 
 
 def is_cpu() -> bool:

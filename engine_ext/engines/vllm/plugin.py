@@ -2,8 +2,10 @@
 
 On the CPU it asks for AMX tile permission (vLLM's AMX attention otherwise can die with
 SIGILL) and keeps the backend's unpacked linear weights (see :mod:`.patches`), adds the
-``engine_ext`` worker RPC method, registers the ``delta`` weight-transfer backend and
-has the Ray executor copy the ``ENGINE_EXT_*`` (and store credential) variables to its
+``engine_ext`` worker RPC method, registers the weight-transfer backend as ``engine_ext``
+(the name its trainer side registers too, by vLLM's convention) and ``delta`` (the old
+name), has ``LLM.finish_weight_update(weight_version)`` record the label on the ranks,
+and has the Ray executor copy the ``ENGINE_EXT_*`` (and store credential) variables to its
 workers, so ``VLLM_PLUGINS=engine_ext`` is the whole set-up.
 """
 from __future__ import annotations
@@ -39,5 +41,9 @@ def register() -> None:
     drain_replies_after_a_failed_rpc()
     compat.carry_env_to_ray_workers()
     worker.install()
-    if not compat.register_weight_transfer_backend("delta", "engine_ext.engines.vllm.backend", "DeltaWeightTransferEngine"):
-        log.info("engine_ext: vLLM has no WeightTransferEngineFactory; 'delta' backend not registered")
+    registered = [compat.register_weight_transfer_backend(name, "engine_ext.engines.vllm.backend", "DeltaWeightTransferEngine")
+                  for name in worker.BACKEND_NAMES]
+    if not all(registered):
+        log.info("engine_ext: vLLM has no WeightTransferEngineFactory; the engine_ext backend is not registered")
+    else:
+        compat.wrap_offline_finish_weight_update(worker.label_after_finish)

@@ -95,6 +95,23 @@ def engine_ext(self, op: str, **kwargs) -> dict:
         return run_op(updater, op, kwargs, rank=getattr(self, "rank", 0))
 
 
+# The names the general plugin registers the weight-transfer backend under: vLLM's convention (the
+# trainer side registers the same name), and the old one.
+BACKEND_NAMES = ("engine_ext", "delta")
+
+
+def label_after_finish(llm, weight_version: str | None) -> None:
+    """After ``LLM.finish_weight_update(weight_version)`` on an engine_ext backend: every rank records
+    the label beside the version it serves (vLLM's workers get no argument in their finish)."""
+    if weight_version is None or compat.weight_transfer_backend(compat.llm_vllm_config(llm)) not in BACKEND_NAMES:
+        return
+    from ...server.protocol import RankReply
+    from ...server.transaction import check_replies
+
+    check_replies([RankReply.from_wire(w) for w in compat.llm_collective_rpc(
+        llm, RPC_METHOD, args=("set_label",), kwargs={"label": weight_version})])
+
+
 def install() -> None:
     """Add the ``engine_ext`` RPC method to vLLM's worker base class (idempotent)."""
     compat.install_worker_method(RPC_METHOD, engine_ext)
