@@ -3,6 +3,7 @@
 #
 #   bash scripts/test.sh            # everything, as CI runs it
 #   bash scripts/test.sh --quick    # the edit-test loop: only the tests that start no engine (no core check)
+#   bash scripts/test.sh --slow     # everything, and the tests marked slow (variants another module covers)
 #
 # Suites: core (scripts/core_check.sh: `pip install .` alone in a fresh venv, the signed CLI
 # round trip, the wheel's contents), main (vLLM CPU, stores, codec, kernels; on 2 pytest-xdist
@@ -12,9 +13,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 quick=0
+slow=0
 args=()
 for a in "$@"; do
-  if [ "$a" = "--quick" ]; then quick=1; else args+=("$a"); fi
+  if [ "$a" = "--quick" ]; then quick=1; elif [ "$a" = "--slow" ]; then slow=1; else args+=("$a"); fi
 done
 bash scripts/install.sh || exit 1
 source scripts/env.sh
@@ -36,10 +38,11 @@ suite() {  # suite NAME COMMAND...: run one suite, remember its counts line
 
 pytest_args=(-q -p no:cacheprovider -rfEs)
 if [ "$quick" -eq 1 ]; then
-  select=(-m "not engine")
+  select=(-m "not engine and not slow")
   workers=()
 else
-  select=()
+  select=(-m "not slow")
+  [ "$slow" -eq 1 ] && select=()
   # loadfile: every module on one worker, so a module's shared (module-scoped) servers start once and its
   # tests run in order (xdist_group marks are not honoured under pytest 9.2: xdist 3.8 renames nodes it no longer can)
   workers=(-n 2 --dist loadfile --no-loadscope-reorder)  # modules in collection order: engine modules first (conftest)

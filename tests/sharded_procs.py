@@ -170,8 +170,29 @@ def train(rank: int, world: int, cfg: dict, summary: dict) -> None:
     if fault.get("rank") == rank:
         store = FaultyStore(store, fault["version"], fault["kind"])
     out = Path(cfg["out"])
-    pub = ShardedPublisher(store, "toy", dtype=torch.bfloat16, anchor_every=cfg.get("anchor_every", 0),
-                           chunk_min_cell=cfg.get("chunk_min_cell", 256), timeout_s=cfg.get("timeout_s", 60))
+    opts = dict(anchor_every=cfg.get("anchor_every", 0), chunk_min_cell=cfg.get("chunk_min_cell", 256),
+                timeout_s=cfg.get("timeout_s", 60))
+    send = None
+    if cfg.get("via") == "vllm":  # vLLM's trainer-side API: backend engine_ext, source=ShardSource(model)
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from engine_ext.integrations.vllm_transfer import DeltaTrainerInitInfo, ShardSource
+
+        engine = WeightTransferTrainerFactory.trainer_init(
+            DeltaTrainerInitInfo(store, rank=rank, model="toy", anchor_every=opts.pop("anchor_every"), publisher=opts),
+            client=HTTPVLLMWeightSyncClient(cfg["server"]), source=ShardSource(model, dtype=torch.bfloat16))
+        pub, send = engine.publisher, lambda: engine.send_weights()
+    elif cfg.get("via") == "trl":  # TRL's transfer (what DeltaGRPOTrainer syncs through under FSDP)
+        from engine_ext.integrations.trl import DeltaWeightTransfer
+
+        transfer = DeltaWeightTransfer(store, [cfg["server"]], token=cfg.get("token"), sharded=True, model="toy", **opts)
+        if rank == 0:
+            transfer.init_weight_transfer()
+        send = lambda: transfer.send_shards(model)  # noqa: E731
+        pub = None
+    else:
+        pub = ShardedPublisher(store, "toy", dtype=torch.bfloat16, **opts)
     summary["versions"], summary["rss_before_kb"] = [], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     summary["held_bytes_bf16"] = sum(math.prod(h.tensor.shape) * 2 for h in held_tensors(model).values())
     g = torch.Generator().manual_seed(100 + rank)  # each rank its own batch, as data parallelism does
@@ -186,7 +207,14 @@ def train(rank: int, world: int, cfg: dict, summary: dict) -> None:
                 opt.step()
                 opt.zero_grad()
             state = {n: p for n, p in model.named_parameters()} | extra
-            if cfg.get("shard_source"):  # vLLM's trainer-side source whose ranks publish their own shards
+            if send is not None:
+                sent = send()
+                pub = pub or transfer.publisher
+                uri = pub.store.key_uri(f"v{pub.version:08d}")
+                if sent is not None:
+                    summary.setdefault("sent", []).append(getattr(sent, "payload_bytes", None) or
+                                                          getattr(sent, "target", None))
+            elif cfg.get("shard_source"):  # vLLM's trainer-side source whose ranks publish their own shards
                 from engine_ext.integrations.shard_source import ShardSource
 
                 uri = ShardSource(model, dtype=torch.bfloat16).publish(pub)
@@ -201,11 +229,13 @@ def train(rank: int, world: int, cfg: dict, summary: dict) -> None:
         pub.wait()
     finally:
         summary["uri"] = locals().get("uri")
-        summary["aborted"] = {str(k): v for k, v in pub.aborted.items()}
-        summary["committed"] = sorted(pub._committed)
-        summary["fingerprint"] = None if pub.fingerprint is None else f"{pub.fingerprint:016x}"
-        summary["kept_bytes"] = sum(t.numel() * t.element_size() for t in pub._prev.values())
-        summary["rss_peak_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        summary["resumed"] = str(pub.resumed) if pub.resumed else None
-        if pub._broken is None:
-            pub.close()
+        pub = pub or (transfer._publisher if cfg.get("via") == "trl" else None)
+        if pub is not None:  # (TRL's transfer opens its publisher at the first send)
+            summary["aborted"] = {str(k): v for k, v in pub.aborted.items()}
+            summary["committed"] = sorted(pub._committed)
+            summary["fingerprint"] = None if pub.fingerprint is None else f"{pub.fingerprint:016x}"
+            summary["kept_bytes"] = sum(t.numel() * t.element_size() for t in pub._prev.values())
+            summary["rss_peak_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            summary["resumed"] = str(pub.resumed) if pub.resumed else None
+            if pub._broken is None:
+                pub.close()

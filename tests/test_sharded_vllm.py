@@ -27,7 +27,9 @@ from vllm_helpers import Server, make_model  # noqa: E402
 
 from engine_ext.format import fingerprint as fpr  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+# Redundant with tests/test_sharded_vllm_tp2.py (a killed rank, a new world, the bf16 fingerprint, a cold
+# start's outputs, at TP 2) but for TP 1 and the follower: kept out of the main suite's budget.
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def model_fp(weights: dict) -> str:
