@@ -183,13 +183,20 @@ def train(rank: int, world: int, cfg: dict, summary: dict) -> None:
             DeltaTrainerInitInfo(store, rank=rank, model="toy", anchor_every=opts.pop("anchor_every"), publisher=opts),
             client=HTTPVLLMWeightSyncClient(cfg["server"]), source=ShardSource(model, dtype=torch.bfloat16))
         pub, send = engine.publisher, lambda: engine.send_weights()
-    elif cfg.get("via") == "trl":  # TRL's transfer (what DeltaGRPOTrainer syncs through under FSDP)
-        from engine_ext.integrations.trl import DeltaWeightTransfer
+    elif cfg.get("via") == "trl":  # DeltaGRPOTrainer's sync under FSDP: its generation's sync_weights, TRL's transfer
+        from engine_ext.integrations.trl import DeltaWeightTransfer, _delta_generation_class
 
         transfer = DeltaWeightTransfer(store, [cfg["server"]], token=cfg.get("token"), sharded=True, model="toy", **opts)
         if rank == 0:
             transfer.init_weight_transfer()
-        send = lambda: transfer.send_shards(model)  # noqa: E731
+        # the real sync_weights of DeltaGRPOTrainer's generation; TRL's constructor (a GRPOTrainer's
+        # accelerator and vLLM client) is left out: the sync reads only the transfer and the model
+        generation = object.__new__(_delta_generation_class())
+        generation.transfer, generation.model = transfer, model
+
+        def send():
+            generation.sync_weights()  # would walk TRL's gathering iterator (full_tensor raises) if not sharded
+            return transfer.syncs[-1] if rank == 0 else None
         pub = None
     else:
         pub = ShardedPublisher(store, "toy", dtype=torch.bfloat16, **opts)
@@ -212,8 +219,7 @@ def train(rank: int, world: int, cfg: dict, summary: dict) -> None:
                 pub = pub or transfer.publisher
                 uri = pub.store.key_uri(f"v{pub.version:08d}")
                 if sent is not None:
-                    summary.setdefault("sent", []).append(getattr(sent, "payload_bytes", None) or
-                                                          getattr(sent, "target", None))
+                    summary.setdefault("sent", []).append(sent.version)  # SyncStats / SendStats
             elif cfg.get("shard_source"):  # vLLM's trainer-side source whose ranks publish their own shards
                 from engine_ext.integrations.shard_source import ShardSource
 

@@ -5,8 +5,8 @@ embeddings and a padded vocabulary (1000 rows: the server's rank 1 holds padding
 ``fully_shard`` trainer ranks (gloo, tests/sharded_procs.py; ``DTensor.full_tensor`` raises in
 them: nobody gathers) fine-tune it with AdamW and push every version to the live server:
 
-1. world 4 through TRL's transfer (``DeltaWeightTransfer(sharded=True).send_shards(model)``, what
-   ``DeltaGRPOTrainer`` syncs through under FSDP): v0 (adopted by fingerprint), v1, v2; rank 1 is
+1. world 4 through ``DeltaGRPOTrainer``'s sync under FSDP (its generation's ``sync_weights``:
+   ``DeltaWeightTransfer(sharded=True).send_shards(model)``, TRL's gathering iterator never walked): v0 (adopted by fingerprint), v1, v2; rank 1 is
    SIGKILLed in the middle of its part of v3: nothing of v3 is committed, LATEST stays on v2, and
    the server keeps serving v2;
 2. restarted at world 2 through vLLM's own trainer-side API (``WeightTransferTrainerFactory``,
