@@ -191,3 +191,29 @@ def test_placements_agreed_from_every_rank_view():
     with pytest.raises(ValueError, match="hold it as"):
         agree([[("w", "bfloat16", (10, 4), 0, 5)], [("w", "bfloat16", (10, 2), 5, 10)]])
     assert math.prod(p["w"].grid(None, anchor=True)[0][-1:]) == 10
+
+
+def test_a_rival_publisher_stops_a_sharded_one_for_good(tmp_path):
+    """World 1 (no process group): a DeltaPublisher that takes v1 first makes rank 0's commit of v1
+    a ConflictError (the version's claim holds other weights): nothing of it is committed, and
+    the sharded publisher stops for good, as a DeltaPublisher does."""
+    from engine_ext.errors import ConflictError
+    from engine_ext.trainer.publisher import DeltaPublisher
+    from engine_ext.trainer.sharded import ShardedPublisher
+
+    g = torch.Generator().manual_seed(0)
+    w0 = {"w": torch.randn(64, 8, generator=g).to(torch.bfloat16)}
+    store = str(tmp_path / "store")
+    pub = ShardedPublisher(store, "toy", anchor_every=0, signing_key=None, timeout_s=30)
+    pub.publish(w0)
+    pub.wait()
+    with DeltaPublisher(store, "toy", anchor_every=0) as rival:
+        rival.publish({"w": w0["w"] + 1})
+    pub.publish({"w": w0["w"] * 2})
+    with pytest.raises(ConflictError):
+        pub.wait()
+    assert 1 in pub.aborted and json.loads((tmp_path / "store" / "LATEST").read_text())["signed"]["version"] == 1
+    with pytest.raises(ConflictError, match="stopped"):
+        pub.publish({"w": w0["w"] * 3})
+    with pytest.raises(ConflictError, match="stopped"):
+        pub.close()  # (as a stopped DeltaPublisher's close: it says so again)

@@ -20,7 +20,9 @@ docs/FORMAT.md, "Sharded versions"), and how a version is committed:
 
 These run on each publisher's background thread, in version order, over a gloo process
 group of its own (the training thread's collectives on the default group go on at the
-same time). A rank that fails its part (an exception) aborts the version on every rank:
+same time). Another publisher that took a version of the store (a ConflictError at rank 0's
+commit) stops every rank for good, as it stops a DeltaPublisher. A rank that fails its part
+(an exception) aborts the version on every rank:
 nothing is committed, ``LATEST`` stays, and the next version is an anchor (deltas queued
 on the aborted version are dropped: their base was never published). A rank that dies
 or hangs breaks the group: its peers' collectives fail (or time out after ``timeout_s``),
@@ -34,7 +36,7 @@ from datetime import timedelta
 
 import torch
 
-from ..errors import DeltaError
+from ..errors import ConflictError, DeltaError
 from ..format import fingerprint as fpr
 from ..format.dtypes import as_bits, dtype_by_name, served_as, to_served
 from ..format.manifest import ANCHOR, DELTA, manifest_key
@@ -260,7 +262,10 @@ class ShardedPublisher(DeltaPublisher):
         outcome = None
         if self.rank == 0:
             outcome = self._commit_parts(parts, version, kind)
-        ok, why, fingerprint = self._broadcast(outcome, f"v{version} ({kind})")
+        ok, why, fingerprint, lost = self._broadcast(outcome, f"v{version} ({kind})")
+        if lost:  # another publisher holds this store's version: every rank stops (DeltaPublisher's rule)
+            self._abort(version, why)
+            raise ConflictError(why)
         if ok:
             self._committed = {v for v in self._committed if v > version - 16} | {version}  # bases are recent
             self.committed_fingerprint = fingerprint
@@ -272,17 +277,17 @@ class ShardedPublisher(DeltaPublisher):
     def _commit_parts(self, parts: list, version: int, kind: str) -> tuple:
         failed = [p for p in parts if isinstance(p, str)]
         if failed:
-            return False, "; ".join(failed)[:2000], None
+            return False, "; ".join(failed)[:2000], None, False
         try:
             m = merge_parts(parts, list(self.layout))
             with self._latest_lock:
                 _, sha, latest = commit(self.store, m, self.signer, self.latest_ttl_s)
                 self._latest = latest
             self._published(version, sha)
-            return True, "", fpr.parse(m.fingerprint)
+            return True, "", fpr.parse(m.fingerprint), False
         except Exception as e:  # noqa: BLE001 - nothing (or, past the manifest, a stale LATEST) was written
             log.error("engine_ext: committing v%d (%s) failed: %s", version, kind, e)
-            return False, f"rank 0 could not commit: {type(e).__name__}: {e}", None
+            return False, f"rank 0 could not commit: {type(e).__name__}: {e}", None, isinstance(e, ConflictError)
 
     def _abort(self, version: int, why: str) -> None:
         """A part of ``version`` was not committed: unless its other part was (its anchor, published
