@@ -9,8 +9,9 @@ Steps (one version step = 1 % of the bf16 elements change, as an RL step at lr ~
 * publish the anchor (the copy the next diff needs, then in the background: fingerprints,
   safetensors shards written and hashed once) vs ``safetensors.torch.save_file`` of the same
   state dict, and vs ``save_file`` + fsync (a store keeps what it wrote: engine_ext fsyncs);
-  both write into warm page cache (:func:`warm_page_cache`), and the background is timed with
-  no sync in its middle;
+  both write into warm page cache (:func:`warm_page_cache`), the publisher's kernels are
+  loaded first (:func:`bench.synthetic.warm_up_publisher`: once per trainer process), and the
+  background is timed with no sync in its middle;
 * publish a 1 % delta (on the training thread: the diff; in the background: fingerprint
   update, encode, hash, write) vs ``save_file``;
   both as the time the training step waits for (``publish`` returning) and until published;
@@ -41,7 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.synthetic import llm_shapes  # noqa: E402
+from bench.synthetic import llm_shapes, warm_up_publisher  # noqa: E402
 
 
 def timed(fn):
@@ -132,6 +133,7 @@ def run_round(args, work: Path, key: Path) -> dict:
     out: dict = {"params": params}
     dense = work / "dense.safetensors"
     warm_page_cache(work, sd, 2)
+    warm_up_publisher(work, str(key))  # the kernels' first use in a process: once per trainer, not per version
     out["save_file"], _ = timed(lambda: save_file(sd, str(dense)))
     dense.unlink()
     out["save_file_fsync"], _ = timed(lambda: (save_file(sd, str(dense)), fsync_file(dense)))
