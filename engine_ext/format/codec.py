@@ -98,8 +98,8 @@ class Context:
     base: torch.Tensor
     policy: int
     tables: list
-    origin: int = 0  # the row (index along dimension 0) of the tensor that ``base`` starts at: a trainer rank's rows
     readers: Readers | None = None
+    origin: int = 0  # the row (index along dimension 0) of the tensor that ``base`` starts at: a trainer rank's rows
 
 
 @dataclass

@@ -155,7 +155,7 @@ class _Change:
         the old bits back part by part), read on the background thread."""
         if self.kept is None or not tables.get(self.dtype.name):
             return None
-        return codec.Context(self.kept.reshape(-1), self.policy, tables[self.dtype.name], self.origin)
+        return codec.Context(self.kept.reshape(-1), self.policy, tables[self.dtype.name], origin=self.origin)
 
 
 @dataclass
