@@ -23,7 +23,8 @@ way (the dense alternative: every rank saving its own shard). Steps:
 Each rank loads the publisher's kernels first (``warm_up_publisher``: once per trainer
 process, not per version). Every committed version is read back (manifest fingerprint against the model the ranks
 held) before its time counts. On a machine with fewer cores than ranks the ranks share
-cores: times then grow with the world; memory per rank is what the world divides.
+cores (each rank's torch and numba threads are its share, at least one): times then grow
+with the world; memory per rank is what the world divides.
 Prints a table and writes ``--out`` (JSON).
 """
 from __future__ import annotations
@@ -69,7 +70,11 @@ def rank_main(rank: int, world: int, port: int, args, work: str, key: str, q) ->
     from engine_ext.format import fingerprint as fpr
     from engine_ext.trainer.sharded import ShardedPublisher
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    import numba
+
+    cores = max(1, (os.cpu_count() or 1) // world)  # each rank its share of the cores, as on a real trainer
+    torch.set_num_threads(cores)
+    numba.set_num_threads(cores)  # more threads than cores: numba's parallel kernels (the diff) stall each other
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     shapes = llm_shapes(hidden=args.hidden, layers=args.layers, vocab=args.vocab, inter=args.inter, kv=args.kv)
