@@ -59,6 +59,7 @@ def run(world: int, cfg: dict, timeout: float = 240.0) -> list[int]:
 def _entry(rank: int, world: int, port: int, cfg: dict) -> None:
     sys.path.insert(0, str(ROOT))
     os.environ.update(cfg.get("env", {}))
+    os.environ.setdefault("NUMBA_NUM_THREADS", "1")  # ranks share 2 cores: more threads than cores stall the kernels
     torch.set_num_threads(1)
     import torch.distributed as dist
 
