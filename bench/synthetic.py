@@ -64,3 +64,29 @@ class AdamRL:
             vhat = self.v[n] / (1 - b2**self.t)
             w.sub_(self.lr * mhat / (vhat.sqrt() + eps))
         return self.weights()
+
+
+def warm_up_publisher(work, signing_key=None) -> None:
+    """Publish a small LLM-shaped model (an anchor and a 1 % delta) into ``work``, untimed: the
+    first use of each compiled kernel in a process (numba loads it from its disk cache: ~1 s in
+    all, under a second per kernel) is paid once per trainer process, not per version, so a
+    bench that times one version must not charge it to that version."""
+    import shutil
+    from pathlib import Path
+
+    from engine_ext.trainer.publisher import DeltaPublisher
+
+    work = Path(work) / "warm-up-store"
+    g = torch.Generator().manual_seed(0)
+    sd = {n: (0.02 * torch.randn(s, generator=g)).to(torch.bfloat16)
+          for n, s in llm_shapes(hidden=256, layers=2, vocab=4096, inter=512, kv=64).items()}
+    nxt = {}
+    for n, t in sd.items():
+        bits = t.view(torch.int16).reshape(-1).clone()
+        bits[torch.rand(bits.numel(), generator=g) < 0.01] += 1
+        nxt[n] = bits.view(torch.bfloat16).reshape(t.shape)
+    with DeltaPublisher(str(work), anchor_every=0, signing_key=signing_key, chunk_min_cell=1 << 16) as pub:
+        pub.publish(sd)
+        pub.wait()
+        pub.publish(nxt)
+    shutil.rmtree(work, ignore_errors=True)

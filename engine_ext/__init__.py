@@ -17,6 +17,7 @@ import importlib
 #: public name -> the module that defines it
 PUBLIC = {
     "DeltaPublisher": "engine_ext.trainer.publisher",
+    "ShardedPublisher": "engine_ext.trainer.sharded",
     "Fleet": "engine_ext.fleet",
     "open_store": "engine_ext.store",
     "generate_key": "engine_ext.store.signing",

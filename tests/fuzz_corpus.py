@@ -79,7 +79,7 @@ class Corpus:
     b: dict
     key: str
     other: str
-    manifests: dict  # name -> raw bytes ("ctx/v1", "ctx/v0", "plain/v1", "plain/v0")
+    manifests: dict  # name -> raw bytes ("ctx/v1", "ctx/v0", "plain/v1", "plain/v0", "rows/v0": format 6)
     blobs: dict  # key -> bytes (every run's, keys are unique by content)
     scratch: Path  # a store (directory) the targets write into, holding copies of every blob
     expected: dict  # name -> (shape, dtype name): the served model
@@ -104,12 +104,14 @@ def corpus() -> Corpus:
                                 **kw) as pub:  # every dtype as held: the corpus covers each
                 pub.publish(a)
                 pub.publish(b)
+    _rows_anchor(root / "rows", a, str(root / "publisher.key"))
     manifests, blobs = {}, {}
     scratch = root / "scratch"
     scratch.mkdir()
-    for run in runs:
+    for run in (*runs, "rows"):
         for v, key in ((0, "v00000000.anchor.json"), (1, "v00000001.json")):
-            manifests[f"{run}/v{v}"] = (root / run / key).read_bytes()
+            if (root / run / key).exists():
+                manifests[f"{run}/v{v}"] = (root / run / key).read_bytes()
         for p in (root / run).iterdir():
             if p.name.endswith((".bin", ".safetensors")):
                 blobs[p.name] = p.read_bytes()
@@ -118,6 +120,30 @@ def corpus() -> Corpus:
     c = Corpus(root, a, b, str(root / "publisher.key"), str(root / "other.key"), manifests, blobs, scratch, expected)
     _warm_up(c)
     return c
+
+
+def _rows_anchor(root: Path, a: dict, key: str) -> None:
+    """v0 of ``a`` as a sharded trainer at world 2 writes it (format 6, a chunked anchor): every
+    tensor's rows cut between two ranks' parts, each written by the real builder, merged and
+    committed as :class:`~engine_ext.trainer.sharded.ShardedPublisher` does (without its process group)."""
+    from engine_ext.format.dtypes import BY_TORCH
+    from engine_ext.format.manifest import ANCHOR
+    from engine_ext.trainer.builder import Rows, VersionBuilder, commit, merge_parts
+
+    root.mkdir()
+    store = LocalStore(str(root))
+    parts = []
+    for rank in range(2):
+        b = VersionBuilder(ANCHOR, "model", 0, anchor_version=0, spool_in=store, part=rank)
+        local, infos = {}, []
+        for name, t in a.items():
+            n0 = t.shape[0]
+            lo, hi = (0, n0 // 2) if rank == 0 else (n0 // 2, n0)
+            local[name] = t[lo:hi]
+            infos.append((name, BY_TORCH[t.dtype], tuple(local[name].shape), Rows(tuple(t.shape), lo, (0, n0 // 2, n0))))
+        b.add_anchor(infos, local.__getitem__)
+        parts.append(b.upload(store))
+    commit(store, merge_parts(parts, list(a)), Signer(key))
 
 
 def _warm_up(c: Corpus) -> None:

@@ -338,8 +338,8 @@ def test_the_publisher_chooses_v2_where_it_pays_on_its_readers(tmp_path, monkeyp
         settings.Settings.from_env({"ENGINE_EXT_READER_MBPS": "-1"})
 
     seen = []
-    real = codec.step_tables_by_dtype
-    monkeypatch.setattr(codec, "step_tables_by_dtype", lambda changes: seen.append(list(changes)) or real(seen[-1]))
+    real = codec.step_histograms  # what the publisher's step tables are made from
+    monkeypatch.setattr(codec, "step_histograms", lambda changes: seen.append(list(changes)) or real(seen[-1]))
     old, new = _pair((256, 256))
     for mbps, want in ((100.0, False), (0.05, True)):  # 100 MB/s: the deployed default; 0.05: a slow link
         with settings.override(reader_device="gpu", reader_mbps=mbps):
@@ -367,8 +367,8 @@ def test_uniform_changes_build_no_step_tables(tmp_path, monkeypatch):
     """Where no tensor's sample promises a gain, the publisher builds no step tables (a pass over
     every change) and codes every tensor plainly; tensors that do promise one still get them."""
     seen = []
-    real = codec.step_tables_by_dtype
-    monkeypatch.setattr(codec, "step_tables_by_dtype", lambda changes: seen.append(list(changes)) or real(seen[-1]))
+    real = codec.step_histograms
+    monkeypatch.setattr(codec, "step_histograms", lambda changes: seen.append(list(changes)) or real(seen[-1]))
     old, _ = _pair((256, 256))
     uniform = as_bits(old).clone().reshape(-1)
     uniform[::50] += 1

@@ -27,7 +27,7 @@ from .dtypes import DType, step_between
 from ..errors import IntegrityError
 
 ZSTD_LEVEL = 3
-SMALL = 4096  # below this many changes also try zstd and keep the smaller
+SMALL = 256  # below this many changes also try zstd and keep the smaller (above, pco always won: 32-4096 changes, densities 0.1-50 %)
 MODE_SAMPLE = 4096  # values sampled to choose abs or rel on big tensors
 CONTEXT_GAIN = 0.10  # the context coder is kept when it saves at least this fraction of the bytes
 CONTEXT_MIN = 64  # fewer changes than this are never context coded (headers dominate)
@@ -91,12 +91,15 @@ class Context:
     the base's or the new version's (the changed elements are put back from the old bits
     part by part, so a publisher hands its kept bits without copying the model), its block
     policy (:func:`engine_ext.format.context_blocks.block_policy`), the version's step
-    tables for its dtype, and its readers (None: :meth:`Readers.from_settings`)."""
+    tables for its dtype, and its readers (None: :meth:`Readers.from_settings`). ``base`` may
+    hold only rows ``origin`` onwards of the tensor (what one rank of a sharded trainer
+    holds): then only parts inside those rows are coded."""
 
     base: torch.Tensor
     policy: int
     tables: list
     readers: Readers | None = None
+    origin: int = 0  # the row (index along dimension 0) of the tensor that ``base`` starts at: a trainer rank's rows
 
 
 @dataclass
@@ -213,13 +216,24 @@ def context_policy(name: str, dtype: DType, shape, nnz: int) -> int | None:
 def step_tables_by_dtype(changes) -> dict[str, list[bytes]]:
     """A version's step tables per dtype, from ``(dtype, old bits, new bits)`` at the changes of
     every tensor the context coder may take (all of them, before any is encoded)."""
-    by_dtype: dict[str, list] = {}
+    return step_tables_from(step_histograms(changes))
+
+
+def step_histograms(changes) -> dict[str, np.ndarray]:
+    """Per dtype, the step histogram (:func:`context_models.step_histogram`) of ``(dtype, old bits,
+    new bits)`` at the changes: what the step tables depend on, summable over a sharded trainer's ranks."""
+    out: dict[str, np.ndarray] = {}
     for dtype, old_bits, new_bits in changes:
         old_bits = old_bits.detach().cpu()
         steps = step_between(old_bits, new_bits.detach().cpu(), dtype.is_float).numpy()
-        by_dtype.setdefault(dtype.name, []).append((context_models.exponents(old_bits.numpy(), dtype.name), steps))
-    return {dt: context_models.step_tables(dt, np.concatenate([e for e, _ in v]), np.concatenate([s for _, s in v]))
-            for dt, v in by_dtype.items()}
+        h = context_models.step_histogram(dtype.name, context_models.exponents(old_bits.numpy(), dtype.name), steps)
+        out[dtype.name] = h if dtype.name not in out else out[dtype.name] + h
+    return out
+
+
+def step_tables_from(histograms: dict[str, np.ndarray]) -> dict[str, list[bytes]]:
+    """The step tables per dtype of (summed) :func:`step_histograms`."""
+    return {dt: context_models.tables_from_histogram(dt, h) for dt, h in sorted(histograms.items())}
 
 
 def context_pays(dtype: DType, base: torch.Tensor, old_bits: torch.Tensor, readers: Readers | None = None) -> bool:
@@ -243,9 +257,15 @@ def encode_context(dtype: DType, shape, box, context: Context, pos: np.ndarray, 
 
     if not context_models.supports(dtype.name) or not context.tables:
         return None
-    base = context.base.detach().reshape(tuple(shape))
-    if box is not None:
-        base = base[tuple(slice(a, b) for a, b in zip(*box))]
+    shape = tuple(shape)
+    base = context.base.detach().reshape((-1, *shape[1:]) if shape else ())
+    if shape:  # the part's box in base, which holds the tensor's rows from ``origin``
+        start, stop = box or ((0,) * len(shape), shape)
+        if start[0] < context.origin or stop[0] - context.origin > base.shape[0]:
+            raise ValueError(f"part rows {start[0]}..{stop[0]} lie outside the base's rows {context.origin}.."
+                             f"{context.origin + base.shape[0]}")
+        base = base[(slice(start[0] - context.origin, stop[0] - context.origin),
+                     *(slice(a, b) for a, b in zip(start[1:], stop[1:])))]
     base = base.to("cpu", copy=True).reshape(-1)  # the part alone
     old_bits = old_bits.detach().cpu()
     base[torch.from_numpy(pos)] = old_bits  # the base, whichever version's bits the context holds
@@ -264,13 +284,15 @@ class ChunkedEncoded:
 
 def encode_tensor(dtype: DType, shape, positions: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor | None,
                   mode: str | None = None, min_cell: int | None = chunks.MIN_CELL,
-                  context: Context | None = None) -> "Encoded | ChunkedEncoded":
+                  context: Context | None = None, cuts: list[list[int]] | None = None) -> "Encoded | ChunkedEncoded":
     """A changed tensor's encoding: whole (:func:`encode`), or per grid cell (:func:`chunks.grid`,
     cells of ``min_cell`` elements or more; None: never cut), so that a rank can fetch the
     cells it holds. With a ``context`` (given where :func:`context_pays`), the context coder
-    is tried per part."""
+    is tried per part. ``cuts`` imposes the grid (a sharded trainer's rank codes only the
+    cells inside its rows: ``positions`` are flat indices of the whole tensor, all in them)."""
     numel = int(np.prod(shape, dtype=np.int64))
-    cuts = None if min_cell is None else chunks.grid(shape, min_cell)
+    if cuts is None:
+        cuts = None if min_cell is None else chunks.grid(shape, min_cell)
     if cuts is None:
         return encode(dtype, numel, positions, new_bits, old_bits, mode, context, tuple(shape))
     pos = positions.detach().cpu().numpy().astype(np.int64, copy=False)

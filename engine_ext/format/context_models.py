@@ -104,10 +104,23 @@ def step_tables(dtype_name: str, exps: np.ndarray, steps: np.ndarray) -> list[by
     """A version's step tables for one dtype, from the exponents and steps of all its changes:
     one per exponent with ``TABLE_MIN`` changes or more (rarer ones join their neighbours),
     at most ``MAX_TABLES``. Every symbol gets a nonzero weight. Encoder only."""
+    return tables_from_histogram(dtype_name, step_histogram(dtype_name, exps, steps))
+
+
+def step_histogram(dtype_name: str, exps: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """[exponent, step symbol] counts of changes: all the step tables depend on. Histograms add
+    up, so the ranks of a sharded trainer sum theirs and build the same tables. Encoder only."""
     A = alphabet(dtype_name)
     sym, _ = step_bins(zigzag(steps, ITEMSIZE[dtype_name]))
     n_exp = EXPONENT[dtype_name][1] + 1
-    by_exp = np.bincount(exps.astype(np.int64) * A + sym, minlength=n_exp * A).reshape(n_exp, A)
+    return np.bincount(exps.astype(np.int64) * A + sym, minlength=n_exp * A).reshape(n_exp, A)
+
+
+def tables_from_histogram(dtype_name: str, by_exp: np.ndarray) -> list[bytes]:
+    """:func:`step_tables` from a (summed) :func:`step_histogram`. Encoder only."""
+    A = alphabet(dtype_name)
+    n_exp = EXPONENT[dtype_name][1] + 1
+    by_exp = np.asarray(by_exp, dtype=np.int64).reshape(n_exp, A)
     need = max(TABLE_MIN, -(-int(by_exp.sum()) // MAX_TABLES))
     tables, acc = [], np.zeros(A, dtype=np.int64)
     for e in range(n_exp):

@@ -92,6 +92,17 @@ def range_fingerprint(flat_bits: torch.Tensor, start: int = 0) -> int:
     return total & MASK64
 
 
+def buffer_fingerprint(data, itemsize: int, start: int = 0) -> int:
+    """sum of h(start + j, element j) mod 2^64 over a buffer of raw little-endian elements of
+    ``itemsize`` bytes, on the calling thread only: a writer fingerprints what it writes, a
+    few MB at a time, while the bytes are in cache (its threads already use every core)."""
+    arr = np.frombuffer(data, dtype=_UNSIGNED[itemsize])
+    kernels = _kernels()
+    if kernels is not None:
+        return int(kernels.run1(arr, start, *_U64))
+    return range_fingerprint(torch.from_numpy(arr.view(_SIGNED[itemsize]).copy()), start)
+
+
 def tensor_fingerprint(t: torch.Tensor) -> int:
     """fp(T) over every element, on the tensor's own device (all cores on the CPU)."""
     return range_fingerprint(as_bits(t.detach().contiguous()).reshape(-1))
@@ -146,6 +157,7 @@ def mix64_np(z: np.ndarray) -> np.ndarray:
 
 
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 def _unsigned(bits: torch.Tensor) -> np.ndarray:

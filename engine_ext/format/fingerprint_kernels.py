@@ -39,6 +39,15 @@ def run(bits, start, pieces, g, m1, m2):
     return total
 
 
+@numba.njit(nogil=True, cache=True)
+def run1(bits, start, g, m1, m2):
+    """:func:`run` on the calling thread alone: a writer thread's few MB, hashed while in cache."""
+    acc = np.uint64(0)
+    for j in range(bits.size):
+        acc += _h(start + j, bits[j], g, m1, m2)
+    return acc
+
+
 @numba.njit(parallel=True, nogil=True, cache=True)
 def pairs(index, bits, g, m1, m2):
     """sum of h(index[j], bits[j])."""

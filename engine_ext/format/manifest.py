@@ -1,4 +1,4 @@
-"""The manifest of a published version (format version 5; spec in docs/FORMAT.md).
+"""The manifest of a published version (format version 6; spec in docs/FORMAT.md).
 
 A manifest is small JSON naming the versions, fingerprints, blobs and, per tensor,
 where its encoded positions and values lie; a delta also names the manifest(s) of its
@@ -8,7 +8,10 @@ everything a hostile manifest could abuse (sizes, counts, offsets, names, boxes)
 any blob is fetched. Signatures over the raw bytes are checked before parsing
 (:mod:`engine_ext.store.signing`). Format 5 carries the context-conditioned coder (``ctx``,
 :mod:`engine_ext.format.context_codec`): a changed tensor or cell coded given its base weights,
-its steps under the version's shared ``step_tables``. Versions 1 to 4 are still read, but
+its steps under the version's shared ``step_tables``. Format 6 lets an anchor's tensor
+come in cells too (a sharded trainer's ranks each write the rows they hold); writers
+write the lowest version that describes a manifest (:meth:`Manifest.lowest_version`), so
+that format-5 readers keep reading everything else. Versions 1 to 4 are still read, but
 not format 4's context-coded parts (an opt-in coder whose blocks did not follow the
 engines' shards).
 """
@@ -24,8 +27,9 @@ from .dtypes import dtype_by_name
 from ..errors import ManifestError
 
 FORMAT = "engine-ext-delta"
-FORMAT_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+FORMAT_VERSION = 6  # the newest version this code reads and writes
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+CHUNKED_ANCHORS = 6  # the first version whose anchors may come in cells
 
 DELTA, ANCHOR = "delta", "anchor"
 POSITION_CODERS = {"none", "all", "pco", "zstd", "ctx"}
@@ -130,6 +134,12 @@ class Manifest:
     step_tables: dict[str, list[str]] | None = None  # format 5: per dtype, the context coder's step tables (hex)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
+
+    def lowest_version(self) -> int:
+        """The lowest format version that describes this manifest, which writers write (a
+        format-5 reader then still reads everything but a chunked anchor): 6 for an anchor
+        with a chunked tensor, else 5."""
+        return CHUNKED_ANCHORS if self.kind == ANCHOR and any(t.chunks for t in self.tensors) else 5
 
     def tables_for(self, dtype: str) -> list[bytes]:
         """The step tables context-coded parts of ``dtype`` are decoded with."""
@@ -276,8 +286,10 @@ class Manifest:
                 continue
             from .chunks import box_numel, valid_cuts
 
-            if self.format_version < 3 or self.kind != DELTA:
-                bad(f"{where}: only format-3 deltas come in chunks")
+            if self.format_version < (3 if self.kind == DELTA else CHUNKED_ANCHORS):
+                bad(f"{where}: only format-3 deltas and format-6 anchors come in chunks")
+            if self.kind == ANCHOR and t.nnz != t.numel:
+                bad(f"{where}: a chunked anchor lists every cell ({t.nnz} of {t.numel} elements)")
             if not valid_cuts(t.grid, t.shape) or not isinstance(t.chunks, list) or not t.chunks:
                 bad(f"{where}: a chunked tensor needs a grid and a non-empty chunk list")
             if t.positions.coder != "none" or t.values.coder != "none" or t.blob is not None or t.sha256 is not None:

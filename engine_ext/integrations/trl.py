@@ -25,6 +25,8 @@ import contextlib
 import functools
 import inspect
 import logging
+import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -34,7 +36,9 @@ import torch
 from ..fleet import Fleet, FleetResult
 from ..format import fingerprint as fpr
 from ..trainer.checkpoint_layout import transformers_model
+from ..format.dtypes import dtype_by_name, served_as, served_dtype
 from ..trainer.publisher import DeltaPublisher
+from ..trainer.sharded import ShardedPublisher
 
 log = logging.getLogger("engine_ext")
 
@@ -72,6 +76,10 @@ class DeltaWeightTransfer:
             version is published and fetched; ``True``: they call the servers' ``/pause``
             (mode ``keep``) and ``/resume`` (``VLLM_SERVER_DEV_MODE=1``); the update itself
             resumes generation once applied, so rollouts continue on the new weights.
+        sharded: every trainer rank publishes the rows it holds (FSDP2 ``fully_shard``: ``DTensor``
+            shards; :class:`~engine_ext.trainer.sharded.ShardedPublisher`, opened on every rank at the
+            first :meth:`send_shards`), nothing is gathered; rank 0 pushes each committed version.
+            Call :meth:`send_shards` on every rank instead of :meth:`send_weights`.
         publisher: further :class:`~engine_ext.trainer.publisher.DeltaPublisher` arguments
             (``anchor_every``, ``model``, ``resume``, ...); ``checkpoint_layout=model`` where the
             iterator's names are those of a transformers 5 model in memory (fused MoE experts, a VLM):
@@ -80,12 +88,21 @@ class DeltaWeightTransfer:
 
     def __init__(self, store, servers: Iterable[str], *, token: str | None = None, signing_key=None,
                  dtype: torch.dtype = torch.bfloat16, pause_servers: bool = False, retries: int = 4,
-                 timeout_s: float = 900.0, **publisher):
-        self.publisher = DeltaPublisher(store, signing_key=signing_key, dtype=dtype, **publisher)
+                 timeout_s: float = 900.0, sharded: bool = False, **publisher):
+        self.sharded = sharded
+        self._open = functools.partial(ShardedPublisher if sharded else DeltaPublisher, store, signing_key=signing_key,
+                                       dtype=dtype, **publisher)
+        self._publisher = None if sharded else self._open()  # sharded: a collective, at the first send_shards
         self.fleet = Fleet(list(servers), token, retries=retries, timeout_s=timeout_s)
-        self.dtype, self.pause_servers = self.publisher.dtype, pause_servers
+        self.dtype, self.pause_servers = served_dtype(dtype), pause_servers
         self.syncs: list[SyncStats] = []
         self.last: FleetResult | None = None
+
+    @property
+    def publisher(self) -> DeltaPublisher:
+        if self._publisher is None:
+            self._publisher = self._open()
+        return self._publisher
 
     # -- TRL's protocol -----------------------------------------------------------------------
     def init_weight_transfer(self) -> None:
@@ -96,6 +113,8 @@ class DeltaWeightTransfer:
         if silent:
             raise WeightSyncError(f"no engine_ext update route answers at {silent}: start the servers with "
                                   "VLLM_PLUGINS=engine_ext, and give the transfer their token")
+        if self.sharded:  # the first version is an anchor (a sharded publisher resumes with one)
+            return
         latest = self.publisher.head.latest
         if latest is not None:
             self._push(self.publisher.store.key_uri(latest.manifest), fpr.parse(latest.fingerprint))
@@ -120,8 +139,35 @@ class DeltaWeightTransfer:
                                     t1 - t0, time.perf_counter() - t1, pub.last_changed / max(pub.last_numel, 1)))
         return result
 
+    def send_shards(self, model) -> FleetResult | None:
+        """On every trainer rank (``sharded=True``): publish the rows this rank holds of ``model`` (an
+        FSDP2 module's ``DTensor`` shards as they are: no ``full_tensor()``, no all-gather) as one
+        version, committed by rank 0 once every rank's part is in; rank 0 then brings every server to
+        it with the fingerprint of the whole model. Returns rank 0's result (None on the others). A
+        version a rank failed is committed nowhere and raises :class:`WeightSyncError` on every rank
+        (the servers keep the last committed version; the next one is an anchor)."""
+        if not self.sharded:
+            raise ValueError("send_shards needs DeltaWeightTransfer(..., sharded=True)")
+        t0 = time.perf_counter()
+        pub = self.publisher
+        uri = pub.publish(model)
+        pub.wait()
+        if pub.version in pub.aborted:
+            raise WeightSyncError(f"v{pub.version} was not published (nothing committed; the servers keep the last "
+                                  f"committed version): {pub.aborted[pub.version]}")
+        if pub.rank != 0:
+            return None
+        t1 = time.perf_counter()
+        result = self._push(uri, pub.fingerprint)
+        dense = sum(math.prod(p.shape) * served_as(dtype_by_name(p.dtype), pub.dtype).itemsize
+                    for p in pub.layout.values())
+        self.syncs.append(SyncStats(pub.version, max((r.fetched_bytes or 0) for r in result.replicas), dense,
+                                    t1 - t0, time.perf_counter() - t1, pub.last_changed / max(pub.last_numel, 1)))
+        return result
+
     def destroy(self) -> None:
-        self.publisher.close()
+        if self._publisher is not None:
+            self._publisher.close()
 
     # -- helpers ------------------------------------------------------------------------------
     def _push(self, uri: str, fingerprint: int) -> FleetResult:
@@ -171,6 +217,14 @@ def _delta_generation_class():
             self.accelerator.wait_for_everyone()
 
         def sync_weights(self) -> None:
+            if self.transfer.sharded:  # every process publishes its own FSDP shards: nothing is gathered
+                from accelerate.utils import is_peft_model
+
+                if is_peft_model(self.model):
+                    raise NotImplementedError("a sharded sync of a PEFT model: its adapters are merged on gathered "
+                                              "weights; use DeltaGRPOTrainer(delta_sharded=False)")
+                self.transfer.send_shards(self.model)
+                return
             params = self._iter_named_params()  # gathers are collective: every process walks them
             if self.accelerator.is_main_process:
                 self.transfer.send_weights(params)  # the update resets the servers' prefix caches
@@ -211,6 +265,9 @@ def delta_grpo_trainer_class():
                 ``http://{args.vllm_server_host}:{args.vllm_server_port}``).
             delta_dtype: the served dtype (default bfloat16).
             delta_options: more :class:`DeltaWeightTransfer` / publisher arguments.
+            delta_sharded: every process publishes its own FSDP shards (:meth:`DeltaWeightTransfer.send_shards`:
+                no gather; the names as the model holds them, no checkpoint-layout conversion); default: when
+                ``args.fsdp`` is set or accelerate was launched with FSDP (``ACCELERATE_USE_FSDP``).
 
         ``args`` must say ``use_vllm=True, vllm_mode="server"``; the servers run the plugin with
         TRL's server flags (``VLLM_SERVER_DEV_MODE=1``, ``--logprobs-mode processed_logprobs``).
@@ -219,20 +276,24 @@ def delta_grpo_trainer_class():
 
         def __init__(self, *args, delta_store, delta_token: str | None = None, signing_key=None,
                      delta_servers: Iterable[str] | None = None, delta_dtype: torch.dtype = torch.bfloat16,
-                     delta_options: dict | None = None, **kwargs):
+                     delta_options: dict | None = None, delta_sharded: bool | None = None, **kwargs):
             bound = inspect.signature(GRPOTrainer.__init__).bind_partial(self, *args, **kwargs)
             config = bound.arguments.get("args")
             if config is None or not config.use_vllm or config.vllm_mode != "server":
                 raise ValueError("DeltaGRPOTrainer needs args=GRPOConfig(use_vllm=True, vllm_mode='server', ...)")
             servers = list(delta_servers or [config.vllm_server_base_url
                                              or f"http://{config.vllm_server_host}:{config.vllm_server_port}"])
+            if delta_sharded is None:
+                delta_sharded = bool(getattr(config, "fsdp", None)) or \
+                    os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
             self.weight_transfer = DeltaWeightTransfer(delta_store, servers, token=delta_token, signing_key=signing_key,
-                                                       dtype=delta_dtype, **(delta_options or {}))
+                                                       dtype=delta_dtype, sharded=delta_sharded,
+                                                       **(delta_options or {}))
             generation = _delta_generation_class()
             with _generation_from(lambda **kw: generation(self.weight_transfer, **kw)):
                 super().__init__(*args, **kwargs)
-            pub = self.weight_transfer.publisher
-            if pub.checkpoint_layout == "auto":  # TRL hands (name, tensor) pairs: the names of the model in memory
+            pub = self.weight_transfer._publisher  # None when sharded (opened at the first sync, on every rank)
+            if pub is not None and pub.checkpoint_layout == "auto":  # TRL hands (name, tensor) pairs: the names of the model in memory
                 pub.checkpoint_layout = transformers_model(self.model) or "auto"
 
         def train(self, *args, **kwargs):

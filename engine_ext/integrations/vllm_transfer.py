@@ -19,8 +19,13 @@ same name (``--weight-transfer-config '{"backend": "engine_ext"}'``, docs/vllm.m
         ...  # optimizer step
         engine.send_weights()
 
-``send_weights`` is called on every trainer rank: every rank iterates the source (FSDP gathers
-are collective), the sender (rank 0) publishes one signed version with
+``send_weights`` is called on every trainer rank. With ``source=ShardSource(model)`` (an FSDP2
+``fully_shard`` model, or pipeline / expert parallel ranks naming ``held_names``) every rank
+publishes the rows it holds through its own
+:class:`~engine_ext.trainer.sharded.ShardedPublisher` and rank 0 commits the version once
+every rank's part is in: nothing is gathered (:meth:`DeltaTrainerWeightTransferEngine.publish_version`).
+With any other source (a plain ``ModuleSource``) every rank iterates it (FSDP gathers
+are collective), as vLLM's contract says, and the sender (rank 0) publishes one signed version with
 :class:`~engine_ext.trainer.publisher.DeltaPublisher` (an anchor first, deltas after, the
 weights cast to ``dtype``), then drives ``start_weight_update``, ``update_weights({"url": ...})``
 and ``finish_weight_update(str(version))`` on each client. The servers fetch only the changed
@@ -34,6 +39,7 @@ resume). Nothing passes through the trainer's network but the version's changed 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,9 +48,12 @@ from typing import Any, ClassVar, Iterator
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
-from ..errors import UpdateRefused
+from ..errors import DeltaError, UpdateRefused
+from ..format.dtypes import BY_TORCH
 from ..format.manifest import ANCHOR, DELTA, Manifest, manifest_key
 from ..trainer.publisher import DeltaPublisher
+from ..trainer.sharded import ShardedPublisher
+from .shard_source import ShardSource
 
 log = logging.getLogger("engine_ext")
 BACKEND = "engine_ext"
@@ -95,7 +104,12 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
         self.clients = [LLMClient(c) if _is_offline_llm(c) else c
                         for c in (client if isinstance(client, (list, tuple)) else [client])]
         self.publisher: DeltaPublisher | None = None
-        if self.is_sender:
+        self.sharded = isinstance(source, ShardSource)  # every rank publishes its own rows
+        if self.sharded:  # on every rank, at the same point (it opens the publishers' own gloo group)
+            self.publisher = ShardedPublisher(init_info.store, init_info.model, signing_key=init_info.signing_key,
+                                              anchor_every=init_info.anchor_every, dtype=init_info.dtype,
+                                              **init_info.publisher)
+        elif self.is_sender:
             self.publisher = DeltaPublisher(init_info.store, init_info.model, signing_key=init_info.signing_key,
                                             anchor_every=init_info.anchor_every, **init_info.publisher)
         self.sends: list[SendStats] = []
@@ -124,7 +138,7 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
         version = self.publisher.version
         self._each(lambda c: self._update(c, uri, str(version)))
         stats = SendStats(version, self._kind, self._payload_bytes(version), self._dense_bytes,
-                          self.publisher.last_changed / max(self._numel, 1), t1 - t0, time.perf_counter() - t1)
+                          self._changed / max(self._numel, 1), t1 - t0, time.perf_counter() - t1)
         self.sends.append(stats)
         log.info("engine_ext: sent v%d (%s): %d B against %d B dense, published in %.3f s, applied in %.3f s",
                  version, stats.kind, stats.payload_bytes, stats.dense_bytes, stats.publish_s, stats.update_s)
@@ -133,8 +147,10 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
     def publish_version(self) -> str | None:
         """Every rank iterates the source (materialising is collective); the sender publishes the
         weights, cast to the served dtype, as one signed version and waits until it is stored.
-        Returns its manifest URI on the sender, None elsewhere. The one step a source that
-        publishes per rank (FSDP shards without a gather) replaces."""
+        Returns its manifest URI on the sender, None elsewhere. A :class:`ShardSource` publishes per
+        rank instead (:meth:`_publish_shards`): no rank iterates it, nothing is gathered."""
+        if self.sharded:
+            return self._publish_shards()
         pairs = self._pairs()
         if not self.is_sender:
             for _ in pairs:
@@ -152,7 +168,26 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
         self._kind = ANCHOR if uri.endswith(f".{ANCHOR}.json") else DELTA
         self._numel = sum(t.numel() for t in state.values())
         self._dense_bytes = sum(t.numel() * t.element_size() for t in state.values())
+        self._changed = self.publisher.last_changed
         return uri
+
+    def _publish_shards(self) -> str | None:
+        """Every rank publishes the rows it holds (:meth:`ShardSource.publish`) and waits until rank 0
+        committed the version; a version a rank failed is committed nowhere, and raises on every rank
+        (the servers keep the last committed one; the next version is an anchor)."""
+        pub = self.publisher
+        uri = self.source.publish(pub)
+        pub.wait()
+        if pub.version in pub.aborted:
+            raise DeltaError(f"v{pub.version} was not published (nothing committed, the servers keep "
+                             f"v{max(pub._committed, default=None)}): {pub.aborted[pub.version]}")
+        self._kind = ANCHOR if uri.endswith(f".{ANCHOR}.json") else DELTA
+        meta = self.source.metadata()  # full shapes, no gather
+        self._numel = sum(math.prod(m.shape) for m in meta)
+        self._dense_bytes = sum(math.prod(m.shape) * BY_TORCH[m.dtype].itemsize for m in meta)
+        # changed: this rank's share, scaled to the model (the ranks' counts are not summed: no collective)
+        self._changed = pub.last_changed * self._numel / max(pub.last_numel, 1)
+        return uri if self.is_sender else None
 
     def shutdown(self) -> None:
         if self.publisher is not None:
@@ -264,5 +299,5 @@ def register() -> None:
 
 register()
 
-__all__ = ["DeltaTrainerInitInfo", "DeltaTrainerWeightTransferEngine", "LLMClient", "SendStats", "refusal", "register",
-           "BACKEND"]
+__all__ = ["DeltaTrainerInitInfo", "DeltaTrainerWeightTransferEngine", "LLMClient", "SendStats", "ShardSource", "refusal",
+           "register", "BACKEND"]

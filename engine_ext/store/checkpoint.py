@@ -23,6 +23,7 @@ from safetensors import safe_open
 from ..format.dtypes import BY_SAFETENSORS, DType, as_bits
 
 INDEX_NAME = "model.safetensors.index.json"
+WRITE_CHUNK = 4 << 20  # bytes a writer hands the OS (and the hashes) at a time
 SINGLE_NAME = "model.safetensors"
 
 
@@ -196,6 +197,7 @@ class SafetensorsWriter:
         self.size = len(head)
         self._sha = hashlib.sha256(head) if hashed else None
         self.tensor_sha256: dict[str, str] = {}
+        self.piece_sha256: dict[str, list[str]] = {}  # per tensor written with ``splits``: each piece's SHA-256
         self.next = 0
 
     @property
@@ -208,18 +210,34 @@ class SafetensorsWriter:
         a, b = self.header[name]["data_offsets"]
         return self.data_start + a, b - a
 
-    def write(self, name: str, t: torch.Tensor) -> None:
+    def write(self, name: str, t: torch.Tensor, splits=(), on_chunk=None) -> None:
+        """Append the next tensor's bytes. With ``splits`` (byte offsets into them, ascending), a
+        ``hashed`` writer hashes the pieces between them too (:attr:`piece_sha256`): the cells a
+        sharded anchor lists. ``on_chunk(bytes, offset)`` sees every few MB as they are written."""
         expected, n = self.order[self.next]
         if name != expected:
             raise ValueError(f"tensors must be written in header order: expected {expected!r}, got {name!r}")
         data = memoryview(as_bits(t.detach().contiguous()).reshape(-1).cpu().numpy()).cast("B")
         if len(data) != n:
             raise ValueError(f"{name}: {len(data)} bytes, header says {n}")
-        self.f.write(data)
+        edges = [0, *splits, n]
+        pieces = []
+        for a, b in zip(edges, edges[1:]):  # written and hashed a few MB at a time, while they are in cache
+            piece = hashlib.sha256() if self._sha is not None else None
+            for c in range(a, b, WRITE_CHUNK):
+                chunk = data[c:min(b, c + WRITE_CHUNK)]
+                self.f.write(chunk)  # one huge write() is several times slower than many of a few MB
+                if piece is not None:
+                    self._sha.update(chunk)
+                    piece.update(chunk)
+                if on_chunk is not None:
+                    on_chunk(chunk, c)
+            pieces.append(piece)
         self.size += n
         if self._sha is not None:
-            self._sha.update(data)
-            self.tensor_sha256[name] = hashlib.sha256(data).hexdigest()
+            self.piece_sha256[name] = [h.hexdigest() for h in pieces]
+            if not splits:
+                self.tensor_sha256[name] = self.piece_sha256[name][0]
         self.next += 1
 
     def close(self) -> None:

@@ -342,6 +342,15 @@ def _decode_part(p: _Part, data: memoryview, bases: Bases | None = None) -> tupl
     return pos, vals
 
 
+def _decode_values(p: _Part, data: memoryview) -> torch.Tensor:
+    """The values of a part whose positions are every element of it (no bytes)."""
+    try:
+        return codec.decode_values(p.entry.values.coder, bytes(data[p.entry.positions.length:]), p.entry.nnz,
+                                   dtype_by_name(p.tensor.dtype))
+    except IntegrityError as err:
+        raise IntegrityError(f"tensor {p.tensor.name!r}: {err}") from None
+
+
 def _on_one_device(pieces: list) -> list:
     """Parts of one tensor decoded on its base's device (context-coded) and on the host (the others),
     all on the base's device, where the apply reads them."""
@@ -362,6 +371,10 @@ def _decode_parts(parts: list[_Part], data_of, workers: int, bases: Bases | None
     def one(ps: list[_Part]) -> list[TensorDelta]:  # per value mode: each cell picks its own
         t, out = ps[0].tensor, []
         base = fpr.parse(t.base_fingerprint) if t.base_fingerprint else None
+        if _whole_in_rows(ps):  # every cell of a row-cut anchor: its values in order, no positions
+            vals = torch.cat([_decode_values(p, data_of((p.blob, p.offset))) for p in ps])
+            return [TensorDelta(t.name, dtype_by_name(t.dtype), tuple(t.shape), "abs", None, vals, base,
+                                fpr.parse(t.fingerprint))]
         by_mode: dict[str, list] = {}
         if bases is not None and any(p.entry.positions.coder == "ctx" for p in ps):
             bases.verify(t.name, base)  # before any context decoding: a wrong base decodes to garbage
@@ -377,6 +390,8 @@ def _decode_parts(parts: list[_Part], data_of, workers: int, bases: Bases | None
                 if len(t.grid) > 1:  # cells side by side along dimension 1 interleave by row
                     pos, order = torch.sort(pos)
                     vals = vals[order]
+            if pos is not None and pos.numel() == t.numel:  # sorted, unique: every element, in order
+                pos = None
             out.append(TensorDelta(t.name, dtype_by_name(t.dtype), tuple(t.shape), mode, pos, vals, base,
                                    fpr.parse(t.fingerprint)))
         return out
@@ -384,6 +399,15 @@ def _decode_parts(parts: list[_Part], data_of, workers: int, bases: Bases | None
     groups = list(by_tensor.values())
     with ThreadPoolExecutor(max(1, min(workers, len(groups) or 1))) as pool:
         return [td for tds in pool.map(one, groups) for td in tds]
+
+
+def _whole_in_rows(ps: list[_Part]) -> bool:
+    """Whether ``ps`` (in cell order) are every cell of a tensor cut along dimension 0 only, each
+    holding all its elements: their values, concatenated, are the whole tensor's (a chunked
+    anchor: the one path that materialises no positions)."""
+    t = ps[0].tensor
+    return (t.chunks is not None and len(t.grid) == 1 and len(ps) == len(t.grid[0]) - 1
+            and all(p.entry.positions.coder == "all" and p.entry.values.mode == "abs" for p in ps))
 
 
 def check_decode_budget(m: Manifest, limit: int | None = None) -> None:

@@ -1,3 +1,4 @@
 """What runs beside the optimizer: the publisher (diff, encode, sign, upload a version per
-step, resume a store that holds versions) and the builder that lays a version out as blobs
-and a manifest. Reads the format and the stores; never the server side."""
+step, resume a store that holds versions), its sharded form (one per trainer rank, each
+publishing the rows it holds: ``sharded``, ``shards``) and the builder that lays a version
+out as blobs and a manifest. Reads the format and the stores; never the server side."""

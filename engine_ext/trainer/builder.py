@@ -13,14 +13,23 @@ A delta blob is the concatenation of each tensor's positions then values bytes
 (independently decodable pco/zstd streams); an anchor blob is a plain safetensors
 file, readable by any safetensors library, whose tensor data ranges the manifest
 points at.
+
+A sharded trainer's version (:mod:`engine_ext.trainer.sharded`) is built in parts: each
+rank lays out and uploads its own blobs (:meth:`VersionBuilder.upload`, keys marked with
+its rank) and hands its part of the manifest, with partial fingerprints, to rank 0,
+which joins the parts (:func:`merge_parts`) and commits the one signed manifest
+(:func:`commit`).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
 import os
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -38,10 +47,21 @@ BLOB_TARGET = 256 << 20  # start a new blob past this size, so readers can fetch
 LATEST_TTL_S = 7 * 24 * 3600.0  # a signed LATEST older than this is stale (re-publish to refresh)
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Rows ``[start, start + local rows)`` of a tensor of ``shape`` that one trainer rank writes into
+    an anchor, and the tensor's dimension-0 cuts (every rank's boundaries among them): the cells
+    inside those rows become its chunks, each a contiguous range of its safetensors slice."""
+
+    shape: tuple  # the whole tensor's
+    start: int
+    cuts: tuple  # 0 = c[0] < ... < c[-1] = shape[0]
+
+
 class VersionBuilder:
     def __init__(self, kind: str, model: str, version: int, base_version: int | None = None,
                  anchor_version: int | None = None, blob_target: int = BLOB_TARGET,
-                 base_manifests: list[str] | None = None, spool_in: Store | None = None):
+                 base_manifests: list[str] | None = None, spool_in: Store | None = None, part: int | None = None):
         self.manifest = Manifest(kind=kind, model=model, version=version, fingerprint="",
                                  base_version=base_version if kind == DELTA else None,
                                  base_fingerprint="" if kind == DELTA else None,
@@ -52,6 +72,7 @@ class VersionBuilder:
         # Unlisted by local stores (their temp-file prefix); on the store's filesystem where it has one.
         self.tmp = tempfile.TemporaryDirectory(prefix=f"{_TMP_PREFIX}spool-", dir=spool_in.spool_dir() if spool_in else None)
         self.blob_target = blob_target
+        self.part = part  # a sharded version's rank: its blobs' keys carry ``.r{part}``
         self.files: list[str] = []
         self.digests: dict[str, tuple[str, int]] = {}  # blob file -> (SHA-256, size), recorded as written
         self._cur = None  # open file of the current delta blob
@@ -117,16 +138,22 @@ class VersionBuilder:
                                                  grid=cuts, chunks=chunks))
 
     # -- anchors --------------------------------------------------------------
-    def add_anchor(self, infos: list[tuple[str, DType, tuple]], load: Callable[[str], torch.Tensor],
-                   fingerprint: Callable[[str, torch.Tensor], int], done: Callable[[], None] | None = None,
+    def add_anchor(self, infos: list[tuple], load: Callable[[str], torch.Tensor],
+                   fingerprint: Callable[[str, torch.Tensor], int] | None = None, done: Callable[[], None] | None = None,
                    workers: int | None = None) -> None:
         """Write every tensor of ``infos`` (in order) into anchor shards of about ``blob_target`` bytes.
 
-        The shards are written in parallel, one thread each (writes, hashing and fingerprints
-        release the GIL); within a shard one tensor is in memory at a time, written once and
-        hashed as written. ``load(name)`` gives the tensor, ``fingerprint(name, tensor)`` its
-        fingerprint (computed, or kept by the caller); ``done()`` is called after each tensor.
+        ``infos`` are ``(name, dtype, shape)``, or ``(name, dtype, local shape, Rows)`` for a
+        sharded trainer's row slice (written under the tensor's name, listed as the cells it
+        holds, with its partial fingerprint). The shards are written in parallel, one thread
+        each (writes, hashing and fingerprints release the GIL); within a shard one tensor is
+        in memory at a time, written once and hashed as written. ``load(name)`` gives the
+        tensor, ``fingerprint(name, tensor)`` its fingerprint as the caller keeps it (None:
+        fingerprinted as written, a few MB at a time while they are in cache; a row slice over
+        its own elements); ``done()`` is called after each tensor.
         """
+        rows = {i[0]: i[3] for i in infos if len(i) > 3 and i[3] is not None}
+        infos = [tuple(i[:3]) for i in infos]
         shards = self.anchor_shards(infos)
         writers = []
         for shard in shards:  # blob indices in shard order
@@ -138,10 +165,20 @@ class VersionBuilder:
         def write(job) -> list[TensorEntry]:
             (blob, w), shard = job
             entries = []
-            for name, _, _ in shard:
+            for name, dt, _ in shard:
                 t = load(name)
-                w.write(name, t)
-                entries.append(self._anchor_entry(w, blob, name, t, fingerprint(name, t)))
+                r = rows.get(name)
+                cells = _cells(r, t.shape[0]) if r is not None else []
+                fp, at = [0], (r.start * math.prod(r.shape[1:]) if r is not None else 0)
+
+                def hash_elements(chunk, offset, fp=fp, at=at, size=dt.itemsize):
+                    fp[0] += fpr.buffer_fingerprint(chunk, size, at + offset // size)
+
+                w.write(name, t, splits=[(a - r.start) * (t.nbytes // max(1, t.shape[0])) for _, a, _ in cells[1:]],
+                        on_chunk=hash_elements if fingerprint is None else None)
+                fp = fp[0] & fpr.MASK64 if fingerprint is None else fingerprint(name, t)
+                entries.append(self._anchor_entry(w, blob, name, t, fp) if r is None
+                               else self._anchor_cells(w, blob, name, t, fp, r, cells))
                 if done is not None:
                     done()
             w.close()
@@ -176,13 +213,25 @@ class VersionBuilder:
                            blob=blob, offset=off, sha256=w.tensor_sha256[name],
                            positions=Segment("all", 0), values=Segment("raw", n, "abs"))
 
+    @staticmethod
+    def _anchor_cells(w: SafetensorsWriter, blob: int, name: str, t: torch.Tensor, fp: int, rows: Rows,
+                      cells: list[tuple[int, int, int]]) -> TensorEntry:
+        """A row slice's entry: the cells inside it as chunks of the slice's bytes, its partial fingerprint."""
+        off, n = w.data_range(name)
+        row_bytes, per_row = n // max(1, t.shape[0]), t.numel() // max(1, t.shape[0])
+        dt = BY_SAFETENSORS[w.header[name]["dtype"]]
+        chunks = [Chunk(cell, (b - a) * per_row, blob, off + (a - rows.start) * row_bytes, sha,
+                        Segment("all", 0), Segment("raw", (b - a) * row_bytes, "abs"))
+                  for (cell, a, b), sha in zip(cells, w.piece_sha256[name])]
+        return TensorEntry(name, dt.name, list(rows.shape), t.numel(), fpr.fmt(fp), grid=[list(rows.cuts)], chunks=chunks)
+
     # -- finish ---------------------------------------------------------------
-    def publish(self, store: Store, signer: Signer | None = None, latest_ttl_s: float = LATEST_TTL_S) -> str:
-        """Hash blobs, finish the manifest, sign it (with ``signer``), publish; returns the
-        manifest's URI. ``LATEST`` is signed too and stays valid for ``latest_ttl_s``."""
+    def _blob_keys(self) -> list[tuple[str, str]]:
+        """Name every blob by its version, rank part, index and content; list them in the manifest."""
         self._close_cur()
         m = self.manifest
-        version_tag = f"v{m.version:08d}" + (".anchor" if m.kind == ANCHOR else "")
+        version_tag = f"v{m.version:08d}" + (".anchor" if m.kind == ANCHOR else "") + (
+            "" if self.part is None else f".r{self.part}")
         keys = []
         for i, path in enumerate(self.files):
             ext = "safetensors" if path.endswith(".safetensors") else "bin"
@@ -190,21 +239,103 @@ class VersionBuilder:
             key = f"{version_tag}.{i}.{sha[:32]}.{ext}"
             m.blobs.append(Blob(key, size, sha))
             keys.append((key, path))
-        m.fingerprint = fpr.fmt(fpr.model_fingerprint((t.name, fpr.parse(t.fingerprint)) for t in m.tensors))
-        if m.kind == DELTA:
-            m.base_fingerprint = fpr.fmt(fpr.model_fingerprint((t.name, fpr.parse(t.base_fingerprint)) for t in m.tensors))
-        m.created_unix = time.time()
-        m.validate()
-        mkey = manifest_key(m.version, m.kind)
-        raw = m.to_json()
-        self.manifest_sha256 = hashlib.sha256(raw).hexdigest()
-        latest = Latest(m.version, mkey, m.fingerprint, m.anchor_version, self.manifest_sha256,
-                        time.time() + latest_ttl_s if signer is not None else None)
-        self.latest = latest
-        publish_version(store, keys, mkey, raw, sign_latest(latest, signer), m.version,
-                        signature=signer.sign_detached(raw) if signer else None)
+        return keys
+
+    def publish(self, store: Store, signer: Signer | None = None, latest_ttl_s: float = LATEST_TTL_S) -> str:
+        """Hash blobs, finish the manifest, sign it (with ``signer``), publish; returns the
+        manifest's URI. ``LATEST`` is signed too and stays valid for ``latest_ttl_s``."""
+        keys = self._blob_keys()
+        uri, self.manifest_sha256, self.latest = commit(store, self.manifest, signer, latest_ttl_s, keys)
         self.tmp.cleanup()
-        return store.key_uri(mkey)
+        return uri
+
+    def upload(self, store: Store, workers: int = 4) -> Manifest:
+        """A sharded version's part: create this rank's blobs in the store (write-once, in parallel) and
+        return its part of the manifest (blob indices its own, fingerprints partial) for :func:`merge_parts`."""
+        keys = self._blob_keys()
+        try:
+            if keys:
+                with ThreadPoolExecutor(max(1, min(workers, len(keys)))) as pool:
+                    list(pool.map(lambda kp: store.create_file(*kp), keys))
+        finally:
+            self.tmp.cleanup()
+        return self.manifest
+
+
+def _cells(rows: Rows, local_rows: int) -> list[tuple[int, int, int]]:
+    """(cell, first row, end row) of the dimension-0 cells inside a row slice; they must tile it."""
+    stop = rows.start + local_rows
+    cells = [(i, a, b) for i, (a, b) in enumerate(zip(rows.cuts, rows.cuts[1:])) if rows.start <= a and b <= stop]
+    if sum(b - a for _, a, b in cells) != local_rows:
+        raise ValueError(f"rows {rows.start}..{stop} are not a union of the cells cut at {list(rows.cuts)[:8]}")
+    return cells
+
+
+def commit(store: Store, m: Manifest, signer: Signer | None = None, latest_ttl_s: float = LATEST_TTL_S,
+           blobs: list[tuple[str, str]] = ()) -> tuple[str, str, Latest]:
+    """Finish a manifest whose blobs are named (model fingerprints, time, the lowest format version
+    that describes it), validate it, sign it and publish it with ``blobs`` (key, local file) and
+    ``LATEST`` (:func:`engine_ext.store.publish_version`). Returns (URI, SHA-256 of its bytes, LATEST)."""
+    m.fingerprint = fpr.fmt(fpr.model_fingerprint((t.name, fpr.parse(t.fingerprint)) for t in m.tensors))
+    if m.kind == DELTA:
+        m.base_fingerprint = fpr.fmt(fpr.model_fingerprint((t.name, fpr.parse(t.base_fingerprint)) for t in m.tensors))
+    m.created_unix = time.time()
+    m.format_version = m.lowest_version()
+    m.validate()
+    mkey = manifest_key(m.version, m.kind)
+    raw = m.to_json()
+    sha = hashlib.sha256(raw).hexdigest()
+    latest = Latest(m.version, mkey, m.fingerprint, m.anchor_version, sha,
+                    time.time() + latest_ttl_s if signer is not None else None)
+    publish_version(store, list(blobs), mkey, raw, sign_latest(latest, signer), m.version,
+                    signature=signer.sign_detached(raw) if signer else None)
+    return store.key_uri(mkey), sha, latest
+
+
+def merge_parts(parts: list[Manifest], names: list[str]) -> Manifest:
+    """One manifest from the parts of a sharded version (:meth:`VersionBuilder.upload`, in rank order):
+    blobs in rank order, each tensor's pieces joined (``names``, in manifest order, must be exactly
+    the tensors the parts list). A tensor one rank wrote whole is taken as it is; one written in row
+    slices gets the sum of their partial fingerprints (sums over elements at global indices) and
+    their chunks, which must share one grid. Unvalidated: :func:`commit` validates the whole."""
+    head = parts[0]
+    m = Manifest(kind=head.kind, model=head.model, version=head.version, fingerprint="",
+                 base_version=head.base_version, base_fingerprint=head.base_fingerprint,
+                 anchor_version=head.anchor_version, base_manifests=list(head.base_manifests))
+    tables = {}
+    pieces: dict[str, list[TensorEntry]] = {}
+    for part in parts:
+        if (part.kind, part.version, part.base_version) != (head.kind, head.version, head.base_version):
+            raise ValueError(f"parts of different versions: v{part.version} ({part.kind}) and v{head.version} ({head.kind})")
+        for dtype, t in (part.step_tables or {}).items():
+            if tables.setdefault(dtype, t) != t:
+                raise ValueError(f"the ranks coded {dtype} against different step tables")
+        shift = len(m.blobs)
+        m.blobs += part.blobs
+        for t in part.tensors:
+            t = dataclasses.replace(t, blob=None if t.blob is None else t.blob + shift,
+                                    chunks=None if t.chunks is None else [dataclasses.replace(c, blob=c.blob + shift)
+                                                                          for c in t.chunks])
+            pieces.setdefault(t.name, []).append(t)
+    if set(pieces) != set(names):
+        raise ValueError(f"the parts list other tensors than the model's: missing {sorted(set(names) - set(pieces))[:5]}, "
+                         f"unknown {sorted(set(pieces) - set(names))[:5]}")
+    m.step_tables = tables or None
+    for name in names:
+        ps = pieces[name]
+        if len(ps) == 1:
+            m.tensors.append(ps[0])
+            continue
+        t0, nnz = ps[0], sum(p.nnz for p in ps)
+        changed = [p for p in ps if p.nnz]
+        if any(p.chunks is None for p in changed) or any(p.grid != changed[0].grid for p in changed):
+            raise ValueError(f"{name}: a tensor written in row slices comes in cells of one grid")
+        fp = sum(fpr.parse(p.fingerprint) for p in ps) & fpr.MASK64
+        base = None if t0.base_fingerprint is None else fpr.fmt(sum(fpr.parse(p.base_fingerprint) for p in ps))
+        m.tensors.append(TensorEntry(name, t0.dtype, t0.shape, nnz, fpr.fmt(fp), base,
+                                     grid=changed[0].grid if changed else None,
+                                     chunks=sorted((c for p in changed for c in p.chunks), key=lambda c: c.cell) or None))
+    return m
 
 
 def sign_latest(latest: Latest, signer: Signer | None) -> bytes:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import queue
 import threading
@@ -142,6 +143,7 @@ class _Change:
     fp: int
     kept: torch.Tensor | None = None  # the kept bits (this version's): the context coder's base, old_bits put back
     policy: int | None = None  # the tensor's block policy for the context coder
+    origin: int = 0  # the first row of the tensor the kept bits hold (a sharded trainer's rank holds rows)
 
     def context_pays(self) -> bool:
         """Whether the context coder is worth trying on this tensor (a sample of the kept bits
@@ -153,7 +155,19 @@ class _Change:
         the old bits back part by part), read on the background thread."""
         if self.kept is None or not tables.get(self.dtype.name):
             return None
-        return codec.Context(self.kept.reshape(-1), self.policy, tables[self.dtype.name])
+        return codec.Context(self.kept.reshape(-1), self.policy, tables[self.dtype.name], origin=self.origin)
+
+
+@dataclass
+class _Job:
+    """One manifest to build and publish on the background thread (a sharded publisher queues its own kinds)."""
+
+    kind: str  # ANCHOR or DELTA
+    version: int
+    base_version: int | None
+    anchor_version: int | None
+    payload: object  # anchor: (kept bits by name, fingerprints or None: computed while written); delta: [_Change]
+    holds: int  # times it holds the kept bits (:meth:`DeltaPublisher._hold_kept`): the next diff waits for it
 
 
 class DeltaPublisher:
@@ -395,33 +409,46 @@ class DeltaPublisher:
         self.close()
 
     # -- snapshots (on the training thread, on the tensors' device) -------------
-    def _snapshot_delta(self, sd, version):
+    # What a tensor of the state dict is (a sharded publisher's are row slices, maybe cast on the way).
+    def _describe(self, name: str, t: torch.Tensor) -> tuple:
+        """(served dtype, the whole tensor's shape, the first row ``t`` holds) of a state-dict entry."""
+        return dtype_of(t), tuple(t.shape), 0
+
+    def _bits(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The flat raw bits of a state-dict entry as served (made one tensor at a time)."""
+        return as_bits(t.detach()).reshape(-1)
+
+    def _snapshot_delta(self, sd, version) -> _Job:
         if set(sd) != set(self._prev):
             raise ValueError(f"tensor names changed since version {self.version}: "
                              f"added {sorted(set(sd) - set(self._prev))[:5]}, removed {sorted(set(self._prev) - set(sd))[:5]}")
-        bits = {name: as_bits(t.detach()).reshape(-1) for name, t in sd.items()}
-        for name, new in bits.items():  # all checked before any state moves
-            if self._prev[name].shape != new.shape or self._prev[name].dtype != new.dtype:
+        described = {name: self._describe(name, t) for name, t in sd.items()}
+        for name, t in sd.items():  # all checked before any state moves
+            if self._prev[name].numel() != t.numel() or self._prev[name].element_size() != described[name][0].itemsize:
                 raise ValueError(f"{name}: shape or dtype changed since the last version")
-        changes = []
-        context = settings.current().context_coder
-        for name, new in bits.items():
-            prev = self._prev[name]
-            if prev.device == new.device:
-                pos, ob, nb = changed_bits(prev, new, update=True)  # the kept bits follow in the same pass
-            else:
-                pos, ob, nb = changed_bits(prev.to(new.device, non_blocking=True), new)
-                prev[pos.to(prev.device)] = nb.to(prev.device)  # the kept bits follow in O(changed)
-            fp = fpr.update_fingerprint(self._fps[name], pos, ob, nb)
-            t = sd[name]
-            policy = codec.context_policy(name, dtype_of(t), t.shape, pos.numel()) if context else None
-            changes.append(_Change(name, dtype_of(t), tuple(t.shape), pos.cpu(), nb.cpu(), ob.cpu(), self._fps[name], fp,
-                                   None if policy is None else prev, policy))
-            self._fps[name] = fp
+        changes = [self._diff(name, self._bits(name, t), *described[name]) for name, t in sd.items()]
         self.last_changed = sum(c.positions.numel() for c in changes)
         if any(c.kept is not None for c in changes):
             self._hold_kept()  # the context coder reads its base from the kept bits, in the background
-        return ("delta", version, self.version, self.anchor_version, changes)
+        return _Job(DELTA, version, self.version, self.anchor_version, changes, int(any(c.kept is not None for c in changes)))
+
+    def _diff(self, name: str, new: torch.Tensor, dtype, shape: tuple, row: int) -> _Change:
+        """One tensor's changes since the kept bits, which move to ``new`` (flat raw bits, rows from
+        ``row`` of a tensor of ``shape``), and its fingerprint updated (at global flat indices)."""
+        prev = self._prev[name]
+        if prev.device == new.device:
+            pos, ob, nb = changed_bits(prev, new, update=True)  # the kept bits follow in the same pass
+        else:
+            pos, ob, nb = changed_bits(prev.to(new.device, non_blocking=True), new)
+            prev[pos.to(prev.device)] = nb.to(prev.device)  # the kept bits follow in O(changed)
+        if row:
+            pos = pos + row * (math.prod(shape[1:]) if shape else 1)
+        fp = fpr.update_fingerprint(self._fps[name], pos, ob, nb)
+        policy = codec.context_policy(name, dtype, shape, pos.numel()) if settings.current().context_coder else None
+        change = _Change(name, dtype, shape, pos.cpu(), nb.cpu(), ob.cpu(), self._fps[name], fp,
+                         None if policy is None else prev, policy, row)
+        self._fps[name] = fp
+        return change
 
     def _hold_kept(self) -> None:
         """A queued job will read the kept bits: the next diff (which moves them) waits for it."""
@@ -435,18 +462,18 @@ class DeltaPublisher:
             if self._kept_readers == 0:
                 self._kept_free.set()
 
-    def _snapshot_anchor(self, sd, version, first: bool):
+    def _snapshot_anchor(self, sd, version, first: bool) -> _Job:
         """An anchor is written from the kept bits (no copy of its own): the next version's diff
         waits until the background has read them (:attr:`_kept_free`). The first version's
         fingerprints are computed there too, while it writes (on every core)."""
-        kept = {n: self._prev[n].view(dtype_of(t).torch).reshape(t.shape) for n, t in sd.items()}
+        kept = {n: self._prev[n].view(self._describe(n, t)[0].torch).reshape(t.shape) for n, t in sd.items()}
         self._hold_kept()
-        return ("anchor", version, None, version, (kept, None if first else dict(self._fps)))
+        return _Job(ANCHOR, version, None, version, (kept, None if first else dict(self._fps)), 1)
 
     def _remember(self, sd):
         """Keep the first version's bits; later versions update them in _snapshot_delta."""
         for name, t in sd.items():
-            bits = as_bits(t.detach()).reshape(-1)
+            bits = self._bits(name, t)
             self._prev[name] = bits.to("cpu" if self.keep_on_cpu else bits.device, copy=True)
 
     # -- background encode + upload --------------------------------------------
@@ -457,59 +484,77 @@ class DeltaPublisher:
                 if job is None:
                     return
                 if self._error is None:
-                    self._build(*job)
+                    self._build(job)
             except BaseException as e:  # surfaced by publish()/wait()
                 self._error = e
             finally:
-                if job is not None and (job[0] == "anchor" or any(c.kept is not None for c in job[4])):
+                for _ in range(job.holds if job is not None else 0):
                     self._release_kept()  # done reading the kept bits, written or not
                 self._queue.task_done()
 
-    def _build(self, kind, version, base_version, anchor_version, payload):
-        opts = {} if self.blob_target is None else {"blob_target": self.blob_target}
-        b = VersionBuilder(kind, self.model, version, base_version, anchor_version,
-                           base_manifests=self._manifest_shas.get(base_version, []) if kind == "delta" else None,
-                           spool_in=self.store, **opts)
-        if kind == "anchor":
-            tensors, fps = payload
-            if fps is None:  # the first version: fingerprinted as it is written, then the diffs' base
-                fps = {}
-
-                def fingerprint(name, t):
-                    fps[name] = fpr.tensor_fingerprint(t)
-                    return fps[name]
-            else:
-                def fingerprint(name, _):
-                    return fps[name]
-            b.add_anchor([(n, dtype_of(t), tuple(t.shape)) for n, t in tensors.items()], tensors.__getitem__,
-                         fingerprint, workers=self.workers)
-            if not self._fps:
-                self._fps = fps
+    def _build(self, job: _Job) -> None:
+        b = self._builder(job)
+        if job.kind == ANCHOR:
+            self._write_anchor(b, job)
         else:
-            # the step tables come from the tensors whose sample promises a gain (none where changes are uniform)
-            tried = list(self._pool.map(_Change.context_pays, payload))
-            tables = codec.step_tables_by_dtype((c.dtype, c.old_bits, c.new_bits) for c, t in zip(payload, tried) if t)
-
-            def enc(job):
-                c, t = job
-                if c.positions.numel() == 0:
-                    return None
-                return codec.encode_tensor(c.dtype, c.shape, c.positions, c.new_bits, c.old_bits, self.mode,
-                                           self.chunk_min_cell, c.context(tables) if t else None)
-
-            for c, e in zip(payload, self._pool.map(enc, zip(payload, tried))):
-                if e is None:
-                    b.add_unchanged(c.name, c.dtype, c.shape, c.fp)
-                else:
-                    b.add_encoded(c.name, c.dtype, c.shape, c.positions.numel(), e, c.base_fp, c.fp)
-                    if codec.uses_context(e):
-                        b.add_step_tables(c.dtype.name, tables[c.dtype.name])
+            self._write_delta(b, job.payload, self._step_tables)
         with self._latest_lock:
             b.publish(self.store, self.signer, self.latest_ttl_s)
             self._latest = b.latest
-        self._manifest_shas.setdefault(version, []).append(b.manifest_sha256)
+        self._published(job.version, b.manifest_sha256)
+
+    def _builder(self, job: _Job, part: int | None = None) -> VersionBuilder:
+        opts = {} if self.blob_target is None else {"blob_target": self.blob_target}
+        return VersionBuilder(job.kind, self.model, job.version, job.base_version, job.anchor_version,
+                              base_manifests=self._manifest_shas.get(job.base_version, []) if job.kind == DELTA else None,
+                              spool_in=self.store, part=part, **opts)
+
+    def _published(self, version: int, sha256: str) -> None:
+        """Remember a published manifest: the next delta names its base's manifests."""
+        self._manifest_shas.setdefault(version, []).append(sha256)
         for old in sorted(self._manifest_shas)[:-2]:  # the next delta's base is one of the two newest
             del self._manifest_shas[old]
+
+    def _anchor_info(self, name: str, t: torch.Tensor) -> tuple:
+        """What :meth:`VersionBuilder.add_anchor` writes of a kept tensor: (name, dtype, shape)."""
+        return name, dtype_of(t), tuple(t.shape)
+
+    def _write_anchor(self, b: VersionBuilder, job: _Job) -> None:
+        tensors, fps = job.payload
+        b.add_anchor([self._anchor_info(n, t) for n, t in tensors.items()], tensors.__getitem__,
+                     None if fps is None else (lambda name, _: fps[name]), workers=self.workers)
+        if not self._fps:  # the first version, fingerprinted as it was written: the diffs' base
+            self._fps = {t.name: fpr.parse(t.fingerprint) for t in b.manifest.tensors}
+
+    def _step_tables(self, histograms: dict) -> dict:
+        """The version's step tables from its step histograms (a sharded publisher sums its ranks')."""
+        return codec.step_tables_from(histograms)
+
+    def _cuts(self, c: _Change):
+        """The grid a changed tensor is cut into (None: the usual, :func:`engine_ext.format.chunks.grid`)."""
+        return None
+
+    def _write_delta(self, b: VersionBuilder, payload: list[_Change], agree) -> None:
+        """Encode every change (on the pool) into the builder; ``agree(histograms)`` gives the
+        version's step tables."""
+        # the step tables come from the tensors whose sample promises a gain (none where changes are uniform)
+        tried = list(self._pool.map(_Change.context_pays, payload))
+        tables = agree(codec.step_histograms((c.dtype, c.old_bits, c.new_bits) for c, t in zip(payload, tried) if t))
+
+        def enc(job):
+            c, t = job
+            if c.positions.numel() == 0:
+                return None
+            return codec.encode_tensor(c.dtype, c.shape, c.positions, c.new_bits, c.old_bits, self.mode,
+                                       self.chunk_min_cell, c.context(tables) if t else None, self._cuts(c))
+
+        for c, e in zip(payload, self._pool.map(enc, zip(payload, tried))):
+            if e is None:
+                b.add_unchanged(c.name, c.dtype, c.shape, c.fp)
+            else:
+                b.add_encoded(c.name, c.dtype, c.shape, c.positions.numel(), e, c.base_fp, c.fp)
+                if codec.uses_context(e):
+                    b.add_step_tables(c.dtype.name, tables[c.dtype.name])
 
     def _raise_pending(self):
         """Raise the first failure of the background (once). Every version queued after it was skipped,

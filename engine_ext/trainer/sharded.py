@@ -1,0 +1,352 @@
+"""A trainer that scales out: every rank publishes the rows it holds, nobody gathers the model.
+
+One :class:`ShardedPublisher` per trainer rank (FSDP2 ``fully_shard``, pipeline or expert
+parallel, or a mix: :mod:`engine_ext.trainer.shards`). Each keeps the bits of its own
+rows only (``model / world`` in the served dtype), diffs them on their own device and
+encodes in the background, like :class:`~engine_ext.trainer.publisher.DeltaPublisher`,
+whose snapshot, diff, encode and anchor code it runs; what differs is that a tensor
+several ranks hold is cut at their row boundaries (every cell inside one rank's rows:
+docs/FORMAT.md, "Sharded versions"), and how a version is committed:
+
+1. every rank tells the others what it will publish of the version (an anchor, a delta
+   on which base): a part is published only where all ranks have it, on a committed base;
+2. for a delta, the ranks sum their step histograms, so all code against the same
+   step tables;
+3. each rank writes its blobs (keys ``…r{rank}…``) and sends rank 0 its part of the
+   manifest (partial fingerprints, its chunks); rank 0 joins them
+   (:func:`~engine_ext.trainer.builder.merge_parts`) and writes the one signed manifest
+   and ``LATEST`` only when every rank's part is in;
+4. rank 0 tells every rank whether the version was committed.
+
+These run on each publisher's background thread, in version order, over a gloo process
+group of its own (the training thread's collectives on the default group go on at the
+same time). Another publisher that took a version of the store (a ConflictError at rank 0's
+commit) stops every rank for good, as it stops a DeltaPublisher. A rank that fails its part
+(an exception) aborts the version on every rank:
+nothing is committed, ``LATEST`` stays, and the next version is an anchor (deltas queued
+on the aborted version are dropped: their base was never published). A rank that dies
+or hangs breaks the group: its peers' collectives fail (or time out after ``timeout_s``),
+nothing more is committed, and :meth:`ShardedPublisher.publish` raises on every survivor;
+a restarted trainer continues after the store's highest version with an anchor (as it
+does with another world size: a new layout).
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+
+from ..errors import ConflictError, DeltaError
+from ..format import fingerprint as fpr
+from ..format.dtypes import as_bits, dtype_by_name, served_as, to_served
+from ..format.manifest import ANCHOR, DELTA, manifest_key
+from . import lineage
+from .builder import Rows, commit, merge_parts
+from .publisher import DeltaPublisher, _Change, _Job, log
+from .shards import Placement, agree, held_tensors
+
+SHARDED = "sharded"
+
+
+class GroupFailed(DeltaError):
+    """The publishers' process group failed (a rank died, hung past the timeout, or left): no more
+    versions can be committed by this trainer; restart it (it resumes after the store's LATEST)."""
+
+
+class ShardedPublisher(DeltaPublisher):
+    """Publish versions of a model whose ranks each hold part of it: one instance per rank.
+
+    Construct it on every rank of the default process group at the same point (it creates
+    its own gloo group: a collective), then call :meth:`publish` with the rank's model or
+    state dict after every optimizer step, on every rank, in the same order. Without an
+    initialised process group it publishes alone (world 1), like a DeltaPublisher.
+
+    Args (besides :class:`DeltaPublisher`'s, which apply per rank):
+        group: the process group of the publishers (default: a new gloo group over all ranks).
+        timeout_s: how long a rank waits for the others at each step of a commit.
+        (``dtype``, the served dtype, is DeltaPublisher's: bf16 by default; the held tensors are cast
+        to it one tensor at a time, on the training thread.)
+    """
+
+    def __init__(self, store, model: str = "model", *, group=None, timeout_s: float = 1800.0, **kwargs):
+        import torch.distributed as dist
+
+        if kwargs.get("quantize") is not None:
+            raise ValueError("quantize is not supported by the sharded publisher (fp8 blocks span the ranks' rows)")
+        if kwargs.get("resume", "auto") == "delta":
+            raise ValueError("a sharded publisher resumes a store with an anchor (resume='auto' or 'anchor')")
+        self.group, self._own_group = None, group is None
+        self.rank, self.world = 0, 1
+        if dist.is_available() and dist.is_initialized():
+            self.group = group if group is not None else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.layout: dict[str, Placement] | None = None  # agreed at the first publish
+        self._views: list | None = None
+        self._starts: dict[str, int] = {}  # first row of each tensor this rank publishes
+        self._committed: set[int] = set()  # versions with a committed manifest (the same on every rank)
+        self.committed_fingerprint: int | None = None  # the model fingerprint of the last version committed
+        self.aborted: dict[int, str] = {}  # version -> why it was not committed
+        self._needs_anchor = False
+        self._broken: GroupFailed | None = None
+        super().__init__(store, model, **kwargs)
+        head = self._broadcast((self.head, self.next_version))  # every rank continues from rank 0's view
+        self.head, self.next_version = head
+
+    # -- trainer-facing -------------------------------------------------------
+    def publish(self, model_or_state_dict, version: int | None = None) -> str:
+        """Snapshot this rank's changes since the last version and queue them; returns the URI the
+        version's manifest will have (committed only if every rank's part is written)."""
+        if self._broken is not None:
+            raise RuntimeError(f"publishing failed: {self._broken}") from self._broken
+        self._raise_pending()
+        held = held_tensors(model_or_state_dict)
+        if self.layout is None:
+            self._agree_layout(held)  # a collective on the training thread: no job is queued yet
+        sd = self._owned(held)
+        self.last_numel = sum(t.numel() for t in sd.values())  # what this rank publishes (in the served dtype)
+        self.last_nbytes = sum(t.numel() * self._describe(n, t)[0].itemsize for n, t in sd.items())
+        version = self.next_version if version is None else version
+        if self.version is not None and version <= self.version:
+            raise ValueError(f"version {version} must be above the last published {self.version}")
+        if version < self.head.next_version:
+            raise ValueError(f"version {version}: {self.store.uri} already holds versions up to v{self.head.next_version - 1}")
+        first = self.version is None
+        if first and self.head.latest is not None:
+            self.resumed = lineage.Resumed(self.head.latest.version, version, "anchor",
+                                           "a sharded trainer starts a store it did not write with an anchor")
+        if not first:
+            self._kept_free.wait()  # an anchor may still be being written from the kept bits
+            self._raise_pending()
+            first = not self._fps  # the first anchor was never written, nor were its fingerprints computed
+        forced = self._needs_anchor or self._restart_chain  # a version failed (aborted, or raised here)
+        self._restart_chain = False
+        anchor = first or forced or bool(self.anchor_every and version % self.anchor_every == 0)
+        delta = None
+        if first:
+            self._remember(sd)
+            self.last_changed = sum(t.numel() for t in sd.values())
+        else:
+            delta = self._snapshot_delta(sd, version)  # the kept bits and fingerprints move to this version
+            if forced:  # the last version was not committed: this one is an anchor, its delta has no base
+                for _ in range(delta.holds):
+                    self._release_kept()
+                delta = None
+        if anchor:
+            self.anchor_version = version
+        a = self._snapshot_anchor(sd, version, first) if anchor else None
+        job = _Job(SHARDED, version, self.version, self.anchor_version, (a, delta),
+                   (a.holds if a else 0) + (delta.holds if delta else 0))
+        self.version, self.next_version = version, version + 1
+        self._queue.put(job)  # blocks when uploads fall behind: backpressure
+        return self.store.key_uri(manifest_key(version, DELTA if delta is not None else ANCHOR))
+
+    @property
+    def fingerprint(self) -> int | None:
+        """The model fingerprint of the last version committed (after :meth:`wait`; None before any)."""
+        return self.committed_fingerprint
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        super().close()
+        if self.group is not None and self._own_group and self._broken is None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+    # -- what this rank holds and publishes ----------------------------------------
+    def _agree_layout(self, held: dict) -> None:
+        self._views = self._all_gather([h.describe() for h in held.values()], "the first publish")
+        self.layout = agree(self._views)
+
+    def _owned(self, held: dict) -> dict[str, torch.Tensor]:
+        """The tensors (local rows) this rank publishes; the same tensors, rows and dtypes every version."""
+        view = [h.describe() for h in held.values()]
+        if view != self._views[self.rank]:
+            raise ValueError("the tensors this rank holds changed since the first version (names, shapes, rows or "
+                             "dtypes): a new layout needs a new publisher")
+        out = {}
+        for name, h in held.items():
+            if self.layout[name].owned(self.rank, h.start):
+                out[name] = h.tensor
+                self._starts[name] = h.start
+        return out
+
+    def _describe(self, name: str, t: torch.Tensor) -> tuple:
+        p = self.layout[name]
+        return served_as(dtype_by_name(p.dtype), self.dtype), p.shape, self._starts[name]
+
+    def _bits(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        return as_bits(to_served(t.detach(), self.dtype)).reshape(-1)
+
+    def _cuts(self, c: _Change):
+        p = self.layout[c.name]
+        return p.grid(self.chunk_min_cell, anchor=False) if p.split else None
+
+    def _anchor_info(self, name: str, t: torch.Tensor) -> tuple:
+        p = self.layout[name]
+        rows = Rows(p.shape, self._starts[name], tuple(p.grid(self.chunk_min_cell, anchor=True)[0])) if p.split else None
+        return name, _dtype(t.dtype), tuple(t.shape), rows
+
+    # -- background: one job per version, the same collectives on every rank -------------
+    def _build(self, job: _Job) -> None:
+        if self._broken is not None:
+            raise self._broken
+        try:
+            self._commit_version(job)
+        except GroupFailed as e:
+            self._broken, self._needs_anchor = e, True
+            raise
+
+    def _commit_version(self, job: _Job) -> None:
+        anchor, delta = job.payload
+        views = self._all_gather((job.version, anchor is not None, None if delta is None else delta.base_version),
+                                 f"v{job.version}")
+        if any(v[0] != job.version for v in views):
+            raise GroupFailed(f"the ranks published different versions at once: {sorted({v[0] for v in views})}")
+        if any(v[1] for v in views):
+            if all(v[1] for v in views):
+                self._part(job.version, ANCHOR, lambda: self._anchor_part(anchor))
+            else:
+                self._abort(job.version, "an anchor, but not on every rank (some had not yet learnt that a version failed)")
+        if any(v[2] is not None for v in views):
+            bases = {v[2] for v in views}
+            if len(bases) == 1 and None not in bases and bases <= self._committed:
+                self._part(job.version, DELTA, lambda: self._delta_part(delta))
+            else:
+                self._abort(job.version, f"a delta on a base that was not committed (v{sorted(bases, key=str)[0]}) "
+                                         "or not on every rank")
+
+    def _anchor_part(self, anchor: _Job):
+        b = self._builder(anchor, part=self._part_no())
+        self._write_anchor(b, anchor)
+        return b.upload(self.store)
+
+    def _delta_part(self, delta: _Job):
+        agreed = []
+
+        def tables(histograms: dict) -> dict:
+            agreed.append(True)
+            return self._sum_tables(histograms, delta.version)
+
+        try:
+            b = self._builder(delta, part=self._part_no())
+            self._write_delta(b, delta.payload, tables)
+            return b.upload(self.store)
+        except GroupFailed:
+            raise
+        except Exception:
+            if not agreed:
+                self._sum_tables(None, delta.version)  # the others wait for this rank's share of the histograms
+            raise
+
+    def _sum_tables(self, histograms: dict | None, version: int) -> dict:
+        """The version's step tables, from every rank's step histograms summed (None: this rank failed
+        before it had any; the others still get theirs)."""
+        total: dict = {}
+        for h in self._all_gather(histograms, f"v{version}'s step tables"):
+            for dtype, counts in (h or {}).items():
+                total[dtype] = counts if dtype not in total else total[dtype] + counts
+        return self._step_tables(total)
+
+    def _part(self, version: int, kind: str, write) -> None:
+        """Write this rank's part (``write()``: its manifest part, or an exception), hand it to rank 0,
+        which commits the version when every part is in; every rank learns the outcome."""
+        try:
+            mine = write()
+        except GroupFailed:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported to rank 0, which aborts the version on every rank
+            log.error("engine_ext: rank %d failed its part of v%d (%s): %s", self.rank, version, kind, e)
+            mine = f"rank {self.rank}: {type(e).__name__}: {e}"
+        parts = self._gather(mine, f"v{version} ({kind})")
+        outcome = None
+        if self.rank == 0:
+            outcome = self._commit_parts(parts, version, kind)
+        ok, why, fingerprint, lost = self._broadcast(outcome, f"v{version} ({kind})")
+        if lost:  # another publisher holds this store's version: every rank stops (DeltaPublisher's rule)
+            self._abort(version, why)
+            raise ConflictError(why)
+        if ok:
+            self._committed = {v for v in self._committed if v > version - 16} | {version}  # bases are recent
+            self.committed_fingerprint = fingerprint
+            if kind == ANCHOR:
+                self._needs_anchor = False
+        else:
+            self._abort(version, why)
+
+    def _commit_parts(self, parts: list, version: int, kind: str) -> tuple:
+        failed = [p for p in parts if isinstance(p, str)]
+        if failed:
+            return False, "; ".join(failed)[:2000], None, False
+        try:
+            m = merge_parts(parts, list(self.layout))
+            with self._latest_lock:
+                _, sha, latest = commit(self.store, m, self.signer, self.latest_ttl_s)
+                self._latest = latest
+            self._published(version, sha)
+            return True, "", fpr.parse(m.fingerprint), False
+        except Exception as e:  # noqa: BLE001 - nothing (or, past the manifest, a stale LATEST) was written
+            log.error("engine_ext: committing v%d (%s) failed: %s", version, kind, e)
+            return False, f"rank 0 could not commit: {type(e).__name__}: {e}", None, isinstance(e, ConflictError)
+
+    def _abort(self, version: int, why: str) -> None:
+        """A part of ``version`` was not committed: unless its other part was (its anchor, published
+        beside the delta), nothing holds its bits, so the next version is an anchor."""
+        self.aborted[version] = why
+        if version not in self._committed:
+            self._needs_anchor = True
+            log.error("engine_ext: v%d was not published (%s); the next version is an anchor", version, why)
+        else:
+            log.error("engine_ext: v%d's delta was not published (%s); its anchor was", version, why)
+
+    def _part_no(self) -> int | None:
+        return self.rank if self.world > 1 else None
+
+    # -- collectives on the publishers' own group (background thread, version order) -------
+    def _collective(self, what: str, fn):
+        if self.group is None:
+            return fn()
+        try:
+            return fn()
+        except Exception as e:  # gloo: a peer closed its connection, or the timeout passed
+            raise GroupFailed(f"rank {self.rank}: the trainer's publishers lost each other at {what} "
+                              f"({type(e).__name__}: {str(e)[:300]}); nothing more is committed: restart the "
+                              "trainer (it resumes after the store's LATEST)") from e
+
+    def _all_gather(self, obj, what: str = "a version") -> list:
+        import torch.distributed as dist
+
+        if self.group is None:
+            return [obj]
+        out = [None] * self.world
+        self._collective(what, lambda: dist.all_gather_object(out, obj, group=self.group))
+        return out
+
+    def _gather(self, obj, what: str) -> list | None:
+        import torch.distributed as dist
+
+        if self.group is None:
+            return [obj]
+        out = [None] * self.world if self.rank == 0 else None
+        self._collective(what, lambda: dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0),
+                                                          group=self.group))
+        return out
+
+    def _broadcast(self, obj, what: str = "the start"):
+        import torch.distributed as dist
+
+        if self.group is None:
+            return obj
+        box = [obj]
+        self._collective(what, lambda: dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0),
+                                                                  group=self.group))
+        return box[0]
+
+
+def _dtype(torch_dtype: torch.dtype):
+    from ..format.dtypes import BY_TORCH
+
+    return BY_TORCH[torch_dtype]
+
+
+__all__ = ["ShardedPublisher", "GroupFailed"]

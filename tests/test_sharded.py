@@ -1,0 +1,219 @@
+"""Sharded publishing: every trainer rank publishes its own rows, nobody gathers the model.
+
+Real gloo ranks (tests/sharded_procs.py: spawned processes, a model under FSDP2
+``fully_shard`` on the CPU, AdamW steps between versions, ``DTensor.full_tensor`` patched to
+raise) publish through one ShardedPublisher each. The store is read back by the ordinary
+reader and checked bit for bit against the model reassembled from what each rank held (files
+the ranks wrote, not a collective), and against a single-process DeltaPublisher fed the same
+weights: same fingerprints at every version. A world of 2 trains, then rank 1 is SIGKILLed
+in the middle of its part: nothing is committed and LATEST stays; the run restarts at world 4
+(an anchor after the burnt version, numbers continuing), where rank 2's store refuses its
+blobs once: that version is aborted on every rank, the next one is an anchor, training goes on.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import sharded_procs
+from engine_ext.errors import ManifestError
+from engine_ext.format import fingerprint as fpr
+from engine_ext.format import manifest as manifest_mod
+from engine_ext.format.delta import apply_tensor
+from engine_ext.format.dtypes import as_bits
+from engine_ext.format.manifest import Manifest
+from engine_ext.store import open_store, reader, route
+from engine_ext.trainer.publisher import DeltaPublisher
+from engine_ext.trainer.shards import agree
+
+
+def reassemble(out: Path, world: int, version: int) -> dict[str, torch.Tensor]:
+    """The whole model at ``version`` from what each rank held (its rows; replicas once)."""
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    for r in range(world):
+        for name, (start, t) in torch.load(out / f"rank{r}.v{version}.pt").items():
+            pieces.setdefault(name, {})[start] = t
+    full = {}
+    for name, by_start in pieces.items():
+        parts = [by_start[s] for s in sorted(by_start)]
+        full[name] = parts[0] if parts[0].dim() == 0 else torch.cat([p for p in parts if p.numel() or len(parts) == 1])
+    return full
+
+
+def served(root: str, version: int) -> dict[str, torch.Tensor]:
+    """What a reader starting from nothing gets at ``version`` (anchor + chain, every byte verified)."""
+    d = route.resolve(f"{root}/v{version:08d}.json" if Path(root, f"v{version:08d}.json").exists()
+                      else f"{root}/v{version:08d}.anchor.json", bases=reader.TensorBases({}))
+    out = {}
+    for td in d.tensors:  # a route from nothing starts at an anchor: every tensor absolute, then steps
+        out[td.name] = apply_tensor(out.get(td.name), td, check=False)
+    for name, fp in d.tensor_fingerprints.items():
+        assert fpr.tensor_fingerprint(out[name]) == fp, name
+    return out
+
+
+def equal(a: dict, b: dict) -> None:
+    assert set(a) == set(b), (sorted(set(a) ^ set(b)))
+    for n in a:
+        assert a[n].shape == b[n].shape and torch.equal(as_bits(a[n]), as_bits(b[n])), n
+
+
+def manifests(root: Path) -> dict[str, dict]:
+    return {p.name: json.loads(p.read_text()) for p in sorted(root.glob("v*.json"))}
+
+
+def summaries(out: Path, world: int) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def run2(tmp_path_factory):
+    """World 2: v0 (anchor) .. v3, then rank 1 killed in the middle of its part of v4."""
+    d = tmp_path_factory.mktemp("sharded")
+    (d / "out2").mkdir()
+    cfg = {"store": str(d / "store"), "out": str(d / "out2"), "steps": 4, "timeout_s": 60,
+           "fault": {"rank": 1, "version": 4, "kind": "kill"}}
+    codes = sharded_procs.run(2, cfg)
+    return d, codes
+
+
+def test_world2_fsdp_publishes_per_rank_and_a_killed_rank_commits_nothing(run2):
+    d, codes = run2
+    root, out = d / "store", d / "out2"
+    s0 = json.loads((out / "rank0.json").read_text())
+    assert codes[1] == -9 and not (out / "rank1.json").exists()  # rank 1 died mid-part
+    assert codes[0] == 0 and "lost each other" in s0["error"], s0  # rank 0's publish raised: the group broke
+    assert s0["committed"] == [0, 1, 2, 3] and s0["versions"][-1] == 4
+    latest = json.loads((root / "LATEST").read_text())["signed"]
+    assert latest["version"] == 3 and not (root / "v00000004.json").exists()  # nothing of v4 committed
+    assert not list(root.glob("v00000004.r1.*"))  # rank 1 died before its blobs; rank 0's may stay as orphans
+    ms = manifests(root)
+    anchor = ms["v00000000.anchor.json"]
+    assert anchor["format_version"] == 6 and all(t["chunks"] for t in anchor["tensors"])  # every tensor in rows
+    assert all(ms[f"v{v:08d}.json"]["format_version"] == 5 for v in (1, 2, 3))  # deltas: nothing new for a reader
+    for name, m in ms.items():  # each rank wrote only the cells inside its own rows
+        for t in m["tensors"]:
+            per_row = len(t["grid"][1]) - 1 if t["grid"] and len(t["grid"]) > 1 else 1
+            for c in t["chunks"] or []:
+                rank = int(m["blobs"][c["blob"]]["key"].split(".r")[1].split(".")[0])
+                i = c["cell"] // per_row
+                first, end = t["grid"][0][i], t["grid"][0][i + 1]
+                half = -(-t["shape"][0] // 2)  # FSDP2's rows per rank
+                assert first // half == rank and (end - 1) // half == rank, (name, t["name"], first, end, rank)
+    for v in range(4):  # bit-exact against the model the ranks held, and the same fingerprint a single process gets
+        want = reassemble(out, 2, v)
+        got = served(str(root), v)
+        equal(got, want)
+        m = ms.get(f"v{v:08d}.json") or ms[f"v{v:08d}.anchor.json"]
+        assert m["fingerprint"] == fpr.fmt(fpr.model_fingerprint({n: fpr.tensor_fingerprint(t) for n, t in want.items()}))
+    single = d / "single"
+    with DeltaPublisher(str(single), "toy", anchor_every=0) as pub:
+        for v in range(4):
+            pub.publish(reassemble(out, 2, v))
+    for v in range(1, 4):
+        assert json.loads((single / f"v{v:08d}.json").read_text())["fingerprint"] == ms[f"v{v:08d}.json"]["fingerprint"]
+    held = s0["held_bytes_bf16"]  # each rank keeps only its own rows' bits
+    assert s0["kept_bytes"] == held and held < 0.55 * sum(t.numel() * 2 for t in reassemble(out, 2, 0).values())
+
+
+def test_world4_resumes_with_an_anchor_and_a_failed_part_aborts_the_version_everywhere(run2):
+    """The run restarts at world 4 on the store the killed world-2 run left: v5 an anchor after the
+    burnt v4, v6 a delta; rank 2's store refuses its blobs of v7: v7 is aborted on every rank, and v8,
+    the retry, is an anchor."""
+    d, _ = run2
+    root, out = d / "store", d / "out4"
+    out.mkdir()
+    cfg = {"store": str(root), "out": str(out), "steps": 3, "timeout_s": 60, "replicated": True,
+           "fault": {"rank": 2, "version": 7, "kind": "raise"}, "seed": 1}
+    codes = sharded_procs.run(4, cfg)
+    s = summaries(out, 4)
+    assert codes == [0, 0, 0, 0] and not any("error" in x for x in s), [x.get("traceback") for x in s]
+    assert all(x["versions"] == [5, 6, 7, 8] for x in s)
+    assert all(x["committed"] == [5, 6, 8] and list(x["aborted"]) == ["7"] for x in s), s
+    assert "rank 2: OSError" in s[0]["aborted"]["7"] and s[0]["resumed"].startswith("resumed after v3: v5 is an anchor")
+    ms = manifests(root)
+    assert "v00000007.json" not in ms and "v00000007.anchor.json" not in ms
+    assert ms["v00000005.anchor.json"]["format_version"] == 6 and ms["v00000006.json"]["base_version"] == 5
+    assert ms["v00000008.anchor.json"]["format_version"] == 6 and "v00000008.json" not in ms  # the retry: an anchor
+    assert json.loads((root / "LATEST").read_text())["signed"]["version"] == 8
+    for v in (5, 6, 8):
+        equal(served(str(root), v), reassemble(out, 4, v))
+    fps = {x["fingerprint"] for x in s}
+    assert fps == {ms["v00000008.anchor.json"]["fingerprint"]}  # every rank knows what was committed
+    anchor = {t["name"]: t for t in ms["v00000005.anchor.json"]["tensors"]}
+    assert anchor["extra.replicated"]["chunks"] is None and anchor["extra.plain"]["chunks"] is None  # one rank each
+    k = anchor["model.layers.0.self_attn.k_proj.weight"]  # 6 rows on 4 ranks: 2, 2, 2 and an empty shard
+    assert k["grid"] == [[0, 2, 4, 6]] and len(k["chunks"]) == 3
+    total = sum(t.numel() * 2 for n, t in reassemble(out, 4, 5).items() if not n.startswith("extra."))
+    assert all(x["held_bytes_bf16"] <= 0.3 * total for x in s)  # about a quarter of the model per rank
+
+
+def test_a_format5_reader_refuses_a_chunked_anchor(run2, monkeypatch):
+    d, _ = run2
+    raw = (d / "store" / "v00000000.anchor.json").read_bytes()
+    Manifest.from_json(raw)
+    monkeypatch.setattr(manifest_mod, "READABLE_VERSIONS", (1, 2, 3, 4, 5))  # what a format-5 reader accepts
+    with pytest.raises(ManifestError, match="unknown format 'engine-ext-delta' version 6"):
+        Manifest.from_json(raw)
+    m = json.loads(raw)
+    m["format_version"] = 5  # and a chunked anchor labelled format 5 is refused too
+    monkeypatch.undo()
+    with pytest.raises(ManifestError, match="format-6 anchors"):
+        Manifest.from_json(json.dumps(m).encode())
+    first = m["tensors"][0]
+    m["format_version"], first["chunks"] = 6, first["chunks"][1:]  # a chunked anchor must list every cell
+    with pytest.raises(ManifestError):
+        Manifest.from_json(json.dumps(m).encode())
+
+
+def test_placements_agreed_from_every_rank_view():
+    """Shard(0) rows (uneven, empty), replicas (one publisher each, spread by name), HSDP-like
+    repeated ranges, and refusals: ranges that do not tile, ranks that disagree on a shape."""
+    views = [[("w", "bfloat16", (10, 4), 0, 3), ("r", "float32", (5,), 0, 5), ("e", "bfloat16", (2, 2), 0, 1)],
+             [("w", "bfloat16", (10, 4), 3, 6), ("r", "float32", (5,), 0, 5), ("e", "bfloat16", (2, 2), 1, 2)],
+             [("w", "bfloat16", (10, 4), 6, 9), ("r", "float32", (5,), 0, 5), ("e", "bfloat16", (2, 2), 2, 2)],
+             [("w", "bfloat16", (10, 4), 9, 10), ("r", "float32", (5,), 0, 5), ("e", "bfloat16", (2, 2), 2, 2)]]
+    p = agree(views)
+    assert p["w"].cuts == (0, 3, 6, 9, 10) and p["w"].owners == (0, 1, 2, 3) and p["w"].split
+    assert p["e"].cuts == (0, 1, 2) and p["e"].owners == (0, 1)
+    assert len(p["r"].owners) == 1 and not p["r"].split
+    hsdp = [[("w", "bfloat16", (4, 2), 0, 2)], [("w", "bfloat16", (4, 2), 2, 4)],
+            [("w", "bfloat16", (4, 2), 0, 2)], [("w", "bfloat16", (4, 2), 2, 4)]]
+    owners = agree(hsdp)["w"].owners
+    assert owners[0] in (0, 2) and owners[1] in (1, 3)
+    assert len({agree([[(f"t{i}", "bfloat16", (2,), 0, 2)]] * 4)[f"t{i}"].owners[0] for i in range(32)}) == 4
+    with pytest.raises(ValueError, match="do not tile"):
+        agree([[("w", "bfloat16", (10, 4), 0, 4)], [("w", "bfloat16", (10, 4), 5, 10)]])
+    with pytest.raises(ValueError, match="hold it as"):
+        agree([[("w", "bfloat16", (10, 4), 0, 5)], [("w", "bfloat16", (10, 2), 5, 10)]])
+    assert math.prod(p["w"].grid(None, anchor=True)[0][-1:]) == 10
+
+
+def test_a_rival_publisher_stops_a_sharded_one_for_good(tmp_path):
+    """World 1 (no process group): a DeltaPublisher that takes v1 first makes rank 0's commit of v1
+    a ConflictError (the version's claim holds other weights): nothing of it is committed, and
+    the sharded publisher stops for good, as a DeltaPublisher does."""
+    from engine_ext.errors import ConflictError
+    from engine_ext.trainer.publisher import DeltaPublisher
+    from engine_ext.trainer.sharded import ShardedPublisher
+
+    g = torch.Generator().manual_seed(0)
+    w0 = {"w": torch.randn(64, 8, generator=g).to(torch.bfloat16)}
+    store = str(tmp_path / "store")
+    pub = ShardedPublisher(store, "toy", anchor_every=0, signing_key=None, timeout_s=30)
+    pub.publish(w0)
+    pub.wait()
+    with DeltaPublisher(store, "toy", anchor_every=0) as rival:
+        rival.publish({"w": w0["w"] + 1})
+    pub.publish({"w": w0["w"] * 2})
+    with pytest.raises(ConflictError):
+        pub.wait()
+    assert 1 in pub.aborted and json.loads((tmp_path / "store" / "LATEST").read_text())["signed"]["version"] == 1
+    with pytest.raises(ConflictError, match="stopped"):
+        pub.publish({"w": w0["w"] * 3})
+    with pytest.raises(ConflictError, match="stopped"):
+        pub.close()  # (as a stopped DeltaPublisher's close: it says so again)
