@@ -54,7 +54,10 @@ pip_install() {
   if [ -x "$UV" ]; then
     local args
     mapfile -t args < <(uv_args)
-    if "$UV" pip install --python "$py" "${args[@]}" "$@" >>"$log" 2>&1; then
+    # --compile-bytecode: as pip does. Without it a venv holds no .pyc, and where PYTHONDONTWRITEBYTECODE
+    # is set (CI and this machine set it) every process compiles torch and vLLM from source on each import:
+    # each vLLM server's three processes did, and the main suite took half as long again
+    if "$UV" pip install --compile-bytecode --python "$py" "${args[@]}" "$@" >>"$log" 2>&1; then
       return 0
     fi
     echo "uv could not install $* (log: $log); trying pip" >&2

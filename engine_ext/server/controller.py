@@ -329,7 +329,16 @@ class Controller:
                 await self.sync()
             txn = UpdateTransaction(self.ranks, self.state, req, source, trust)
             try:
-                await txn.prepare()
+                try:
+                    await txn.prepare()
+                except DeltaError:
+                    # a context-coded part decodes against the live base: another update that committed
+                    # meanwhile makes it fail ("a wrong base"). Plan again from the new state, else it stands
+                    async with self._lock:
+                        await self.sync()
+                        if self.state.key() == txn.planned_from:
+                            raise
+                    continue
                 async with self._lock:
                     await self.sync()
                     if self.state.key() == txn.planned_from:
