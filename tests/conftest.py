@@ -66,9 +66,9 @@ def _import_kernels_for_the_interpreter():
 _import_kernels_for_the_interpreter()
 
 
-@pytest.fixture(scope="module")
-def interp():
-    """The kernel module, run by Triton's interpreter on CPU tensors, for one test module.
+def _interpreted(module: str, kernel: str):
+    """Import ``module`` with TRITON_INTERPRET set (reloading it if ``kernel`` was decorated without
+    it), yield it, then restore TRITON_INTERPRET.
 
     TRITON_INTERPRET must be set when the kernel is decorated and while it runs
     (Triton imports parts lazily), and unset afterwards so other tests (vLLM servers)
@@ -78,11 +78,10 @@ def interp():
 
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
-    import engine_ext.triton_kernels.apply_kernel as ak
-
-    if "Interpreted" not in type(ak._apply_kernel).__name__:
-        ak = importlib.reload(ak)
-    yield ak
+    mod = importlib.import_module(module)
+    if "Interpreted" not in type(getattr(mod, kernel)).__name__:
+        mod = importlib.reload(mod)
+    yield mod
     if old is None:
         os.environ.pop("TRITON_INTERPRET", None)
     else:
@@ -90,22 +89,16 @@ def interp():
 
 
 @pytest.fixture(scope="module")
+def interp():
+    """The kernel module, run by Triton's interpreter on CPU tensors, for one test module."""
+    yield from _interpreted("engine_ext.triton_kernels.apply_kernel", "_apply_kernel")
+
+
+@pytest.fixture(scope="module")
 def ctx_interp():
     """The context pass's kernel module (``engine_ext.triton_kernels.context_scan``) run by Triton's
     interpreter on CPU tensors, for one test module (as :func:`interp` does for the apply kernel)."""
-    import importlib
-
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    import engine_ext.triton_kernels.context_scan as cs
-
-    if "Interpreted" not in type(cs._block_find_kernel).__name__:
-        cs = importlib.reload(cs)
-    yield cs
-    if old is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = old
+    yield from _interpreted("engine_ext.triton_kernels.context_scan", "_block_find_kernel")
 
 
 @pytest.fixture(scope="module")

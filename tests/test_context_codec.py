@@ -403,6 +403,21 @@ CASES = [(1, "rows", ()), (2, "rows", ()), (4, "rows", ()), (8, "rows", ()), (2,
          (2, "rows", ("chunked",)), (4, "padded", ())]
 
 
+def _assert_ranks_hold(ranks, name: str, final: torch.Tensor, world: int, how: str) -> None:
+    """Each fake rank's parameter holds its share of ``final`` (rows, columns, or padded rows), bit for bit."""
+    for up in ranks:
+        p = up.module.param(name)
+        if world == 1:
+            want = final
+        elif how == "columns":
+            cols = final.shape[1] // world
+            want = final[:, up.rank * cols:(up.rank + 1) * cols]
+        else:
+            rows = p.shape[0]
+            want = final[up.rank * rows:(up.rank + 1) * rows]
+        assert torch.equal(as_bits(p[:want.shape[0]]), as_bits(want))
+
+
 @pytest.mark.parametrize("world,how,extra", CASES)
 def test_ranks_decode_a_chained_route_against_their_live_weights(tmp_path, world, how, extra):
     """Fake ranks (this process) each holding its share of the tensors take versions 1-3 in one
@@ -437,15 +452,4 @@ def test_ranks_decode_a_chained_route_against_their_live_weights(tmp_path, world
     asyncio.run(ctl.start())
     a = asyncio.run(ctl.update(UpdateRequest.parse({"url": str(tmp_path / "v00000003.json")})))
     assert a["version"] == 3
-    final = states[3][name]
-    for up in ranks:
-        p = up.module.param(name)
-        if world == 1:
-            want = final
-        elif how == "columns":
-            cols = shape[1] // world
-            want = final[:, up.rank * cols:(up.rank + 1) * cols]
-        else:
-            rows = p.shape[0]
-            want = final[up.rank * rows:(up.rank + 1) * rows]
-        assert torch.equal(as_bits(p[:want.shape[0]]), as_bits(want))
+    _assert_ranks_hold(ranks, name, states[3][name], world, how)

@@ -16,7 +16,7 @@ from engine_ext.errors import IntegrityError, PartlyHeldError
 from engine_ext.format import context_blocks as cb, context_codec as cc, context_device as cdev
 from engine_ext.format import context_kernels as ck, context_models as cm
 from engine_ext.format.dtypes import as_bits
-from test_context_codec import FLOATS, _changes, _encode, _layouts, _name, _pair, _publish, _shard
+from test_context_codec import FLOATS, _assert_ranks_hold, _changes, _encode, _layouts, _name, _pair, _publish, _shard
 
 pytestmark = pytest.mark.usefixtures("ctx_interp")
 
@@ -224,15 +224,4 @@ def test_ranks_decode_on_their_device_and_never_read_the_base_to_the_host(tmp_pa
     asyncio.run(ctl.start())
     a = asyncio.run(ctl.update(UpdateRequest.parse({"url": str(tmp_path / "v00000003.json")})))
     assert a["version"] == 3 and decoded
-    final = states[3][name]
-    for up in ranks:
-        p = up.module.param(name)
-        if world == 1:
-            want = final
-        elif how == "columns":
-            cols = shape[1] // world
-            want = final[:, up.rank * cols:(up.rank + 1) * cols]
-        else:
-            rows = p.shape[0]
-            want = final[up.rank * rows:(up.rank + 1) * rows]
-        assert torch.equal(as_bits(p[:want.shape[0]]), as_bits(want))
+    _assert_ranks_hold(ranks, name, states[3][name], world, how)
