@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Mapping
 
 from ..errors import ConflictError
-from ..format.manifest import LATEST_KEY
+from ..format.manifest import LATEST_KEY, Latest
 from .base import Store
 
 MAX_CLAIM_BYTES = 256
@@ -60,6 +60,8 @@ def publish_version(store: Store, blobs: Mapping[str, bytes | os.PathLike] | Ite
     if len(set(keys)) != len(keys) or manifest_key in keys or latest_key in keys or manifest_key == latest_key:
         raise ValueError(f"publish_version: blob keys must be unique and differ from {manifest_key!r} and {latest_key!r}")
 
+    new = Latest.from_json(latest_bytes)[0]  # the pointer this version moves LATEST to: its weights' fingerprint
+
     def put(item):
         key, value = item
         if isinstance(value, (bytes, bytearray, memoryview)):
@@ -72,9 +74,7 @@ def publish_version(store: Store, blobs: Mapping[str, bytes | os.PathLike] | Ite
         same weights (the delta published beside an anchor)."""
         if current is None:
             return
-        from ..format.manifest import Latest
-
-        held, new = Latest.from_json(current)[0], Latest.from_json(latest_bytes)[0]
+        held = Latest.from_json(current)[0]
         if held.version > version or (held.version == version and held.fingerprint != new.fingerprint):
             raise ConflictError(f"LATEST names v{held.version}, not older than v{version}")
 
@@ -82,9 +82,7 @@ def publish_version(store: Store, blobs: Mapping[str, bytes | os.PathLike] | Ite
         if items:
             with ThreadPoolExecutor(max_workers=max(1, min(workers, len(items)))) as pool:
                 list(pool.map(put, items))  # re-raises the first failure after all finish
-        from ..format.manifest import Latest
-
-        claim_version(store, version, Latest.from_json(latest_bytes)[0].fingerprint)
+        claim_version(store, version, new.fingerprint)
         if signature is not None:
             store.create(manifest_key + ".sig", signature)
         store.create(manifest_key, manifest_bytes)
