@@ -42,7 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.synthetic import llm_shapes, warm_up_publisher  # noqa: E402
+from bench.synthetic import add_shape_args, shapes_of, warm_up_publisher  # noqa: E402
 
 
 def timed(fn):
@@ -126,7 +126,7 @@ def run_round(args, work: Path, key: Path) -> dict:
     from engine_ext.store.checkpoint import CheckpointDir
 
     gen = torch.Generator().manual_seed(0)
-    shapes = llm_shapes(hidden=args.hidden, layers=args.layers, vocab=args.vocab, inter=args.inter, kv=args.kv)
+    shapes = shapes_of(args)
     sd = {n: (0.02 * torch.randn(s, generator=gen)).to(torch.bfloat16) for n, s in shapes.items()}
     params = sum(t.numel() for t in sd.values())
     nxt = rl_step(sd, gen, args.density)
@@ -214,11 +214,7 @@ DENSE = {"save_file": "`save_file`", "save_file_fsync": "`save_file` + fsync", "
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--inter", type=int, default=5632)
-    ap.add_argument("--kv", type=int, default=256)
+    add_shape_args(ap)
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="scale_bench.json")

@@ -44,7 +44,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.synthetic import llm_shapes, warm_up_publisher  # noqa: E402
+from bench.synthetic import add_shape_args, shapes_of, warm_up_publisher  # noqa: E402
 
 
 def rss_kb() -> int:
@@ -77,7 +77,7 @@ def rank_main(rank: int, world: int, port: int, args, work: str, key: str, q) ->
     numba.set_num_threads(cores)  # more threads than cores: numba's parallel kernels (the diff) stall each other
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
-    shapes = llm_shapes(hidden=args.hidden, layers=args.layers, vocab=args.vocab, inter=args.inter, kv=args.kv)
+    shapes = shapes_of(args)
     local, nxt, partial_fps = {}, {}, {}
     for i, (name, shape) in enumerate(shapes.items()):
         n0 = shape[0]
@@ -161,11 +161,7 @@ def run_world(world: int, args, key: str) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--inter", type=int, default=5632)
-    ap.add_argument("--kv", type=int, default=256)
+    add_shape_args(ap)
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--worlds", default="1,2,4")
     ap.add_argument("--dir", default=None, help="where the stores go (default: the temp directory)")
@@ -173,8 +169,7 @@ def main() -> None:
     args = ap.parse_args()
     from engine_ext.store.signing import generate_key
 
-    params = sum(int(torch.Size(s).numel()) for s in llm_shapes(hidden=args.hidden, layers=args.layers, vocab=args.vocab,
-                                                               inter=args.inter, kv=args.kv).values())
+    params = sum(int(torch.Size(s).numel()) for s in shapes_of(args).values())
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         key = str(Path(tmp) / "k")

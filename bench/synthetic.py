@@ -31,6 +31,20 @@ def llm_shapes(hidden: int = 896, layers: int = 4, vocab: int = 32768, inter: in
     return shapes
 
 
+def add_shape_args(ap) -> None:
+    """The model-shape options of the scale benchmarks (defaults: a ~1.1 B Qwen2-like decoder)."""
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--inter", type=int, default=5632)
+    ap.add_argument("--kv", type=int, default=256)
+
+
+def shapes_of(args) -> dict:
+    """:func:`llm_shapes` for the options :func:`add_shape_args` added."""
+    return llm_shapes(hidden=args.hidden, layers=args.layers, vocab=args.vocab, inter=args.inter, kv=args.kv)
+
+
 class AdamRL:
     """fp32 master weights trained by Adam on noisy gradients; ``step()`` returns bf16 weights."""
 
