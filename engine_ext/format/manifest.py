@@ -1,4 +1,4 @@
-"""The manifest of a published version (format version 6; spec in docs/FORMAT.md).
+"""The manifest of a published version (format version 7; spec in docs/FORMAT.md).
 
 A manifest is small JSON naming the versions, fingerprints, blobs and, per tensor,
 where its encoded positions and values lie; a delta also names the manifest(s) of its
@@ -11,25 +11,33 @@ any blob is fetched. Signatures over the raw bytes are checked before parsing
 its steps under the version's shared ``step_tables``. Format 6 lets an anchor's tensor
 come in cells too (a sharded trainer's ranks each write the rows they hold); writers
 write the lowest version that describes a manifest (:meth:`Manifest.lowest_version`), so
-that format-5 readers keep reading everything else. Versions 1 to 4 are still read, but
+that format-5 readers keep reading everything else. Format 7 keeps a manifest of very many
+tensors (a 1T MoE's ~140,000) small: its tensor entries lie in *tensor tables* and each cut
+tensor's cells in a *cell table*, byte ranges of a blob named with their SHA-256 and
+count (:class:`TableRef`); every reader reads the tensor tables (:meth:`Manifest.resolve`),
+a rank only the cell tables of the tensors it fetches (:meth:`Manifest.set_cells`). Versions 1 to 4 are still read, but
 not format 4's context-coded parts (an opt-in coder whose blocks did not follow the
 engines' shards).
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 import json
 import re
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 from . import fingerprint as fpr
 from .dtypes import dtype_by_name
-from ..errors import ManifestError
+from ..errors import IntegrityError, ManifestError
 
 FORMAT = "engine-ext-delta"
-FORMAT_VERSION = 6  # the newest version this code reads and writes
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+FORMAT_VERSION = 7  # the newest version this code reads and writes
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 CHUNKED_ANCHORS = 6  # the first version whose anchors may come in cells
+TABLES = 7  # the first version whose tensor entries and cells may lie in tables in the blobs
 
 DELTA, ANCHOR = "delta", "anchor"
 POSITION_CODERS = {"none", "all", "pco", "zstd", "ctx"}
@@ -42,6 +50,9 @@ MAX_TENSORS = 1_000_000
 MAX_NUMEL = 1 << 40
 MAX_NDIM = 8
 MAX_LATEST_BYTES = 16 << 10
+MAX_TABLES = 4096  # tensor tables per manifest
+MAX_ENTRY_BYTES = 64 << 10  # bytes per tensor entry in a tensor table (a name of 1024 characters, a grid of 256 cuts)
+MAX_CELL_BYTES = 1024  # bytes per chunk in a cell table (a record is ~200 bytes)
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
 _HEX_RE = re.compile(r"(?:[0-9a-f]{2})+")
 _FP_RE = re.compile(r"[0-9a-f]{16}")
@@ -60,6 +71,19 @@ class Blob:
     key: str
     size: int
     sha256: str
+
+
+@dataclass
+class TableRef:
+    """Where a table lies (format 7): ``blob[offset : offset + length]``, the compact JSON array of
+    ``count`` entries (tensor entries, or a tensor's chunks), checked against ``sha256`` before it
+    is parsed."""
+
+    blob: int
+    offset: int
+    length: int
+    sha256: str
+    count: int
 
 
 @dataclass
@@ -102,6 +126,7 @@ class TensorEntry:
     values: Segment = field(default_factory=lambda: Segment("none", 0))
     grid: list[list[int]] | None = None  # format 3: cut points along the first one or two dimensions
     chunks: list[Chunk] | None = None  # format 3: the changes per grid cell; then no tensor-level bytes
+    cells: TableRef | None = None  # format 7: where ``chunks`` lie instead (None once they are read)
 
     def boxes(self) -> list:
         """The cells of ``grid`` as (start, stop) boxes, in cell order."""
@@ -118,6 +143,9 @@ class TensorEntry:
         return self.positions.length + self.values.length
 
 
+_REQUIRED = ("name", "dtype", "shape", "nnz", "fingerprint")  # the fields of a tensor entry without a default
+
+
 @dataclass
 class Manifest:
     kind: str
@@ -132,14 +160,27 @@ class Manifest:
     blobs: list[Blob] = field(default_factory=list)
     tensors: list[TensorEntry] = field(default_factory=list)
     step_tables: dict[str, list[str]] | None = None  # format 5: per dtype, the context coder's step tables (hex)
+    tables: list[TableRef] | None = None  # format 7: where the tensor entries lie (``tensors`` empty until resolved)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
     def lowest_version(self) -> int:
         """The lowest format version that describes this manifest, which writers write (a
-        format-5 reader then still reads everything but a chunked anchor): 6 for an anchor
-        with a chunked tensor, else 5."""
+        format-5 reader then still reads everything but a chunked anchor): 7 with tables, 6 for
+        an anchor with a chunked tensor, else 5."""
+        if self.tables is not None or any(t.cells is not None for t in self.tensors):
+            return TABLES
         return CHUNKED_ANCHORS if self.kind == ANCHOR and any(t.chunks for t in self.tensors) else 5
+
+    @property
+    def resolved(self) -> bool:
+        """Whether ``tensors`` holds every tensor entry (format 7: once its tensor tables are read)."""
+        return self.tables is None or bool(self.tensors) or not any(r.count for r in self.tables)
+
+    def require_resolved(self) -> None:
+        if not self.resolved:
+            raise ManifestError("a format-7 manifest whose tensor tables were not read "
+                                "(read it with engine_ext.store.reader.read_link / open_manifest)")
 
     def tables_for(self, dtype: str) -> list[bytes]:
         """The step tables context-coded parts of ``dtype`` are decoded with."""
@@ -150,24 +191,76 @@ class Manifest:
         return sum(b.size for b in self.blobs)
 
     def to_json(self) -> bytes:
+        """The manifest's bytes; fields of format 7 only where set (older readers refuse keys they do not know)."""
         d = asdict(self)
+        if d["tables"] is None:
+            del d["tables"]
+        for t in d["tensors"]:
+            if t["cells"] is None:
+                del t["cells"]
         return json.dumps(d, indent=1, sort_keys=False).encode()
+
+    def tabulated(self, put: "Callable[[bytes], tuple[int, int]]", per_table: int = 4096) -> "Manifest":
+        """This (finished, validated) manifest as format 7: every cut tensor's chunks in a cell table,
+        then the tensor entries in tables of ``per_table``, each handed to ``put(bytes) -> (blob,
+        offset)`` (which appends it to a blob the returned manifest lists). ``self`` is unchanged."""
+        def ref(entries: list) -> TableRef:
+            raw = json.dumps(entries, separators=(",", ":")).encode()
+            blob, offset = put(raw)
+            return TableRef(blob, offset, len(raw), hashlib.sha256(raw).hexdigest(), len(entries))
+
+        rows, default = [], asdict(TensorEntry("", "", [], 0, ""))
+        for t in self.tensors:
+            row = asdict(t)
+            if t.chunks is not None:
+                row["cells"], row["chunks"] = asdict(ref([asdict(c) for c in t.chunks])), None
+            rows.append({k: v for k, v in row.items() if k in _REQUIRED or v != default[k]})  # absent: the default
+        out = dataclasses.replace(self, tensors=[], tables=[ref(rows[i:i + per_table]) for i in range(0, len(rows), per_table)])
+        out.format_version = TABLES
+        return out
+
+    def resolve(self, tables: list[bytes]) -> None:
+        """Take the tensor entries from the bytes of this format-7 manifest's tables (read from
+        ``tables`` refs, in order), each checked against its SHA-256 and count, then validate the whole."""
+        if self.resolved:
+            return
+        if len(tables) != len(self.tables):
+            raise ManifestError(f"{len(tables)} tensor tables given, the manifest lists {len(self.tables)}")
+        tensors = []
+        for i, (ref, raw) in enumerate(zip(self.tables, tables)):
+            tensors += _parsed(lambda: [_tensor(t) for t in _table(ref, raw, f"tensor table {i}")])
+        self.tensors = tensors
+        try:
+            _parsed(self.validate)
+        except ManifestError:
+            self.tensors = []
+            raise
+
+    def set_cells(self, t: TensorEntry, raw: bytes) -> None:
+        """Take a tensor's chunks from the bytes of its cell table (format 7), checked against the
+        table's SHA-256 and count and then as inline chunks are (cells, counts, byte ranges)."""
+        if t.cells is None:
+            return
+        where = f"tensor {t.name!r}"
+        chunks = _parsed(lambda: [_chunk(c) for c in _table(t.cells, raw, f"{where}: cell table")])
+        if len(chunks) > len(t.boxes()):
+            raise ManifestError(f"{where}: a cell table of {len(chunks)} cells")
+        checked = dataclasses.replace(t, chunks=chunks, cells=None)
+        _parsed(lambda: self._check_chunks(checked, where, [[] for _ in self.blobs], overlap=True))
+        t.chunks, t.cells = chunks, None
 
     @classmethod
     def from_json(cls, data: bytes) -> "Manifest":
+        """Parse and validate a manifest. A format-7 manifest with tensor tables comes back unresolved
+        (``tensors`` empty, its header validated): :meth:`resolve` takes its tables."""
         if len(data) > MAX_MANIFEST_BYTES:
             raise ManifestError(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
         try:
             d = json.loads(data)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
             raise ManifestError(f"manifest is not valid JSON: {str(e)[:200]}") from None
-        try:
-            m = _parse(d)
-            m.validate()
-        except ManifestError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
-            raise ManifestError(f"malformed manifest: {type(e).__name__}: {str(e)[:200]}") from None
+        m = _parsed(lambda: _parse(d))
+        _parsed(m.validate)
         return m
 
     def _check_bytes(self, where: str, e, numel: int, dtype: str, per_blob: list) -> None:
@@ -222,8 +315,49 @@ class Manifest:
                         or 0 in bytes.fromhex(h):
                     raise ManifestError(f"step_tables: a {dtype} table is not {alphabet(dtype)} nonzero hex bytes")
 
+    def _check_ref(self, ref, where: str, per_entry: int, per_blob: list) -> None:
+        """A table's place (format 7): a blob's byte range, a SHA-256, a count, bounded per entry."""
+        if not isinstance(ref, TableRef) or not all(_is_int(x) for x in (ref.blob, ref.offset, ref.length, ref.count)):
+            raise ManifestError(f"{where}: a bad table reference")
+        if self.format_version < TABLES:
+            raise ManifestError(f"{where}: only format-7 manifests keep tables in their blobs")
+        if not 0 <= ref.blob < len(self.blobs) or ref.offset < 0 or ref.offset + ref.length > self.blobs[ref.blob].size:
+            raise ManifestError(f"{where}: table beyond its blob")
+        if not 0 <= ref.count or not 2 <= ref.length <= max(2, ref.count * per_entry):
+            raise ManifestError(f"{where}: {ref.length} bytes for {ref.count} entries")
+        if not isinstance(ref.sha256, str) or not _SHA_RE.fullmatch(ref.sha256):
+            raise ManifestError(f"{where}: missing or bad sha256")
+        per_blob[ref.blob].append((ref.offset, ref.offset + ref.length, where))
+
+    def _check_chunks(self, t: TensorEntry, where: str, per_blob: list, overlap: bool = False) -> None:
+        """A chunked tensor's cells: each a cell of its grid at most once, counts that add up, bytes in range."""
+        from .chunks import box_numel
+
+        def bad(msg):
+            raise ManifestError(_cut(msg))
+
+        if not isinstance(t.chunks, list) or not t.chunks:
+            bad(f"{where}: a chunked tensor needs a non-empty chunk list")
+        cells = t.boxes()
+        seen, total = set(), 0
+        for c in t.chunks:
+            cw = f"{where} cell {c.cell!r}"
+            if not _is_int(c.cell) or not 0 <= c.cell < len(cells) or c.cell in seen:
+                bad(f"{cw}: no such cell, or listed twice")
+            seen.add(c.cell)
+            n = box_numel(cells[c.cell])
+            if not _is_int(c.nnz) or not 0 < c.nnz <= n:
+                bad(f"{cw}: nnz {c.nnz!r} outside [1, {n}]")
+            total += c.nnz
+            self._check_bytes(cw, c, n, t.dtype, per_blob)
+        if total != t.nnz:
+            bad(f"{where}: chunks hold {total} changes, the tensor {t.nnz}")
+        if overlap:
+            _no_overlap(per_blob)
+
     def validate(self) -> None:
-        """Raise ManifestError unless every field is consistent and within limits."""
+        """Raise ManifestError unless every field is consistent and within limits (format 7 before its
+        tables are read: every field but the tensors')."""
         def bad(msg):
             raise ManifestError(_cut(msg))
 
@@ -256,8 +390,19 @@ class Manifest:
                 bad(f"bad blob key {b.key!r:.100}")
             if not _is_int(b.size) or b.size < 0 or not isinstance(b.sha256, str) or not _SHA_RE.fullmatch(b.sha256):
                 bad(f"bad blob entry {b.key!r}")
-        names = set()
         per_blob = [[] for _ in self.blobs]
+        if self.tables is not None:
+            if not isinstance(self.tables, list) or not 1 <= len(self.tables) <= MAX_TABLES:
+                bad(f"tables: a list of 1 to {MAX_TABLES} tensor tables")
+            for i, ref in enumerate(self.tables):
+                self._check_ref(ref, f"tensor table {i}", MAX_ENTRY_BYTES, per_blob)
+            if sum(r.count for r in self.tables) > MAX_TENSORS:
+                bad(f"the tensor tables hold over {MAX_TENSORS} tensors")
+            if not self.resolved:
+                return _no_overlap(per_blob)
+            if sum(r.count for r in self.tables) != len(self.tensors):
+                bad(f"the tensor tables hold {sum(r.count for r in self.tables)} tensors, {len(self.tensors)} read")
+        names = set()
         tensor_fps = []
         for t in self.tensors:
             where = f"tensor {t.name!r}"
@@ -281,44 +426,57 @@ class Manifest:
                 if self.kind == DELTA and t.fingerprint != t.base_fingerprint:
                     bad(f"{where}: unchanged but fingerprints differ")
                 continue
-            if t.chunks is None and t.grid is None:
+            if t.chunks is None and t.grid is None and t.cells is None:
                 self._check_bytes(where, t, t.numel, t.dtype, per_blob)
                 continue
-            from .chunks import box_numel, valid_cuts
+            from .chunks import valid_cuts
 
             if self.format_version < (3 if self.kind == DELTA else CHUNKED_ANCHORS):
                 bad(f"{where}: only format-3 deltas and format-6 anchors come in chunks")
             if self.kind == ANCHOR and t.nnz != t.numel:
                 bad(f"{where}: a chunked anchor lists every cell ({t.nnz} of {t.numel} elements)")
-            if not valid_cuts(t.grid, t.shape) or not isinstance(t.chunks, list) or not t.chunks:
-                bad(f"{where}: a chunked tensor needs a grid and a non-empty chunk list")
+            if not valid_cuts(t.grid, t.shape):
+                bad(f"{where}: a chunked tensor needs a valid grid")
             if t.positions.coder != "none" or t.values.coder != "none" or t.blob is not None or t.sha256 is not None:
                 bad(f"{where}: a chunked tensor carries its bytes in its chunks only")
-            cells = t.boxes()
-            seen, total = set(), 0
-            for c in t.chunks:
-                cw = f"{where} cell {c.cell!r}"
-                if not _is_int(c.cell) or not 0 <= c.cell < len(cells) or c.cell in seen:
-                    bad(f"{cw}: no such cell, or listed twice")
-                seen.add(c.cell)
-                n = box_numel(cells[c.cell])
-                if not _is_int(c.nnz) or not 0 < c.nnz <= n:
-                    bad(f"{cw}: nnz {c.nnz!r} outside [1, {n}]")
-                total += c.nnz
-                self._check_bytes(cw, c, n, t.dtype, per_blob)
-            if total != t.nnz:
-                bad(f"{where}: chunks hold {total} changes, the tensor {t.nnz}")
-        for ranges in per_blob:
-            ranges.sort()
-            for (_, end, a), (start, _, b) in zip(ranges, ranges[1:]):
-                if start < end:
-                    bad(f"{a} and {b} overlap in their blob")
+            if t.cells is not None:  # format 7: the chunks are checked when read (set_cells)
+                if t.chunks is not None:
+                    bad(f"{where}: chunks both inline and in a cell table")
+                self._check_ref(t.cells, f"{where}: cell table", MAX_CELL_BYTES, per_blob)
+                if not 1 <= t.cells.count <= min(len(t.boxes()), t.nnz):
+                    bad(f"{where}: a cell table of {t.cells.count} cells")
+                continue
+            self._check_chunks(t, where, per_blob)
+        _no_overlap(per_blob)
         if fpr.fmt(fpr.model_fingerprint(tensor_fps)) != self.fingerprint:
             bad("model fingerprint does not match the tensors' fingerprints")
         if self.kind == DELTA:
             base = fpr.model_fingerprint((t.name, fpr.parse(t.base_fingerprint)) for t in self.tensors)
             if fpr.fmt(base) != self.base_fingerprint:
                 bad("base model fingerprint does not match the tensors' base fingerprints")
+
+
+def _no_overlap(per_blob: list) -> None:
+    """Refuse byte ranges ((start, end, what) per blob) that overlap."""
+    for ranges in per_blob:
+        ranges.sort()
+        for (_, end, a), (start, _, b) in zip(ranges, ranges[1:]):
+            if start < end:
+                raise ManifestError(_cut(f"{a} and {b} overlap in their blob"))
+
+
+def _table(ref: TableRef, raw: bytes, where: str) -> list:
+    """A table's entries: its bytes checked against its length and SHA-256, then a JSON array of
+    ``count`` objects."""
+    if len(raw) != ref.length or hashlib.sha256(raw).hexdigest() != ref.sha256:
+        raise IntegrityError(f"{where}: SHA-256 mismatch (corrupt table)")
+    try:
+        rows = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ManifestError(f"{where}: not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(rows, list) or len(rows) != ref.count or not all(isinstance(r, dict) for r in rows):
+        raise ManifestError(f"{where}: not a list of {ref.count} objects")
+    return rows
 
 
 def dtype_by_name_checked(name, where):
@@ -342,22 +500,51 @@ def _parse(d: dict) -> Manifest:
         raise ManifestError("manifest must be a JSON object")
     if "format" not in d or "format_version" not in d:  # not assumed to be this reader's own
         raise ManifestError("manifest names no format and format_version")
-    tensors = []
-    for t in d["tensors"]:
-        if not isinstance(t, dict):  # dict() would also take a list of [key, value] pairs
-            raise ManifestError("each tensor must be a JSON object")
-        t = dict(t)
-        t["positions"] = Segment(**t.get("positions", {"coder": "none", "length": 0}))
-        t["values"] = Segment(**t.get("values", {"coder": "none", "length": 0}))
-        if t.get("chunks") is not None:
-            if not isinstance(t["chunks"], list) or len(t["chunks"]) > 256 * 256:
-                raise ManifestError(f"tensor {str(t.get('name'))[:100]!r}: bad chunk list")
-            t["chunks"] = [Chunk(**dict(c, positions=Segment(**c["positions"]), values=Segment(**c["values"])))
-                           for c in t["chunks"]]
-        tensors.append(TensorEntry(**t))
+    tensors = [_tensor(t) for t in d["tensors"]]
     blobs = [Blob(**b) for b in d.get("blobs", [])]
-    rest = {k: v for k, v in d.items() if k not in ("tensors", "blobs")}
-    return Manifest(blobs=blobs, tensors=tensors, **rest)
+    tables = d.get("tables")
+    if tables is not None:
+        if not isinstance(tables, list) or len(tables) > MAX_TABLES:
+            raise ManifestError(f"tables: not a list of at most {MAX_TABLES}")
+        tables = [TableRef(**_object(r)) for r in tables]
+        if tensors:
+            raise ManifestError("a manifest with tensor tables lists no tensors inline")
+    rest = {k: v for k, v in d.items() if k not in ("tensors", "blobs", "tables")}
+    return Manifest(blobs=blobs, tensors=tensors, tables=tables, **rest)
+
+
+def _parsed(parse):
+    """``parse()``, whose malformed input (a missing or unknown field, a wrong type) is a ManifestError."""
+    try:
+        return parse()
+    except (ManifestError, IntegrityError):
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
+        raise ManifestError(f"malformed manifest: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _object(x) -> dict:
+    if not isinstance(x, dict):  # dict() would also take a list of [key, value] pairs
+        raise ManifestError("each tensor, chunk and table must be a JSON object")
+    return x
+
+
+def _chunk(c) -> Chunk:
+    c = _object(c)
+    return Chunk(**dict(c, positions=Segment(**c["positions"]), values=Segment(**c["values"])))
+
+
+def _tensor(t) -> TensorEntry:
+    t = dict(_object(t))
+    t["positions"] = Segment(**t.get("positions", {"coder": "none", "length": 0}))
+    t["values"] = Segment(**t.get("values", {"coder": "none", "length": 0}))
+    if t.get("chunks") is not None:
+        if not isinstance(t["chunks"], list) or len(t["chunks"]) > 256 * 256:
+            raise ManifestError(f"tensor {str(t.get('name'))[:100]!r}: bad chunk list")
+        t["chunks"] = [_chunk(c) for c in t["chunks"]]
+    if t.get("cells") is not None:
+        t["cells"] = TableRef(**_object(t["cells"]))
+    return TensorEntry(**t)
 
 
 @dataclass

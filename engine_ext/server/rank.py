@@ -235,7 +235,7 @@ class RankUpdater:
             pieces = [p for p in self.maps[t.name].pieces if p.numel]
             if not pieces:
                 continue  # another rank's tensor
-            if t.chunks is None:
+            if t.grid is None:
                 out[t.name] = None
                 continue
             out[t.name] = {i for i, box in enumerate(t.boxes()) if any(meets(box, p.start, p.stop) for p in pieces)}
@@ -257,8 +257,7 @@ class RankUpdater:
 
     def _fetch(self, job: _Fetch, store_uri: str, route: list[dict], deadline: float) -> None:
         from ..format.delta import compose
-        from ..format.manifest import Manifest
-        from ..store.reader import fetch_selected
+        from ..store.reader import fetch_selected, open_manifest
         from ..store import open_store
 
         bases = _LiveBases(self)
@@ -271,7 +270,7 @@ class RankUpdater:
                 raw = store.read(link["key"], max_bytes=link["max_bytes"])
                 if hashlib.sha256(raw).hexdigest() != link["sha256"]:
                     raise IntegrityError(f"{store.key_uri(link['key'])}: the manifest changed since the driver verified it")
-                m = Manifest.from_json(raw)
+                m = open_manifest(store, raw)
                 sel = self.selection(m)
                 job.names.update(sel)
                 job.fps.update({name: self.fps[name] for name in sel if name not in job.fps})

@@ -81,7 +81,30 @@ def read_link(store: Store, key: str, trust: Trust | None = None, max_bytes: int
         except NotFoundError:
             pass
     signed = trust.verify_detached(raw, sig, store.key_uri(key))
-    return Link(key, Manifest.from_json(raw), sha256_hex(raw), signed)
+    return Link(key, open_manifest(store, raw), sha256_hex(raw), signed)
+
+
+def open_manifest(store: Store, raw: bytes, workers: int = 8) -> Manifest:
+    """A manifest from its (already trusted) bytes, with every tensor entry: a format-7 manifest's
+    tensor tables are read from its blobs by range, each checked against its SHA-256 and count
+    (:meth:`Manifest.resolve`). Cell tables are read only for the tensors fetched (:func:`load_cells`)."""
+    m = Manifest.from_json(raw)
+    if not m.resolved:
+        got = _read_ranges(store, m, [(r.blob, r.offset, r.length) for r in m.tables], workers)
+        m.resolve([bytes(got[(r.blob, r.offset)]) for r in m.tables])
+    return m
+
+
+def load_cells(store: Store, m: Manifest, names=None, workers: int = 8) -> int:
+    """Read the cell tables (format 7) of the cut tensors in ``names`` (None: all) whose chunks are not
+    read yet, close ones together (:meth:`Manifest.set_cells` checks each). Returns the bytes read."""
+    todo = [t for t in m.tensors if t.cells is not None and (names is None or t.name in names)]
+    if not todo:
+        return 0
+    got = _read_ranges(store, m, [(t.cells.blob, t.cells.offset, t.cells.length) for t in todo], workers)
+    for t in todo:
+        m.set_cells(t, bytes(got[(t.cells.blob, t.cells.offset)]))
+    return sum(len(v) for v in got.values())
 
 
 def read_manifest(store: Store, key: str, trust: Trust | None = None) -> Manifest:
@@ -109,6 +132,7 @@ def check_expected(m: Manifest, expected: dict | None, where: str) -> None:
     read. Every tensor that differs is named, with what each side holds."""
     if expected is None:
         return
+    m.require_resolved()
     missing, differ, dtype_only = [], [], False
     for t in m.tensors:
         want = expected.get(t.name)
@@ -182,14 +206,17 @@ class _Part:
 
 
 def _parts(m: Manifest, selection: Selection | None) -> list[_Part]:
+    m.require_resolved()
     out, tables = [], {dt: tuple(m.tables_for(dt)) for dt in (m.step_tables or {})}
     for t in m.tensors:
         if not t.nnz or (selection is not None and t.name not in selection):
             continue
         tab = tables.get(t.dtype, ())
-        if t.chunks is None:
+        if t.grid is None:
             out.append(_Part(t, t, None, tab))
             continue
+        if t.cells is not None:
+            raise ManifestError(f"tensor {t.name!r}: its cell table was not read (load_cells)")
         cells, boxes = None if selection is None else selection[t.name], t.boxes()
         out += [_Part(t, c, boxes[c.cell], tab) for c in sorted(t.chunks, key=lambda c: c.cell)
                 if cells is None or c.cell in cells]
@@ -201,37 +228,58 @@ def fetch_selected(store: Store, m: Manifest, selection: Selection | None = None
     """Fetch, verify and decode the selected tensors (or cells of them) by byte ranges: close
     ranges of a blob are read together; every part is checked against its SHA-256 from the
     manifest before it is decoded. Returns the decoded tensors and the bytes read."""
+    cell_bytes = load_cells(store, m, selection, workers)
     parts = _parts(m, selection)
-    by_blob: dict[int, list[_Part]] = {}
-    for p in parts:
-        by_blob.setdefault(p.blob, []).append(p)
-    spans = []  # (blob, start, end, parts)
-    for b, ps in by_blob.items():
-        ps.sort(key=lambda p: p.offset)
-        cur, useful, wasted = [ps[0]], ps[0].length, 0
-        for p in ps[1:]:
-            gap = p.offset - (cur[-1].offset + cur[-1].length)
-            if gap <= GAP and 8 * (wasted + gap) <= useful + p.length:  # at most 1/8 read in vain, one request less
-                cur.append(p)
-                useful, wasted = useful + p.length, wasted + gap
+    sha = {(p.blob, p.offset): p for p in parts}
+
+    def check(key, piece):
+        if hashlib.sha256(piece).hexdigest() != sha[key].sha256:
+            raise IntegrityError(f"tensor {sha[key].tensor.name!r}: SHA-256 mismatch")
+
+    read = [0]
+    data = _read_ranges(store, m, [(p.blob, p.offset, p.length) for p in parts], workers, check, read)
+    return _decode_parts(parts, data.__getitem__, workers, bases), read[0] + cell_bytes
+
+
+def _read_ranges(store: Store, m: Manifest, ranges: list[tuple[int, int, int]], workers: int = 8,
+                 check=None, read: list | None = None) -> dict[tuple[int, int], memoryview]:
+    """The bytes of each (blob, offset, length) of ``m``, keyed by (blob, offset): close ranges of a
+    blob are read as one request, in parallel; ``check(key, bytes)`` runs on each as it arrives (in
+    the reading thread), and ``read[0]`` counts the bytes read."""
+    by_blob: dict[int, list[tuple[int, int]]] = {}
+    for b, offset, length in ranges:
+        by_blob.setdefault(b, []).append((offset, length))
+    spans = []  # (blob, start, end, [(offset, length)])
+    for b, rs in by_blob.items():
+        rs.sort()
+        cur, useful, wasted = [rs[0]], rs[0][1], 0
+        for r in rs[1:]:
+            gap = r[0] - (cur[-1][0] + cur[-1][1])
+            if gap <= GAP and 8 * (wasted + gap) <= useful + r[1]:  # at most 1/8 read in vain, one request less
+                cur.append(r)
+                useful, wasted = useful + r[1], wasted + gap
             else:
-                spans.append((b, cur[0].offset, cur[-1].offset + cur[-1].length, cur))
-                cur, useful, wasted = [p], p.length, 0
-        spans.append((b, cur[0].offset, cur[-1].offset + cur[-1].length, cur))
+                spans.append((b, cur[0][0], cur[-1][0] + cur[-1][1], cur))
+                cur, useful, wasted = [r], r[1], 0
+        spans.append((b, cur[0][0], cur[-1][0] + cur[-1][1], cur))
     data: dict[tuple[int, int], memoryview] = {}
 
-    def read(span):
-        b, start, end, ps = span
+    def one(span):
+        b, start, end, rs = span
         raw = memoryview(store.read_range(m.blobs[b].key, start, end - start))
-        for p in ps:
-            piece = raw[p.offset - start:p.offset - start + p.length]
-            if hashlib.sha256(piece).hexdigest() != p.sha256:
-                raise IntegrityError(f"tensor {p.tensor.name!r}: SHA-256 mismatch")
-            data[(p.blob, p.offset)] = piece
+        if len(raw) != end - start:
+            raise IntegrityError(f"{store.key_uri(m.blobs[b].key)}: {len(raw)} bytes at {start}, asked for {end - start}")
+        for offset, length in rs:
+            piece = raw[offset - start:offset - start + length]
+            if check is not None:
+                check((b, offset), piece)
+            data[(b, offset)] = piece
 
     with ThreadPoolExecutor(max(1, min(workers, len(spans) or 1))) as pool:
-        list(pool.map(read, spans))
-    return _decode_parts(parts, data.__getitem__, workers, bases), sum(end - start for _, start, end, _ in spans)
+        list(pool.map(one, spans))
+    if read is not None:
+        read[0] += sum(end - start for _, start, end, _ in spans)
+    return data
 
 
 class Bases:
@@ -413,6 +461,7 @@ def _whole_in_rows(ps: list[_Part]) -> bool:
 def check_decode_budget(m: Manifest, limit: int | None = None) -> None:
     """Refuse, from the manifest alone, a decode that would take more than ``limit`` bytes (default
     ``ENGINE_EXT_MAX_DECODED_BYTES``) or far more than the payload could honestly expand to."""
+    m.require_resolved()
     total = sum(t.nnz * (8 + dtype_by_name(t.dtype).itemsize) for t in m.tensors)
     limit = settings.current().max_decoded_bytes if limit is None else limit
     if total > limit:
@@ -426,6 +475,9 @@ def decode_manifest(m: Manifest, blobs: list, workers: int = 8, limit: int | Non
                     bases: Bases | None = None) -> list[TensorDelta]:
     """Decode every changed tensor from whole (verified) blobs."""
     check_decode_budget(m, limit)
+    for t in m.tensors:
+        if t.cells is not None:
+            m.set_cells(t, bytes(memoryview(blobs[t.cells.blob])[t.cells.offset:t.cells.offset + t.cells.length]))
     parts = _parts(m, None)
     by_key = {(p.blob, p.offset): p for p in parts}
 

@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from .. import settings
 from ..format import fingerprint as fpr
 from ..store.checkpoint import SafetensorsWriter
 from ..format.codec import ChunkedEncoded, Encoded
@@ -272,10 +273,13 @@ def _cells(rows: Rows, local_rows: int) -> list[tuple[int, int, int]]:
 
 
 def commit(store: Store, m: Manifest, signer: Signer | None = None, latest_ttl_s: float = LATEST_TTL_S,
-           blobs: list[tuple[str, str]] = ()) -> tuple[str, str, Latest]:
+           blobs: list[tuple[str, str]] = (), inline_limit: int | None = None) -> tuple[str, str, Latest]:
     """Finish a manifest whose blobs are named (model fingerprints, time, the lowest format version
     that describes it), validate it, sign it and publish it with ``blobs`` (key, local file) and
-    ``LATEST`` (:func:`engine_ext.store.publish_version`). Returns (URI, SHA-256 of its bytes, LATEST)."""
+    ``LATEST`` (:func:`engine_ext.store.publish_version`). A manifest over ``inline_limit`` bytes
+    (default ``ENGINE_EXT_INLINE_MANIFEST_BYTES``) is published as format 7, its tensor entries and
+    cell tables in one more blob (:func:`_tables_blob`); ``m`` keeps them inline. Returns (URI,
+    SHA-256 of the published manifest's bytes, LATEST)."""
     m.fingerprint = fpr.fmt(fpr.model_fingerprint((t.name, fpr.parse(t.fingerprint)) for t in m.tensors))
     if m.kind == DELTA:
         m.base_fingerprint = fpr.fmt(fpr.model_fingerprint((t.name, fpr.parse(t.base_fingerprint)) for t in m.tensors))
@@ -283,13 +287,38 @@ def commit(store: Store, m: Manifest, signer: Signer | None = None, latest_ttl_s
     m.format_version = m.lowest_version()
     m.validate()
     mkey = manifest_key(m.version, m.kind)
-    raw = m.to_json()
-    sha = hashlib.sha256(raw).hexdigest()
-    latest = Latest(m.version, mkey, m.fingerprint, m.anchor_version, sha,
-                    time.time() + latest_ttl_s if signer is not None else None)
-    publish_version(store, list(blobs), mkey, raw, sign_latest(latest, signer), m.version,
-                    signature=signer.sign_detached(raw) if signer else None)
+    raw, blobs = m.to_json(), list(blobs)
+    limit = settings.current().inline_manifest_bytes if inline_limit is None else inline_limit
+    with tempfile.TemporaryDirectory(prefix=f"{_TMP_PREFIX}spool-", dir=store.spool_dir()) as tmp:
+        if len(raw) > limit:
+            wire, tables = _tables_blob(m, tmp)
+            raw, blobs = wire.to_json(), blobs + [tables]
+        sha = hashlib.sha256(raw).hexdigest()
+        latest = Latest(m.version, mkey, m.fingerprint, m.anchor_version, sha,
+                        time.time() + latest_ttl_s if signer is not None else None)
+        publish_version(store, blobs, mkey, raw, sign_latest(latest, signer), m.version,
+                        signature=signer.sign_detached(raw) if signer else None)
     return store.key_uri(mkey), sha, latest
+
+
+def _tables_blob(m: Manifest, spool: str) -> tuple[Manifest, tuple[str, str]]:
+    """``m`` as format 7 (:meth:`Manifest.tabulated`) and its tables' blob (key, local file), written
+    in ``spool``: the cell tables and tensor tables one after another, hashed as written."""
+    path, digest, blob = os.path.join(spool, "tables.bin"), hashlib.sha256(), len(m.blobs)
+    with open(path, "wb") as f:
+        def put(raw: bytes) -> tuple[int, int]:
+            offset = f.tell()
+            f.write(raw)
+            digest.update(raw)
+            return blob, offset
+
+        wire = m.tabulated(put)
+        size = f.tell()
+    sha = digest.hexdigest()
+    key = f"v{m.version:08d}{'.anchor' if m.kind == ANCHOR else ''}.{blob}.{sha[:32]}.bin"
+    wire.blobs = list(m.blobs) + [Blob(key, size, sha)]
+    wire.validate()  # its header and table references; the entries were validated inline
+    return wire, (key, path)
 
 
 def merge_parts(parts: list[Manifest], names: list[str]) -> Manifest:

@@ -1,0 +1,153 @@
+"""What a manifest weighs for a model of very many tensors, inline (format 5) and in tables (format 7).
+
+    python bench/manifest_size.py                     # a Kimi-K2-like MoE: 61 layers x 384 experts, fp8 + scales
+    python bench/manifest_size.py --layers 4 --ep 16  # a slice of it, quicker
+
+No weights are made: the manifest of one delta version is built from the model's shapes with
+every expert matrix changed (a 0.3 % step changes every cell of a 7168 x 2048 matrix), each cut
+by the publisher's default grid, with byte ranges and hashes of realistic sizes. It is then
+written as the publisher writes it (:func:`engine_ext.trainer.builder._tables_blob`), read back
+through :meth:`Manifest.resolve` / :meth:`Manifest.set_cells`, and measured: the signed
+manifest, the tensor tables (every reader reads them), and the cell tables one expert-parallel
+rank reads (its experts' only).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine_ext.format import chunks  # noqa: E402
+from engine_ext.format import fingerprint as fpr  # noqa: E402
+from engine_ext.format.manifest import Blob, Chunk, Manifest, Segment, TensorEntry  # noqa: E402
+
+
+def moe_tensors(layers: int, experts: int, hidden: int = 7168, inter: int = 2048, block: int = 128):
+    """(name, dtype, shape) of a DeepSeek-V3 / Kimi-K2-like MoE's expert weights (fp8 e4m3, 128 x 128
+    block scales in fp32) and the few dense tensors per layer, in checkpoint order."""
+    out = [("model.embed_tokens.weight", "bfloat16", [163840, hidden])]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", "bfloat16", [hidden]),
+                (p + "post_attention_layernorm.weight", "bfloat16", [hidden]),
+                (p + "self_attn.o_proj.weight", "float8_e4m3fn", [hidden, 8192]),
+                (p + "mlp.gate.weight", "bfloat16", [experts, hidden])]
+        for e in range(experts):
+            for proj, shape in (("gate_proj", [inter, hidden]), ("up_proj", [inter, hidden]), ("down_proj", [hidden, inter])):
+                name = f"{p}mlp.experts.{e}.{proj}.weight"
+                out += [(name, "float8_e4m3fn", shape),
+                        (name + "_scale_inv", "float32", [-(-shape[0] // block), -(-shape[1] // block)])]
+    out.append(("lm_head.weight", "bfloat16", [163840, hidden]))
+    return out
+
+
+def delta_manifest(tensors, density: float = 0.003, bytes_per_change: float = 1.2) -> Manifest:
+    """One delta version's manifest: every tensor changed at ``density`` (at least one element),
+    big ones cut into the default grid's cells, bytes laid out one after another in 256 MB blobs."""
+    blobs, at, entries = [], [0], []
+    sha = hashlib.sha256(b"x").hexdigest()
+
+    def place(n: int) -> tuple[int, int]:
+        if not blobs or at[0] + n > 256 << 20:
+            blobs.append(Blob(f"v00000002.{len(blobs)}.{sha[:32]}.bin", 0, sha))
+            at[0] = 0
+        offset, at[0] = at[0], at[0] + n
+        blobs[-1].size = at[0]
+        return len(blobs) - 1, offset
+
+    for k, (name, dtype, shape) in enumerate(tensors):
+        numel = 1
+        for s in shape:
+            numel *= s
+        nnz = max(1, int(numel * density))
+        fp, base = fpr.fmt(k * 7919 + 1), fpr.fmt(k * 104729 + 3)
+        cuts = chunks.grid(shape)
+        if cuts is None:
+            n = max(2, int(nnz * bytes_per_change))
+            blob, offset = place(n)
+            entries.append(TensorEntry(name, dtype, shape, nnz, fp, base, blob=blob, offset=offset, sha256=sha,
+                                       positions=Segment("pco", n // 2), values=Segment("pco", n - n // 2, "rel")))
+            continue
+        cells, left = [], nnz
+        boxes = chunks.boxes(cuts, shape)
+        for c, box in enumerate(boxes):
+            cn = nnz // len(boxes) + (1 if c < nnz % len(boxes) else 0)
+            if not cn:
+                continue
+            n = max(2, int(cn * bytes_per_change))
+            blob, offset = place(n)
+            cells.append(Chunk(c, cn, blob, offset, sha, Segment("pco", n // 2), Segment("pco", n - n // 2, "rel")))
+            left -= cn
+        entries.append(TensorEntry(name, dtype, shape, nnz, fp, base, grid=cuts, chunks=cells))
+    m = Manifest(kind="delta", model="kimi-k2-like", version=2, base_version=1, anchor_version=0,
+                 fingerprint="", base_fingerprint="", base_manifests=[sha], blobs=blobs, tensors=entries)
+    m.fingerprint = fpr.fmt(fpr.model_fingerprint((t.name, fpr.parse(t.fingerprint)) for t in entries))
+    m.base_fingerprint = fpr.fmt(fpr.model_fingerprint((t.name, fpr.parse(t.base_fingerprint)) for t in entries))
+    m.format_version = m.lowest_version()
+    return m
+
+
+def measure(layers: int, experts: int, ep: int) -> dict:
+    from engine_ext.trainer.builder import _tables_blob
+
+    t0 = time.perf_counter()
+    m = delta_manifest(moe_tensors(layers, experts))
+    built = time.perf_counter() - t0
+    inline = len(m.to_json())
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        wire, (_, path) = _tables_blob(m, tmp)
+        written = time.perf_counter() - t0
+        raw = wire.to_json()
+        tables = open(path, "rb").read()
+    base = len(m.blobs)  # the tables' blob
+
+    def bytes_of(ref):
+        assert ref.blob == base
+        return tables[ref.offset:ref.offset + ref.length]
+
+    t0 = time.perf_counter()
+    r = Manifest.from_json(raw)
+    r.resolve([bytes_of(ref) for ref in r.tables])
+    resolved = time.perf_counter() - t0
+    tensor_tables = sum(ref.length for ref in r.tables)
+    mine = {f".experts.{e}." for e in range(experts // ep)}  # rank 0's experts under expert parallelism
+    held = [t for t in r.tensors if t.cells is not None and (".experts." not in t.name or any(s in t.name for s in mine))]
+    rank_cells = sum(t.cells.length for t in held)
+    t0 = time.perf_counter()
+    for t in held:
+        r.set_cells(t, bytes_of(t.cells))
+    cells_read = time.perf_counter() - t0
+    return {"layers": layers, "experts": experts, "tensors": len(m.tensors),
+            "cells": sum(len(t.chunks or ()) for t in m.tensors), "payload_bytes": m.payload_bytes,
+            "inline_manifest_bytes": inline, "format7_manifest_bytes": len(raw), "tensor_tables_bytes": tensor_tables,
+            "cell_tables_bytes": len(tables) - tensor_tables, "ep_rank_reads_bytes": tensor_tables + rank_cells,
+            "seconds": {"build": round(built, 2), "write_tables": round(written, 2), "read_tensor_tables": round(resolved, 2),
+                        "read_rank_cells": round(cells_read, 2)}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=61)
+    ap.add_argument("--experts", type=int, default=384)
+    ap.add_argument("--ep", type=int, default=16, help="expert-parallel ranks (rank 0's cell tables are measured)")
+    a = ap.parse_args()
+    r = measure(a.layers, a.experts, a.ep)
+    mb = 1 << 20
+    print(f"{r['tensors']:,} tensors, {r['cells']:,} cells, a {r['payload_bytes'] / (1 << 30):.1f} GiB delta")
+    print(f"| | bytes |\n|---|---:|\n| format 5 manifest (inline) | {r['inline_manifest_bytes'] / mb:.1f} MiB |")
+    print(f"| format 7 manifest | {r['format7_manifest_bytes'] / 1024:.1f} KiB |")
+    print(f"| tensor tables (every reader) | {r['tensor_tables_bytes'] / mb:.1f} MiB |")
+    print(f"| cell tables (all) | {r['cell_tables_bytes'] / mb:.1f} MiB |")
+    print(f"| what one EP {a.ep} rank reads: tensor tables + its cell tables | {r['ep_rank_reads_bytes'] / mb:.1f} MiB |")
+    print(json.dumps(r["seconds"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Format 7: a manifest's tensor entries and cell tables in its blobs (issue 31, item 3).
+
+A publisher writes a manifest over ``ENGINE_EXT_INLINE_MANIFEST_BYTES`` as format 7: the
+signed manifest keeps its header and where its tensor tables lie; each cut tensor's cells
+lie in a cell table of their own. Here the limit is 0, so a small model takes that path:
+ranks holding part of a tensor read every tensor table but only the cell tables of what they
+hold, end bit-exact, and every table is checked (SHA-256, count, contents) before use.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from engine_ext import settings
+from engine_ext.errors import IntegrityError, ManifestError
+from engine_ext.format import manifest as manifest_mod
+from engine_ext.format.manifest import Manifest
+from engine_ext.server.controller import Controller
+from engine_ext.server.protocol import UpdateRequest
+from engine_ext.store import open_store
+from engine_ext.store.reader import TensorBases, fetch_selected, load_cells, load_delta, read_manifest
+from engine_ext.store.sources import Sources
+from engine_ext.trainer.publisher import DeltaPublisher
+from fake_ranks import FakeRanks, make_rank
+
+
+def _states(seed=0, steps=3):
+    """A model of a cut tensor ``w``, a cut expert pair and small tensors, and ``steps`` versions after it."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {"w": torch.randn(512, 256, generator=g), "experts.0.w": torch.randn(256, 128, generator=g),
+          "experts.1.w": torch.randn(256, 128, generator=g), "b": torch.randn(64, generator=g),
+          "norm": torch.randn(32, generator=g)}
+    sd = {n: t.to(torch.bfloat16) for n, t in sd.items()}
+    out = [sd]
+    for _ in range(steps):
+        nxt = {}
+        for n, t in out[-1].items():
+            x = t.float().clone().reshape(-1)
+            idx = torch.randint(0, x.numel(), (max(1, x.numel() // 40),), generator=g)
+            x[idx] += 0.05 * (x[idx].abs() + 1e-3)
+            nxt[n] = x.to(torch.bfloat16).reshape(t.shape)
+        out.append(nxt)
+    return out
+
+
+def _publish(root, states, limit: int, anchor_every: int = 0):
+    with settings.override(inline_manifest_bytes=limit), \
+            DeltaPublisher(str(root), anchor_every=anchor_every, chunk_min_cell=1024) as pub:
+        for sd in states:
+            pub.publish(sd)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The same versions published twice: format 7 (tables) and inline (format 5)."""
+    states = _states()
+    tables, inline = tmp_path_factory.mktemp("tables"), tmp_path_factory.mktemp("inline")
+    _publish(tables, states, 0)
+    _publish(inline, states, 1 << 20)
+    return states, tables, inline
+
+
+def test_the_manifest_holds_no_tensor_and_no_cell(run):
+    states, root, inline = run
+    doc = json.loads((root / "v00000002.json").read_bytes())
+    assert doc["format_version"] == 7 and doc["tensors"] == [] and len(doc["tables"]) == 1
+    assert json.loads((inline / "v00000002.json").read_bytes())["format_version"] == 5
+    assert b"chunks" not in (root / "v00000002.json").read_bytes()
+    assert json.loads((root / "v00000000.anchor.json").read_bytes())["format_version"] == 7  # the first version (an anchor) too
+    store = open_store(str(root))
+    m = read_manifest(store, "v00000002.json")
+    assert [t.name for t in m.tensors] == list(states[0])
+    w = next(t for t in m.tensors if t.name == "w")
+    assert w.chunks is None and w.cells.count == 64 and w.grid  # cells not read yet
+
+
+def test_tables_decode_as_inline_does(run):
+    """Every version, whole and by selection, decodes to the same tensors as the inline publish."""
+    states, root, inline = run
+    for v in (1, 2, 3):
+        a, b = (load_delta(str(r / f"v{v:08d}.json"), bases=TensorBases(states[v - 1])) for r in (root, inline))
+        assert a.fingerprint == b.fingerprint and a.tensor_fingerprints == b.tensor_fingerprints
+        for x, y in zip(sorted(a.tensors, key=lambda t: t.name), sorted(b.tensors, key=lambda t: t.name)):
+            assert x.name == y.name and torch.equal(x.positions, y.positions) and torch.equal(x.values, y.values)
+
+
+def test_a_rank_reads_only_the_cell_tables_it_needs(run):
+    states, root, _ = run
+    store = open_store(str(root))
+    m = read_manifest(store, "v00000001.json")
+    held = {t.name: t.cells.length for t in m.tensors if t.cells is not None}
+    assert set(held) >= {"w"}
+    got = load_cells(store, m, {"w": None, "b": None})  # "b" is not cut: no table
+    assert got == held["w"]
+    assert all((t.cells is None) == (t.name == "w" or t.name not in held) for t in m.tensors)
+    part, n = fetch_selected(store, m, {"w": {0, 1}}, bases=TensorBases(states[0]))
+    assert {td.name for td in part} == {"w"} and n < 0.2 * m.payload_bytes
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_end_bit_exact(run, world):
+    """In-process ranks (the code vLLM's and SGLang's workers run) holding 1/world of ``w`` take the
+    chain of format-7 versions through the controller and equal the last version exactly."""
+    states, root, inline = run
+    ranks = [make_rank(r, states[0], sharded=("w",), world=world) for r in range(world)]
+    ctl = Controller(FakeRanks(ranks), Sources([str(root)]), version=0)
+    asyncio.run(ctl.start())
+    a = asyncio.run(ctl.update(UpdateRequest.parse({"url": str(root / "v00000003.json")})))
+    assert a["version"] == 3
+    for up in ranks:
+        rows = 512 // world
+        assert torch.equal(up.module.w.view(torch.int16), states[3]["w"][up.rank * rows:(up.rank + 1) * rows].view(torch.int16))
+        for name in ("b", "norm"):
+            assert torch.equal(getattr(up.module, name).view(torch.int16), states[3][name].view(torch.int16))
+
+
+def test_anchors_and_a_rank_resume(tmp_path):
+    """An anchor in tables loads whole; a format-7 anchor + delta route reaches the last version."""
+    states = _states(steps=2)
+    _publish(tmp_path, states, 0, anchor_every=2)
+    doc = json.loads((tmp_path / "v00000002.anchor.json").read_bytes())
+    assert doc["format_version"] == 7 and doc["tensors"] == []
+    d = load_delta(str(tmp_path / "v00000002.anchor.json"))
+    assert {t.name: t.values.view(torch.int16) for t in d.tensors}.keys() == states[2].keys()
+    for t in d.tensors:
+        assert torch.equal(t.values.view(torch.int16).reshape(states[2][t.name].shape), states[2][t.name].view(torch.int16))
+
+
+def _corrupt(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupt_table_is_refused_and_changes_nothing(tmp_path):
+    states = _states(steps=2)
+    _publish(tmp_path, states, 0)
+    store = open_store(str(tmp_path))
+    m = Manifest.from_json((tmp_path / "v00000002.json").read_bytes())
+    tables_blob = tmp_path / m.blobs[m.tables[0].blob].key
+    good = tables_blob.read_bytes()
+    _corrupt(tables_blob, m.tables[0].offset + 5)  # a tensor table
+    with pytest.raises(IntegrityError, match="tensor table 0"):
+        read_manifest(store, "v00000002.json")
+    tables_blob.write_bytes(good)
+    w = next(t for t in read_manifest(store, "v00000002.json").tensors if t.name == "w")
+    _corrupt(tables_blob, w.cells.offset + 3)  # w's cell table
+    ranks = [make_rank(r, states[0], sharded=("w",), world=2) for r in range(2)]
+    ctl = Controller(FakeRanks(ranks), Sources([str(tmp_path)]), version=0)
+    asyncio.run(ctl.start())
+    before = [up.module.w.clone() for up in ranks]
+    with pytest.raises(Exception, match="cell table"):
+        asyncio.run(ctl.update(UpdateRequest.parse({"url": str(tmp_path / "v00000002.json")})))
+    assert ctl.state.version == 0 and all(torch.equal(b, up.module.w) for b, up in zip(before, ranks))
+
+
+def _doc(tmp_path):
+    _publish(tmp_path, _states(steps=1), 0)
+    return json.loads((tmp_path / "v00000001.json").read_bytes())
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda d: d["tables"][0].update(offset=d["blobs"][-1]["size"]), "beyond its blob"),
+    (lambda d: d["tables"][0].update(length=10 ** 9), "beyond its blob|bytes for"),
+    (lambda d: d["tables"][0].update(count=-1), "bytes for"),
+    (lambda d: d["tables"][0].update(sha256="x"), "sha256"),
+    (lambda d: d.update(format_version=6), "only format-7"),
+    (lambda d: d.update(tables=[]), "1 to"),
+    (lambda d: d.update(tensors=[{"name": "b", "dtype": "bfloat16", "shape": [64], "nnz": 0, "fingerprint": "0" * 16,
+                                  "base_fingerprint": "0" * 16}]), "no tensors inline"),
+    (lambda d: d["tables"].append(dict(d["tables"][0])), "overlap"),
+])
+def test_hostile_table_references_are_refused(tmp_path, change, match):
+    doc = _doc(tmp_path)
+    change(doc)
+    with pytest.raises(ManifestError, match=match):
+        Manifest.from_json(json.dumps(doc).encode())
+
+
+def test_a_table_that_lies_about_its_contents_is_refused(tmp_path):
+    """Tables whose bytes match their hash but not the manifest: counts, fingerprints, cells."""
+    doc = _doc(tmp_path)
+    m = Manifest.from_json(json.dumps(doc).encode())
+    rows = json.loads((tmp_path / m.blobs[-1].key).read_bytes()[m.tables[0].offset:][:m.tables[0].length])
+
+    def table(entries):
+        raw = json.dumps(entries).encode()
+        fresh = Manifest.from_json(json.dumps(doc).encode())
+        import hashlib
+        fresh.tables[0].sha256, fresh.tables[0].length, fresh.tables[0].count = hashlib.sha256(raw).hexdigest(), len(raw), len(entries)
+        fresh.blobs[-1].size = 10 ** 9
+        return fresh, raw
+
+    fresh, raw = table(rows[:-1])  # a tensor left out: the model fingerprint no longer adds up
+    with pytest.raises(ManifestError, match="fingerprint"):
+        fresh.resolve([raw])
+    assert rows[0]["name"] == "w" and "cells" in rows[0]
+    fresh, raw = table([dict(rows[0], nnz=rows[0]["nnz"] + 1)] + rows[1:])  # one change more than its cells hold
+    fresh.resolve([raw])  # a cell table is checked when it is read
+    w, blob = fresh.tensors[0], (tmp_path / m.blobs[-1].key).read_bytes()
+    with pytest.raises(ManifestError, match="chunks hold"):
+        fresh.set_cells(w, blob[w.cells.offset:w.cells.offset + w.cells.length])
+    assert w.chunks is None and w.cells is not None  # nothing taken
+    fresh, raw = table(rows)
+    with pytest.raises(ManifestError, match="1 tensor tables|tables given"):
+        fresh.resolve([raw, raw])
+    with pytest.raises(ManifestError, match="not read"):
+        fresh.require_resolved()
+
+
+def test_an_older_reader_refuses_format_7_clearly(tmp_path, monkeypatch):
+    doc = _doc(tmp_path)
+    monkeypatch.setattr(manifest_mod, "READABLE_VERSIONS", (1, 2, 3, 4, 5, 6))  # what a format-6 reader accepts
+    with pytest.raises(ManifestError, match="unknown format 'engine-ext-delta' version 7"):
+        Manifest.from_json(json.dumps(doc).encode())
+
+
+def test_inline_manifests_keep_their_format(tmp_path):
+    """Under the limit nothing changes: format 5, no table fields (format-5 readers refuse unknown keys)."""
+    _publish(tmp_path, _states(steps=1), 1 << 20)
+    raw = (tmp_path / "v00000001.json").read_bytes()
+    assert json.loads(raw)["format_version"] == 5 and b'"tables"' not in raw and b'"cells"' not in raw
+
+
+def test_a_1t_moe_manifest_is_a_few_kb():
+    """bench/manifest_size.py on two layers of a Kimi-K2-like MoE (4,618 tensors, 37,128 cells):
+    the manifest grows by a table reference per 4,096 tensors, not by tensors or cells."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("manifest_size", Path(__file__).parents[1] / "bench" / "manifest_size.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    r = bench.measure(layers=2, experts=384, ep=16)
+    assert r["tensors"] == 4618 and r["cells"] > 36_000
+    assert r["format7_manifest_bytes"] < 4096 < 10 ** 6 < r["inline_manifest_bytes"]
+    assert r["ep_rank_reads_bytes"] < 0.25 * (r["tensor_tables_bytes"] + r["cell_tables_bytes"])
