@@ -122,10 +122,10 @@ VARIABLES: tuple[Variable, ...] = (
              "publisher: the store bandwidth one reader rank fetches at, MB/s: a part is context coded only where "
              "its saved bytes take longer to fetch than its decode costs beyond v1's (measured: v2 pays below ~4-5 "
              "MB/s); `0`: bytes first (metered or slow links: v2 wherever it saves 10 %)"),
-    Variable("ENGINE_EXT_INLINE_MANIFEST_BYTES", "inline_manifest_bytes", int, 1 << 20,
-             "publisher: a manifest over this many bytes is written as format 7, its tensor entries and cell "
-             "tables in a blob (docs/FORMAT.md, \"Tables\"; format-5 and 6 readers refuse it); smaller ones inline, "
-             "as format 5 or 6; `0`: always tables"),
+    Variable("ENGINE_EXT_INLINE_ENTRIES", "inline_entries", int, 4096,
+             "publisher: a manifest listing more tensors and grid cells than this (~400 bytes each) is written as "
+             "format 7, its tensor entries and cell tables in a blob (docs/FORMAT.md, \"Tables\"; format-5 and 6 "
+             "readers refuse it); smaller ones inline, as format 5 or 6; `0`: always tables"),
 )
 
 
@@ -152,7 +152,7 @@ class Settings:
     context_coder: bool = True
     reader_device: str = "gpu"
     reader_mbps: float = 100.0
-    inline_manifest_bytes: int = 1 << 20
+    inline_entries: int = 4096
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":

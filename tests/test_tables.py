@@ -1,6 +1,6 @@
 """Format 7: a manifest's tensor entries and cell tables in its blobs (issue 31, item 3).
 
-A publisher writes a manifest over ``ENGINE_EXT_INLINE_MANIFEST_BYTES`` as format 7: the
+A publisher writes a manifest of over ``ENGINE_EXT_INLINE_ENTRIES`` tensors and cells as format 7: the
 signed manifest keeps its header and where its tensor tables lie; each cut tensor's cells
 lie in a cell table of their own. Here the limit is 0, so a small model takes that path:
 ranks holding part of a tensor read every tensor table but only the cell tables of what they
@@ -47,7 +47,7 @@ def _states(seed=0, steps=3):
 
 
 def _publish(root, states, limit: int, anchor_every: int = 0):
-    with settings.override(inline_manifest_bytes=limit), \
+    with settings.override(inline_entries=limit), \
             DeltaPublisher(str(root), anchor_every=anchor_every, chunk_min_cell=1024) as pub:
         for sd in states:
             pub.publish(sd)
@@ -59,7 +59,7 @@ def run(tmp_path_factory):
     states = _states()
     tables, inline = tmp_path_factory.mktemp("tables"), tmp_path_factory.mktemp("inline")
     _publish(tables, states, 0)
-    _publish(inline, states, 1 << 20)
+    _publish(inline, states, 4096)
     return states, tables, inline
 
 
@@ -220,7 +220,7 @@ def test_an_older_reader_refuses_format_7_clearly(tmp_path, monkeypatch):
 
 def test_inline_manifests_keep_their_format(tmp_path):
     """Under the limit nothing changes: format 5, no table fields (format-5 readers refuse unknown keys)."""
-    _publish(tmp_path, _states(steps=1), 1 << 20)
+    _publish(tmp_path, _states(steps=1), 4096)
     raw = (tmp_path / "v00000001.json").read_bytes()
     assert json.loads(raw)["format_version"] == 5 and b'"tables"' not in raw and b'"cells"' not in raw
 

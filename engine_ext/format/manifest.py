@@ -164,6 +164,11 @@ class Manifest:
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
+    @property
+    def entries(self) -> int:
+        """Tensor entries and chunks listed inline: what a manifest's size grows with (~400 and ~350 bytes each)."""
+        return len(self.tensors) + sum(len(t.chunks or ()) for t in self.tensors)
+
     def lowest_version(self) -> int:
         """The lowest format version that describes this manifest, which writers write (a
         format-5 reader then still reads everything but a chunked anchor): 7 with tables, 6 for
@@ -209,12 +214,15 @@ class Manifest:
             blob, offset = put(raw)
             return TableRef(blob, offset, len(raw), hashlib.sha256(raw).hexdigest(), len(entries))
 
-        rows, default = [], asdict(TensorEntry("", "", [], 0, ""))
+        def row(x) -> dict:  # asdict's result without its deep copies (a million chunks: 10x faster)
+            return dict(vars(x), positions=vars(x.positions), values=vars(x.values))
+
+        rows, default = [], row(TensorEntry("", "", [], 0, ""))
         for t in self.tensors:
-            row = asdict(t)
+            r = row(t)
             if t.chunks is not None:
-                row["cells"], row["chunks"] = asdict(ref([asdict(c) for c in t.chunks])), None
-            rows.append({k: v for k, v in row.items() if k in _REQUIRED or v != default[k]})  # absent: the default
+                r["cells"], r["chunks"] = vars(ref([row(c) for c in t.chunks])), None
+            rows.append({k: v for k, v in r.items() if k in _REQUIRED or v != default[k]})  # absent: the default
         out = dataclasses.replace(self, tensors=[], tables=[ref(rows[i:i + per_table]) for i in range(0, len(rows), per_table)])
         out.format_version = TABLES
         return out
@@ -443,7 +451,7 @@ class Manifest:
                 if t.chunks is not None:
                     bad(f"{where}: chunks both inline and in a cell table")
                 self._check_ref(t.cells, f"{where}: cell table", MAX_CELL_BYTES, per_blob)
-                if not 1 <= t.cells.count <= min(len(t.boxes()), t.nnz):
+                if not 1 <= t.cells.count <= min(math.prod(len(c) - 1 for c in t.grid), t.nnz):
                     bad(f"{where}: a cell table of {t.cells.count} cells")
                 continue
             self._check_chunks(t, where, per_blob)

@@ -276,10 +276,10 @@ def commit(store: Store, m: Manifest, signer: Signer | None = None, latest_ttl_s
            blobs: list[tuple[str, str]] = (), inline_limit: int | None = None) -> tuple[str, str, Latest]:
     """Finish a manifest whose blobs are named (model fingerprints, time, the lowest format version
     that describes it), validate it, sign it and publish it with ``blobs`` (key, local file) and
-    ``LATEST`` (:func:`engine_ext.store.publish_version`). A manifest over ``inline_limit`` bytes
-    (default ``ENGINE_EXT_INLINE_MANIFEST_BYTES``) is published as format 7, its tensor entries and
-    cell tables in one more blob (:func:`_tables_blob`); ``m`` keeps them inline. Returns (URI,
-    SHA-256 of the published manifest's bytes, LATEST)."""
+    ``LATEST`` (:func:`engine_ext.store.publish_version`). A manifest of over ``inline_limit`` tensor
+    entries and chunks (default ``ENGINE_EXT_INLINE_ENTRIES``) is published as format 7, its tensor
+    entries and cell tables in one more blob (:func:`_tables_blob`); ``m`` keeps them inline.
+    Returns (URI, SHA-256 of the published manifest's bytes, LATEST)."""
     m.fingerprint = fpr.fmt(fpr.model_fingerprint((t.name, fpr.parse(t.fingerprint)) for t in m.tensors))
     if m.kind == DELTA:
         m.base_fingerprint = fpr.fmt(fpr.model_fingerprint((t.name, fpr.parse(t.base_fingerprint)) for t in m.tensors))
@@ -287,12 +287,13 @@ def commit(store: Store, m: Manifest, signer: Signer | None = None, latest_ttl_s
     m.format_version = m.lowest_version()
     m.validate()
     mkey = manifest_key(m.version, m.kind)
-    raw, blobs = m.to_json(), list(blobs)
-    limit = settings.current().inline_manifest_bytes if inline_limit is None else inline_limit
+    limit = settings.current().inline_entries if inline_limit is None else inline_limit
     with tempfile.TemporaryDirectory(prefix=f"{_TMP_PREFIX}spool-", dir=store.spool_dir()) as tmp:
-        if len(raw) > limit:
+        if m.entries > limit:
             wire, tables = _tables_blob(m, tmp)
-            raw, blobs = wire.to_json(), blobs + [tables]
+            raw, blobs = wire.to_json(), list(blobs) + [tables]
+        else:
+            raw, blobs = m.to_json(), list(blobs)
         sha = hashlib.sha256(raw).hexdigest()
         latest = Latest(m.version, mkey, m.fingerprint, m.anchor_version, sha,
                         time.time() + latest_ttl_s if signer is not None else None)
