@@ -12,6 +12,7 @@ blobs once: that version is aborted on every rank, the next one is an anchor, tr
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -63,7 +64,17 @@ def equal(a: dict, b: dict) -> None:
 
 
 def manifests(root: Path) -> dict[str, dict]:
-    return {p.name: json.loads(p.read_text()) for p in sorted(root.glob("v*.json"))}
+    """Every manifest under ``root`` as JSON; a format-7 one with its tables read (its tensors and
+    chunks as an inline manifest lists them), its ``format_version`` as published."""
+    out, store = {}, open_store(str(root))
+    for p in sorted(root.glob("v*.json")):
+        doc = json.loads(p.read_text())
+        if doc.get("tables"):
+            m = reader.read_manifest(store, p.name)
+            reader.load_cells(store, m)
+            doc["tensors"] = [dataclasses.asdict(t) for t in m.tensors]
+        out[p.name] = doc
+    return out
 
 
 def summaries(out: Path, world: int) -> list[dict]:
@@ -123,12 +134,13 @@ def test_world2_fsdp_publishes_per_rank_and_a_killed_rank_commits_nothing(run2):
 def test_world4_resumes_with_an_anchor_and_a_failed_part_aborts_the_version_everywhere(run2):
     """The run restarts at world 4 on the store the killed world-2 run left: v5 an anchor after the
     burnt v4, v6 a delta; rank 2's store refuses its blobs of v7: v7 is aborted on every rank, and v8,
-    the retry, is an anchor."""
+    the retry, is an anchor. These versions are format 7 (ENGINE_EXT_INLINE_ENTRIES=0: rank 0 writes
+    the tensor and cell tables of the joined parts when it commits), read by the same readers."""
     d, _ = run2
     root, out = d / "store", d / "out4"
     out.mkdir()
     cfg = {"store": str(root), "out": str(out), "steps": 3, "timeout_s": 60, "replicated": True,
-           "fault": {"rank": 2, "version": 7, "kind": "raise"}, "seed": 1}
+           "fault": {"rank": 2, "version": 7, "kind": "raise"}, "seed": 1, "env": {"ENGINE_EXT_INLINE_ENTRIES": "0"}}
     codes = sharded_procs.run(4, cfg)
     s = summaries(out, 4)
     assert codes == [0, 0, 0, 0] and not any("error" in x for x in s), [x.get("traceback") for x in s]
@@ -137,8 +149,9 @@ def test_world4_resumes_with_an_anchor_and_a_failed_part_aborts_the_version_ever
     assert "rank 2: OSError" in s[0]["aborted"]["7"] and s[0]["resumed"].startswith("resumed after v3: v5 is an anchor")
     ms = manifests(root)
     assert "v00000007.json" not in ms and "v00000007.anchor.json" not in ms
-    assert ms["v00000005.anchor.json"]["format_version"] == 6 and ms["v00000006.json"]["base_version"] == 5
-    assert ms["v00000008.anchor.json"]["format_version"] == 6 and "v00000008.json" not in ms  # the retry: an anchor
+    assert ms["v00000005.anchor.json"]["format_version"] == 7 and ms["v00000006.json"]["base_version"] == 5
+    assert ms["v00000006.json"]["format_version"] == 7 and json.loads((root / "v00000006.json").read_text())["tensors"] == []
+    assert ms["v00000008.anchor.json"]["format_version"] == 7 and "v00000008.json" not in ms  # the retry: an anchor
     assert json.loads((root / "LATEST").read_text())["signed"]["version"] == 8
     for v in (5, 6, 8):
         equal(served(str(root), v), reassemble(out, 4, v))

@@ -5,7 +5,9 @@ padded vocabulary (1000 -> 1024 rows) leaves padding rows on rank 1. Most parts 
 deltas are context coded (codec v2, the default), each rank decoding the blocks it holds
 from its own weights. The deltas are cut
 into small cells (as a big model's are at the default size), so each rank fetches only
-the rows or columns it holds: at most 0.6x of the delta. Then rank 1 fails in the middle
+the rows or columns it holds: at most 0.6x of the delta. The versions are format 7 (their
+tensor entries and cell tables in a blob, as a model of very many tensors publishes them):
+each rank reads the tensor tables and only its tensors' cell tables. Then rank 1 fails in the middle
 of an update, after writing its part (tests/server_hooks): every rank rolls back, the
 served weights and outputs are those of before, and the same update lands next time.
 After K + 1 deltas through the endpoint the outputs equal a TP 2 server cold-started on
@@ -17,6 +19,10 @@ import json
 
 import pytest
 
+from engine_ext import settings
+from engine_ext.store import open_store
+from engine_ext.store.reader import load_cells, read_manifest
+
 pytest.importorskip("vllm")
 from vllm_helpers import HOOKS, Server, assert_layout_on_this_host, make_model, rl_trajectory, save_state_dict  # noqa: E402
 
@@ -27,13 +33,18 @@ K = 3
 def test_tp2_tied_embeddings(tmp_path):
     model = make_model(tmp_path / "model", "qwen2-tied", vocab=1000)
     root = tmp_path / "stores"
-    final = rl_trajectory(model, root / "run", K + 1, seed=3, chunk_min_cell=256)
+    with settings.override(inline_entries=0):  # format 7: tensor entries and cell tables in a blob (tests/test_tables.py)
+        final = rl_trajectory(model, root / "run", K + 1, seed=3, chunk_min_cell=256)
     assert not any(n.startswith("lm_head") for n in final)
+    store = open_store(str(root / "run"))
     for n in range(1, K + 2):  # codec v2 by default: most parts context coded, the padded embedding's among them
-        tensors = json.loads((root / "run" / f"v{n:08d}.json").read_text())["tensors"]
-        coders = [p["positions"]["coder"] for t in tensors if t["nnz"] for p in (t["chunks"] or [t])]
-        embed = next(t for t in tensors if t["name"] == "model.embed_tokens.weight")
-        assert coders.count("ctx") > len(coders) / 2 and any(p["positions"]["coder"] == "ctx" for p in embed["chunks"])
+        assert json.loads((root / "run" / f"v{n:08d}.json").read_text())["tensors"] == []
+        m = read_manifest(store, f"v{n:08d}.json")
+        load_cells(store, m)
+        assert m.format_version == 7 and any(t.grid for t in m.tensors)
+        coders = [p.positions.coder for t in m.tensors if t.nnz for p in (t.chunks or [t])]
+        embed = next(t for t in m.tensors if t.name == "model.embed_tokens.weight")
+        assert coders.count("ctx") > len(coders) / 2 and any(p.positions.coder == "ctx" for p in embed.chunks)
     fault = tmp_path / "fault"  # tests/server_hooks: rank N fails its next apply while this file holds N
     env = HOOKS | {"ENGINE_EXT_TEST_FAULT": str(fault)}
     server = Server(model, sources=str(root), tp=2, env=env, log=tmp_path / "tp2.log")  # version unknown: matched by fingerprint
