@@ -13,6 +13,7 @@ import json
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
 from engine_ext import settings
 from engine_ext.errors import IntegrityError, ManifestError
@@ -166,6 +167,7 @@ def _doc(tmp_path):
     (lambda d: d["tables"][0].update(offset=d["blobs"][-1]["size"]), "beyond its blob"),
     (lambda d: d["tables"][0].update(length=10 ** 9), "beyond its blob|bytes for"),
     (lambda d: d["tables"][0].update(count=-1), "bytes for"),
+    (lambda d: d["tables"][0].update(count=0), "bytes for"),
     (lambda d: d["tables"][0].update(sha256="x"), "sha256"),
     (lambda d: d.update(format_version=6), "only format-7"),
     (lambda d: d.update(tables=[]), "1 to"),
@@ -238,3 +240,65 @@ def test_a_1t_moe_manifest_is_a_few_kb():
     assert r["tensors"] == 4618 and r["cells"] > 36_000
     assert r["format7_manifest_bytes"] < 4096 < 10 ** 6 < r["inline_manifest_bytes"]
     assert r["ep_rank_reads_bytes"] < 0.25 * (r["tensor_tables_bytes"] + r["cell_tables_bytes"])
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats(allow_nan=True)
+                     | st.text(max_size=8), lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=5), kids, max_size=3),
+                     max_leaves=6)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fuzz")
+    _publish(root, _states(steps=1), 0)
+    m = Manifest.from_json((root / "v00000001.json").read_bytes())
+    blob = (root / m.blobs[-1].key).read_bytes()
+    rows = json.loads(blob[m.tables[0].offset:m.tables[0].offset + m.tables[0].length])
+    w = rows[0]["cells"]
+    return (root / "v00000001.json").read_bytes(), rows, json.loads(blob[w["offset"]:w["offset"] + w["length"]])
+
+
+@hsettings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_any_table_bytes_give_a_manifest_error_or_a_valid_manifest(small, data):
+    """Tables whose hashes match (a signed manifest naming hostile tables): every field of a tensor
+    entry or chunk replaced by any JSON value, or removed, or the table not a list: a clear
+    ManifestError, never another exception, and never chunks taken that do not check."""
+    import hashlib
+
+    raw, rows, cells = small
+    rows, cells = json.loads(json.dumps(rows)), json.loads(json.dumps(cells))
+    target = data.draw(st.sampled_from(["tensor", "cell", "whole"]))
+    if target == "whole":
+        rows = data.draw(_json)
+    else:
+        pick = rows if target == "tensor" else cells
+        row = pick[data.draw(st.integers(0, len(pick) - 1))]
+        key = data.draw(st.sampled_from(sorted(row) + ["extra"]))
+        if data.draw(st.booleans()):
+            row[key] = data.draw(_json)
+        else:
+            row.pop(key, None)
+
+    def with_table(m, ref, entries):
+        b = json.dumps(entries).encode()
+        ref.sha256, ref.length = hashlib.sha256(b).hexdigest(), len(b)
+        ref.count = len(entries) if isinstance(entries, list) else 1
+        m.blobs[ref.blob].size = 10 ** 9
+        return b
+
+    m = Manifest.from_json(raw)
+    table = with_table(m, m.tables[0], rows)
+    try:
+        m.resolve([table])
+    except ManifestError:
+        return
+    w = m.tensors[0]
+    if w.cells is None:
+        return
+    try:
+        m.set_cells(w, with_table(m, w.cells, cells))
+    except ManifestError:
+        assert w.chunks is None
+        return
+    assert sum(c.nnz for c in w.chunks) == w.nnz

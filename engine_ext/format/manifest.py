@@ -180,7 +180,7 @@ class Manifest:
     @property
     def resolved(self) -> bool:
         """Whether ``tensors`` holds every tensor entry (format 7: once its tensor tables are read)."""
-        return self.tables is None or bool(self.tensors) or not any(r.count for r in self.tables)
+        return self.tables is None or bool(self.tensors)  # a tensor table holds at least one entry
 
     def require_resolved(self) -> None:
         if not self.resolved:
@@ -331,7 +331,7 @@ class Manifest:
             raise ManifestError(f"{where}: only format-7 manifests keep tables in their blobs")
         if not 0 <= ref.blob < len(self.blobs) or ref.offset < 0 or ref.offset + ref.length > self.blobs[ref.blob].size:
             raise ManifestError(f"{where}: table beyond its blob")
-        if not 0 <= ref.count or not 2 <= ref.length <= max(2, ref.count * per_entry):
+        if not 1 <= ref.count or not 2 <= ref.length <= ref.count * per_entry:
             raise ManifestError(f"{where}: {ref.length} bytes for {ref.count} entries")
         if not isinstance(ref.sha256, str) or not _SHA_RE.fullmatch(ref.sha256):
             raise ManifestError(f"{where}: missing or bad sha256")
