@@ -128,6 +128,8 @@ def measure(layers: int, experts: int, ep: int) -> dict:
             "cells": sum(len(t.chunks or ()) for t in m.tensors), "payload_bytes": m.payload_bytes,
             "inline_manifest_bytes": inline, "format7_manifest_bytes": len(raw), "tensor_tables_bytes": tensor_tables,
             "cell_tables_bytes": len(tables) - tensor_tables, "ep_rank_reads_bytes": tensor_tables + rank_cells,
+            "ep_rank_data_bytes": sum(c.length for t in held for c in t.chunks) + sum(
+                t.length for t in r.tensors if t.grid is None and t.nnz and ".experts." not in t.name),
             "seconds": {"build": round(built, 2), "write_tables": round(written, 2), "read_tensor_tables": round(resolved, 2),
                         "read_rank_cells": round(cells_read, 2)}}
 
@@ -146,6 +148,9 @@ def main() -> None:
     print(f"| tensor tables (every reader) | {r['tensor_tables_bytes'] / mb:.1f} MiB |")
     print(f"| cell tables (all) | {r['cell_tables_bytes'] / mb:.1f} MiB |")
     print(f"| what one EP {a.ep} rank reads: tensor tables + its cell tables | {r['ep_rank_reads_bytes'] / mb:.1f} MiB |")
+    print(f"| ... against the data it fetches (its experts, the dense tensors) | {r['ep_rank_data_bytes'] / mb:.1f} MiB |")
+    print(f"| what one TP 8 rank reads: tensor tables + every cell table | {(r['tensor_tables_bytes'] + r['cell_tables_bytes']) / mb:.1f} MiB |")
+    print(f"| ... against the data it fetches (~1/8 of the delta) | {r['payload_bytes'] / 8 / mb:.1f} MiB |")
     print(json.dumps(r["seconds"]))
 
 

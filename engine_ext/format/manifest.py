@@ -29,6 +29,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from . import fingerprint as fpr
 from .dtypes import dtype_by_name
 from ..errors import IntegrityError, ManifestError
@@ -52,7 +54,12 @@ MAX_NDIM = 8
 MAX_LATEST_BYTES = 16 << 10
 MAX_TABLES = 4096  # tensor tables per manifest
 MAX_ENTRY_BYTES = 64 << 10  # bytes per tensor entry in a tensor table (a name of 1024 characters, a grid of 256 cuts)
-MAX_CELL_BYTES = 1024  # bytes per chunk in a cell table (a record is ~200 bytes)
+# A cell table's record (format 7): one chunk in 75 bytes, little-endian (JSON would take ~220).
+CELL_RECORD = np.dtype([("cell", "<u4"), ("nnz", "<u8"), ("blob", "<u4"), ("offset", "<u8"),
+                        ("positions_length", "<u8"), ("values_length", "<u8"), ("positions_coder", "u1"),
+                        ("values_coder", "u1"), ("mode", "u1"), ("sha256", "V32")])
+CELL_CODERS = ("none", "all", "raw", "pco", "zstd", "ctx")  # a coder's byte in a record: its index
+CELL_MODES = (None, "abs", "rel")
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
 _HEX_RE = re.compile(r"(?:[0-9a-f]{2})+")
 _FP_RE = re.compile(r"[0-9a-f]{16}")
@@ -221,7 +228,10 @@ class Manifest:
         for t in self.tensors:
             r = row(t)
             if t.chunks is not None:
-                r["cells"], r["chunks"] = vars(ref([row(c) for c in t.chunks])), None
+                raw = _cell_records(t.chunks)
+                blob, offset = put(raw)
+                r["chunks"], r["cells"] = None, vars(TableRef(blob, offset, len(raw), hashlib.sha256(raw).hexdigest(),
+                                                              len(t.chunks)))
             rows.append({k: v for k, v in r.items() if k in _REQUIRED or v != default[k]})  # absent: the default
         out = dataclasses.replace(self, tensors=[], tables=[ref(rows[i:i + per_table]) for i in range(0, len(rows), per_table)])
         out.format_version = TABLES
@@ -250,7 +260,7 @@ class Manifest:
         if t.cells is None:
             return
         where = f"tensor {t.name!r}"
-        chunks = _parsed(lambda: [_chunk(c) for c in _table(t.cells, raw, f"{where}: cell table")])
+        chunks = _cells(t.cells, raw, f"{where}: cell table")
         if len(chunks) > len(t.boxes()):
             raise ManifestError(f"{where}: a cell table of {len(chunks)} cells")
         checked = dataclasses.replace(t, chunks=chunks, cells=None)
@@ -450,7 +460,9 @@ class Manifest:
             if t.cells is not None:  # format 7: the chunks are checked when read (set_cells)
                 if t.chunks is not None:
                     bad(f"{where}: chunks both inline and in a cell table")
-                self._check_ref(t.cells, f"{where}: cell table", MAX_CELL_BYTES, per_blob)
+                self._check_ref(t.cells, f"{where}: cell table", CELL_RECORD.itemsize, per_blob)
+                if t.cells.length != t.cells.count * CELL_RECORD.itemsize:
+                    bad(f"{where}: a cell table of {t.cells.count} records is {t.cells.count * CELL_RECORD.itemsize} bytes")
                 if not 1 <= t.cells.count <= min(math.prod(len(c) - 1 for c in t.grid), t.nnz):
                     bad(f"{where}: a cell table of {t.cells.count} cells")
                 continue
@@ -471,6 +483,34 @@ def _no_overlap(per_blob: list) -> None:
         for (_, end, a), (start, _, b) in zip(ranges, ranges[1:]):
             if start < end:
                 raise ManifestError(_cut(f"{a} and {b} overlap in their blob"))
+
+
+def _cell_records(chunks: list[Chunk]) -> bytes:
+    """A cut tensor's chunks as its cell table: one :data:`CELL_RECORD` each, in order."""
+    rec = np.zeros(len(chunks), CELL_RECORD)
+    for i, c in enumerate(chunks):
+        rec[i] = (c.cell, c.nnz, c.blob, c.offset, c.positions.length, c.values.length,
+                  CELL_CODERS.index(c.positions.coder), CELL_CODERS.index(c.values.coder),
+                  CELL_MODES.index(c.values.mode), bytes.fromhex(c.sha256))
+    return rec.tobytes()
+
+
+def _cells(ref: TableRef, raw: bytes, where: str) -> list[Chunk]:
+    """The chunks of a cell table's bytes, checked against its length and SHA-256 (the chunks
+    themselves are checked by the caller, as inline ones)."""
+    if len(raw) != ref.length or hashlib.sha256(raw).hexdigest() != ref.sha256:
+        raise IntegrityError(f"{where}: SHA-256 mismatch (corrupt table)")
+    if len(raw) != ref.count * CELL_RECORD.itemsize:
+        raise ManifestError(f"{where}: {len(raw)} bytes for {ref.count} records")
+    out = []
+    for r in np.frombuffer(raw, CELL_RECORD):
+        codes = (int(r["positions_coder"]), int(r["values_coder"]), int(r["mode"]))
+        if codes[0] >= len(CELL_CODERS) or codes[1] >= len(CELL_CODERS) or codes[2] >= len(CELL_MODES):
+            raise ManifestError(f"{where}: unknown coder or mode {codes}")
+        out.append(Chunk(int(r["cell"]), int(r["nnz"]), int(r["blob"]), int(r["offset"]), bytes(r["sha256"]).hex(),
+                         Segment(CELL_CODERS[codes[0]], int(r["positions_length"])),
+                         Segment(CELL_CODERS[codes[1]], int(r["values_length"]), CELL_MODES[codes[2]])))
+    return out
 
 
 def _table(ref: TableRef, raw: bytes, where: str) -> list:
