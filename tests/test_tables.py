@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, given, settings as hsettings, strategies as 
 from engine_ext import settings
 from engine_ext.errors import IntegrityError, ManifestError
 from engine_ext.format import manifest as manifest_mod
-from engine_ext.format.manifest import CELL_RECORD, Manifest
+from engine_ext.format.manifest import Manifest
+from engine_ext.format.tables import CELL_RECORD
 from engine_ext.server.controller import Controller
 from engine_ext.server.protocol import UpdateRequest
 from engine_ext.store import open_store

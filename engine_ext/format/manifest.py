@@ -22,14 +22,10 @@ engines' shards).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import json
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Callable
-
-import numpy as np
 
 from . import fingerprint as fpr
 from .dtypes import dtype_by_name
@@ -54,12 +50,6 @@ MAX_NDIM = 8
 MAX_LATEST_BYTES = 16 << 10
 MAX_TABLES = 4096  # tensor tables per manifest
 MAX_ENTRY_BYTES = 64 << 10  # bytes per tensor entry in a tensor table (a name of 1024 characters, a grid of 256 cuts)
-# A cell table's record (format 7): one chunk in 75 bytes, little-endian (JSON would take ~220).
-CELL_RECORD = np.dtype([("cell", "<u4"), ("nnz", "<u8"), ("blob", "<u4"), ("offset", "<u8"),
-                        ("positions_length", "<u8"), ("values_length", "<u8"), ("positions_coder", "u1"),
-                        ("values_coder", "u1"), ("mode", "u1"), ("sha256", "V32")])
-CELL_CODERS = ("none", "all", "raw", "pco", "zstd", "ctx")  # a coder's byte in a record: its index
-CELL_MODES = (None, "abs", "rel")
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
 _HEX_RE = re.compile(r"(?:[0-9a-f]{2})+")
 _FP_RE = re.compile(r"[0-9a-f]{16}")
@@ -212,41 +202,18 @@ class Manifest:
                 del t["cells"]
         return json.dumps(d, indent=1, sort_keys=False).encode()
 
-    def tabulated(self, put: "Callable[[bytes], tuple[int, int]]", per_table: int = 4096) -> "Manifest":
-        """This (finished, validated) manifest as format 7: every cut tensor's chunks in a cell table,
-        then the tensor entries in tables of ``per_table``, each handed to ``put(bytes) -> (blob,
-        offset)`` (which appends it to a blob the returned manifest lists). ``self`` is unchanged."""
-        def ref(entries: list) -> TableRef:
-            raw = json.dumps(entries, separators=(",", ":")).encode()
-            blob, offset = put(raw)
-            return TableRef(blob, offset, len(raw), hashlib.sha256(raw).hexdigest(), len(entries))
-
-        def row(x) -> dict:  # asdict's result without its deep copies (a million chunks: 10x faster)
-            return dict(vars(x), positions=vars(x.positions), values=vars(x.values))
-
-        rows, default = [], row(TensorEntry("", "", [], 0, ""))
-        for t in self.tensors:
-            r = row(t)
-            if t.chunks is not None:
-                raw = _cell_records(t.chunks)
-                blob, offset = put(raw)
-                r["chunks"], r["cells"] = None, vars(TableRef(blob, offset, len(raw), hashlib.sha256(raw).hexdigest(),
-                                                              len(t.chunks)))
-            rows.append({k: v for k, v in r.items() if k in _REQUIRED or v != default[k]})  # absent: the default
-        out = dataclasses.replace(self, tensors=[], tables=[ref(rows[i:i + per_table]) for i in range(0, len(rows), per_table)])
-        out.format_version = TABLES
-        return out
-
     def resolve(self, tables: list[bytes]) -> None:
         """Take the tensor entries from the bytes of this format-7 manifest's tables (read from
         ``tables`` refs, in order), each checked against its SHA-256 and count, then validate the whole."""
+        from .tables import read_table
+
         if self.resolved:
             return
         if len(tables) != len(self.tables):
             raise ManifestError(f"{len(tables)} tensor tables given, the manifest lists {len(self.tables)}")
         tensors = []
         for i, (ref, raw) in enumerate(zip(self.tables, tables)):
-            tensors += _parsed(lambda: [_tensor(t) for t in _table(ref, raw, f"tensor table {i}")])
+            tensors += _parsed(lambda: [_tensor(t) for t in read_table(ref, raw, f"tensor table {i}")])
         self.tensors = tensors
         try:
             _parsed(self.validate)
@@ -260,7 +227,9 @@ class Manifest:
         if t.cells is None:
             return
         where = f"tensor {t.name!r}"
-        chunks = _cells(t.cells, raw, f"{where}: cell table")
+        from .tables import read_cells
+
+        chunks = read_cells(t.cells, raw, f"{where}: cell table")
         if len(chunks) > len(t.boxes()):
             raise ManifestError(f"{where}: a cell table of {len(chunks)} cells")
         checked = dataclasses.replace(t, chunks=chunks, cells=None)
@@ -460,6 +429,8 @@ class Manifest:
             if t.cells is not None:  # format 7: the chunks are checked when read (set_cells)
                 if t.chunks is not None:
                     bad(f"{where}: chunks both inline and in a cell table")
+                from .tables import CELL_RECORD
+
                 self._check_ref(t.cells, f"{where}: cell table", CELL_RECORD.itemsize, per_blob)
                 if t.cells.length != t.cells.count * CELL_RECORD.itemsize:
                     bad(f"{where}: a cell table of {t.cells.count} records is {t.cells.count * CELL_RECORD.itemsize} bytes")
@@ -483,48 +454,6 @@ def _no_overlap(per_blob: list) -> None:
         for (_, end, a), (start, _, b) in zip(ranges, ranges[1:]):
             if start < end:
                 raise ManifestError(_cut(f"{a} and {b} overlap in their blob"))
-
-
-def _cell_records(chunks: list[Chunk]) -> bytes:
-    """A cut tensor's chunks as its cell table: one :data:`CELL_RECORD` each, in order."""
-    rec = np.zeros(len(chunks), CELL_RECORD)
-    for i, c in enumerate(chunks):
-        rec[i] = (c.cell, c.nnz, c.blob, c.offset, c.positions.length, c.values.length,
-                  CELL_CODERS.index(c.positions.coder), CELL_CODERS.index(c.values.coder),
-                  CELL_MODES.index(c.values.mode), bytes.fromhex(c.sha256))
-    return rec.tobytes()
-
-
-def _cells(ref: TableRef, raw: bytes, where: str) -> list[Chunk]:
-    """The chunks of a cell table's bytes, checked against its length and SHA-256 (the chunks
-    themselves are checked by the caller, as inline ones)."""
-    if len(raw) != ref.length or hashlib.sha256(raw).hexdigest() != ref.sha256:
-        raise IntegrityError(f"{where}: SHA-256 mismatch (corrupt table)")
-    if len(raw) != ref.count * CELL_RECORD.itemsize:
-        raise ManifestError(f"{where}: {len(raw)} bytes for {ref.count} records")
-    out = []
-    for r in np.frombuffer(raw, CELL_RECORD):
-        codes = (int(r["positions_coder"]), int(r["values_coder"]), int(r["mode"]))
-        if codes[0] >= len(CELL_CODERS) or codes[1] >= len(CELL_CODERS) or codes[2] >= len(CELL_MODES):
-            raise ManifestError(f"{where}: unknown coder or mode {codes}")
-        out.append(Chunk(int(r["cell"]), int(r["nnz"]), int(r["blob"]), int(r["offset"]), bytes(r["sha256"]).hex(),
-                         Segment(CELL_CODERS[codes[0]], int(r["positions_length"])),
-                         Segment(CELL_CODERS[codes[1]], int(r["values_length"]), CELL_MODES[codes[2]])))
-    return out
-
-
-def _table(ref: TableRef, raw: bytes, where: str) -> list:
-    """A table's entries: its bytes checked against its length and SHA-256, then a JSON array of
-    ``count`` objects."""
-    if len(raw) != ref.length or hashlib.sha256(raw).hexdigest() != ref.sha256:
-        raise IntegrityError(f"{where}: SHA-256 mismatch (corrupt table)")
-    try:
-        rows = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise ManifestError(f"{where}: not valid JSON: {str(e)[:200]}") from None
-    if not isinstance(rows, list) or len(rows) != ref.count or not all(isinstance(r, dict) for r in rows):
-        raise ManifestError(f"{where}: not a list of {ref.count} objects")
-    return rows
 
 
 def dtype_by_name_checked(name, where):

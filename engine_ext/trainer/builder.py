@@ -39,6 +39,7 @@ from ..format import fingerprint as fpr
 from ..store.checkpoint import SafetensorsWriter
 from ..format.codec import ChunkedEncoded, Encoded
 from ..format.dtypes import BY_SAFETENSORS, DType
+from ..format.tables import tabulate
 from ..format.manifest import ANCHOR, DELTA, Blob, Chunk, Latest, Manifest, Segment, TensorEntry, manifest_key
 from ..store.base import _TMP_PREFIX
 from ..store.signing import Signer
@@ -303,7 +304,7 @@ def commit(store: Store, m: Manifest, signer: Signer | None = None, latest_ttl_s
 
 
 def _tables_blob(m: Manifest, spool: str) -> tuple[Manifest, tuple[str, str]]:
-    """``m`` as format 7 (:meth:`Manifest.tabulated`) and its tables' blob (key, local file), written
+    """``m`` as format 7 (:func:`engine_ext.format.tables.tabulate`) and its tables' blob (key, local file), written
     in ``spool``: the cell tables and tensor tables one after another, hashed as written."""
     path, digest, blob = os.path.join(spool, "tables.bin"), hashlib.sha256(), len(m.blobs)
     with open(path, "wb") as f:
@@ -313,7 +314,7 @@ def _tables_blob(m: Manifest, spool: str) -> tuple[Manifest, tuple[str, str]]:
             digest.update(raw)
             return blob, offset
 
-        wire = m.tabulated(put)
+        wire = tabulate(m, put)
         size = f.tell()
     sha = digest.hexdigest()
     key = f"v{m.version:08d}{'.anchor' if m.kind == ANCHOR else ''}.{blob}.{sha[:32]}.bin"
