@@ -121,10 +121,13 @@ def test_the_one_pass_diff_in_blocks_and_ranges(dtype, block, threads, monkeypat
     for name, hit in cases.items():
         new = old.clone()
         new[hit] = new[hit] ^ 1
+        base = old
+        if name == "edges":  # views at an odd element: their 8-byte words are not aligned
+            base, new, hit = old[1:], new[1:], hit[1:]
         want = torch.nonzero(hit).reshape(-1)
-        got = diff_kernels.changed(old.numpy(), new.numpy(), block=block, threads=threads)
+        got = diff_kernels.changed(base.numpy(), new.numpy(), block=block, threads=threads)
         assert torch.equal(torch.from_numpy(got[0]), want), name
-        assert torch.equal(torch.from_numpy(got[1]), old[want]) and torch.equal(torch.from_numpy(got[2]), new[want]), name
-        kept = old.clone()
+        assert torch.equal(torch.from_numpy(got[1]), base[want]) and torch.equal(torch.from_numpy(got[2]), new[want]), name
+        kept = old.clone()[1:] if name == "edges" else old.clone()  # the kept copy unaligned too
         again = diff_kernels.changed(kept.numpy(), new.numpy(), update=True, block=block, threads=threads)
         assert all(np.array_equal(a, b) for a, b in zip(got, again)) and torch.equal(kept, new), name
