@@ -49,7 +49,7 @@ def _timed(label: str, fn):
 
 def instrument() -> None:
     """Wrap the phases of a delta publish (module attributes looked up at call time)."""
-    from engine_ext.format import codec, chunks, context_codec, delta, fingerprint
+    from engine_ext.format import cell_kernels, codec, chunks
     from engine_ext.store import local
     from engine_ext.trainer import builder, publisher
 
@@ -65,6 +65,8 @@ def instrument() -> None:
         ("bg:     context_pays (pool)", codec, "context_pays"),
         ("bg:     step_histograms", codec, "step_histograms"),
         ("bg:     encode_tensor (pool)", codec, "encode_tensor"),
+        ("bg:       cell_kernels.group (pool)", cell_kernels, "group"),
+        ("bg:       encode_gaps (pool)", codec, "encode_gaps"),
         ("bg:       encode_positions (pool)", codec, "encode_positions"),
         ("bg:       _value_modes (pool)", codec, "_value_modes"),
         ("bg:       encode_values (pool)", codec, "encode_values"),
@@ -76,7 +78,6 @@ def instrument() -> None:
         ("bg:     store create_file (fsync)", local.LocalStore, "create_file"),
     ]:
         setattr(owner, name, _timed(label, getattr(owner, name)))
-    del context_codec, delta, fingerprint
 
 
 def main() -> None:
