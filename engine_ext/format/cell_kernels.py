@@ -16,25 +16,30 @@ import numpy as np
 
 
 @numba.njit(nogil=True, cache=True)
-def _group(pos, new, old, cols, inner, row_part, col_part, row0, col0, width, n_cols, n_cells, rel, is_float, key_max):
+def _group(pos, new, old, cols, inner, row_cuts, col_cuts, n_cells, rel, is_float, key_max):
     n = pos.size
     cell = np.empty(n, np.int32)
     local = np.empty(n, np.int64)
     counts = np.zeros(n_cells, np.int64)
+    n_cols = col_cuts.size - 1
     row_len = cols * inner
-    r, row_start = 0, 0
-    for k in range(n):  # positions are sorted: the row only moves forward
+    r, row_start, rp = 0, 0, 0
+    for k in range(n):  # positions are sorted: the row and its part only move forward
         p = pos[k]
-        while p >= row_start + row_len:
-            r += 1
-            row_start += row_len
+        if p >= row_start + row_len:
+            r = p // row_len
+            row_start = r * row_len
+            while r >= row_cuts[rp + 1]:
+                rp += 1
         rem = p - row_start
         c = rem // inner if inner > 1 else rem
         e = rem - c * inner
-        rp, cp = row_part[r], col_part[c]
+        cp = 0
+        while c >= col_cuts[cp + 1]:  # a few parts: a short scan
+            cp += 1
         x = rp * n_cols + cp
         cell[k] = x
-        local[k] = ((r - row0[rp]) * width[cp] + (c - col0[cp])) * inner + e
+        local[k] = ((r - row_cuts[rp]) * (col_cuts[cp + 1] - col_cuts[cp]) + (c - col_cuts[cp])) * inner + e
         counts[x] += 1
     at = np.zeros(n_cells, np.int64)
     for x in range(1, n_cells):
@@ -66,17 +71,13 @@ def group(positions: np.ndarray, new_bits: np.ndarray, old_bits: np.ndarray | No
     gaps (uint32: every cell holds fewer than 2^32 elements) and values of :func:`chunks.split`'s
     cells, ``steps`` those of ``rel`` (None without ``old_bits``)."""
     shape = tuple(int(s) for s in shape)
-    rows = shape[0]
     cols = shape[1] if len(cuts) > 1 else 1
     inner = int(np.prod(shape[len(cuts):], dtype=np.int64))
     row_cuts = np.asarray(cuts[0], np.int64)
     col_cuts = np.asarray(cuts[1] if len(cuts) > 1 else [0, 1], np.int64)
-    row_part = (np.searchsorted(row_cuts[1:-1], np.arange(rows), side="right")).astype(np.int64)
-    col_part = (np.searchsorted(col_cuts[1:-1], np.arange(cols), side="right")).astype(np.int64)
-    n_cols = len(col_cuts) - 1
     rel = old_bits is not None
     key_max = np.iinfo(new_bits.dtype).max
     counts, gaps, abs_values, steps = _group(positions, new_bits, new_bits if old_bits is None else old_bits, cols, inner,
-                                             row_part, col_part, row_cuts[:-1].copy(), col_cuts[:-1].copy(),
-                                             np.diff(col_cuts), n_cols, (len(row_cuts) - 1) * n_cols, rel, is_float, key_max)
+                                             row_cuts, col_cuts, (len(row_cuts) - 1) * (len(col_cuts) - 1), rel, is_float,
+                                             key_max)
     return counts, gaps, abs_values, steps if rel else None
