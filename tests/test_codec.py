@@ -59,6 +59,41 @@ def test_round_trip_every_dtype(dtype, n, density, seed, mode):
     assert torch.equal(as_bits(apply_tensor(to_tensor(dtype, old), td)), as_bits(to_tensor(dtype, new)))
 
 
+
+@pytest.mark.parametrize("shape,cuts", [((300, 200), None), ((64, 16, 5), None), ((50_000,), None),
+                                        ((300, 200), "rows"), ((5000, 40), None)])
+@pytest.mark.parametrize("dtype", [BY_NAME["bfloat16"], BY_NAME["float32"], BY_NAME["int8"], BY_NAME["bool"]])
+@pytest.mark.parametrize("mode", [None, "abs", "rel"])
+def test_cells_grouped_in_numba_code_the_same_bytes(shape, cuts, dtype, mode, monkeypatch):
+    """A cut tensor's cells coded from the numba grouping (cell_kernels) are byte for byte those of
+    the per-cell numpy path (chunks.split, to_local, gathers, steps): every cell, coder, mode and byte,
+    at densities from none to all of a cell (all: positions coded as 'all'), with a mode chosen once
+    for a tensor of many changes (more than 4 * MODE_SAMPLE) and per cell for fewer."""
+    from engine_ext.format import chunks
+
+    rng = np.random.default_rng(sum(shape) + dtype.bits)
+    numel = int(np.prod(shape))
+    grid = [chunks._cuts(shape[0], 4)] if cuts == "rows" else chunks.grid(shape, 1 << 10)
+    assert grid is not None
+    old = random_bits(dtype, numel, rng)
+    for density in (0.0, 0.002, 0.05, 0.5):
+        new = old.clone()
+        hit = torch.from_numpy(rng.random(numel) < density)
+        new[hit] = random_bits(dtype, int(hit.sum()), rng)
+        start, stop = chunks.boxes(grid, shape)[0]  # the first cell changes whole
+        box = tuple(slice(a, b) for a, b in zip(start, stop))
+        new.view(shape)[box] = old.view(shape)[box] ^ 1
+        pos = torch.nonzero(old != new).reshape(-1)
+        args = (dtype, shape, pos, new[pos], old[pos], mode, None, None, grid)
+        fast = codec.encode_tensor(*args)
+        monkeypatch.setattr(codec, "_CELL_KERNELS", [None])
+        slow = codec.encode_tensor(*args)
+        monkeypatch.undo()
+        assert fast.cuts == slow.cuts and len(fast.cells) == len(slow.cells) >= 1
+        assert fast.cells == slow.cells, (density, [c for c, _, _ in fast.cells])
+        assert fast.cells[0][2].pos_coder == "all"
+
+
 def test_ordered_steps_are_small_and_cross_zero():
     x = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 1.0, float("inf")], dtype=torch.float32)
     y = torch.nextafter(x, torch.full_like(x, float("inf")))

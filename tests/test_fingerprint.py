@@ -7,6 +7,7 @@ any rank and strides, on empty and 0-d tensors, and with numba missing (torch fa
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -97,3 +98,36 @@ def test_the_cpu_diff_equals_torchs(dtype, monkeypatch):
     kept = old.clone()
     assert all(torch.equal(a, b) for a, b in zip(delta.changed_bits(kept, new, update=True), slow))
     assert torch.equal(kept, new)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.int64])
+@pytest.mark.parametrize("block,threads", [(8, 1), (13, 3), (1 << 10, 2), (1 << 16, 4)])
+def test_the_one_pass_diff_in_blocks_and_ranges(dtype, block, threads, monkeypatch):
+    """diff_kernels.changed, walked in blocks by several threads, equals torch's diff at every density a
+    block may meet (none, all, a run at a range's edge, sparse after dense, so its output grows): positions
+    in order, old and new bits, and with ``update`` the kept copy equals the new one."""
+    from engine_ext.format import diff_kernels
+
+    monkeypatch.setattr(diff_kernels, "MIN_RANGE", 64)
+    g = torch.Generator().manual_seed(block + threads)
+    n = 40_011
+    old = torch.randint(-100, 100, (n,), generator=g).to(dtype)
+    cases = {"none": torch.zeros(n, dtype=torch.bool), "all": torch.ones(n, dtype=torch.bool),
+             "sparse": torch.rand(n, generator=g) < 0.01, "edges": torch.zeros(n, dtype=torch.bool)}
+    cases["edges"][[0, 7, 8, n // 2 - 1, n // 2, n // 3, n - 9, n - 1]] = True
+    late = torch.rand(n, generator=g) < 0.002  # few changes first: the output is sized small, then grows
+    late[n // 2:] = torch.rand(n - n // 2, generator=g) < 0.9
+    cases["late"] = late
+    for name, hit in cases.items():
+        new = old.clone()
+        new[hit] = new[hit] ^ 1
+        base = old
+        if name == "edges":  # views at an odd element: their 8-byte words are not aligned
+            base, new, hit = old[1:], new[1:], hit[1:]
+        want = torch.nonzero(hit).reshape(-1)
+        got = diff_kernels.changed(base.numpy(), new.numpy(), block=block, threads=threads)
+        assert torch.equal(torch.from_numpy(got[0]), want), name
+        assert torch.equal(torch.from_numpy(got[1]), base[want]) and torch.equal(torch.from_numpy(got[2]), new[want]), name
+        kept = old.clone()[1:] if name == "edges" else old.clone()  # the kept copy unaligned too
+        again = diff_kernels.changed(kept.numpy(), new.numpy(), update=True, block=block, threads=threads)
+        assert all(np.array_equal(a, b) for a, b in zip(got, again)) and torch.equal(kept, new), name

@@ -1,54 +1,105 @@
-"""The bitwise diff of two versions of a tensor, in numba: every core, two passes, no temporaries.
+"""The bitwise diff of two versions of a tensor, in numba: every core, one read from memory, no temporaries.
 
 :func:`engine_ext.format.delta.changed_bits` states it (the positions where the raw bits
 differ, with the old and the new bits there, in order) and is the path for other devices.
-On the CPU a diff reads the whole model every step, so it runs here: a parallel pass counts
-the changes per piece, a second writes each piece's changes at its offset (and, for the
-publisher, the new bits into the kept copy, so no scatter follows).
+On the CPU a diff reads the whole model every step, so it runs here, once over memory:
+
+* each core takes one contiguous range of the tensor (a thread of :data:`_POOL`: the kernel
+  holds no GIL) and walks it in blocks of ``BLOCK`` elements small enough that both versions'
+  bits stay in the core's L2 cache: it counts a block's changes (vectorised), then writes them
+  (and, for the publisher, the new bits into the kept copy, so no scatter follows) while the
+  block is still in cache, comparing 8 bytes at a time (at RL densities most words hold no
+  change; element by element the fill took 4x the count). Counting the whole tensor first,
+  then filling, read it twice from memory (8 bytes per bf16 element against ``save_file``'s
+  2 read and 2 written).
+* a range's output grows with the changes found (extrapolated from the blocks seen, so it is
+  sized once in practice); the ranges' outputs are then joined in order (12 bytes per change:
+  a few percent of the reads at RL densities).
+
+One parallel start per tensor, not per block: on a shared host a thread that waits for a core
+at every start costs a time slice each time.
 """
 from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
 
+BLOCK = 1 << 16  # elements: old and new bits of a block (256 KB in bf16, 512 KB in fp32) stay in L2 between count and fill
+MIN_RANGE = 1 << 20  # fewest elements a core takes on its own (below, starting a thread costs more than it saves)
+_THREADS = max(1, os.cpu_count() or 1)
+_POOL = ThreadPoolExecutor(_THREADS, thread_name_prefix="engine-ext-diff")
 
-@numba.njit(parallel=True, nogil=True, cache=True)
-def _count(old, new, pieces):
-    n = old.size
-    step = (n + pieces - 1) // pieces
-    counts = np.zeros(pieces, dtype=np.int64)
-    for p in numba.prange(pieces):
+
+@numba.njit(nogil=True, cache=True)
+def _scan(old, new, old_words, new_words, per, lo, hi, block, update):
+    """The changes in ``[lo, hi)``: (positions, old bits, new bits, count), the arrays maybe longer than
+    the count. ``old_words``/``new_words`` view the same bits as uint64 (``per`` elements a word); ``lo``,
+    ``block`` and, but for the tensor's end, ``hi`` are multiples of ``per``."""
+    cap, m = 0, 0
+    pos, old_at, new_at = np.empty(0, np.int64), np.empty(0, old.dtype), np.empty(0, old.dtype)
+    for b0 in range(lo, hi, block):
+        b1 = min(hi, b0 + block)
+        o, nw = old[b0:b1], new[b0:b1]  # slices: the count below vectorises
         k = 0
-        for j in range(p * step, min(n, (p + 1) * step)):
-            k += old[j] != new[j]
-        counts[p] = k
-    return counts
-
-
-@numba.njit(parallel=True, nogil=True, cache=True)
-def _fill(old, new, pieces, counts, pos, old_at, new_at, update):
-    n = old.size
-    step = (n + pieces - 1) // pieces
-    starts = np.zeros(pieces, dtype=np.int64)
-    for p in range(1, pieces):
-        starts[p] = starts[p - 1] + counts[p - 1]
-    for p in numba.prange(pieces):
-        k = starts[p]
-        for j in range(p * step, min(n, (p + 1) * step)):
+        for i in range(b1 - b0):
+            k += o[i] != nw[i]
+        if k == 0:
+            continue
+        if m + k > cap:  # room for what the blocks so far promise over the range, and some more
+            cap = max(m + k, int((m + k) * ((hi - lo) / (b1 - lo)) * 1.125) + 1024)
+            pos2, old2, new2 = np.empty(cap, np.int64), np.empty(cap, old.dtype), np.empty(cap, old.dtype)
+            pos2[:m], old2[:m], new2[:m] = pos[:m], old_at[:m], new_at[:m]
+            pos, old_at, new_at = pos2, old2, new2
+        w1 = b0 // per + (b1 - b0) // per
+        for w in range(b0 // per, w1):
+            if old_words[w] != new_words[w]:  # a word at a time: most hold no change
+                for j in range(w * per, w * per + per):
+                    a, b = old[j], new[j]
+                    if a != b:
+                        pos[m], old_at[m], new_at[m] = j, a, b
+                        m += 1
+                        if update:
+                            old[j] = b
+        for j in range(w1 * per, b1):  # the tensor's last elements, short of a word
             a, b = old[j], new[j]
             if a != b:
-                pos[k], old_at[k], new_at[k] = j, a, b
-                k += 1
+                pos[m], old_at[m], new_at[m] = j, a, b
+                m += 1
                 if update:
                     old[j] = b
+    return pos, old_at, new_at, m
 
 
-def changed(old: np.ndarray, new: np.ndarray, update: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def changed(old: np.ndarray, new: np.ndarray, update: bool = False, block: int = BLOCK,
+            threads: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(positions, old bits, new bits) where ``old`` and ``new`` (1-D, same dtype) differ; with
     ``update``, ``old`` takes the new bits there."""
-    pieces = max(1, min(1024, old.size >> 16))
-    counts = _count(old, new, pieces)
-    m = int(counts.sum())
-    pos, old_at, new_at = np.empty(m, np.int64), np.empty(m, old.dtype), np.empty(m, old.dtype)
-    _fill(old, new, pieces, counts, pos, old_at, new_at, update)
-    return pos, old_at, new_at
+    n, per = old.size, 8 // old.itemsize
+    words = n // per
+    old_words, new_words = old[:words * per].view(np.uint64), new[:words * per].view(np.uint64)
+    block = max(per, block // per * per)
+    parts = max(1, min(threads or _THREADS, n // MIN_RANGE))
+    cuts = [words * i // parts * per for i in range(parts)] + [n]
+
+    def scan(r):
+        return _scan(old, new, old_words, new_words, per, r[0], r[1], block, update)
+
+    found = [scan((0, n))] if parts == 1 else list(_POOL.map(scan, zip(cuts, cuts[1:])))
+    if len(found) == 1:
+        pos, old_at, new_at, m = found[0]
+        if pos.size - m > m // 16:  # more room than an extrapolation's slack: give it back
+            return pos[:m].copy(), old_at[:m].copy(), new_at[:m].copy()
+        return pos[:m], old_at[:m], new_at[:m]
+    m = sum(f[3] for f in found)
+    out = np.empty(m, np.int64), np.empty(m, old.dtype), np.empty(m, old.dtype)
+    at = np.cumsum([0] + [f[3] for f in found])
+
+    def join(i):
+        for dst, src in zip(out, found[i][:3]):
+            dst[at[i]:at[i + 1]] = src[:found[i][3]]
+
+    list(_POOL.map(join, range(len(found))))
+    return out
