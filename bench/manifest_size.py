@@ -74,7 +74,7 @@ def delta_manifest(tensors, density: float = 0.003, bytes_per_change: float = 1.
             entries.append(TensorEntry(name, dtype, shape, nnz, fp, base, blob=blob, offset=offset, sha256=sha,
                                        positions=Segment("pco", n // 2), values=Segment("pco", n - n // 2, "rel")))
             continue
-        cells, left = [], nnz
+        cells = []
         boxes = chunks.boxes(cuts, shape)
         for c, box in enumerate(boxes):
             cn = nnz // len(boxes) + (1 if c < nnz % len(boxes) else 0)
@@ -83,7 +83,6 @@ def delta_manifest(tensors, density: float = 0.003, bytes_per_change: float = 1.
             n = max(2, int(cn * bytes_per_change))
             blob, offset = place(n)
             cells.append(Chunk(c, cn, blob, offset, sha, Segment("pco", n // 2), Segment("pco", n - n // 2, "rel")))
-            left -= cn
         entries.append(TensorEntry(name, dtype, shape, nnz, fp, base, grid=cuts, chunks=cells))
     m = Manifest(kind="delta", model="kimi-k2-like", version=2, base_version=1, anchor_version=0,
                  fingerprint="", base_fingerprint="", base_manifests=[sha], blobs=blobs, tensors=entries)

@@ -68,8 +68,7 @@ def cell_table(chunks: list[Chunk]) -> bytes:
 def read_cells(ref: TableRef, raw: bytes, where: str) -> list[Chunk]:
     """The chunks of a cell table's bytes, checked against its length and SHA-256 (the chunks
     themselves are checked by the caller, as inline ones)."""
-    if len(raw) != ref.length or hashlib.sha256(raw).hexdigest() != ref.sha256:
-        raise IntegrityError(f"{where}: SHA-256 mismatch (corrupt table)")
+    _verify(ref, raw, where)
     if len(raw) != ref.count * CELL_RECORD.itemsize:
         raise ManifestError(f"{where}: {len(raw)} bytes for {ref.count} records")
     out = []
@@ -86,8 +85,7 @@ def read_cells(ref: TableRef, raw: bytes, where: str) -> list[Chunk]:
 def read_table(ref: TableRef, raw: bytes, where: str) -> list:
     """A table's entries: its bytes checked against its length and SHA-256, then a JSON array of
     ``count`` objects."""
-    if len(raw) != ref.length or hashlib.sha256(raw).hexdigest() != ref.sha256:
-        raise IntegrityError(f"{where}: SHA-256 mismatch (corrupt table)")
+    _verify(ref, raw, where)
     try:
         rows = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
@@ -95,3 +93,9 @@ def read_table(ref: TableRef, raw: bytes, where: str) -> list:
     if not isinstance(rows, list) or len(rows) != ref.count or not all(isinstance(r, dict) for r in rows):
         raise ManifestError(f"{where}: not a list of {ref.count} objects")
     return rows
+
+
+def _verify(ref: TableRef, raw: bytes, where: str) -> None:
+    """A table's bytes are what its reference names (length and SHA-256), before any is parsed."""
+    if len(raw) != ref.length or hashlib.sha256(raw).hexdigest() != ref.sha256:
+        raise IntegrityError(f"{where}: SHA-256 mismatch (corrupt table)")

@@ -22,6 +22,7 @@ which joins the parts (:func:`merge_parts`) and commits the one signed manifest
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
@@ -289,10 +290,12 @@ def commit(store: Store, m: Manifest, signer: Signer | None = None, latest_ttl_s
     m.validate()
     mkey = manifest_key(m.version, m.kind)
     limit = settings.current().inline_entries if inline_limit is None else inline_limit
-    with tempfile.TemporaryDirectory(prefix=f"{_TMP_PREFIX}spool-", dir=store.spool_dir()) as tmp:
-        if m.entries > limit:
-            wire, tables = _tables_blob(m, tmp)
-            raw, blobs = wire.to_json(), list(blobs) + [tables]
+    in_tables = m.entries > limit
+    with (tempfile.TemporaryDirectory(prefix=f"{_TMP_PREFIX}spool-", dir=store.spool_dir()) if in_tables
+          else contextlib.nullcontext()) as spool:  # the tables' blob lives there until it is published
+        if in_tables:
+            wire, tables = _tables_blob(m, spool)
+            raw, blobs = wire.to_json(), [*blobs, tables]
         else:
             raw, blobs = m.to_json(), list(blobs)
         sha = hashlib.sha256(raw).hexdigest()
