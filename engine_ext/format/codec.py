@@ -22,7 +22,7 @@ import pcodec
 import torch
 import zstandard
 
-from . import chunks, context_models
+from . import chunks, context_models, kernels
 from .dtypes import DType, step_between
 from ..errors import IntegrityError
 
@@ -356,17 +356,8 @@ def _plain_cells(dtype: DType, shape, cuts, cells, kernels, pos: np.ndarray, new
     return out
 
 
-_CELL_KERNELS: list = []
-
-
 def _cell_kernels():
-    if not _CELL_KERNELS:
-        try:
-            from . import cell_kernels
-        except ImportError:  # pragma: no cover - numba is a core dependency
-            cell_kernels = None
-        _CELL_KERNELS.append(cell_kernels)
-    return _CELL_KERNELS[0]
+    return kernels("cell_kernels")
 
 
 def uses_context(e: "Encoded | ChunkedEncoded") -> bool:

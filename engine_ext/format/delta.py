@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import fingerprint as fpr
+from . import fingerprint as fpr, kernels
 from .dtypes import DType, apply_step, as_bits, dtype_of, step_between
 
 ABS = "abs"
@@ -65,17 +65,8 @@ def changed_bits(old_bits: torch.Tensor, new_bits: torch.Tensor,
     return out
 
 
-_DIFF_KERNELS: list = []
-
-
 def _diff_kernels():
-    if not _DIFF_KERNELS:
-        try:
-            from . import diff_kernels
-        except ImportError:  # pragma: no cover - numba is a core dependency
-            diff_kernels = None
-        _DIFF_KERNELS.append(diff_kernels)
-    return _DIFF_KERNELS[0]
+    return kernels("diff_kernels")
 
 
 def diff_tensor(name: str, old: torch.Tensor | None, new: torch.Tensor, mode: str = REL) -> TensorDelta:

@@ -29,6 +29,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import torch
 
+from . import kernels
 from .dtypes import as_bits
 
 MASK64 = (1 << 64) - 1
@@ -170,18 +171,8 @@ def _chunks(n: int) -> int:
     return max(1, min(256, n >> 16))
 
 
-_KERNELS: list = []  # [the numba kernels module, or None where numba is missing]
-
-
 def _kernels():
-    """:mod:`engine_ext.format.fingerprint_kernels` (numba; imported on first use), or None without numba."""
-    if not _KERNELS:
-        try:
-            from . import fingerprint_kernels
-        except ImportError:  # pragma: no cover - numba is a core dependency; the torch path still works
-            fingerprint_kernels = None
-        _KERNELS.append(fingerprint_kernels)
-    return _KERNELS[0]
+    return kernels("fingerprint_kernels")
 
 
 def model_fingerprint(tensor_fps: Mapping[str, int] | Iterable[tuple[str, int]]) -> int:
