@@ -67,6 +67,11 @@ def test_two_and_four_way_shards_fall_on_cuts():
 def _states(seed=0, steps=2):
     g = torch.Generator().manual_seed(seed)
     sd = {"w": torch.randn(512, 256, generator=g).to(torch.bfloat16), "b": torch.randn(64, generator=g).to(torch.bfloat16)}
+    return noisy_versions(sd, steps, g)
+
+
+def noisy_versions(sd: dict, steps: int, g: torch.Generator) -> list[dict]:
+    """``sd`` and ``steps`` versions after it, each changing ~2.5 % of every tensor's elements."""
     out = [sd]
     for _ in range(steps):
         nxt = {}

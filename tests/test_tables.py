@@ -28,6 +28,7 @@ from engine_ext.store.reader import TensorBases, fetch_selected, load_cells, loa
 from engine_ext.store.sources import Sources
 from engine_ext.trainer.publisher import DeltaPublisher
 from fake_ranks import FakeRanks, make_rank
+from test_chunks import noisy_versions
 
 
 def _states(seed=0, steps=3):
@@ -36,17 +37,7 @@ def _states(seed=0, steps=3):
     sd = {"w": torch.randn(512, 256, generator=g), "experts.0.w": torch.randn(256, 128, generator=g),
           "experts.1.w": torch.randn(256, 128, generator=g), "b": torch.randn(64, generator=g),
           "norm": torch.randn(32, generator=g)}
-    sd = {n: t.to(torch.bfloat16) for n, t in sd.items()}
-    out = [sd]
-    for _ in range(steps):
-        nxt = {}
-        for n, t in out[-1].items():
-            x = t.float().clone().reshape(-1)
-            idx = torch.randint(0, x.numel(), (max(1, x.numel() // 40),), generator=g)
-            x[idx] += 0.05 * (x[idx].abs() + 1e-3)
-            nxt[n] = x.to(torch.bfloat16).reshape(t.shape)
-        out.append(nxt)
-    return out
+    return noisy_versions({n: t.to(torch.bfloat16) for n, t in sd.items()}, steps, g)
 
 
 def _publish(root, states, limit: int, anchor_every: int = 0):
