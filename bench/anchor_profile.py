@@ -26,7 +26,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -38,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.scale_bench import fsync_file, warm_page_cache  # noqa: E402
-from bench.synthetic import add_shape_args, shapes_of, warm_up_publisher  # noqa: E402
+from bench.synthetic import add_shape_args, shapes_of, signed_rounds, warm_up_publisher  # noqa: E402
 
 
 class Phases:
@@ -218,19 +217,9 @@ def main() -> None:
     ap.add_argument("--no-primitives", action="store_true", help="skip the one-thread rates of each primitive")
     ap.add_argument("--out", default="anchor_profile.json")
     args = ap.parse_args()
-    from engine_ext.store.signing import generate_key
-
-    rounds = []
-    with tempfile.TemporaryDirectory(prefix="engine_ext_anchor_") as tmp:
-        key = Path(tmp) / "k"
-        generate_key(key)
-        for i in range(args.rounds):
-            work = Path(tmp) / f"r{i}"
-            work.mkdir()
-            rounds.append(run_round(args, work, key))
-            r = rounds[-1]
-            print(f"round {i + 1}: save_file + fsync {r['save_file + fsync s']:.2f} s, anchor until stored "
-                  f"{r['anchor until stored s']:.2f} s ({r['ratio']:.2f}x)", flush=True)
+    rounds = signed_rounds(args, run_round, "engine_ext_anchor_", lambda r: (
+        f"save_file + fsync {r['save_file + fsync s']:.2f} s, anchor until stored {r['anchor until stored s']:.2f} s "
+        f"({r['ratio']:.2f}x)"))
     keys = [k for k in rounds[0] if all(k in r for r in rounds)]
     med = {k: statistics.median(r[k] for r in rounds) for k in keys}
     print(f"\n{med['GB']:.2f} GB of bf16, {os.cpu_count()} cores, median of {args.rounds} round(s) (per round: min-max)\n")

@@ -33,7 +33,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,7 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.synthetic import add_shape_args, shapes_of, warm_up_publisher  # noqa: E402
+from bench.synthetic import add_shape_args, shapes_of, signed_rounds, warm_up_publisher  # noqa: E402
 
 
 def timed(fn):
@@ -219,17 +218,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="scale_bench.json")
     args = ap.parse_args()
-    from engine_ext.store.signing import generate_key
-
-    rounds = []
-    with tempfile.TemporaryDirectory(prefix="engine_ext_scale_") as tmp:
-        key = Path(tmp) / "k"
-        generate_key(key)
-        for i in range(args.rounds):
-            work = Path(tmp) / f"r{i}"
-            work.mkdir()
-            rounds.append(run_round(args, work, key))
-            print(f"round {i + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in rounds[-1].items() if k != "params"), flush=True)
+    rounds = signed_rounds(args, run_round, "engine_ext_scale_",
+                           lambda r: ", ".join(f"{k} {v:.3f}" for k, v in r.items() if k != "params"))
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     print(f"\n{med['params'] / 1e9:.2f} B parameters (bf16, {2 * med['params'] / 1e9:.1f} GB), {os.cpu_count()} cores, "
           f"median of {args.rounds} round(s)\n")

@@ -104,3 +104,23 @@ def warm_up_publisher(work, signing_key=None) -> None:
         pub.wait()
         pub.publish(nxt)
     shutil.rmtree(work, ignore_errors=True)
+
+
+def signed_rounds(args, run_round, prefix: str, line) -> list[dict]:
+    """``args.rounds`` results of ``run_round(args, work, key)``, each round in a fresh directory, all
+    signed with one key made for the run; ``line(result)`` is printed after each round."""
+    import tempfile
+    from pathlib import Path
+
+    from engine_ext.store.signing import generate_key
+
+    rounds = []
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        key = Path(tmp) / "k"
+        generate_key(key)
+        for i in range(args.rounds):
+            work = Path(tmp) / f"r{i}"
+            work.mkdir()
+            rounds.append(run_round(args, work, key))
+            print(f"round {i + 1}: {line(rounds[-1])}", flush=True)
+    return rounds
