@@ -56,21 +56,23 @@ def _scan(old, new, old_words, new_words, per, lo, hi, block, update):
         w1 = b0 // per + (b1 - b0) // per
         for w in range(b0 // per, w1):
             if old_words[w] != new_words[w]:  # a word at a time: most hold no change
-                for j in range(w * per, w * per + per):
-                    a, b = old[j], new[j]
-                    if a != b:
-                        pos[m], old_at[m], new_at[m] = j, a, b
-                        m += 1
-                        if update:
-                            old[j] = b
-        for j in range(w1 * per, b1):  # the tensor's last elements, short of a word
-            a, b = old[j], new[j]
-            if a != b:
-                pos[m], old_at[m], new_at[m] = j, a, b
-                m += 1
-                if update:
-                    old[j] = b
+                m = _take(old, new, w * per, w * per + per, pos, old_at, new_at, m, update)
+        m = _take(old, new, w1 * per, b1, pos, old_at, new_at, m, update)  # the tensor's last elements, short of a word
     return pos, old_at, new_at, m
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _take(old, new, lo, hi, pos, old_at, new_at, m, update):
+    """Write the changes in ``[lo, hi)`` from index ``m`` of the outputs (and, with ``update``, the
+    new bits into ``old``); the count after them."""
+    for j in range(lo, hi):
+        a, b = old[j], new[j]
+        if a != b:
+            pos[m], old_at[m], new_at[m] = j, a, b
+            m += 1
+            if update:
+                old[j] = b
+    return m
 
 
 def changed(old: np.ndarray, new: np.ndarray, update: bool = False, block: int = BLOCK,
