@@ -90,7 +90,7 @@ def open_manifest(store: Store, raw: bytes, workers: int = 8) -> Manifest:
     (:meth:`Manifest.resolve`). Cell tables are read only for the tensors fetched (:func:`load_cells`)."""
     m = Manifest.from_json(raw)
     if not m.resolved:
-        got = _read_ranges(store, m, [(r.blob, r.offset, r.length) for r in m.tables], workers)
+        got, _ = _read_ranges(store, m, [(r.blob, r.offset, r.length) for r in m.tables], workers)
         m.resolve([bytes(got[(r.blob, r.offset)]) for r in m.tables])
     return m
 
@@ -101,10 +101,10 @@ def load_cells(store: Store, m: Manifest, names=None, workers: int = 8) -> int:
     todo = [t for t in m.tensors if t.cells is not None and (names is None or t.name in names)]
     if not todo:
         return 0
-    got = _read_ranges(store, m, [(t.cells.blob, t.cells.offset, t.cells.length) for t in todo], workers)
+    got, read = _read_ranges(store, m, [(t.cells.blob, t.cells.offset, t.cells.length) for t in todo], workers)
     for t in todo:
         m.set_cells(t, bytes(got[(t.cells.blob, t.cells.offset)]))
-    return sum(len(v) for v in got.values())
+    return read
 
 
 def read_manifest(store: Store, key: str, trust: Trust | None = None) -> Manifest:
@@ -236,16 +236,15 @@ def fetch_selected(store: Store, m: Manifest, selection: Selection | None = None
         if hashlib.sha256(piece).hexdigest() != sha[key].sha256:
             raise IntegrityError(f"tensor {sha[key].tensor.name!r}: SHA-256 mismatch")
 
-    read = [0]
-    data = _read_ranges(store, m, [(p.blob, p.offset, p.length) for p in parts], workers, check, read)
-    return _decode_parts(parts, data.__getitem__, workers, bases), read[0] + cell_bytes
+    data, read = _read_ranges(store, m, [(p.blob, p.offset, p.length) for p in parts], workers, check)
+    return _decode_parts(parts, data.__getitem__, workers, bases), read + cell_bytes
 
 
 def _read_ranges(store: Store, m: Manifest, ranges: list[tuple[int, int, int]], workers: int = 8,
-                 check=None, read: list | None = None) -> dict[tuple[int, int], memoryview]:
-    """The bytes of each (blob, offset, length) of ``m``, keyed by (blob, offset): close ranges of a
-    blob are read as one request, in parallel; ``check(key, bytes)`` runs on each as it arrives (in
-    the reading thread), and ``read[0]`` counts the bytes read."""
+                 check=None) -> tuple[dict[tuple[int, int], memoryview], int]:
+    """The bytes of each (blob, offset, length) of ``m``, keyed by (blob, offset), and the bytes read:
+    close ranges of a blob are read as one request, in parallel; ``check(key, bytes)`` runs on each as
+    it arrives (in the reading thread)."""
     by_blob: dict[int, list[tuple[int, int]]] = {}
     for b, offset, length in ranges:
         by_blob.setdefault(b, []).append((offset, length))
@@ -277,9 +276,7 @@ def _read_ranges(store: Store, m: Manifest, ranges: list[tuple[int, int, int]], 
 
     with ThreadPoolExecutor(max(1, min(workers, len(spans) or 1))) as pool:
         list(pool.map(one, spans))
-    if read is not None:
-        read[0] += sum(end - start for _, start, end, _ in spans)
-    return data
+    return data, sum(end - start for _, start, end, _ in spans)
 
 
 class Bases:
