@@ -161,6 +161,8 @@ def _doc(tmp_path):
     (lambda d: d["tables"][0].update(length=10 ** 9), "beyond its blob|bytes for"),
     (lambda d: d["tables"][0].update(count=-1), "bytes for"),
     (lambda d: d["tables"][0].update(count=0), "bytes for"),
+    (lambda d: (d["blobs"][-1].update(size=1 << 40), d["tables"][0].update(count=1 << 19, length=(1 << 30) + 1)),
+     "take over"),
     (lambda d: d["tables"][0].update(sha256="x"), "sha256"),
     (lambda d: d.update(format_version=6), "only format-7"),
     (lambda d: d.update(tables=[]), "1 to"),

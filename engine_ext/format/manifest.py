@@ -49,6 +49,7 @@ MAX_NUMEL = 1 << 40
 MAX_NDIM = 8
 MAX_LATEST_BYTES = 16 << 10
 MAX_TABLES = 4096  # tensor tables per manifest
+MAX_TENSOR_TABLES_BYTES = 1 << 30  # every reader reads them all (1M tensors at ~400 bytes each: 400 MB)
 MAX_ENTRY_BYTES = 64 << 10  # bytes per tensor entry in a tensor table (a name of 1024 characters, a grid of 256 cuts)
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
 _HEX_RE = re.compile(r"(?:[0-9a-f]{2})+")
@@ -383,6 +384,8 @@ class Manifest:
                 self._check_ref(ref, f"tensor table {i}", MAX_ENTRY_BYTES, per_blob)
             if sum(r.count for r in self.tables) > MAX_TENSORS:
                 bad(f"the tensor tables hold over {MAX_TENSORS} tensors")
+            if sum(r.length for r in self.tables) > MAX_TENSOR_TABLES_BYTES:
+                bad(f"the tensor tables take over {MAX_TENSOR_TABLES_BYTES} bytes")
             if not self.resolved:
                 return _no_overlap(per_blob)
             if sum(r.count for r in self.tables) != len(self.tensors):
