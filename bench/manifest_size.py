@@ -7,7 +7,7 @@ No weights are made: the manifest of one delta version is built from the model's
 every expert matrix changed (a 0.3 % step changes every cell of a 7168 x 2048 matrix), each cut
 by the publisher's default grid, with byte ranges and hashes of realistic sizes. It is then
 written as the publisher writes it (:func:`engine_ext.trainer.builder._tables_blob`), read back
-through :meth:`Manifest.resolve` / :meth:`Manifest.set_cells`, and measured: the signed
+through :func:`engine_ext.format.tables.resolve` / :func:`~engine_ext.format.tables.set_cells`, and measured: the signed
 manifest, the tensor tables (every reader reads them), and the cell tables one expert-parallel
 rank reads (its experts' only).
 """
@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine_ext.format import chunks  # noqa: E402
 from engine_ext.format import fingerprint as fpr  # noqa: E402
+from engine_ext.format import tables as tables_mod  # noqa: E402
 from engine_ext.format.manifest import Blob, Chunk, Manifest, Segment, TensorEntry  # noqa: E402
 
 
@@ -113,7 +114,7 @@ def measure(layers: int, experts: int, ep: int) -> dict:
 
     t0 = time.perf_counter()
     r = Manifest.from_json(raw)
-    r.resolve([bytes_of(ref) for ref in r.tables])
+    tables_mod.resolve(r, [bytes_of(ref) for ref in r.tables])
     resolved = time.perf_counter() - t0
     tensor_tables = sum(ref.length for ref in r.tables)
     mine = {f".experts.{e}." for e in range(experts // ep)}  # rank 0's experts under expert parallelism
@@ -121,7 +122,7 @@ def measure(layers: int, experts: int, ep: int) -> dict:
     rank_cells = sum(t.cells.length for t in held)
     t0 = time.perf_counter()
     for t in held:
-        r.set_cells(t, bytes_of(t.cells))
+        tables_mod.set_cells(r, t, bytes_of(t.cells))
     cells_read = time.perf_counter() - t0
     return {"layers": layers, "experts": experts, "tensors": len(m.tensors),
             "cells": sum(len(t.chunks or ()) for t in m.tensors), "payload_bytes": m.payload_bytes,

@@ -14,14 +14,13 @@ write the lowest version that describes a manifest (:meth:`Manifest.lowest_versi
 that format-5 readers keep reading everything else. Format 7 keeps a manifest of very many
 tensors (a 1T MoE's ~140,000) small: its tensor entries lie in *tensor tables* and each cut
 tensor's cells in a *cell table*, byte ranges of a blob named with their SHA-256 and
-count (:class:`TableRef`); every reader reads the tensor tables (:meth:`Manifest.resolve`),
-a rank only the cell tables of the tensors it fetches (:meth:`Manifest.set_cells`). Versions 1 to 4 are still read, but
+count (:class:`TableRef`); every reader reads the tensor tables, a rank only the cell tables
+of the tensors it fetches (:mod:`engine_ext.format.tables`). Versions 1 to 4 are still read, but
 not format 4's context-coded parts (an opt-in coder whose blocks did not follow the
 engines' shards).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import json
 import re
@@ -50,6 +49,7 @@ MAX_NDIM = 8
 MAX_LATEST_BYTES = 16 << 10
 MAX_TABLES = 4096  # tensor tables per manifest
 MAX_TENSOR_TABLES_BYTES = 1 << 30  # every reader reads them all (1M tensors at ~400 bytes each: 400 MB)
+CELL_RECORD_BYTES = 75  # a chunk in a cell table (format 7: engine_ext.format.tables.CELL_RECORD)
 MAX_ENTRY_BYTES = 64 << 10  # bytes per tensor entry in a tensor table (a name of 1024 characters, a grid of 256 cuts)
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
 _HEX_RE = re.compile(r"(?:[0-9a-f]{2})+")
@@ -202,38 +202,6 @@ class Manifest:
             if t["cells"] is None:
                 del t["cells"]
         return json.dumps(d, indent=1, sort_keys=False).encode()
-
-    def resolve(self, tables: list[bytes]) -> None:
-        """Take the tensor entries from the bytes of this format-7 manifest's tables (read from
-        ``tables`` refs, in order), each checked against its SHA-256 and count, then validate the whole."""
-        from .tables import read_table
-
-        if self.resolved:
-            return
-        if len(tables) != len(self.tables):
-            raise ManifestError(f"{len(tables)} tensor tables given, the manifest lists {len(self.tables)}")
-        tensors = []
-        for i, (ref, raw) in enumerate(zip(self.tables, tables)):
-            tensors += _parsed(lambda: [_tensor(t) for t in read_table(ref, raw, f"tensor table {i}")])
-        self.tensors = tensors
-        try:
-            _parsed(self.validate)
-        except ManifestError:
-            self.tensors = []
-            raise
-
-    def set_cells(self, t: TensorEntry, raw: bytes) -> None:
-        """Take a tensor's chunks from the bytes of its cell table (format 7), checked against the
-        table's SHA-256 and count and then as inline chunks are (cells, counts, byte ranges)."""
-        if t.cells is None:
-            return
-        where = f"tensor {t.name!r}"
-        from .tables import read_cells
-
-        chunks = read_cells(t.cells, raw, f"{where}: cell table")  # each cell at most once: _check_chunks
-        checked = dataclasses.replace(t, chunks=chunks, cells=None)
-        _parsed(lambda: self._check_chunks(checked, where, [[] for _ in self.blobs], overlap=True))
-        t.chunks, t.cells = chunks, None
 
     @classmethod
     def from_json(cls, data: bytes) -> "Manifest":
@@ -430,11 +398,9 @@ class Manifest:
             if t.cells is not None:  # format 7: the chunks are checked when read (set_cells)
                 if t.chunks is not None:
                     bad(f"{where}: chunks both inline and in a cell table")
-                from .tables import CELL_RECORD
-
-                self._check_ref(t.cells, f"{where}: cell table", CELL_RECORD.itemsize, per_blob)
-                if t.cells.length != t.cells.count * CELL_RECORD.itemsize:
-                    bad(f"{where}: a cell table of {t.cells.count} records is {t.cells.count * CELL_RECORD.itemsize} bytes")
+                self._check_ref(t.cells, f"{where}: cell table", CELL_RECORD_BYTES, per_blob)
+                if t.cells.length != t.cells.count * CELL_RECORD_BYTES:
+                    bad(f"{where}: a cell table of {t.cells.count} records is {t.cells.count * CELL_RECORD_BYTES} bytes")
                 if not 1 <= t.cells.count <= min(math.prod(len(c) - 1 for c in t.grid), t.nnz):
                     bad(f"{where}: a cell table of {t.cells.count} cells")
                 continue

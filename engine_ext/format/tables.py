@@ -7,7 +7,7 @@ one fixed little-endian record per chunk (:data:`CELL_RECORD`, 75 bytes against 
 JSON), read only by the ranks that fetch the tensor. Each is a byte range of a blob named by
 a :class:`~engine_ext.format.manifest.TableRef` and checked against its SHA-256 and count
 before it is parsed; the entries are then checked as inline ones
-(:meth:`~engine_ext.format.manifest.Manifest.resolve`, :meth:`~engine_ext.format.manifest.Manifest.set_cells`).
+(:func:`resolve`, :func:`set_cells`).
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from typing import Callable
 import numpy as np
 
 from ..errors import IntegrityError, ManifestError
-from .manifest import TABLES, Chunk, Manifest, Segment, TableRef, TensorEntry, _REQUIRED
+from .manifest import (CELL_RECORD_BYTES, TABLES, Chunk, Manifest, Segment, TableRef, TensorEntry, _REQUIRED, _parsed,
+                       _tensor)
 
 # A cell table's record (format 7): one chunk in 75 bytes, little-endian (JSON would take ~220).
 CELL_RECORD = np.dtype([("cell", "<u4"), ("nnz", "<u8"), ("blob", "<u4"), ("offset", "<u8"),
@@ -27,6 +28,7 @@ CELL_RECORD = np.dtype([("cell", "<u4"), ("nnz", "<u8"), ("blob", "<u4"), ("offs
                         ("values_coder", "u1"), ("mode", "u1"), ("sha256", "V32")])
 CELL_CODERS = ("none", "all", "raw", "pco", "zstd", "ctx")  # a coder's byte in a record: its index
 CELL_MODES = (None, "abs", "rel")
+assert CELL_RECORD.itemsize == CELL_RECORD_BYTES  # what the manifest's checks count with
 
 
 def tabulate(m: Manifest, put: Callable[[bytes], tuple[int, int]], per_table: int = 4096) -> Manifest:
@@ -53,6 +55,36 @@ def tabulate(m: Manifest, put: Callable[[bytes], tuple[int, int]], per_table: in
     out = dataclasses.replace(m, tensors=[], tables=[ref(rows[i:i + per_table]) for i in range(0, len(rows), per_table)])
     out.format_version = TABLES
     return out
+
+
+def resolve(m: Manifest, tables: list[bytes]) -> None:
+    """Take a format-7 manifest's tensor entries from the bytes of its tensor tables (in the order of
+    ``m.tables``), each checked against its SHA-256 and count, then validate the whole as inline."""
+    if m.resolved:
+        return
+    if len(tables) != len(m.tables):
+        raise ManifestError(f"{len(tables)} tensor tables given, the manifest lists {len(m.tables)}")
+    tensors = []
+    for i, (ref, raw) in enumerate(zip(m.tables, tables)):
+        tensors += _parsed(lambda: [_tensor(t) for t in read_table(ref, raw, f"tensor table {i}")])
+    m.tensors = tensors
+    try:
+        _parsed(m.validate)
+    except ManifestError:
+        m.tensors = []
+        raise
+
+
+def set_cells(m: Manifest, t: TensorEntry, raw: bytes) -> None:
+    """Take a cut tensor's chunks from the bytes of its cell table, checked against the table's
+    SHA-256 and count and then as inline chunks are (each cell of the grid once, counts, byte ranges)."""
+    if t.cells is None:
+        return
+    where = f"tensor {t.name!r}"
+    chunks = read_cells(t.cells, raw, f"{where}: cell table")
+    checked = dataclasses.replace(t, chunks=chunks, cells=None)
+    _parsed(lambda: m._check_chunks(checked, where, [[] for _ in m.blobs], overlap=True))
+    t.chunks, t.cells = chunks, None
 
 
 def cell_table(chunks: list[Chunk]) -> bytes:

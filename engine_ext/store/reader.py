@@ -26,7 +26,7 @@ import torch
 
 import numpy as np
 
-from ..format import chunks, codec, context_codec
+from ..format import chunks, codec, context_codec, tables
 from ..format import fingerprint as fpr
 from .. import settings
 from ..format.delta import TensorDelta, apply_tensor
@@ -87,23 +87,23 @@ def read_link(store: Store, key: str, trust: Trust | None = None, max_bytes: int
 def open_manifest(store: Store, raw: bytes, workers: int = 8) -> Manifest:
     """A manifest from its (already trusted) bytes, with every tensor entry: a format-7 manifest's
     tensor tables are read from its blobs by range, each checked against its SHA-256 and count
-    (:meth:`Manifest.resolve`). Cell tables are read only for the tensors fetched (:func:`load_cells`)."""
+    (:func:`engine_ext.format.tables.resolve`). Cell tables are read only for the tensors fetched (:func:`load_cells`)."""
     m = Manifest.from_json(raw)
     if not m.resolved:
         got, _ = _read_ranges(store, m, [(r.blob, r.offset, r.length) for r in m.tables], workers)
-        m.resolve([bytes(got[(r.blob, r.offset)]) for r in m.tables])
+        tables.resolve(m, [bytes(got[(r.blob, r.offset)]) for r in m.tables])
     return m
 
 
 def load_cells(store: Store, m: Manifest, names=None, workers: int = 8) -> int:
     """Read the cell tables (format 7) of the cut tensors in ``names`` (None: all) whose chunks are not
-    read yet, close ones together (:meth:`Manifest.set_cells` checks each). Returns the bytes read."""
+    read yet, close ones together (:func:`engine_ext.format.tables.set_cells` checks each). Returns the bytes read."""
     todo = [t for t in m.tensors if t.cells is not None and (names is None or t.name in names)]
     if not todo:
         return 0
     got, read = _read_ranges(store, m, [(t.cells.blob, t.cells.offset, t.cells.length) for t in todo], workers)
     for t in todo:
-        m.set_cells(t, bytes(got[(t.cells.blob, t.cells.offset)]))
+        tables.set_cells(m, t, bytes(got[(t.cells.blob, t.cells.offset)]))
     return read
 
 
@@ -207,11 +207,11 @@ class _Part:
 
 def _parts(m: Manifest, selection: Selection | None) -> list[_Part]:
     m.require_resolved()
-    out, tables = [], {dt: tuple(m.tables_for(dt)) for dt in (m.step_tables or {})}
+    out, step_tables = [], {dt: tuple(m.tables_for(dt)) for dt in (m.step_tables or {})}
     for t in m.tensors:
         if not t.nnz or (selection is not None and t.name not in selection):
             continue
-        tab = tables.get(t.dtype, ())
+        tab = step_tables.get(t.dtype, ())
         if t.grid is None:
             out.append(_Part(t, t, None, tab))
             continue
@@ -474,7 +474,7 @@ def decode_manifest(m: Manifest, blobs: list, workers: int = 8, limit: int | Non
     check_decode_budget(m, limit)
     for t in m.tensors:
         if t.cells is not None:
-            m.set_cells(t, bytes(memoryview(blobs[t.cells.blob])[t.cells.offset:t.cells.offset + t.cells.length]))
+            tables.set_cells(m, t, bytes(memoryview(blobs[t.cells.blob])[t.cells.offset:t.cells.offset + t.cells.length]))
     parts = _parts(m, None)
     by_key = {(p.blob, p.offset): p for p in parts}
 
