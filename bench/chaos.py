@@ -754,7 +754,7 @@ class Soak:
         try:
             with _env(site.env_read):
                 latest = lineage.read_head(open_store(site.read_uri), trust).latest
-                _, weights = lineage.rebuild(open_store(site.read_uri), latest, trust)
+                weights = lineage.rebuild(open_store(site.read_uri), latest, trust).weights
         except DeltaError as e:
             self.violate("LATEST's weights cannot be rebuilt from the store", store=site.kind, error=str(e)[:300])
             return

@@ -22,10 +22,11 @@ import torch
 
 from engine_ext.format import fingerprint as fpr
 from engine_ext.store import reader, route
-from engine_ext.errors import ConflictError
+from engine_ext.errors import ConflictError, IntegrityError
 from engine_ext.format.manifest import LATEST_KEY
 from engine_ext.trainer.publisher import DeltaPublisher
-from engine_ext.store.signing import SignatureError
+from engine_ext.store.signing import SignatureError, Trust
+from engine_ext.trainer import lineage
 from engine_ext.store import open_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -102,6 +103,43 @@ def test_a_restarted_trainer_resumes_after_latest_with_a_delta(root, states):
     equal(rebuilt(root), states[4])
 
 
+def test_a_restart_at_an_anchored_version_resumes_with_a_delta(root, states):
+    """LATEST names the delta of a version that was also anchored (``vN.json`` beside
+    ``vN.anchor.json``, both of vN's weights): the anchor alone rebuilds LATEST, a zero-link
+    chain. (This once failed as "no chain ... leads from v2.anchor.json to v2.json", so every
+    such restart paid a needless anchor, and the chaos soak's final rebuild failed.)"""
+    with DeltaPublisher(root, anchor_every=2) as pub:
+        for sd in states[:3]:
+            pub.publish(sd)
+    store = open_store(root)
+    assert reader.read_latest(store).manifest == "v00000002.json"
+    assert store.exists("v00000002.anchor.json")
+    with DeltaPublisher(root, anchor_every=2) as pub:
+        pub.publish(states[3])
+    assert (pub.resumed.latest_version, pub.resumed.first_version, pub.resumed.kind) == (2, 3, "delta"), pub.resumed
+    assert not store.exists("v00000003.anchor.json")
+    equal(rebuilt(root), states[3])
+
+
+def test_an_anchor_with_other_weights_at_latest_s_version_is_refused(tmp_path, states):
+    """The anchor a delta names at its own version must hold the same weights. One that does
+    not (a rival's anchor copied over by hand: the claim guards only publishers) is an
+    integrity error for a reader's route and for a restarted trainer's rebuild alike, never
+    served as LATEST's weights."""
+    root, rival = str(tmp_path / "run"), str(tmp_path / "rival")
+    for where, versions in ((root, states[:3]), (rival, [states[0], states[1], states[4]])):
+        with DeltaPublisher(where, anchor_every=2) as pub:
+            for sd in versions:
+                pub.publish(sd)
+    store, other = open_store(root), open_store(rival)
+    for key in other.list("v00000002.anchor"):
+        store.write(key, other.read(key))
+    with pytest.raises(IntegrityError, match="does not hold the weights of v00000002.json"):
+        route.resolve(root, bases=reader.TensorBases({}))
+    with pytest.raises(IntegrityError, match="does not hold the weights of v00000002.json"):
+        lineage.rebuild(store, reader.read_latest(store), Trust.from_settings())
+
+
 def test_resume_falls_back_to_an_anchor_and_versions_only_grow(tmp_path, states):
     root = str(tmp_path / "run")
     with DeltaPublisher(root, anchor_every=0) as pub:
@@ -175,7 +213,7 @@ def test_a_version_that_fails_to_upload_restarts_the_chain_with_an_anchor(tmp_pa
 RACER = textwrap.dedent("""
     import json, os, sys, time
     import torch
-    from engine_ext.errors import ConflictError
+    from engine_ext.errors import ConflictError, IntegrityError
     from engine_ext.trainer.publisher import DeltaPublisher
     root, me, barrier = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     g = torch.Generator().manual_seed(me)

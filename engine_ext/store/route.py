@@ -78,6 +78,15 @@ def check_link(prev: Link, cur: Link, where: str) -> None:
         raise IntegrityError(f"{where}: {cur.key} is not bound to {prev.key} (its base manifests are others)")
 
 
+def check_same_weights(anchor: Link, target: Link, where: str) -> None:
+    """``anchor`` stands in for ``target``, a delta of the same version: both manifests name the
+    same weights (version and fingerprint), so fetching the anchor alone rebuilds the target."""
+    a, t = anchor.manifest, target.manifest
+    if a.version != t.version or a.fingerprint != t.fingerprint:
+        raise IntegrityError(f"{where}: {anchor.key} does not hold the weights of {target.key}: versions or "
+                             "fingerprints differ")
+
+
 def chain_back(store: Store, target: Link, stop_version: int, read, limit: int) -> list[Link] | None:
     """The links from the one based on ``stop_version`` up to ``target``, each checked against
     the next; None if no such chain (or longer than ``limit`` links)."""
@@ -175,8 +184,11 @@ def plan(source: str, have_version: int | None = None, have_fingerprint: int | N
     if tm.kind != ANCHOR and tm.anchor_version is not None:
         try:
             anchor = read(manifest_key(tm.anchor_version, ANCHOR))
-            rest = [] if anchor.manifest.version == tm.version else chain_back(
-                store, target, anchor.manifest.version, read, limits.chain)
+            if anchor.manifest.version == tm.version:
+                check_same_weights(anchor, target, store.uri)
+                rest = []
+            else:
+                rest = chain_back(store, target, anchor.manifest.version, read, limits.chain)
             if rest is not None:
                 if rest:
                     check_link(anchor, rest[0], store.uri)

@@ -64,6 +64,18 @@ def highest_version(store: Store) -> int | None:
     return max((int(m.group(1)) for k in keys if (m := _VERSION_KEY.match(k))), default=None)
 
 
+@dataclass(frozen=True)
+class Rebuilt:
+    """LATEST's weights as :func:`rebuild` proved them: LATEST's manifest, the SHA-256 of every
+    manifest of that version that holds these weights (the delta and, when the version was also
+    anchored, its anchor: the next delta binds to both, like a live publisher's), and the
+    tensors, on the CPU."""
+
+    target: reader.Link
+    manifests: list[str]
+    weights: dict[str, torch.Tensor]
+
+
 def read_head(store: Store, trust: Trust) -> Head:
     """LATEST (verified; an expired pointer still tells where the store stands) and the next free version."""
     try:
@@ -74,10 +86,11 @@ def read_head(store: Store, trust: Trust) -> Head:
     return Head(latest, max(used) + 1 if used else 0)
 
 
-def rebuild(store: Store, latest: Latest, trust: Trust) -> tuple[reader.Link, dict[str, torch.Tensor]]:
-    """LATEST's weights, rebuilt from the store and proven: (LATEST's manifest, {name: tensor on the CPU}).
+def rebuild(store: Store, latest: Latest, trust: Trust) -> Rebuilt:
+    """LATEST's weights, rebuilt from the store and proven.
 
-    Reads the newest anchor at or below LATEST and the delta chain from it, each manifest
+    Reads the newest anchor at or below LATEST and the delta chain from it (none: LATEST's
+    version was anchored, and its anchor must name the same weights), each manifest
     verified and bound to the next (:func:`engine_ext.store.route.chain_back`), each blob checked
     by SHA-256, then checks every rebuilt tensor's fingerprint against LATEST's manifest.
     Raises a :class:`~engine_ext.errors.DeltaError` when no such route exists or a check fails.
@@ -95,11 +108,15 @@ def rebuild(store: Store, latest: Latest, trust: Trust) -> tuple[reader.Link, di
         if tm.anchor_version is None:
             raise NotFoundError(f"{store.key_uri(target.key)} names no anchor to rebuild from")
         anchor = read(manifest_key(tm.anchor_version, ANCHOR))
-        rest = route.chain_back(store, target, anchor.manifest.version, read, route.MAX_CHAIN)
-        if rest is None:
-            raise NotFoundError(f"no chain of at most {route.MAX_CHAIN} links leads from {anchor.key} to {target.key}")
-        route.check_link(anchor, rest[0], store.uri)
-        chain = [anchor] + rest
+        if anchor.manifest.version == tm.version:  # the version was anchored: its anchor holds LATEST's weights whole
+            route.check_same_weights(anchor, target, store.uri)
+            chain = [anchor]
+        else:
+            rest = route.chain_back(store, target, anchor.manifest.version, read, route.MAX_CHAIN)
+            if rest is None:
+                raise NotFoundError(f"no chain of at most {route.MAX_CHAIN} links leads from {anchor.key} to {target.key}")
+            route.check_link(anchor, rest[0], store.uri)
+            chain = [anchor] + rest
     bases = reader.TensorBases({})
     for link in chain:
         bases.advance(reader.decode_manifest(link.manifest, reader.fetch_blobs(store, link.manifest), bases=bases))
@@ -112,7 +129,8 @@ def rebuild(store: Store, latest: Latest, trust: Trust) -> tuple[reader.Link, di
             raise IntegrityError(f"{t.name}: the weights rebuilt from {store.uri} do not have the fingerprint "
                                  f"{store.key_uri(target.key)} promises")
         out[t.name] = w
-    return target, out
+    same = [link.sha256 for link in chain if link.manifest.version == tm.version and link is not target]
+    return Rebuilt(target, [target.sha256] + same, out)
 
 
-__all__ = ["Head", "Resumed", "highest_version", "read_head", "rebuild"]
+__all__ = ["Head", "Rebuilt", "Resumed", "highest_version", "read_head", "rebuild"]

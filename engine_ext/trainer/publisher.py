@@ -349,7 +349,8 @@ class DeltaPublisher:
         reason = "resume='anchor'"
         if self.resume != "anchor":
             try:
-                link, weights = lineage.rebuild(self.store, latest, self.trust)
+                rebuilt = lineage.rebuild(self.store, latest, self.trust)
+                weights, link = rebuilt.weights, rebuilt.target
                 want = {n: (tuple(t.shape), t.dtype) for n, t in weights.items()}
                 have = {n: (tuple(t.shape), t.dtype) for n, t in sd.items()}
                 if want != have:
@@ -363,7 +364,7 @@ class DeltaPublisher:
                 self._remember({n: w.to(sd[n].device) for n, w in weights.items()})
                 self._fps = {t.name: fpr.parse(t.fingerprint) for t in link.manifest.tensors}
                 self.version, self.anchor_version = latest.version, link.manifest.anchor_version
-                self._manifest_shas[latest.version] = [link.sha256]
+                self._manifest_shas[latest.version] = list(rebuilt.manifests)
                 reason = "LATEST's weights rebuilt from the store, every fingerprint proven"
         self.resumed = lineage.Resumed(latest.version, version, "delta" if self.version is not None else "anchor", reason)
         log.info("engine_ext: %s: %s", self.store.uri, self.resumed)
