@@ -225,8 +225,8 @@ def train(rank: int, world: int, cfg: dict, summary: dict) -> None:
                 from engine_ext.integrations.shard_source import ShardSource
 
                 uri = ShardSource(model, dtype=torch.bfloat16).publish(pub)
-            else:
-                uri = pub.publish(state)
+            else:  # the module itself: its conversions give the checkpoint layout; a state dict is published as named
+                uri = pub.publish(model if cfg.get("publish_module") else state)
             v = pub.version
             torch.save({n: (h.start, h.tensor.detach().to(torch.bfloat16).clone()) for n, h in held_tensors(state).items()},
                        out / f"rank{rank}.v{v}.pt")

@@ -230,3 +230,63 @@ def test_a_rival_publisher_stops_a_sharded_one_for_good(tmp_path):
         pub.publish({"w": w0["w"] * 3})
     with pytest.raises(ConflictError, match="stopped"):
         pub.close()  # (as a stopped DeltaPublisher's close: it says so again)
+
+
+def test_world2_fsdp_moe_publishes_the_checkpoint_layout_per_rank(tmp_path):
+    """A transformers 5 Qwen3-MoE holds its experts fused in memory (``mlp.experts.gate_up_proj``
+    [E, 2I, H], FSDP2 shards it by experts) and per expert on the Hub, which is what the engines
+    load. Each rank converts its own rows with the model's own conversions (an expert per row:
+    whole per-expert tensors of the rank holding them), so the versions name exactly the Hub's
+    tensors, and hold bit for bit what a single-process publish of the gathered model would
+    (``to_checkpoint_layout`` of the model reassembled from the ranks' rows); nothing gathered."""
+    import transformers
+    from safetensors import safe_open
+
+    from engine_ext.tiny_models import make_model
+    from engine_ext.trainer.checkpoint_layout import to_checkpoint_layout
+
+    model_dir = make_model(tmp_path / "model", "qwen3-moe", hidden=64, vocab=256)
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        hub = set(f.keys())
+    assert "model.layers.0.mlp.experts.7.up_proj.weight" in hub and not any("gate_up_proj" in n for n in hub)
+    (tmp_path / "out").mkdir()
+    cfg = {"store": str(tmp_path / "store"), "out": str(tmp_path / "out"), "steps": 2, "hf_model": str(model_dir),
+           "lr": 1e-3, "timeout_s": 60, "publish_module": True}
+    codes = sharded_procs.run(2, cfg)
+    s = summaries(tmp_path / "out", 2)
+    assert codes == [0, 0] and not any("error" in x for x in s), [x.get("traceback") for x in s]
+    layout_model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir))  # for its conversions only
+    for v in range(3):
+        got = served(cfg["store"], v)
+        assert set(got) == hub, sorted(set(got) ^ hub)[:6]
+        equal(got, to_checkpoint_layout(reassemble(tmp_path / "out", 2, v), layout_model))
+    assert served(cfg["store"], 2)["model.layers.0.mlp.experts.5.gate_proj.weight"].shape == (32, 64)
+
+
+def test_rows_convert_to_the_checkpoint_layout_like_the_whole_tensor():
+    """Any cut of a transformers 5 MoE's in-memory tensors into row ranges (uneven, an empty one,
+    one row) converts, range by range, into exactly what ``save_pretrained`` writes for the
+    whole model; a conversion that mixes rows is refused, not guessed."""
+    from transformers.core_model_loading import Chunk, SplitModulelist, Transpose, revert_weight_conversion
+
+    from engine_ext.tiny_models import build
+    from engine_ext.trainer import checkpoint_layout as cl
+
+    model = build("qwen3-moe", vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, seed=0, std=0.02)
+    state = {n: p.detach() for n, p in model.named_parameters()}
+    want = revert_weight_conversion(model, dict(state))
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    for name, t in state.items():
+        n = len(t) if t.dim() else 1
+        for a, b in [(0, 3), (3, 3), (3, 4), (4, n)] if n > 4 else [(0, n)]:
+            for r in cl.rows_in_checkpoint_layout(model, name, t[a:b] if t.dim() else t, tuple(t.shape), a):
+                assert r.shape == tuple(want[r.name].shape)
+                pieces.setdefault(r.name, {})[r.start] = r.tensor
+        assert set(cl.checkpoint_names(model, name, tuple(t.shape), t.dtype)) <= set(want)
+    assert set(pieces) == set(want)
+    for name, by_start in pieces.items():
+        got = torch.cat([by_start[s] for s in sorted(by_start)]) if len(by_start) > 1 else next(iter(by_start.values()))
+        assert torch.equal(got, want[name]), name
+    assert cl._row_local([Chunk(dim=1), SplitModulelist(dim=0)]) is True
+    assert cl._row_local([Chunk(dim=2)]) is False
+    assert cl._row_local([Chunk(dim=0)]) is None and cl._row_local([Transpose(dim0=0, dim1=1)]) is None

@@ -28,6 +28,7 @@ from collections.abc import Collection, Iterator
 import torch
 from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta
 
+from ..trainer.checkpoint_layout import transformers_model
 from ..trainer.sharded import ShardedPublisher
 
 
@@ -68,6 +69,8 @@ class ShardSource(ModuleSource):
         if self.dtype is not None and publisher.dtype != self.dtype:
             raise ValueError(f"the source serves {self.dtype}: construct the publisher with dtype={self.dtype} "
                              f"(it casts to {publisher.dtype})")
+        if publisher.checkpoint_layout == "auto":  # the shards are a state dict: their model converts them
+            publisher.checkpoint_layout = transformers_model(self._module) or "auto"
         return publisher.publish(self.shards(), version)
 
 

@@ -43,7 +43,8 @@ from ..format.manifest import ANCHOR, DELTA, manifest_key
 from . import lineage
 from .builder import Rows, commit, merge_parts
 from .publisher import DeltaPublisher, _Change, _Job, log
-from .shards import Placement, agree, held_tensors
+from .checkpoint_layout import checkpoint_names, transformers_model
+from .shards import Placement, agree, held_tensors, in_checkpoint_layout
 
 SHARDED = "sharded"
 
@@ -64,6 +65,10 @@ class ShardedPublisher(DeltaPublisher):
     Args (besides :class:`DeltaPublisher`'s, which apply per rank):
         group: the process group of the publishers (default: a new gloo group over all ranks).
         timeout_s: how long a rank waits for the others at each step of a commit.
+        (``checkpoint_layout`` is DeltaPublisher's, applied per rank and row by row: publishing a
+        transformers model converts its rows to the layout the engines load, e.g. a transformers 5
+        MoE's fused experts to the Hub's per-expert tensors; a state dict is published as named
+        unless ``checkpoint_layout=model``.)
         (``dtype``, the served dtype, is DeltaPublisher's: bf16 by default; the held tensors are cast
         to it one tensor at a time, on the training thread.)
     """
@@ -99,9 +104,16 @@ class ShardedPublisher(DeltaPublisher):
         if self._broken is not None:
             raise RuntimeError(f"publishing failed: {self._broken}") from self._broken
         self._raise_pending()
-        held = held_tensors(model_or_state_dict)
+        in_memory = held_tensors(model_or_state_dict)
+        model = self.checkpoint_layout if self.checkpoint_layout != "auto" else transformers_model(model_or_state_dict)
+        held = in_checkpoint_layout(in_memory, model)
         if self.layout is None:
             self._agree_layout(held)  # a collective on the training thread: no job is queued yet
+            missing = {c for h in in_memory.values() for c in checkpoint_names(model, h.name, h.shape, h.tensor.dtype)
+                       } - set(self.layout)
+            if missing:
+                raise ValueError(f"{len(missing)} checkpoint tensor(s) of what this rank holds are published by no "
+                                 f"rank: {sorted(missing)[:5]} (the ranks' rows do not cover the model)")
         sd = self._owned(held)
         self.last_numel = sum(t.numel() for t in sd.values())  # what this rank publishes (in the served dtype)
         self.last_nbytes = sum(t.numel() * self._describe(n, t)[0].itemsize for n, t in sd.items())

@@ -61,6 +61,22 @@ def held_tensors(model_or_state_dict) -> dict[str, Held]:
     return out
 
 
+def in_checkpoint_layout(held: dict[str, Held], model: torch.nn.Module | None) -> dict[str, Held]:
+    """``held`` (in-memory names) as the checkpoint tensors engines load: each tensor's rows converted
+    by ``model``'s own conversions, row by row (:func:`~engine_ext.trainer.checkpoint_layout.rows_in_checkpoint_layout`:
+    a transformers 5 MoE's fused experts become whole per-expert tensors of the rank holding
+    them); unchanged without a model or conversions."""
+    from .checkpoint_layout import rows_in_checkpoint_layout
+
+    if model is None:
+        return held
+    out = {}
+    for h in held.values():
+        for r in rows_in_checkpoint_layout(model, h.name, h.tensor, h.shape, h.start):
+            out[r.name] = Held(r.name, r.tensor, r.shape, r.start, r.start + (len(r.tensor) if r.tensor.dim() else 1))
+    return out
+
+
 def _held(name: str, t: torch.Tensor) -> Held:
     try:
         from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -151,4 +167,4 @@ def _pick(name: str, start: int, ranks: list[int]) -> int:
     return sorted(ranks)[zlib.crc32(f"{name}@{start}".encode()) % len(ranks)]
 
 
-__all__ = ["Held", "Placement", "held_tensors", "agree", "rows"]
+__all__ = ["Held", "Placement", "held_tensors", "in_checkpoint_layout", "agree", "rows"]
