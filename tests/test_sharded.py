@@ -132,8 +132,8 @@ def test_world2_fsdp_publishes_per_rank_and_a_killed_rank_commits_nothing(run2):
 
 
 def test_world4_resumes_with_an_anchor_and_a_failed_part_aborts_the_version_everywhere(run2):
-    """The run restarts at world 4 on the store the killed world-2 run left: v5 an anchor after the
-    burnt v4, v6 a delta; rank 2's store refuses its blobs of v7: v7 is aborted on every rank, and v8,
+    """The run restarts at world 4 on the store the killed world-2 run left, with tensors LATEST
+    does not hold: v5 an anchor after the burnt v4 (on every rank), v6 a delta; rank 2's store refuses its blobs of v7: v7 is aborted on every rank, and v8,
     the retry, is an anchor. These versions are format 7 (ENGINE_EXT_INLINE_ENTRIES=0: rank 0 writes
     the tensor and cell tables of the joined parts when it commits), read by the same readers."""
     d, _ = run2
@@ -147,6 +147,7 @@ def test_world4_resumes_with_an_anchor_and_a_failed_part_aborts_the_version_ever
     assert all(x["versions"] == [5, 6, 7, 8] for x in s)
     assert all(x["committed"] == [5, 6, 8] and list(x["aborted"]) == ["7"] for x in s), s
     assert "rank 2: OSError" in s[0]["aborted"]["7"] and s[0]["resumed"].startswith("resumed after v3: v5 is an anchor")
+    assert "LATEST holds None" in s[0]["resumed"]  # the extra tensors: not in LATEST, so no rank resumes with a delta
     ms = manifests(root)
     assert "v00000007.json" not in ms and "v00000007.anchor.json" not in ms
     assert ms["v00000005.anchor.json"]["format_version"] == 7 and ms["v00000006.json"]["base_version"] == 5
@@ -163,6 +164,31 @@ def test_world4_resumes_with_an_anchor_and_a_failed_part_aborts_the_version_ever
     assert k["grid"] == [[0, 2, 4, 6]] and len(k["chunks"]) == 3
     total = sum(t.numel() * 2 for n, t in reassemble(out, 4, 5).items() if not n.startswith("extra."))
     assert all(x["held_bytes_bf16"] <= 0.3 * total for x in s)  # about a quarter of the model per rank
+
+
+def test_a_restart_at_another_world_size_resumes_with_a_delta(tmp_path):
+    """World 2 publishes v0 (an anchor cut at its rows) and v1; the trainer restarts at world 3
+    (other rows: 1000 embedding rows as 334/334/332, where world 2 cut at 500) and its first
+    version is a delta against v1: each rank rebuilt only its rows of LATEST from the cells that
+    meet them (rank 1's straddle both of world 2's), and the ranks' partial fingerprints, summed,
+    proved every tensor; what a reader rebuilds from the store is, bit for bit, what the ranks held."""
+    root, o2, o3 = tmp_path / "store", tmp_path / "out2", tmp_path / "out3"
+    o2.mkdir()
+    o3.mkdir()
+    assert sharded_procs.run(2, {"store": str(root), "out": str(o2), "steps": 1, "timeout_s": 60}) == [0, 0]
+    codes = sharded_procs.run(3, {"store": str(root), "out": str(o3), "steps": 2, "timeout_s": 60, "seed": 1})  # v2..v4
+    s = summaries(o3, 3)
+    assert codes == [0, 0, 0] and not any("error" in x for x in s), [x.get("traceback") for x in s]
+    assert all(x["resumed"].startswith("resumed after v1: v2 is a delta against v1") for x in s), s[0]["resumed"]
+    assert all(x["versions"] == [2, 3, 4] and x["committed"] == [1, 2, 3, 4] for x in s), [x["committed"] for x in s]
+    ms = manifests(root)
+    assert ms["v00000002.json"]["base_version"] == 1 and "v00000002.anchor.json" not in ms
+    assert json.loads((root / "v00000002.json").read_text())["base_manifests"] == [
+        __import__("hashlib").sha256((root / "v00000001.json").read_bytes()).hexdigest()]
+    embed = {t["name"]: t for t in ms["v00000002.json"]["tensors"]}["model.embed_tokens.weight"]
+    assert embed["grid"][0][:4] == [0, 334, 668, 1000] or {334, 668} <= set(embed["grid"][0]), embed["grid"]
+    for v in (2, 3, 4):
+        equal(served(str(root), v), reassemble(o3, 3, v))
 
 
 def test_a_format5_reader_refuses_a_chunked_anchor(run2, monkeypatch):

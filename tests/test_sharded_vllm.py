@@ -7,9 +7,9 @@ One server, cold-started on the initial checkpoint, follows the store (``ENGINE_
 1. world 2 publishes v0 (the initial weights: the server adopts it by fingerprint), v1, v2;
    rank 1 is SIGKILLed in the middle of its part of v3: nothing of v3 is committed, LATEST
    stays on v2, and the server keeps serving v2;
-2. the trainer restarts at world 4 (another layout): v4 is an anchor (format 6, its tensors
-   in the ranks' rows) and v5, v6 deltas; the server follows to v6 through the anchor and
-   serves the full model's bf16 fingerprint (the model reassembled from what the ranks held);
+2. the trainer restarts at world 4 (another layout): v4 is a delta against v2 (each rank rebuilt
+   its rows of v2 from the store) and v5, v6 deltas; the server follows to v6 and serves the
+   full model's bf16 fingerprint (the model reassembled from what the ranks held);
 3. the store moved away (the follower stops), pushed back to v0 (the chunked anchor,
    ``rollback``), its outputs equal its cold start's.
 """
@@ -68,8 +68,9 @@ def test_tp1_server_follows_a_sharded_trainer_through_a_killed_rank_and_a_new_wo
                                       "lr": 1e-3})
         s = [json.loads((out4 / f"rank{r}.json").read_text()) for r in range(4)]
         assert codes == [0] * 4 and not any("error" in x for x in s), [x.get("traceback") for x in s]
-        anchor = json.loads((root / "v00000004.anchor.json").read_text())
-        assert anchor["format_version"] == 6 and not (root / "v00000004.json").exists()
+        assert s[0]["resumed"].startswith("resumed after v2: v4 is a delta against v2"), s[0]["resumed"]
+        assert json.loads((root / "v00000004.json").read_text())["base_version"] == 2
+        assert not (root / "v00000004.anchor.json").exists()
         final = reassemble(out4, 4, 6)
         st = wait_version(server, 6)
         assert st["fingerprint"] == model_fp(final) == json.loads((root / "v00000006.json").read_text())["fingerprint"]

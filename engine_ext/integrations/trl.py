@@ -113,8 +113,8 @@ class DeltaWeightTransfer:
         if silent:
             raise WeightSyncError(f"no engine_ext update route answers at {silent}: start the servers with "
                                   "VLLM_PLUGINS=engine_ext, and give the transfer their token")
-        if self.sharded:  # the first version is an anchor (a sharded publisher resumes with one)
-            return
+        if self.sharded:  # the publisher opens at the first sync (a collective): that push takes each server
+            return        # along its route from what it holds (a chain through LATEST, or the newest anchor)
         latest = self.publisher.head.latest
         if latest is not None:
             self._push(self.publisher.store.key_uri(latest.manifest), fpr.parse(latest.fingerprint))

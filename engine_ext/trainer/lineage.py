@@ -16,15 +16,18 @@ trust) it publishes an anchor. :class:`Resumed` says which, and why.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
 import torch
 
+from ..format import chunks
 from ..format import fingerprint as fpr
 from ..store import reader, route
-from ..format.dtypes import dtype_by_name
-from ..errors import IntegrityError, NotFoundError
+from ..format.delta import ABS
+from ..format.dtypes import DType, apply_step, dtype_by_name
+from ..errors import IntegrityError, ModelMismatchError, NotFoundError, PartlyHeldError
 from ..format.manifest import ANCHOR, Latest, manifest_key
 from ..store.signing import Trust
 from ..store import Store
@@ -95,6 +98,31 @@ def rebuild(store: Store, latest: Latest, trust: Trust) -> Rebuilt:
     by SHA-256, then checks every rebuilt tensor's fingerprint against LATEST's manifest.
     Raises a :class:`~engine_ext.errors.DeltaError` when no such route exists or a check fails.
     """
+    target, chain = _route(store, latest, trust)
+    bases = reader.TensorBases({})
+    for link in chain:
+        bases.advance(reader.decode_manifest(link.manifest, reader.fetch_blobs(store, link.manifest), bases=bases))
+    tm, out = target.manifest, {}
+    for t in tm.tensors:
+        w = bases.tensors.get(t.name)
+        if w is None and t.numel == 0:
+            w = torch.empty(t.shape, dtype=dtype_by_name(t.dtype).torch)
+        if w is None or fpr.tensor_fingerprint(w) != fpr.parse(t.fingerprint):
+            raise IntegrityError(f"{t.name}: the weights rebuilt from {store.uri} do not have the fingerprint "
+                                 f"{store.key_uri(target.key)} promises")
+        out[t.name] = w
+    return Rebuilt(target, _same_version(target, chain), out)
+
+
+def _same_version(target: reader.Link, chain: list[reader.Link]) -> list[str]:
+    """SHA-256 of LATEST's manifest and of the others of its version in ``chain`` (its anchor)."""
+    return [target.sha256] + [link.sha256 for link in chain
+                              if link.manifest.version == target.manifest.version and link is not target]
+
+
+def _route(store: Store, latest: Latest, trust: Trust) -> tuple[reader.Link, list[reader.Link]]:
+    """LATEST's manifest and the verified links that rebuild it: the newest anchor at or below it
+    and the delta chain from it (the anchor alone when LATEST's version was anchored)."""
     def read(key: str) -> reader.Link:
         return reader.read_link(store, key, trust)
 
@@ -117,20 +145,126 @@ def rebuild(store: Store, latest: Latest, trust: Trust) -> Rebuilt:
                 raise NotFoundError(f"no chain of at most {route.MAX_CHAIN} links leads from {anchor.key} to {target.key}")
             route.check_link(anchor, rest[0], store.uri)
             chain = [anchor] + rest
-    bases = reader.TensorBases({})
+    return target, chain
+
+
+@dataclass(frozen=True)
+class Span:
+    """Rows ``[start, stop)`` of a tensor of ``shape`` in the served ``dtype``: what one rank of a
+    sharded trainer publishes of it."""
+
+    shape: tuple
+    dtype: DType
+    start: int
+    stop: int
+
+    @property
+    def flat(self) -> tuple[int, int]:
+        """The rows as a range of flat (row-major) indices."""
+        row = math.prod(self.shape[1:])
+        return self.start * row, self.stop * row
+
+
+class RowBases(reader.Bases):
+    """LATEST's weights restricted to some rows of each tensor, rebuilt link by link: the base that
+    context-coded parts decode against, and what :meth:`advance` applies each link to."""
+
+    def __init__(self, spans: dict[str, Span]):
+        self.spans = spans
+        self.held: dict[str, torch.Tensor] = {}  # name -> the rows' flat raw bits
+
+    def bits(self, name, start, stop):
+        s, t = self.spans.get(name), self.held.get(name)
+        if t is None or start[0] >= s.stop or stop[0] <= s.start:
+            return None
+        if start[0] < s.start or stop[0] > s.stop:
+            raise PartlyHeldError(f"{name}: a cell of rows {start[0]}..{stop[0]} crosses the rows {s.start}..{s.stop} "
+                                  "this rank rebuilds (a context-coded cell of another layout)")
+        rows = t.view(s.stop - s.start, *s.shape[1:])[start[0] - s.start:stop[0] - s.start]
+        return rows[(slice(None), *(slice(a, b) for a, b in zip(start[1:], stop[1:])))].contiguous().reshape(-1).numpy()
+
+    def advance(self, tensors):
+        for td in tensors:
+            self.apply(td)
+
+    def apply(self, td) -> None:
+        """``td``'s elements inside the rows, applied (an absolute part that covers them all starts them)."""
+        s = self.spans[td.name]
+        lo, hi = s.flat
+        if td.positions is None:
+            pos, vals = None, td.values[lo:hi]
+        else:
+            i0, i1 = (int(i) for i in torch.searchsorted(td.positions, torch.tensor([lo, hi], dtype=torch.int64)))
+            pos, vals = td.positions[i0:i1] - lo, td.values[i0:i1]
+        cur = self.held.get(td.name)
+        if cur is None:
+            if td.mode != ABS or (pos is not None and len(pos) != hi - lo):
+                raise IntegrityError(f"{td.name}: the route's first link does not hold every element of rows "
+                                     f"{s.start}..{s.stop} (not an anchor of them)")
+            self.held[td.name] = vals.clone()
+            return
+        at = slice(None) if pos is None else pos
+        cur[at] = vals if td.mode == ABS else apply_step(cur[at], vals, td.dtype.is_float)
+
+
+@dataclass(frozen=True)
+class RebuiltRows:
+    """Some rows of LATEST's weights as :func:`rebuild_rows` rebuilt them: LATEST's manifest, the
+    SHA-256 of its version's manifests, each tensor's rows (flat raw bits) and their partial
+    fingerprints (over the rows' global indices: the ranks' partials sum to the tensor's)."""
+
+    target: reader.Link
+    manifests: list[str]
+    bits: dict[str, torch.Tensor]
+    fingerprints: dict[str, int]
+
+
+def rebuild_rows(store: Store, latest: Latest, trust: Trust, spans: dict[str, Span],
+                 batch_bytes: int = 256 << 20) -> RebuiltRows:
+    """The rows ``spans`` names of LATEST's weights, rebuilt from the store: a sharded trainer's
+    rank resuming with a delta. The route is :func:`rebuild`'s (every manifest verified and bound
+    to the next); each link is read for the cells that meet the rows only (every part checked by
+    SHA-256), a batch of tensors at a time, so a rank holds its rows plus a batch. The rows'
+    fingerprints are partial: only the sum over every rank proves them against LATEST, which the
+    caller checks. Raises a DeltaError where a tensor is missing or differs in shape or dtype."""
+    target, chain = _route(store, latest, trust)
+    entries = {t.name: t for t in target.manifest.tensors}
+    for name, s in spans.items():
+        t = entries.get(name)
+        if t is None or tuple(t.shape) != tuple(s.shape) or t.dtype != s.dtype.name:
+            raise ModelMismatchError(f"{name}: LATEST holds {None if t is None else (tuple(t.shape), t.dtype)}, this rank "
+                                     f"publishes {(tuple(s.shape), s.dtype.name)}")
+    batches, size = [[]], 0
+    for name, s in spans.items():
+        n = (s.flat[1] - s.flat[0]) * (8 + s.dtype.itemsize)
+        if batches[-1] and size + n > batch_bytes:
+            batches.append([])
+            size = 0
+        batches[-1].append(name)
+        size += n
+    rows = RowBases(spans)
     for link in chain:
-        bases.advance(reader.decode_manifest(link.manifest, reader.fetch_blobs(store, link.manifest), bases=bases))
-    out = {}
-    for t in tm.tensors:
-        w = bases.tensors.get(t.name)
-        if w is None and t.numel == 0:
-            w = torch.empty(t.shape, dtype=dtype_by_name(t.dtype).torch)
-        if w is None or fpr.tensor_fingerprint(w) != fpr.parse(t.fingerprint):
-            raise IntegrityError(f"{t.name}: the weights rebuilt from {store.uri} do not have the fingerprint "
-                                 f"{store.key_uri(target.key)} promises")
-        out[t.name] = w
-    same = [link.sha256 for link in chain if link.manifest.version == tm.version and link is not target]
-    return Rebuilt(target, [target.sha256] + same, out)
+        m = link.manifest
+        have = {t.name: t for t in m.tensors}
+        for names in batches:
+            selection = {}
+            for name in names:
+                t, s = have.get(name), spans[name]
+                if t is None:
+                    raise IntegrityError(f"{store.key_uri(link.key)} does not list {name}")
+                selection[name] = None if t.grid is None else {
+                    i for i, box in enumerate(t.boxes())
+                    if chunks.meets(box, (s.start,) + (0,) * (len(s.shape) - 1), (s.stop, *s.shape[1:]))}
+            tensors, _ = reader.fetch_selected(store, m, selection, bases=rows)
+            rows.advance(tensors)
+    missing = [n for n in spans if n not in rows.held and spans[n].flat[1] > spans[n].flat[0]]
+    if missing:
+        raise IntegrityError(f"the route to {store.key_uri(target.key)} holds no anchor of {missing[:5]}")
+    bits = {n: rows.held[n].view(s.dtype.int_view) if n in rows.held else torch.empty(0, dtype=s.dtype.int_view)
+            for n, s in spans.items()}
+    return RebuiltRows(target, _same_version(target, chain), bits,
+                       {n: fpr.range_fingerprint(b, spans[n].flat[0]) for n, b in bits.items()})
 
 
-__all__ = ["Head", "Rebuilt", "Resumed", "highest_version", "read_head", "rebuild"]
+__all__ = ["Head", "Rebuilt", "RebuiltRows", "Resumed", "RowBases", "Span", "highest_version", "read_head", "rebuild",
+           "rebuild_rows"]

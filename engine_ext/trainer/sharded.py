@@ -27,8 +27,9 @@ nothing is committed, ``LATEST`` stays, and the next version is an anchor (delta
 on the aborted version are dropped: their base was never published). A rank that dies
 or hangs breaks the group: its peers' collectives fail (or time out after ``timeout_s``),
 nothing more is committed, and :meth:`ShardedPublisher.publish` raises on every survivor;
-a restarted trainer continues after the store's highest version with an anchor (as it
-does with another world size: a new layout).
+a restarted trainer (of any world size) continues after the store's highest version with a
+delta against LATEST, where every rank can rebuild its rows of LATEST from the store and the
+ranks' partial fingerprints prove them, else with an anchor.
 """
 from __future__ import annotations
 
@@ -78,8 +79,6 @@ class ShardedPublisher(DeltaPublisher):
 
         if kwargs.get("quantize") is not None:
             raise ValueError("quantize is not supported by the sharded publisher (fp8 blocks span the ranks' rows)")
-        if kwargs.get("resume", "auto") == "delta":
-            raise ValueError("a sharded publisher resumes a store with an anchor (resume='auto' or 'anchor')")
         self.group, self._own_group = None, group is None
         self.rank, self.world = 0, 1
         if dist.is_available() and dist.is_initialized():
@@ -122,10 +121,9 @@ class ShardedPublisher(DeltaPublisher):
             raise ValueError(f"version {version} must be above the last published {self.version}")
         if version < self.head.next_version:
             raise ValueError(f"version {version}: {self.store.uri} already holds versions up to v{self.head.next_version - 1}")
+        if self.version is None and self.head.latest is not None:
+            self._resume_from_rows(sd, version)  # a collective: every rank rebuilds its rows of LATEST, or none does
         first = self.version is None
-        if first and self.head.latest is not None:
-            self.resumed = lineage.Resumed(self.head.latest.version, version, "anchor",
-                                           "a sharded trainer starts a store it did not write with an anchor")
         if not first:
             self._kept_free.wait()  # an anchor may still be being written from the kept bits
             self._raise_pending()
@@ -151,6 +149,50 @@ class ShardedPublisher(DeltaPublisher):
         self.version, self.next_version = version, version + 1
         self._queue.put(job)  # blocks when uploads fall behind: backpressure
         return self.store.key_uri(manifest_key(version, DELTA if delta is not None else ANCHOR))
+
+    def _resume_from_rows(self, sd: dict, version: int) -> None:
+        """Before the first version on a store that holds versions: every rank rebuilds the rows it
+        publishes of LATEST's weights from the store (:func:`~engine_ext.trainer.lineage.rebuild_rows`:
+        only the cells that meet them, whatever world size wrote them), and the ranks' partial
+        fingerprints, summed, must give every tensor's fingerprint in LATEST's manifest; then the
+        first version is a delta against LATEST on every rank. Otherwise (a rank could not, or
+        ``resume='anchor'``) it is an anchor on every rank. Records which in :attr:`resumed`."""
+        latest, mine = self.head.latest, None
+        if self.resume != "anchor":
+            try:
+                spans = {n: lineage.Span(self.layout[n].shape, self._describe(n, t)[0], self._starts[n],
+                                         self._starts[n] + (len(t) if t.dim() else 1)) for n, t in sd.items()}
+                rebuilt = lineage.rebuild_rows(self.store, latest, self.trust, spans)
+                mine = (rebuilt.fingerprints, {t.name: t.fingerprint for t in rebuilt.target.manifest.tensors})
+            except DeltaError as e:
+                mine = f"rank {self.rank}: {str(e)[:300]}"
+        views = self._all_gather(mine, "resuming")
+        failed = [v for v in views if isinstance(v, str)]
+        why = ("; ".join(failed)[:2000] or None) if self.resume != "anchor" else "resume='anchor'"
+        if why is None:
+            total: dict[str, int] = {}
+            for partial, _ in views:
+                for n, fp in partial.items():
+                    total[n] = (total.get(n, 0) + fp) & fpr.MASK64
+            want = {n: fpr.parse(fp) for n, fp in views[0][1].items()}
+            if total != want:
+                differ = sorted(n for n in set(total) | set(want) if total.get(n) != want.get(n))
+                why = f"{len(differ)} tensor(s) rebuilt from the ranks' rows differ from LATEST's: {differ[:5]}"
+        if why is not None:
+            if self.resume == "delta":
+                raise ValueError(f"cannot resume {self.store.uri} with a delta against v{latest.version}: {why}")
+            self.resumed = lineage.Resumed(latest.version, version, "anchor", f"LATEST's weights cannot serve as the "
+                                           f"base: {why}" if why != "resume='anchor'" else why)
+            return
+        for n, t in sd.items():  # the kept bits: the rows' raw bits in the served dtype, where _remember keeps them
+            self._prev[n] = rebuilt.bits[n].to("cpu" if self.keep_on_cpu else t.device)
+        self._fps = dict(rebuilt.fingerprints)
+        self.version, self.anchor_version = latest.version, rebuilt.target.manifest.anchor_version
+        self._manifest_shas[latest.version] = list(rebuilt.manifests)
+        self._committed = {latest.version}
+        self.committed_fingerprint = fpr.parse(rebuilt.target.manifest.fingerprint)
+        self.resumed = lineage.Resumed(latest.version, version, "delta", "LATEST's rows rebuilt from the store on "
+                                       "every rank, every tensor's fingerprint proven by the ranks' partials")
 
     @property
     def fingerprint(self) -> int | None:
