@@ -214,9 +214,7 @@ class DeltaPublisher:
             LATEST when half of that has passed (heartbeat).
     """
 
-    # Start each tensor's encode on the pool as soon as it is diffed (False: the background encodes the
-    # version after the whole diff; the same bytes, which the tests compare).
-    encode_early = True
+    encode_early = True  # each tensor's encode starts as it is diffed (False: after the whole diff; the same bytes)
 
     def __init__(self, store: Store | str, model: str = "model", *, anchor_every: int = 50,
                  keep_on_cpu: bool = False, mode: str | None = None, queue_size: int = 2,
@@ -553,28 +551,24 @@ class DeltaPublisher:
                                    self.chunk_min_cell, context, self._cuts(c))
 
     def _encode_early(self, c: _Change) -> tuple[bool, object]:
-        """(whether the context coder is tried on the change, its encoding where it is not): run on the
-        pool as soon as the training thread has diffed the tensor, so the encode overlaps the diff of
-        the next ones. A tensor the context coder is tried on waits for the version's step tables,
-        which need every tensor's changes (:meth:`_write_delta` encodes it then)."""
+        """(whether the context coder is tried on the change, its encoding where it is not), on the pool as
+        soon as the tensor is diffed: it overlaps the next tensors' diff. A tensor the context coder is tried
+        on waits for the version's step tables, built from every tensor's changes (:meth:`_write_delta`)."""
         if c.context_pays():
             return True, None
         return False, self._encode(c, None)
 
     def _write_delta(self, b: VersionBuilder, payload: list[_Change], agree) -> None:
         """Encode every change (on the pool) into the builder; ``agree(histograms)`` gives the
-        version's step tables. Changes snapshotted with their encode started (``early``) are taken
-        from it: the bytes are those of encoding them here (the encode is the same function of
-        the same inputs; only the tensors the context coder is tried on need the tables)."""
-        early = [c.early.result() if c.early is not None else (c.context_pays(), None) for c in payload]
+        version's step tables. An encode started at the diff (``early``) gives the bytes encoding here
+        would: the same function of the same inputs (only tensors the context coder is tried on need the tables)."""
+        early = [f.result() for f in [c.early or self._pool.submit(self._encode_early, c) for c in payload]]
         # the step tables come from the tensors whose sample promises a gain (none where changes are uniform)
         tables = agree(codec.step_histograms((c.dtype, c.old_bits, c.new_bits) for c, (t, _) in zip(payload, early) if t))
 
         def enc(job):
             c, (t, e) = job
-            if not t and c.early is not None:
-                return e
-            return self._encode(c, c.context(tables) if t else None)
+            return self._encode(c, c.context(tables)) if t else e
 
         for c, e in zip(payload, self._pool.map(enc, zip(payload, early))):
             if e is None:
