@@ -188,8 +188,8 @@ def test_manifest_not_json_or_bad_blob_key():
 
 
 _JSON_LEAVES = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=12)
-_JSON = st.recursive(_JSON_LEAVES, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=4),
-                     max_leaves=30)
+_JSON = st.recursive(_JSON_LEAVES, lambda kids: st.lists(kids, max_size=4)
+                     | st.dictionaries(st.text(max_size=6), kids, max_size=4), max_leaves=30)
 
 
 @settings(max_examples=300, deadline=None)
