@@ -49,8 +49,8 @@ def _timed(label: str, fn):
 
 def instrument() -> None:
     """Wrap the phases of a delta publish (module attributes looked up at call time)."""
-    from engine_ext.format import cell_kernels, codec, chunks
-    from engine_ext.store import local
+    from engine_ext.format import cell_kernels, codec, chunks, manifest
+    from engine_ext.store import local, signing
     from engine_ext.trainer import builder, publisher
 
     P = publisher.DeltaPublisher
@@ -75,7 +75,13 @@ def instrument() -> None:
         ("bg:       chunks.to_local (pool)", chunks, "to_local"),
         ("bg:     builder add_encoded (hash+append)", builder.VersionBuilder, "add_encoded"),
         ("bg:   commit (all)", builder, "commit"),
-        ("bg:     store create_file (fsync)", local.LocalStore, "create_file"),
+        ("bg:     Manifest.validate", manifest.Manifest, "validate"),
+        ("bg:     Manifest.to_json", manifest.Manifest, "to_json"),
+        ("bg:     sign", signing.Signer, "sign_detached"),
+        ("bg:     publish_version (all)", builder, "publish_version"),
+        ("bg:       store create_file (blob: fsync, link)", local.LocalStore, "create_file"),
+        ("bg:       store create (claim, sig, manifest)", local.LocalStore, "create"),
+        ("bg:       store write_if (LATEST)", local.LocalStore, "write_if"),
     ]:
         setattr(owner, name, _timed(label, getattr(owner, name)))
 

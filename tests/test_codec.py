@@ -185,3 +185,48 @@ def test_manifest_not_json_or_bad_blob_key():
     m.blobs[0].key = "../../etc/passwd"
     with pytest.raises(ManifestError):
         Manifest.from_json(m.to_json())
+
+
+_JSON_LEAVES = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=12)
+_JSON = st.recursive(_JSON_LEAVES, lambda kids: st.lists(kids, max_size=4)
+                     | st.dictionaries(st.text(max_size=6), kids, max_size=4), max_leaves=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_JSON)
+def test_manifest_text_is_what_the_json_module_writes(doc):
+    """The manifest's text (:mod:`engine_ext.format.json_text`, a faster writer) is byte for byte
+    ``json.dumps(..., indent=1)``: on any JSON data (unicode, NaN and infinities, empty containers)."""
+    import json
+
+    from engine_ext.format.json_text import dumps_indent1
+
+    assert dumps_indent1(doc) == json.dumps(doc, indent=1).encode()
+
+
+def test_a_published_manifest_is_the_json_of_its_fields(tmp_path):
+    """A delta manifest with whole and chunked tensors, unchanged ones and format 5's step tables:
+    its bytes are ``json.dumps(asdict(m), indent=1)`` without the unset format-7 fields."""
+    import dataclasses
+    import json
+
+    from engine_ext.trainer.builder import VersionBuilder
+
+    g = torch.Generator().manual_seed(3)
+    b = VersionBuilder("delta", "m\u00fcdel \"x\"", 2, 1, 0, base_manifests=["ab" * 32])
+    for name, shape in [("big", (512, 1024)), ("small", (300,))]:
+        old = torch.randint(-2**15, 2**15, shape, generator=g, dtype=torch.int32).to(torch.int16).reshape(-1)
+        pos = torch.nonzero(torch.rand(old.numel(), generator=g) < 0.05).reshape(-1)
+        new = old[pos] + 1
+        enc = codec.encode_tensor(BY_NAME["bfloat16"], shape, pos, new, old[pos], min_cell=1 << 14)
+        b.add_encoded(name, BY_NAME["bfloat16"], shape, pos.numel(), enc, 5, 7)
+    b.add_unchanged("still", BY_NAME["float32"], (4,), 9)
+    b.add_step_tables("bfloat16", [b"\x00\x01", b"\xff"])
+    b.manifest.created_unix = 1.5
+    m = b.manifest
+    assert any(t.chunks for t in m.tensors) and any(t.chunks is None and t.nnz for t in m.tensors)
+    d = dataclasses.asdict(m)
+    del d["tables"]
+    for t in d["tensors"]:
+        del t["cells"]
+    assert m.to_json() == json.dumps(d, indent=1).encode()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import types
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from engine_ext.format.delta import apply_tensor
 from engine_ext.format.dtypes import BY_NAME, as_bits, step_between
 from engine_ext.errors import BaseMismatchError, IntegrityError, ManifestError, PartlyHeldError
 from engine_ext.format.manifest import Manifest
+from engine_ext.trainer import builder
 from engine_ext.trainer.publisher import DeltaPublisher
 
 FLOATS = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -453,3 +455,53 @@ def test_ranks_decode_a_chained_route_against_their_live_weights(tmp_path, world
     a = asyncio.run(ctl.update(UpdateRequest.parse({"url": str(tmp_path / "v00000003.json")})))
     assert a["version"] == 3
     _assert_ranks_hold(ranks, name, states[3][name], world, how)
+
+
+class _EncodeAfterDiff(DeltaPublisher):
+    encode_early = False  # the background encodes each version after its whole diff (the path before the overlap)
+
+
+def _stored(root) -> dict:
+    """Every object of a local store by key, its bytes (the temporary files and locks left out)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.name.startswith(".")}
+
+
+@pytest.mark.parametrize("context_coder", [True, False])
+def test_encoding_each_tensor_as_it_is_diffed_writes_the_same_bytes(tmp_path, monkeypatch, context_coder):
+    """The publisher encodes a tensor on its pool as soon as the training thread has diffed it,
+    while the next ones are diffed, except the tensors the context coder is tried on (they need
+    the version's step tables, built from every tensor's changes): every blob and manifest
+    is byte for byte the one encoding after the whole diff writes, with context-coded tensors,
+    plain ones, a tensor cut into cells, an unchanged one and an integer one, over 3 deltas."""
+    g = torch.Generator().manual_seed(5)
+    follows = _pair((256, 256), seed=1)[0]
+    big = (0.02 * torch.randn(1024, 768, generator=g)).to(torch.bfloat16)  # cut into cells of 16 k elements or more
+    states = [{"ctx": follows, "uniform": _pair((256, 256))[0], "big": big, "still": torch.ones(300),
+               "count": torch.arange(5000, dtype=torch.int32)}]
+    for k in range(3):
+        prev = states[-1]
+        nxt = dict(prev, ctx=_pair((256, 256), seed=k + 2, base=prev["ctx"])[1])
+        for name in ("uniform", "big"):
+            bits = as_bits(prev[name]).clone().reshape(-1)
+            bits[torch.rand(bits.numel(), generator=g) < 0.02] += 1
+            nxt[name] = bits.view(torch.bfloat16).reshape(prev[name].shape)
+        nxt["count"] = prev["count"] + (torch.rand(5000, generator=g) < 0.1).int()
+        states.append(nxt)
+    monkeypatch.setattr(builder, "time", types.SimpleNamespace(time=lambda: 1.7e9))  # the manifests' creation time
+    stores = {}
+    with settings.override(context_coder=context_coder):
+        for cls in (DeltaPublisher, _EncodeAfterDiff):
+            root = tmp_path / cls.__name__
+            with cls(str(root), anchor_every=0, chunk_min_cell=1 << 14) as pub:
+                for sd in states:
+                    pub.publish(sd)
+            stores[cls] = _stored(root)
+    early, after = stores[DeltaPublisher], stores[_EncodeAfterDiff]
+    assert early.keys() == after.keys() and len([k for k in early if k.endswith(".bin")]) >= 3 and "LATEST" in early
+    for key in early:
+        assert early[key] == after[key], key
+    last = json.loads(early["v00000003.json"])
+    coders = {t["name"]: {c["positions"]["coder"] for c in (t["chunks"] or [t])} for t in last["tensors"]}
+    assert (coders["ctx"] == {"ctx"}) == context_coder and "ctx" not in coders["uniform"] | coders["big"]
+    assert len(next(t for t in last["tensors"] if t["name"] == "big")["chunks"]) > 1

@@ -195,13 +195,9 @@ class Manifest:
 
     def to_json(self) -> bytes:
         """The manifest's bytes; fields of format 7 only where set (older readers refuse keys they do not know)."""
-        d = asdict(self)
-        if d["tables"] is None:
-            del d["tables"]
-        for t in d["tensors"]:
-            if t["cells"] is None:
-                del t["cells"]
-        return json.dumps(d, indent=1, sort_keys=False).encode()
+        from .json_text import dumps_indent1
+
+        return dumps_indent1(self, {Manifest: ("tables",), TensorEntry: ("cells",)})  # json.dumps(asdict(self), indent=1)
 
     @classmethod
     def from_json(cls, data: bytes) -> "Manifest":

@@ -26,7 +26,7 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -144,6 +144,7 @@ class _Change:
     kept: torch.Tensor | None = None  # the kept bits (this version's): the context coder's base, old_bits put back
     policy: int | None = None  # the tensor's block policy for the context coder
     origin: int = 0  # the first row of the tensor the kept bits hold (a sharded trainer's rank holds rows)
+    early: Future | None = None  # :meth:`DeltaPublisher._encode_early`, started on the pool as soon as the diff was done
 
     def context_pays(self) -> bool:
         """Whether the context coder is worth trying on this tensor (a sample of the kept bits
@@ -212,6 +213,8 @@ class DeltaPublisher:
         latest_ttl_s: how long a signed LATEST stays valid; while the publisher lives it re-signs
             LATEST when half of that has passed (heartbeat).
     """
+
+    encode_early = True  # each tensor's encode starts as it is diffed (False: after the whole diff; the same bytes)
 
     def __init__(self, store: Store | str, model: str = "model", *, anchor_every: int = 50,
                  keep_on_cpu: bool = False, mode: str | None = None, queue_size: int = 2,
@@ -427,7 +430,12 @@ class DeltaPublisher:
         for name, t in sd.items():  # all checked before any state moves
             if self._prev[name].numel() != t.numel() or self._prev[name].element_size() != described[name][0].itemsize:
                 raise ValueError(f"{name}: shape or dtype changed since the last version")
-        changes = [self._diff(name, self._bits(name, t), *described[name]) for name, t in sd.items()]
+        changes = []
+        for name, t in sd.items():
+            c = self._diff(name, self._bits(name, t), *described[name])
+            if self.encode_early:
+                c.early = self._pool.submit(self._encode_early, c)  # encoded while the next tensors are diffed
+            changes.append(c)
         self.last_changed = sum(c.positions.numel() for c in changes)
         if any(c.kept is not None for c in changes):
             self._hold_kept()  # the context coder reads its base from the kept bits, in the background
@@ -535,27 +543,41 @@ class DeltaPublisher:
         """The grid a changed tensor is cut into (None: the usual, :func:`engine_ext.format.chunks.grid`)."""
         return None
 
+    def _encode(self, c: _Change, context: codec.Context | None):
+        """A change's encoding (None: unchanged), as :func:`engine_ext.format.codec.encode_tensor` gives it."""
+        if c.positions.numel() == 0:
+            return None
+        return codec.encode_tensor(c.dtype, c.shape, c.positions, c.new_bits, c.old_bits, self.mode,
+                                   self.chunk_min_cell, context, self._cuts(c))
+
+    def _encode_early(self, c: _Change) -> tuple[bool, object]:
+        """(whether the context coder is tried on the change, its encoding where it is not), on the pool as
+        soon as the tensor is diffed: it overlaps the next tensors' diff. A tensor the context coder is tried
+        on waits for the version's step tables, built from every tensor's changes (:meth:`_write_delta`)."""
+        if c.context_pays():
+            return True, None
+        return False, self._encode(c, None)
+
     def _write_delta(self, b: VersionBuilder, payload: list[_Change], agree) -> None:
         """Encode every change (on the pool) into the builder; ``agree(histograms)`` gives the
-        version's step tables."""
+        version's step tables. An encode started at the diff (``early``) gives the bytes encoding here
+        would: the same function of the same inputs (only tensors the context coder is tried on need the tables)."""
+        early = [f.result() for f in [c.early or self._pool.submit(self._encode_early, c) for c in payload]]
         # the step tables come from the tensors whose sample promises a gain (none where changes are uniform)
-        tried = list(self._pool.map(_Change.context_pays, payload))
-        tables = agree(codec.step_histograms((c.dtype, c.old_bits, c.new_bits) for c, t in zip(payload, tried) if t))
+        tables = agree(codec.step_histograms((c.dtype, c.old_bits, c.new_bits) for c, (t, _) in zip(payload, early) if t))
 
         def enc(job):
-            c, t = job
-            if c.positions.numel() == 0:
-                return None
-            return codec.encode_tensor(c.dtype, c.shape, c.positions, c.new_bits, c.old_bits, self.mode,
-                                       self.chunk_min_cell, c.context(tables) if t else None, self._cuts(c))
+            c, (t, e) = job
+            return self._encode(c, c.context(tables)) if t else e
 
-        for c, e in zip(payload, self._pool.map(enc, zip(payload, tried))):
+        for c, e in zip(payload, self._pool.map(enc, zip(payload, early))):
             if e is None:
                 b.add_unchanged(c.name, c.dtype, c.shape, c.fp)
             else:
                 b.add_encoded(c.name, c.dtype, c.shape, c.positions.numel(), e, c.base_fp, c.fp)
                 if codec.uses_context(e):
                     b.add_step_tables(c.dtype.name, tables[c.dtype.name])
+            c.early = None  # its encoding is in the builder: not held twice
 
     def _raise_pending(self):
         """Raise the first failure of the background (once). Every version queued after it was skipped,
