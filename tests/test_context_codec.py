@@ -461,6 +461,10 @@ class _EncodeAfterDiff(DeltaPublisher):
     encode_early = False  # the background encodes each version after its whole diff (the path before the overlap)
 
 
+class _EncodeEarly(DeltaPublisher):
+    encode_early = True  # each tensor encoded as it is diffed (on the CPU, "auto" does this only for GPU weights)
+
+
 def _stored(root) -> dict:
     """Every object of a local store by key, its bytes (the temporary files and locks left out)."""
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
@@ -491,13 +495,13 @@ def test_encoding_each_tensor_as_it_is_diffed_writes_the_same_bytes(tmp_path, mo
     monkeypatch.setattr(builder, "time", types.SimpleNamespace(time=lambda: 1.7e9))  # the manifests' creation time
     stores = {}
     with settings.override(context_coder=context_coder):
-        for cls in (DeltaPublisher, _EncodeAfterDiff):
+        for cls in (_EncodeEarly, _EncodeAfterDiff):
             root = tmp_path / cls.__name__
             with cls(str(root), anchor_every=0, chunk_min_cell=1 << 14) as pub:
                 for sd in states:
                     pub.publish(sd)
             stores[cls] = _stored(root)
-    early, after = stores[DeltaPublisher], stores[_EncodeAfterDiff]
+    early, after = stores[_EncodeEarly], stores[_EncodeAfterDiff]
     assert early.keys() == after.keys() and len([k for k in early if k.endswith(".bin")]) >= 3 and "LATEST" in early
     for key in early:
         assert early[key] == after[key], key

@@ -214,7 +214,11 @@ class DeltaPublisher:
             LATEST when half of that has passed (heartbeat).
     """
 
-    encode_early = True  # each tensor's encode starts as it is diffed (False: after the whole diff; the same bytes)
+    # Each tensor's encode starts on the pool as it is diffed (True), or after the whole diff (False): the same
+    # bytes. "auto": early where the diff runs on an accelerator (the weights' GPU: the cores are free); on the
+    # CPU the diff takes every core, and encoding beside it made the training step wait ~0.3 s longer at 1.12 B
+    # on 2 cores for ~0.4 s less until stored (docs/benchmarks.md, "the 1 % delta, second pass").
+    encode_early: bool | str = "auto"
 
     def __init__(self, store: Store | str, model: str = "model", *, anchor_every: int = 50,
                  keep_on_cpu: bool = False, mode: str | None = None, queue_size: int = 2,
@@ -433,7 +437,7 @@ class DeltaPublisher:
         changes = []
         for name, t in sd.items():
             c = self._diff(name, self._bits(name, t), *described[name])
-            if self.encode_early:
+            if self.encode_early is True or (self.encode_early == "auto" and self._prev[name].device.type != "cpu"):
                 c.early = self._pool.submit(self._encode_early, c)  # encoded while the next tensors are diffed
             changes.append(c)
         self.last_changed = sum(c.positions.numel() for c in changes)
