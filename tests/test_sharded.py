@@ -149,9 +149,12 @@ def test_world4_resumes_with_an_anchor_and_a_failed_part_aborts_the_version_ever
     assert "rank 2: OSError" in s[0]["aborted"]["7"] and s[0]["resumed"].startswith("resumed after v3: v5 is an anchor")
     ms = manifests(root)
     assert "v00000007.json" not in ms and "v00000007.anchor.json" not in ms
-    assert ms["v00000005.anchor.json"]["format_version"] == 7 and ms["v00000006.json"]["base_version"] == 5
+    assert ms["v00000005.anchor.json"]["format_version"] == 8 and ms["v00000006.json"]["base_version"] == 5
     assert ms["v00000006.json"]["format_version"] == 7 and json.loads((root / "v00000006.json").read_text())["tensors"] == []
-    assert ms["v00000008.anchor.json"]["format_version"] == 7 and "v00000008.json" not in ms  # the retry: an anchor
+    assert ms["v00000008.anchor.json"]["format_version"] == 8 and "v00000008.json" not in ms  # the retry: an anchor
+    for v in (5, 8):  # each rank's anchor part a pieces digest (format 8), the tables' blob flat
+        blobs = json.loads((root / f"v{v:08d}.anchor.json").read_text())["blobs"]
+        assert [b.get("digest") for b in blobs] == ["pieces"] * (len(blobs) - 1) + [None] and len(blobs) > 1
     assert json.loads((root / "LATEST").read_text())["signed"]["version"] == 8
     for v in (5, 6, 8):
         equal(served(str(root), v), reassemble(out, 4, v))
@@ -170,9 +173,12 @@ def test_a_format5_reader_refuses_a_chunked_anchor(run2, monkeypatch):
     raw = (d / "store" / "v00000000.anchor.json").read_bytes()
     Manifest.from_json(raw)
     monkeypatch.setattr(manifest_mod, "READABLE_VERSIONS", (1, 2, 3, 4, 5))  # what a format-5 reader accepts
-    with pytest.raises(ManifestError, match="unknown format 'engine-ext-delta' version 6"):
+    with pytest.raises(ManifestError, match="unknown format 'engine-ext-delta' version 8"):  # 8: pieces digests
         Manifest.from_json(raw)
     m = json.loads(raw)
+    assert all(b["digest"] == "pieces" for b in m["blobs"])
+    for b in m["blobs"]:
+        del b["digest"]
     m["format_version"] = 5  # and a chunked anchor labelled format 5 is refused too
     monkeypatch.undo()
     with pytest.raises(ManifestError, match="format-6 anchors"):

@@ -53,7 +53,7 @@ def tabulate(m: Manifest, put: Callable[[bytes], tuple[int, int]], per_table: in
                                                           len(t.chunks)))
         rows.append({k: v for k, v in r.items() if k in _REQUIRED or v != default[k]})  # absent: the default
     out = dataclasses.replace(m, tensors=[], tables=[ref(rows[i:i + per_table]) for i in range(0, len(rows), per_table)])
-    out.format_version = TABLES
+    out.format_version = out.lowest_version()  # 7, or 8 with a pieces digest
     return out
 
 
