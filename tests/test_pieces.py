@@ -173,7 +173,9 @@ def test_a_tables_blob_keeps_a_flat_digest(tmp_path):
 
 
 def test_an_older_reader_refuses_format_8_clearly(run, monkeypatch):
-    """A format-7 reader refuses a pieces anchor by its version, before it reads a field it does not know."""
+    """A reader of format 7 at most refuses a pieces anchor by its version, before it reads a field it does
+    not know (this parser checks the version first; engine-ext's format-7 parser met ``digest`` first and
+    refused the manifest as malformed: a ManifestError too)."""
     raw = (run[0] / "v00000000.anchor.json").read_bytes()
     monkeypatch.setattr(manifest_mod, "READABLE_VERSIONS", (1, 2, 3, 4, 5, 6, 7))  # what a format-7 reader accepts
     with pytest.raises(ManifestError, match="unknown format 'engine-ext-delta' version 8"):
