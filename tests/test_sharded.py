@@ -104,7 +104,8 @@ def test_world2_fsdp_publishes_per_rank_and_a_killed_rank_commits_nothing(run2):
     assert not list(root.glob("v00000004.r1.*"))  # rank 1 died before its blobs; rank 0's may stay as orphans
     ms = manifests(root)
     anchor = ms["v00000000.anchor.json"]
-    assert anchor["format_version"] == 6 and all(t["chunks"] for t in anchor["tensors"])  # every tensor in rows
+    assert anchor["format_version"] == 8 and all(t["chunks"] for t in anchor["tensors"])  # every tensor in rows
+    assert all(b["digest"] == "pieces" for b in anchor["blobs"])  # format 8: each rank's part a pieces digest
     assert all(ms[f"v{v:08d}.json"]["format_version"] == 5 for v in (1, 2, 3))  # deltas: nothing new for a reader
     for name, m in ms.items():  # each rank wrote only the cells inside its own rows
         for t in m["tensors"]:

@@ -69,7 +69,8 @@ def test_tp1_server_follows_a_sharded_trainer_through_a_killed_rank_and_a_new_wo
         s = [json.loads((out4 / f"rank{r}.json").read_text()) for r in range(4)]
         assert codes == [0] * 4 and not any("error" in x for x in s), [x.get("traceback") for x in s]
         anchor = json.loads((root / "v00000004.anchor.json").read_text())
-        assert anchor["format_version"] == 6 and not (root / "v00000004.json").exists()
+        assert anchor["format_version"] == 8 and not (root / "v00000004.json").exists()  # 8: pieces digests
+        assert all(b["digest"] == "pieces" for b in anchor["blobs"])
         final = reassemble(out4, 4, 6)
         st = wait_version(server, 6)
         assert st["fingerprint"] == model_fp(final) == json.loads((root / "v00000006.json").read_text())["fingerprint"]

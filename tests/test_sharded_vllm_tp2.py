@@ -70,7 +70,8 @@ def test_tp2_server_follows_fsdp_trainers_through_trl_and_vllm_apis_a_killed_ran
         assert codes == [0, 0] and not any("error" in x for x in s2), [x.get("traceback") for x in s2]
         assert s2[0]["versions"] == [4, 5, 6] and s2[0]["resumed"], s2[0]
         anchor = json.loads((root / "v00000004.anchor.json").read_text())
-        assert anchor["format_version"] == 6 and not (root / "v00000004.json").exists()
+        assert anchor["format_version"] == 8 and not (root / "v00000004.json").exists()  # 8: pieces digests
+        assert all(b["digest"] == "pieces" for b in anchor["blobs"])
         assert not any(t["name"].startswith("lm_head") for t in anchor["tensors"])  # tied: published once
         final = reassemble(out2, 2, 6)
         st = server.status()
