@@ -9,7 +9,8 @@ first, ``os.sync()`` before each timed step):
 * ``save_file`` + fsync of the state dict (the dense floor);
 * one real ``DeltaPublisher`` anchor (``publish`` + ``wait``) with its phases instrumented in
   place: the thread time (user + system, summed over the threads that ran it) of the kept copy,
-  the file writes, the blob's SHA-256, the tensors' (pieces') SHA-256, the fingerprint, the
+  the file writes, the blob's SHA-256 (format 8: its header's only, the blob's digest being
+  over its pieces'), the tensors' (pieces') SHA-256, the fingerprint, the
   writer's fsync, the store's link (fsync + link + directory sync) and the commit (manifest,
   signature, LATEST); wall of the whole and of the background;
 * each primitive alone, on one thread, over the same bytes: a copy, a SHA-256 pass, the
@@ -85,6 +86,9 @@ def instrumented(ph: Phases):
         def hexdigest(self):
             return self.h.hexdigest()
 
+        def digest(self):
+            return self.h.digest()
+
         def copy(self):
             return TimedHash(self.h.copy(), self.phase)
 
@@ -99,7 +103,7 @@ def instrumented(ph: Phases):
         def __getattr__(self, k):
             return getattr(self.f, k)
 
-    class TimedHashlib:  # the writer's: hashlib.sha256(head) is the blob's, hashlib.sha256() a tensor's or piece's
+    class TimedHashlib:  # the writer's: hashlib.sha256(head) the blob's (before format 8) or its header's, hashlib.sha256() a tensor's or piece's
         @staticmethod
         def sha256(data=None):
             return TimedHash(hashlib.sha256(data), "sha_blob") if data is not None else TimedHash(hashlib.sha256(), "sha_tensor")

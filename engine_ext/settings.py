@@ -125,7 +125,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ENGINE_EXT_INLINE_ENTRIES", "inline_entries", int, 4096,
              "publisher: a manifest listing more tensors and grid cells than this (~400 bytes each) is written as "
              "format 7, its tensor entries and cell tables in a blob (docs/FORMAT.md, \"Tables\"; format-5 and 6 "
-             "readers refuse it); smaller ones inline, as format 5 or 6; `0`: always tables"),
+             "readers refuse it); smaller ones inline, as format 5 or 6 (an anchor: format 8 either way, its blobs "
+             "carrying pieces digests); `0`: always tables"),
 )
 
 

@@ -374,8 +374,10 @@ def manifest_spec_errors(doc) -> list[str]:
     if doc.get("format") != FORMAT or not _int(doc.get("format_version")) or doc["format_version"] not in READABLE_VERSIONS:
         out.append("format")
     for b in doc.get("blobs", []):
-        if not isinstance(b, dict) or set(b) != {"key", "size", "sha256"}:
-            out.append("a blob is not an object of key, size, sha256")
+        if not isinstance(b, dict) or not {"key", "size", "sha256"} <= set(b) <= {"key", "size", "sha256", "digest"}:
+            out.append("a blob is not an object of key, size, sha256 (and digest)")
+        elif "digest" in b and (b["digest"] != "pieces" or not _int(doc.get("format_version")) or doc["format_version"] < 8):
+            out.append("a blob's digest is 'pieces', from format 8")
     tensors = doc.get("tensors")
     if not isinstance(tensors, list):
         return out + ["tensors"]

@@ -104,7 +104,8 @@ def test_world2_fsdp_publishes_per_rank_and_a_killed_rank_commits_nothing(run2):
     assert not list(root.glob("v00000004.r1.*"))  # rank 1 died before its blobs; rank 0's may stay as orphans
     ms = manifests(root)
     anchor = ms["v00000000.anchor.json"]
-    assert anchor["format_version"] == 6 and all(t["chunks"] for t in anchor["tensors"])  # every tensor in rows
+    assert anchor["format_version"] == 8 and all(t["chunks"] for t in anchor["tensors"])  # every tensor in rows
+    assert all(b["digest"] == "pieces" for b in anchor["blobs"])  # format 8: each rank's part a pieces digest
     assert all(ms[f"v{v:08d}.json"]["format_version"] == 5 for v in (1, 2, 3))  # deltas: nothing new for a reader
     for name, m in ms.items():  # each rank wrote only the cells inside its own rows
         for t in m["tensors"]:
@@ -150,9 +151,12 @@ def test_world4_resumes_with_an_anchor_and_a_failed_part_aborts_the_version_ever
     assert "LATEST holds None" in s[0]["resumed"]  # the extra tensors: not in LATEST, so no rank resumes with a delta
     ms = manifests(root)
     assert "v00000007.json" not in ms and "v00000007.anchor.json" not in ms
-    assert ms["v00000005.anchor.json"]["format_version"] == 7 and ms["v00000006.json"]["base_version"] == 5
+    assert ms["v00000005.anchor.json"]["format_version"] == 8 and ms["v00000006.json"]["base_version"] == 5
     assert ms["v00000006.json"]["format_version"] == 7 and json.loads((root / "v00000006.json").read_text())["tensors"] == []
-    assert ms["v00000008.anchor.json"]["format_version"] == 7 and "v00000008.json" not in ms  # the retry: an anchor
+    assert ms["v00000008.anchor.json"]["format_version"] == 8 and "v00000008.json" not in ms  # the retry: an anchor
+    for v in (5, 8):  # each rank's anchor part a pieces digest (format 8), the tables' blob flat
+        blobs = json.loads((root / f"v{v:08d}.anchor.json").read_text())["blobs"]
+        assert [b.get("digest") for b in blobs] == ["pieces"] * (len(blobs) - 1) + [None] and len(blobs) > 1
     assert json.loads((root / "LATEST").read_text())["signed"]["version"] == 8
     for v in (5, 6, 8):
         equal(served(str(root), v), reassemble(out, 4, v))
@@ -196,9 +200,12 @@ def test_a_format5_reader_refuses_a_chunked_anchor(run2, monkeypatch):
     raw = (d / "store" / "v00000000.anchor.json").read_bytes()
     Manifest.from_json(raw)
     monkeypatch.setattr(manifest_mod, "READABLE_VERSIONS", (1, 2, 3, 4, 5))  # what a format-5 reader accepts
-    with pytest.raises(ManifestError, match="unknown format 'engine-ext-delta' version 6"):
+    with pytest.raises(ManifestError, match="unknown format 'engine-ext-delta' version 8"):  # 8: pieces digests
         Manifest.from_json(raw)
     m = json.loads(raw)
+    assert all(b["digest"] == "pieces" for b in m["blobs"])
+    for b in m["blobs"]:
+        del b["digest"]
     m["format_version"] = 5  # and a chunked anchor labelled format 5 is refused too
     monkeypatch.undo()
     with pytest.raises(ManifestError, match="format-6 anchors"):

@@ -74,6 +74,8 @@ def test_tp2_server_follows_fsdp_trainers_through_trl_and_vllm_apis_a_killed_ran
         v4 = json.loads((root / "v00000004.json").read_text())
         assert v4["base_version"] == 2 and not (root / "v00000004.anchor.json").exists()
         assert not any(t["name"].startswith("lm_head") for t in v4["tensors"])  # tied: published once
+        v0 = json.loads((root / "v00000000.anchor.json").read_text())
+        assert v0["format_version"] == 8 and all(b["digest"] == "pieces" for b in v0["blobs"])  # 8: pieces digests
         final = reassemble(out2, 2, 6)
         st = server.status()
         assert st["version"] == 6

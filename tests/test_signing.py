@@ -128,6 +128,9 @@ def test_format_1_stores_need_the_explicit_opt_out(tmp_path):
         m = json.loads(p.read_text())
         m["format_version"], m["base_manifests"] = 1, []
         m.pop("base_manifests")
+        for b in m["blobs"]:  # format 1 knew flat blob digests only (an anchor's is a pieces digest from format 8)
+            if b.pop("digest", None):
+                b["sha256"] = hashlib.sha256((store / b["key"]).read_bytes()).hexdigest()
         p.write_text(json.dumps(m))
     st = open_store(str(store))
     with pytest.raises(SignatureError):

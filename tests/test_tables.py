@@ -64,7 +64,7 @@ def test_the_manifest_holds_no_tensor_and_no_cell(run):
     assert doc["format_version"] == 7 and doc["tensors"] == [] and len(doc["tables"]) == 1
     assert json.loads((inline / "v00000002.json").read_bytes())["format_version"] == 5
     assert b"chunks" not in (root / "v00000002.json").read_bytes()
-    assert json.loads((root / "v00000000.anchor.json").read_bytes())["format_version"] == 7  # the first version (an anchor) too
+    assert json.loads((root / "v00000000.anchor.json").read_bytes())["format_version"] == 8  # the first version (an anchor, format 8: pieces digests) too
     store = open_store(str(root))
     m = read_manifest(store, "v00000002.json")
     assert [t.name for t in m.tensors] == list(states[0])
@@ -113,11 +113,12 @@ def test_ranks_end_bit_exact(run, world):
 
 
 def test_anchors_and_a_rank_resume(tmp_path):
-    """An anchor in tables loads whole; a format-7 anchor + delta route reaches the last version."""
+    """An anchor in tables loads whole; an anchor in tables (format 8: its data blob a pieces digest) + delta
+    route reaches the last version."""
     states = _states(steps=2)
     _publish(tmp_path, states, 0, anchor_every=2)
     doc = json.loads((tmp_path / "v00000002.anchor.json").read_bytes())
-    assert doc["format_version"] == 7 and doc["tensors"] == []
+    assert doc["format_version"] == 8 and doc["tensors"] == [] and [b.get("digest") for b in doc["blobs"]] == ["pieces", None]
     d = load_delta(str(tmp_path / "v00000002.anchor.json"))
     assert {t.name: t.values.view(torch.int16) for t in d.tensors}.keys() == states[2].keys()
     for t in d.tensors:

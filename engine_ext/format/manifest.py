@@ -1,4 +1,4 @@
-"""The manifest of a published version (format version 7; spec in docs/FORMAT.md).
+"""The manifest of a published version (format version 8; spec in docs/FORMAT.md).
 
 A manifest is small JSON naming the versions, fingerprints, blobs and, per tensor,
 where its encoded positions and values lie; a delta also names the manifest(s) of its
@@ -15,7 +15,10 @@ that format-5 readers keep reading everything else. Format 7 keeps a manifest of
 tensors (a 1T MoE's ~140,000) small: its tensor entries lie in *tensor tables* and each cut
 tensor's cells in a *cell table*, byte ranges of a blob named with their SHA-256 and
 count (:class:`TableRef`); every reader reads the tensor tables, a rank only the cell tables
-of the tensors it fetches (:mod:`engine_ext.format.tables`). Versions 1 to 4 are still read, but
+of the tensors it fetches (:mod:`engine_ext.format.tables`). Format 8 lets a blob's SHA-256 be
+a *pieces* digest (``digest: "pieces"``: over the digests of its segments, cut at the byte ranges
+the manifest lists into it; :mod:`engine_ext.format.pieces`), so a publisher hashes an anchor's
+bytes once, not once per blob and again per tensor. Versions 1 to 4 are still read, but
 not format 4's context-coded parts (an opt-in coder whose blocks did not follow the
 engines' shards).
 """
@@ -28,13 +31,15 @@ from dataclasses import asdict, dataclass, field
 
 from . import fingerprint as fpr
 from .dtypes import dtype_by_name
+from .pieces import PIECES, cuts
 from ..errors import IntegrityError, ManifestError
 
 FORMAT = "engine-ext-delta"
-FORMAT_VERSION = 7  # the newest version this code reads and writes
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+FORMAT_VERSION = 8  # the newest version this code reads and writes
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 CHUNKED_ANCHORS = 6  # the first version whose anchors may come in cells
 TABLES = 7  # the first version whose tensor entries and cells may lie in tables in the blobs
+PIECE_DIGESTS = 8  # the first version whose blobs may carry a pieces digest (``digest: "pieces"``)
 
 DELTA, ANCHOR = "delta", "anchor"
 POSITION_CODERS = {"none", "all", "pco", "zstd", "ctx"}
@@ -68,7 +73,8 @@ LATEST_KEY = "LATEST"
 class Blob:
     key: str
     size: int
-    sha256: str
+    sha256: str  # of its bytes; with ``digest`` "pieces" (format 8), over its segments' (engine_ext.format.pieces)
+    digest: str | None = None
 
 
 @dataclass
@@ -169,8 +175,10 @@ class Manifest:
 
     def lowest_version(self) -> int:
         """The lowest format version that describes this manifest, which writers write (a
-        format-5 reader then still reads everything but a chunked anchor): 7 with tables, 6 for
-        an anchor with a chunked tensor, else 5."""
+        format-5 reader then still reads everything but a chunked anchor): 8 with a pieces digest,
+        7 with tables, 6 for an anchor with a chunked tensor, else 5."""
+        if any(b.digest == PIECES for b in self.blobs):
+            return PIECE_DIGESTS
         if self.tables is not None or any(t.cells is not None for t in self.tensors):
             return TABLES
         return CHUNKED_ANCHORS if self.kind == ANCHOR and any(t.chunks for t in self.tensors) else 5
@@ -193,11 +201,25 @@ class Manifest:
     def payload_bytes(self) -> int:
         return sum(b.size for b in self.blobs)
 
+    def segment_bounds(self, blob: int) -> list[int]:
+        """Where blob ``blob``'s segments begin and end (:func:`engine_ext.format.pieces.cuts`): at every
+        byte range listed into it (tensor entries, chunks, tables). Every cell table must be read
+        first: its chunks' ranges are segment boundaries too."""
+        self.require_resolved()
+        if any(t.cells is not None for t in self.tensors):
+            raise ManifestError("a pieces digest's segments need every cell table read first (load_cells)")
+        ranges = [(r.offset, r.length) for r in self.tables or () if r.blob == blob]
+        for t in self.tensors:
+            if t.blob == blob and t.nnz:
+                ranges.append((t.offset, t.length))
+            ranges += [(c.offset, c.length) for c in t.chunks or () if c.blob == blob]
+        return cuts(self.blobs[blob].size, ranges)
+
     def to_json(self) -> bytes:
-        """The manifest's bytes; fields of format 7 only where set (older readers refuse keys they do not know)."""
+        """The manifest's bytes; fields of formats 7 and 8 only where set (older readers refuse keys they do not know)."""
         from .json_text import dumps_indent1
 
-        return dumps_indent1(self, {Manifest: ("tables",), TensorEntry: ("cells",)})  # json.dumps(asdict(self), indent=1)
+        return dumps_indent1(self, {Manifest: ("tables",), TensorEntry: ("cells",), Blob: ("digest",)})  # json.dumps(asdict(self), indent=1)
 
     @classmethod
     def from_json(cls, data: bytes) -> "Manifest":
@@ -273,6 +295,8 @@ class Manifest:
             raise ManifestError(f"{where}: only format-7 manifests keep tables in their blobs")
         if not 0 <= ref.blob < len(self.blobs) or ref.offset < 0 or ref.offset + ref.length > self.blobs[ref.blob].size:
             raise ManifestError(f"{where}: table beyond its blob")
+        if self.blobs[ref.blob].digest is not None:  # its segments would change as its cell tables are read
+            raise ManifestError(f"{where}: a blob holding tables has a flat SHA-256")
         if not 1 <= ref.count or not 2 <= ref.length <= ref.count * per_entry:
             raise ManifestError(f"{where}: {ref.length} bytes for {ref.count} entries")
         if not isinstance(ref.sha256, str) or not _SHA_RE.fullmatch(ref.sha256):
@@ -311,8 +335,7 @@ class Manifest:
         def bad(msg):
             raise ManifestError(_cut(msg))
 
-        if self.format != FORMAT or not _is_int(self.format_version) or self.format_version not in READABLE_VERSIONS:
-            bad(f"unknown format {self.format!r} version {self.format_version!r} (this reader: {FORMAT} {READABLE_VERSIONS})")
+        _check_format(self.format, self.format_version)
         if not isinstance(self.base_manifests, list) or len(self.base_manifests) > 4 or not all(
                 isinstance(h, str) and _SHA_RE.fullmatch(h) for h in self.base_manifests):
             bad(f"bad base_manifests {self.base_manifests!r:.100}")
@@ -340,6 +363,8 @@ class Manifest:
                 bad(f"bad blob key {b.key!r:.100}")
             if not _is_int(b.size) or b.size < 0 or not isinstance(b.sha256, str) or not _SHA_RE.fullmatch(b.sha256):
                 bad(f"bad blob entry {b.key!r}")
+            if b.digest is not None and (b.digest != PIECES or self.format_version < PIECE_DIGESTS):
+                bad(f"blob {b.key!r}: digest {b.digest!r:.40} (only {PIECES!r}, from format {PIECE_DIGESTS})")
         per_blob = [[] for _ in self.blobs]
         if self.tables is not None:
             if not isinstance(self.tables, list) or not 1 <= len(self.tables) <= MAX_TABLES:
@@ -410,6 +435,11 @@ class Manifest:
                 bad("base model fingerprint does not match the tensors' base fingerprints")
 
 
+def _check_format(format, version) -> None:
+    if format != FORMAT or not _is_int(version) or version not in READABLE_VERSIONS:
+        raise ManifestError(_cut(f"unknown format {format!r} version {version!r} (this reader: {FORMAT} {READABLE_VERSIONS})"))
+
+
 def _no_overlap(per_blob: list) -> None:
     """Refuse byte ranges ((start, end, what) per blob) that overlap."""
     for ranges in per_blob:
@@ -440,8 +470,11 @@ def _parse(d: dict) -> Manifest:
         raise ManifestError("manifest must be a JSON object")
     if "format" not in d or "format_version" not in d:  # not assumed to be this reader's own
         raise ManifestError("manifest names no format and format_version")
+    _check_format(d["format"], d["format_version"])  # before its fields: a newer format's are unknown here
     tensors = [_tensor(t) for t in d["tensors"]]
     blobs = [Blob(**b) for b in d.get("blobs", [])]
+    if any("digest" in b and b["digest"] is None for b in d.get("blobs", [])):
+        raise ManifestError("a blob's digest is \"pieces\" or absent, never null")
     tables = d.get("tables")
     if tables is not None:
         if not isinstance(tables, list) or len(tables) > MAX_TABLES:

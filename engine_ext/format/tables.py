@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import IntegrityError, ManifestError
-from .manifest import (CELL_RECORD_BYTES, TABLES, Chunk, Manifest, Segment, TableRef, TensorEntry, _REQUIRED, _parsed,
+from .manifest import (CELL_RECORD_BYTES, Chunk, Manifest, Segment, TableRef, TensorEntry, _REQUIRED, _parsed,
                        _tensor)
 
 # A cell table's record (format 7): one chunk in 75 bytes, little-endian (JSON would take ~220).
@@ -53,7 +53,7 @@ def tabulate(m: Manifest, put: Callable[[bytes], tuple[int, int]], per_table: in
                                                           len(t.chunks)))
         rows.append({k: v for k, v in r.items() if k in _REQUIRED or v != default[k]})  # absent: the default
     out = dataclasses.replace(m, tensors=[], tables=[ref(rows[i:i + per_table]) for i in range(0, len(rows), per_table)])
-    out.format_version = TABLES
+    out.format_version = out.lowest_version()  # 7, or 8 with a pieces digest
     return out
 
 

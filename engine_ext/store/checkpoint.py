@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from ..format.dtypes import BY_SAFETENSORS, DType, as_bits
+from ..format.pieces import combine
 
 INDEX_NAME = "model.safetensors.index.json"
 WRITE_CHUNK = 4 << 20  # bytes a writer hands the OS (and the hashes) at a time
@@ -169,8 +170,10 @@ class SafetensorsWriter:
     """Write a safetensors file whose tensors are known up front, one tensor at a time.
 
     Each tensor's bytes are written straight from its memory (no copy), once. With
-    ``hashed``, they are hashed as they are written: the file's SHA-256 (:attr:`sha256`) and
-    each tensor's own (:attr:`tensor_sha256`), so a publisher never reads the file back.
+    ``hashed``, they are hashed once as they are written, each tensor (or piece) on its own
+    (:attr:`tensor_sha256`, :attr:`piece_sha256`), and the file's digest is the pieces digest
+    over them and the header's (:attr:`sha256`; format 8, :mod:`engine_ext.format.pieces`), so a
+    publisher never reads the file back nor hashes its bytes twice.
     """
 
     def __init__(self, path: str | Path, infos: list[tuple[str, DType, tuple[int, ...]]], metadata: dict | None = None,
@@ -195,15 +198,18 @@ class SafetensorsWriter:
         head = struct.pack("<Q", len(raw)) + raw
         self.f.write(head)
         self.size = len(head)
-        self._sha = hashlib.sha256(head) if hashed else None
+        self.hashed = hashed
+        self.segments = [hashlib.sha256(head).digest()] if hashed else []  # each segment's SHA-256, in file order
+        self.bounds = [0, len(head)]  # where the segments begin and end
         self.tensor_sha256: dict[str, str] = {}
         self.piece_sha256: dict[str, list[str]] = {}  # per tensor written with ``splits``: each piece's SHA-256
         self.next = 0
 
     @property
     def sha256(self) -> str:
-        """SHA-256 of the file's bytes (``hashed`` writers, once every tensor is written)."""
-        return self._sha.hexdigest()
+        """The file's pieces digest (``hashed`` writers, once every tensor is written): its segments
+        are the header and each tensor or piece, which the manifest lists as byte ranges."""
+        return combine(self.segments)
 
     def data_range(self, name: str) -> tuple[int, int]:
         """(file offset, length) of a tensor's bytes."""
@@ -223,18 +229,21 @@ class SafetensorsWriter:
         edges = [0, *splits, n]
         pieces = []
         for a, b in zip(edges, edges[1:]):  # written and hashed a few MB at a time, while they are in cache
-            piece = hashlib.sha256() if self._sha is not None else None
+            piece = hashlib.sha256() if self.hashed else None
             for c in range(a, b, WRITE_CHUNK):
                 chunk = data[c:min(b, c + WRITE_CHUNK)]
                 self.f.write(chunk)  # one huge write() is several times slower than many of a few MB
                 if piece is not None:
-                    self._sha.update(chunk)
                     piece.update(chunk)
                 if on_chunk is not None:
                     on_chunk(chunk, c)
             pieces.append(piece)
+            if b > a:  # an empty piece is no segment
+                self.bounds.append(self.size + b)
+                if piece is not None:
+                    self.segments.append(piece.digest())
         self.size += n
-        if self._sha is not None:
+        if self.hashed:
             self.piece_sha256[name] = [h.hexdigest() for h in pieces]
             if not splits:
                 self.tensor_sha256[name] = self.piece_sha256[name][0]

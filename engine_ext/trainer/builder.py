@@ -12,7 +12,10 @@ Face Buckets), a second writer of that key can only write the same bytes.
 A delta blob is the concatenation of each tensor's positions then values bytes
 (independently decodable pco/zstd streams); an anchor blob is a plain safetensors
 file, readable by any safetensors library, whose tensor data ranges the manifest
-points at.
+points at; its SHA-256 is a *pieces* digest (format 8, :mod:`engine_ext.format.pieces`), over
+the digests its tensors and cells are listed with and its header's, so its bytes are hashed
+once. A delta blob keeps a flat SHA-256: its bytes are few, and a delta then stays readable by
+format-5 to 7 readers.
 
 A sharded trainer's version (:mod:`engine_ext.trainer.sharded`) is built in parts: each
 rank lays out and uploads its own blobs (:meth:`VersionBuilder.upload`, keys marked with
@@ -40,6 +43,7 @@ from ..format import fingerprint as fpr
 from ..store.checkpoint import SafetensorsWriter
 from ..format.codec import ChunkedEncoded, Encoded
 from ..format.dtypes import BY_SAFETENSORS, DType
+from ..format.pieces import PIECES, cuts
 from ..format.tables import tabulate
 from ..format.manifest import ANCHOR, DELTA, Blob, Chunk, Latest, Manifest, Segment, TensorEntry, manifest_key
 from ..store.base import _TMP_PREFIX
@@ -77,7 +81,7 @@ class VersionBuilder:
         self.blob_target = blob_target
         self.part = part  # a sharded version's rank: its blobs' keys carry ``.r{part}``
         self.files: list[str] = []
-        self.digests: dict[str, tuple[str, int]] = {}  # blob file -> (SHA-256, size), recorded as written
+        self.digests: dict[str, tuple[str, int, str | None]] = {}  # blob file -> (SHA-256, size, digest kind), as written
         self._cur = None  # open file of the current delta blob
         self._cur_sha = None
 
@@ -115,7 +119,7 @@ class VersionBuilder:
 
     def _close_cur(self):
         if self._cur is not None:
-            self.digests[self._cur.name] = (self._cur_sha.hexdigest(), self._cur.tell())
+            self.digests[self._cur.name] = (self._cur_sha.hexdigest(), self._cur.tell(), None)
             self._cur.close()
             self._cur = None
 
@@ -185,7 +189,9 @@ class VersionBuilder:
                 if done is not None:
                     done()
             w.close()
-            self.digests[str(w.path)] = (w.sha256, w.size)
+            if w.bounds != _listed_bounds(w.size, entries):  # the writer's segments are the ones readers cut
+                raise AssertionError(f"{w.path}: segments written at {w.bounds[:6]}..., listed otherwise")
+            self.digests[str(w.path)] = (w.sha256, w.size, PIECES)
             return entries
 
         with ThreadPoolExecutor(max(1, min(workers or os.cpu_count() or 1, len(shards)))) as pool:
@@ -238,9 +244,9 @@ class VersionBuilder:
         keys = []
         for i, path in enumerate(self.files):
             ext = "safetensors" if path.endswith(".safetensors") else "bin"
-            sha, size = self.digests[path]
+            sha, size, digest = self.digests[path]
             key = f"{version_tag}.{i}.{sha[:32]}.{ext}"
-            m.blobs.append(Blob(key, size, sha))
+            m.blobs.append(Blob(key, size, sha, digest))
             keys.append((key, path))
         return keys
 
@@ -263,6 +269,12 @@ class VersionBuilder:
         finally:
             self.tmp.cleanup()
         return self.manifest
+
+
+def _listed_bounds(size: int, entries: list[TensorEntry]) -> list[int]:
+    """The segment boundaries of an anchor shard of ``size`` bytes holding ``entries`` (one blob's)."""
+    ranges = [(e.offset, e.length) for e in entries if e.nnz and e.chunks is None]
+    return cuts(size, ranges + [(c.offset, c.length) for e in entries for c in e.chunks or ()])
 
 
 def _cells(rows: Rows, local_rows: int) -> list[tuple[int, int, int]]:
