@@ -250,8 +250,10 @@ def test_one_update_at_a_time(world):
     async def two():
         await ctl.start()
         first = asyncio.create_task(ctl.update(parse_request({"url": str(store / "v00000001.json")})))
-        await asyncio.sleep(0.1)
-        with pytest.raises(Busy):
+        while not ctl.status()["busy"]:  # its prepare (fetch, decode) runs first, in a thread: slow on a loaded host
+            assert not first.done(), first
+            await asyncio.sleep(0.01)
+        with pytest.raises(Busy):  # while it applies (the ranks pause 0.3 s), another update is refused
             await ctl.update(parse_request({"url": str(store / "v00000002.json")}))
         waited = asyncio.create_task(ctl.update(parse_request({"url": str(store / "v00000002.json"), "wait": True})))
         return await first, await waited
