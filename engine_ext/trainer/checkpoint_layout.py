@@ -21,7 +21,8 @@ would write. Checked with transformers 5.19.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,9 +65,31 @@ class Rows:
     start: int
 
 
-def _reversed_conversions(model: torch.nn.Module):
-    """(renamings, {source pattern: converter}) that ``save_pretrained`` reverts, as
-    ``revert_weight_conversion`` finds them (transformers 5.19); None without any."""
+@dataclass
+class _Conversions:
+    """What ``save_pretrained`` reverts for one model, as ``revert_weight_conversion`` finds it
+    (transformers 5.19), and the checkpoint tensors each whole in-memory tensor becomes."""
+
+    renamings: list
+    converters: list
+    by_pattern: dict  # source pattern -> its converter
+    whole: dict = field(default_factory=dict)  # (name, shape, dtype) -> {checkpoint name: shape}
+
+
+# model -> its _Conversions (None: it has none). Weak: a freed model frees its entry. Looking them up
+# for each tensor at each publish took 0.25 s of a 531-tensor MoE's training step.
+_CONVERSIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _conversions(model: torch.nn.Module | None) -> _Conversions | None:
+    if model is None:
+        return None
+    if model not in _CONVERSIONS:
+        _CONVERSIONS[model] = _reversed_conversions(model)
+    return _CONVERSIONS[model]
+
+
+def _reversed_conversions(model: torch.nn.Module) -> _Conversions | None:
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming
@@ -79,8 +102,19 @@ def _reversed_conversions(model: torch.nn.Module):
         return None
     reverse = [c.reverse_transform() for c in conversions[::-1]]
     converters = [c for c in reverse if isinstance(c, WeightConverter)]
-    return ([c for c in reverse if isinstance(c, WeightRenaming)], converters,
-            {k: c for c in converters for k in c.source_patterns})
+    return _Conversions([c for c in reverse if isinstance(c, WeightRenaming)], converters,
+                        {k: c for c in converters for k in c.source_patterns})
+
+
+def _whole(model: torch.nn.Module, conv: _Conversions, name: str, shape: tuple, dtype: torch.dtype) -> dict:
+    """{checkpoint name: shape} the whole in-memory tensor ``name`` converts to (from a ``meta`` tensor: no bytes)."""
+    key = (name, tuple(shape), dtype)
+    if key not in conv.whole:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        out = revert_weight_conversion(model, {name: torch.empty(shape, dtype=dtype, device="meta")})
+        conv.whole[key] = {k: tuple(t.shape) for k, t in out.items()}
+    return conv.whole[key]
 
 
 def _row_local(ops) -> bool | None:
@@ -104,36 +138,34 @@ def rows_in_checkpoint_layout(model: torch.nn.Module | None, name: str, local: t
     in the checkpoint layout: one :class:`Rows` per checkpoint tensor they hold a part of (the
     same rows, renamed; rows of each chunk; or whole per-row tensors: one expert each).
     Raises NotImplementedError for a conversion that mixes rows (it would need the whole tensor)."""
-    conv = None if model is None else _reversed_conversions(model)
+    conv = _conversions(model)
     if conv is None:
         return [Rows(name, local, tuple(shape), start)]
     from transformers.core_model_loading import rename_source_key, revert_weight_conversion
 
-    renamings, converters, by_pattern = conv
-    renamed, pattern = rename_source_key(name, renamings, converters, reverse=True)
+    renamed, pattern = rename_source_key(name, conv.renamings, conv.converters, reverse=True)
     if pattern is None:
         return [Rows(renamed, local, tuple(shape), start)]
-    split = _row_local(by_pattern[pattern].operations)
+    split = _row_local(conv.by_pattern[pattern].operations)
     if split is None:
         raise NotImplementedError(
-            f"{name}: its checkpoint layout comes from {by_pattern[pattern].operations}, which mixes rows; a sharded "
+            f"{name}: its checkpoint layout comes from {conv.by_pattern[pattern].operations}, which mixes rows; a sharded "
             "publisher converts row by row only (experts split along dim 0, chunks along other dims). Publish "
             "gathered weights with DeltaPublisher, or pass a state dict already in the checkpoint layout")
-    full = revert_weight_conversion(model, {name: torch.empty(shape, dtype=local.dtype, device="meta")})
+    full = _whole(model, conv, name, shape, local.dtype)
     if split:  # one checkpoint tensor per row: the rank's row j is the whole tensor's row start + j
         rows = []
         for k, t in (revert_weight_conversion(model, {name: local}) if len(local) else {}).items():
             g = _global_row(k, start, full)
-            if tuple(t.shape) != tuple(full[g].shape):
-                raise ValueError(f"{g}: the rank's rows convert to {tuple(t.shape)}, the whole tensor to {tuple(full[g].shape)}")
+            if tuple(t.shape) != full[g]:
+                raise ValueError(f"{g}: the rank's rows convert to {tuple(t.shape)}, the whole tensor to {full[g]}")
             rows.append(Rows(g, t, tuple(t.shape), 0))
         return rows
     out = revert_weight_conversion(model, {name: local}) if len(local) else {
-        k: torch.empty((0, *t.shape[1:]), dtype=local.dtype) for k, t in full.items()}
-    if set(out) != set(full) or any(tuple(out[k].shape[1:]) != tuple(full[k].shape[1:]) or len(out[k]) != len(local)
-                                    for k in out):
+        k: torch.empty((0, *s[1:]), dtype=local.dtype) for k, s in full.items()}
+    if set(out) != set(full) or any(tuple(out[k].shape[1:]) != full[k][1:] or len(out[k]) != len(local) for k in out):
         raise ValueError(f"{name}: rows {start}..{start + len(local)} convert to {sorted(out)}, not rows of {sorted(full)}")
-    return [Rows(k, t, tuple(full[k].shape), start) for k, t in out.items()]
+    return [Rows(k, t, full[k], start) for k, t in out.items()]
 
 
 def _global_row(local_name: str, start: int, full: dict) -> str:
@@ -153,12 +185,8 @@ def _global_row(local_name: str, start: int, full: dict) -> str:
 
 def checkpoint_names(model: torch.nn.Module | None, name: str, shape: tuple, dtype: torch.dtype) -> list[str]:
     """The checkpoint tensors the whole in-memory tensor ``name`` becomes (itself, without conversions)."""
-    conv = None if model is None else _reversed_conversions(model)
-    if conv is None:
-        return [name]
-    from transformers.core_model_loading import revert_weight_conversion
-
-    return list(revert_weight_conversion(model, {name: torch.empty(shape, dtype=dtype, device="meta")}))
+    conv = _conversions(model)
+    return [name] if conv is None else list(_whole(model, conv, name, shape, dtype))
 
 
 __all__ = ["Rows", "transformers_model", "to_checkpoint_layout", "rows_in_checkpoint_layout", "checkpoint_names"]
