@@ -45,7 +45,7 @@ from . import lineage
 from .builder import Rows, commit, merge_parts
 from .publisher import DeltaPublisher, _Change, _Job, log
 from .checkpoint_layout import checkpoint_names, transformers_model
-from .shards import Placement, agree, held_tensors, in_checkpoint_layout
+from .shards import Placement, agree, held_tensors, in_checkpoint_layout, rows
 
 SHARDED = "sharded"
 
@@ -157,32 +157,34 @@ class ShardedPublisher(DeltaPublisher):
         fingerprints, summed, must give every tensor's fingerprint in LATEST's manifest; then the
         first version is a delta against LATEST on every rank. Otherwise (a rank could not, or
         ``resume='anchor'``) it is an anchor on every rank. Records which in :attr:`resumed`."""
-        latest, mine = self.head.latest, None
+        latest, mine, why = self.head.latest, None, None
         if self.resume != "anchor":
             try:
                 spans = {n: lineage.Span(self.layout[n].shape, self._describe(n, t)[0], self._starts[n],
-                                         self._starts[n] + (len(t) if t.dim() else 1)) for n, t in sd.items()}
+                                         self._starts[n] + rows(t.shape)) for n, t in sd.items()}
                 rebuilt = lineage.rebuild_rows(self.store, latest, self.trust, spans)
-                mine = (rebuilt.fingerprints, {t.name: t.fingerprint for t in rebuilt.target.manifest.tensors})
+                mine = rebuilt.fingerprints
             except DeltaError as e:
                 mine = f"rank {self.rank}: {str(e)[:300]}"
-        views = self._all_gather(mine, "resuming")
-        failed = [v for v in views if isinstance(v, str)]
-        why = ("; ".join(failed)[:2000] or None) if self.resume != "anchor" else "resume='anchor'"
-        if why is None:
+        views = self._all_gather(mine, "resuming")  # every rank read the same LATEST (rank 0's, broadcast)
+        if self.resume == "anchor":
+            why = "resume='anchor'"
+        elif failed := [v for v in views if isinstance(v, str)]:
+            why = "; ".join(failed)[:2000]
+        else:
             total: dict[str, int] = {}
-            for partial, _ in views:
+            for partial in views:
                 for n, fp in partial.items():
                     total[n] = (total.get(n, 0) + fp) & fpr.MASK64
-            want = {n: fpr.parse(fp) for n, fp in views[0][1].items()}
+            want = {t.name: fpr.parse(t.fingerprint) for t in rebuilt.target.manifest.tensors}
             if total != want:
                 differ = sorted(n for n in set(total) | set(want) if total.get(n) != want.get(n))
                 why = f"{len(differ)} tensor(s) rebuilt from the ranks' rows differ from LATEST's: {differ[:5]}"
         if why is not None:
             if self.resume == "delta":
                 raise ValueError(f"cannot resume {self.store.uri} with a delta against v{latest.version}: {why}")
-            self.resumed = lineage.Resumed(latest.version, version, "anchor", f"LATEST's weights cannot serve as the "
-                                           f"base: {why}" if why != "resume='anchor'" else why)
+            self.resumed = lineage.Resumed(latest.version, version, "anchor", why if self.resume == "anchor" else
+                                           f"LATEST's weights cannot serve as the base: {why}")
             return
         for n, t in sd.items():  # the kept bits: the rows' raw bits in the served dtype, where _remember keeps them
             self._prev[n] = rebuilt.bits[n].to("cpu" if self.keep_on_cpu else t.device)

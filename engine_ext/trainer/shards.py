@@ -73,7 +73,7 @@ def in_checkpoint_layout(held: dict[str, Held], model: torch.nn.Module | None) -
     out = {}
     for h in held.values():
         for r in rows_in_checkpoint_layout(model, h.name, h.tensor, h.shape, h.start):
-            out[r.name] = Held(r.name, r.tensor, r.shape, r.start, r.start + (len(r.tensor) if r.tensor.dim() else 1))
+            out[r.name] = Held(r.name, r.tensor, r.shape, r.start, r.start + rows(r.tensor.shape))
     return out
 
 
