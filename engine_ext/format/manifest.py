@@ -209,11 +209,7 @@ class Manifest:
         if any(t.cells is not None for t in self.tensors):
             raise ManifestError("a pieces digest's segments need every cell table read first (load_cells)")
         ranges = [(r.offset, r.length) for r in self.tables or () if r.blob == blob]
-        for t in self.tensors:
-            if t.blob == blob and t.nnz:
-                ranges.append((t.offset, t.length))
-            ranges += [(c.offset, c.length) for c in t.chunks or () if c.blob == blob]
-        return cuts(self.blobs[blob].size, ranges)
+        return cuts(self.blobs[blob].size, ranges + listed_ranges(self.tensors, blob))
 
     def to_json(self) -> bytes:
         """The manifest's bytes; fields of formats 7 and 8 only where set (older readers refuse keys they do not know)."""
@@ -433,6 +429,17 @@ class Manifest:
             base = fpr.model_fingerprint((t.name, fpr.parse(t.base_fingerprint)) for t in self.tensors)
             if fpr.fmt(base) != self.base_fingerprint:
                 bad("base model fingerprint does not match the tensors' base fingerprints")
+
+
+def listed_ranges(tensors: list[TensorEntry], blob: int) -> list[tuple[int, int]]:
+    """(offset, length) of every part ``tensors`` list in blob ``blob``: whole tensors' and cells'
+    (a pieces digest's segments end at each: :meth:`Manifest.segment_bounds`)."""
+    ranges = []
+    for t in tensors:
+        if t.blob == blob and t.nnz:
+            ranges.append((t.offset, t.length))
+        ranges += [(c.offset, c.length) for c in t.chunks or () if c.blob == blob]
+    return ranges
 
 
 def _check_format(format, version) -> None:

@@ -45,7 +45,8 @@ from ..format.codec import ChunkedEncoded, Encoded
 from ..format.dtypes import BY_SAFETENSORS, DType
 from ..format.pieces import PIECES, cuts
 from ..format.tables import tabulate
-from ..format.manifest import ANCHOR, DELTA, Blob, Chunk, Latest, Manifest, Segment, TensorEntry, manifest_key
+from ..format.manifest import (ANCHOR, DELTA, Blob, Chunk, Latest, Manifest, Segment, TensorEntry, listed_ranges,
+                               manifest_key)
 from ..store.base import _TMP_PREFIX
 from ..store.signing import Signer
 from ..store import Store, publish_version
@@ -189,7 +190,7 @@ class VersionBuilder:
                 if done is not None:
                     done()
             w.close()
-            if w.bounds != _listed_bounds(w.size, entries):  # the writer's segments are the ones readers cut
+            if w.bounds != cuts(w.size, listed_ranges(entries, blob)):  # the writer's segments are the ones readers cut
                 raise AssertionError(f"{w.path}: segments written at {w.bounds[:6]}..., listed otherwise")
             self.digests[str(w.path)] = (w.sha256, w.size, PIECES)
             return entries
@@ -269,12 +270,6 @@ class VersionBuilder:
         finally:
             self.tmp.cleanup()
         return self.manifest
-
-
-def _listed_bounds(size: int, entries: list[TensorEntry]) -> list[int]:
-    """The segment boundaries of an anchor shard of ``size`` bytes holding ``entries`` (one blob's)."""
-    ranges = [(e.offset, e.length) for e in entries if e.nnz and e.chunks is None]
-    return cuts(size, ranges + [(c.offset, c.length) for e in entries for c in e.chunks or ()])
 
 
 def _cells(rows: Rows, local_rows: int) -> list[tuple[int, int, int]]:
