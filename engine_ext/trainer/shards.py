@@ -24,6 +24,7 @@ import torch
 
 from ..format import chunks
 from ..format.dtypes import dtype_of
+from .checkpoint_layout import rows_in_checkpoint_layout
 
 MAX_PARTS = 256  # parts along one dimension of a grid (docs/FORMAT.md)
 
@@ -66,8 +67,6 @@ def in_checkpoint_layout(held: dict[str, Held], model: torch.nn.Module | None) -
     by ``model``'s own conversions, row by row (:func:`~engine_ext.trainer.checkpoint_layout.rows_in_checkpoint_layout`:
     a transformers 5 MoE's fused experts become whole per-expert tensors of the rank holding
     them); unchanged without a model or conversions."""
-    from .checkpoint_layout import rows_in_checkpoint_layout
-
     if model is None:
         return held
     out = {}
