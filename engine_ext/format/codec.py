@@ -32,13 +32,12 @@ MODE_SAMPLE = 4096  # values sampled to choose abs or rel on big tensors
 CONTEXT_GAIN = 0.10  # the context coder is kept when it saves at least this fraction of the bytes
 CONTEXT_MIN = 64  # fewer changes than this are never context coded (headers dominate)
 _NP_INT = {8: np.int8, 16: np.int16, 32: np.int32, 64: np.int64}
-_PCO = pcodec.ChunkConfig()
-# Gaps of changed positions: no delta order and classic mode, what pco's search picks for them (same
-# bytes on uniform and on Adam-step changes, densities 0.1-99 %) at half the time the search takes.
-try:
-    _PCO_GAPS = pcodec.ChunkConfig(delta_spec=pcodec.DeltaSpec.no_op(), mode_spec=pcodec.ModeSpec.classic())
-except (AttributeError, TypeError):  # a pcodec before its DeltaSpec/ModeSpec: the search
-    _PCO_GAPS = _PCO
+# Gaps of changed positions and changed values alike: no delta order and classic mode. That is
+# what pco's search picks for both (positions sorted and changes scattered, so neighbours do not
+# predict each other): the same bytes, at half the time the search takes or less
+# (`python bench/codec_configs.py`: gaps, abs and rel values of bf16, fp32 and fp8 real AdamW
+# steps; docs/benchmarks.md).
+_PCO = pcodec.ChunkConfig(delta_spec=pcodec.DeltaSpec.no_op(), mode_spec=pcodec.ModeSpec.classic())
 
 
 # What a reader pays to decode a context-coded part beyond the same part coded plainly, from
@@ -121,8 +120,8 @@ def _gap_dtype(numel: int):
     return np.uint32 if numel <= 1 << 32 else np.uint64
 
 
-def _pco(arr: np.ndarray, config: pcodec.ChunkConfig = _PCO) -> bytes:
-    return pcodec.standalone.simple_compress(np.ascontiguousarray(arr), config)
+def _pco(arr: np.ndarray) -> bytes:
+    return pcodec.standalone.simple_compress(np.ascontiguousarray(arr), _PCO)
 
 
 def _planes(arr: np.ndarray) -> bytes:
@@ -153,7 +152,7 @@ def encode_positions(pos: np.ndarray, numel: int) -> tuple[str, bytes]:
 
 def encode_gaps(gaps: np.ndarray) -> tuple[str, bytes]:
     """Positions as their gaps (in :func:`_gap_dtype` of the part's elements), fewer than all of them."""
-    best = ("pco", _pco(gaps, _PCO_GAPS))
+    best = ("pco", _pco(gaps))
     if gaps.size < SMALL:
         z = ("zstd", _zstd(gaps.tobytes()))
         best = min(best, z, key=lambda c: len(c[1]))
