@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 
 import pytest
 import torch
@@ -191,3 +192,42 @@ def test_the_digest_depends_on_the_cuts():
     assert pieces_sha256(b"", cuts(0, [])) == hashlib.sha256(b"").hexdigest()
     with pytest.raises(ValueError):
         pieces_sha256(data, [0, 10])
+
+
+def test_the_writer_starts_each_stretch_to_disk_as_it_goes(tmp_path, monkeypatch):
+    """Write-behind: every ``WRITE_BEHIND`` bytes the writer asks the OS to start writing the stretch
+    just written (the whole file once, in order, none twice), and the file and its digest are the
+    ones written without it. On Linux the kernel takes the call."""
+    from engine_ext.store import checkpoint
+
+    g = torch.Generator().manual_seed(1)
+    tensors = {"a": torch.randn(300, 100, generator=g).to(torch.bfloat16), "b": torch.randn(777, generator=g),
+               "c": torch.randn(50, 64, generator=g).to(torch.bfloat16)}
+    infos = [(n, dtype_by_name(str(t.dtype).removeprefix("torch.")), tuple(t.shape)) for n, t in tensors.items()]
+
+    def write(path, behind):
+        monkeypatch.setattr(checkpoint, "WRITE_CHUNK", 4096)
+        monkeypatch.setattr(checkpoint, "WRITE_BEHIND", behind)
+        w = checkpoint.SafetensorsWriter(path, infos, hashed=True)
+        for n, t in tensors.items():
+            w.write(n, t, splits=[20000] if n == "a" else ())
+        w.close()
+        return w
+
+    calls = []
+    real = checkpoint.start_writeback
+    monkeypatch.setattr(checkpoint, "start_writeback", lambda fd, off, n: calls.append((off, n)) or real(fd, off, n))
+    with_behind = write(tmp_path / "behind.safetensors", 10000)
+    ranges = list(calls)
+    calls.clear()
+    without = write(tmp_path / "plain.safetensors", 1 << 40)
+    assert not calls
+    assert ranges[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:]))
+    assert all(n >= 10000 for _, n in ranges) and with_behind.size - (ranges[-1][0] + ranges[-1][1]) < 10000 + 4096
+    assert (tmp_path / "behind.safetensors").read_bytes() == (tmp_path / "plain.safetensors").read_bytes()
+    assert with_behind.sha256 == without.sha256 and with_behind.piece_sha256 == without.piece_sha256
+    loaded = load_file(tmp_path / "behind.safetensors")
+    assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
+    if sys.platform.startswith("linux"):
+        with open(tmp_path / "behind.safetensors", "rb+") as f:
+            assert real(f.fileno(), 0, 4096)
