@@ -5,16 +5,16 @@ differ, with the old and the new bits there, in order) and is the path for other
 On the CPU a diff reads the whole model every step, so it runs here, once over memory:
 
 * each core takes one contiguous range of the tensor (a thread of :data:`_POOL`: the kernel
-  holds no GIL) and walks it in blocks of ``BLOCK`` elements small enough that both versions'
-  bits stay in the core's L2 cache: it counts a block's changes (vectorised), then writes them
-  (and, for the publisher, the new bits into the kept copy, so no scatter follows) while the
-  block is still in cache, comparing 8 bytes at a time (at RL densities most words hold no
-  change; element by element the fill took 4x the count). Counting the whole tensor first,
-  then filling, read it twice from memory (8 bytes per bf16 element against ``save_file``'s
-  2 read and 2 written).
-* a range's output grows with the changes found (extrapolated from the blocks seen, so it is
-  sized once in practice); the ranges' outputs are then joined in order (12 bytes per change:
-  a few percent of the reads at RL densities).
+  holds no GIL) and walks it a word of 8 bytes at a time: the XOR of the two versions' words
+  is zero for most words at RL densities, and where it is not, each changed element is found
+  from its lowest differing bit (a trailing-zero count) and written out (and, for the
+  publisher, the new bits into the kept copy, so no scatter follows) while the word is in
+  cache. No element is tested alone and nothing is counted first: an earlier kernel counted
+  each L2-sized block (vectorised), then tested the changed words' elements one by one; at 1 %
+  of bf16 that took 1.5-2x as long (docs/benchmarks.md, ``python bench/diff_bench.py``).
+* a range's output grows with the changes found (extrapolated from the words seen, with room
+  for one more block at most, so it is sized a few times at most); the ranges' outputs are then
+  joined in order (12 bytes per change: a few percent of the reads at RL densities).
 
 One parallel start per tensor, not per block: on a shared host a thread that waits for a core
 at every start costs a time slice each time.
@@ -26,8 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
+from numba.cpython.unsafe.numbers import trailing_zeros
 
-BLOCK = 1 << 16  # elements: old and new bits of a block (256 KB in bf16, 512 KB in fp32) stay in L2 between count and fill
+BLOCK = 1 << 16  # elements a range's output makes room for at a time (its largest over-allocation: 12 bytes each)
 MIN_RANGE = 1 << 20  # fewest elements a core takes on its own (below, starting a thread costs more than it saves)
 _THREADS = max(1, os.cpu_count() or 1)
 _POOL = ThreadPoolExecutor(_THREADS, thread_name_prefix="engine-ext-diff")
@@ -39,32 +40,35 @@ def _scan(old, new, old_words, new_words, per, lo, hi, block, update):
     the count. ``old_words``/``new_words`` view the same bits as uint64 (``per`` elements a word); ``lo``,
     ``block`` and, but for the tensor's end, ``hi`` are multiples of ``per``."""
     cap, m = 0, 0
+    bits = 64 // per
+    lane = (np.uint64(1) << np.uint64(bits)) - np.uint64(1) if bits < 64 else ~np.uint64(0)  # one element's bits
     pos, old_at, new_at = np.empty(0, np.int64), np.empty(0, old.dtype), np.empty(0, old.dtype)
     for b0 in range(lo, hi, block):
         b1 = min(hi, b0 + block)
-        o, nw = old[b0:b1], new[b0:b1]  # slices: the count below vectorises
-        k = 0
-        for i in range(b1 - b0):
-            k += o[i] != nw[i]
-        if k == 0:
-            continue
-        if m + k > cap:  # room for what the blocks so far promise over the range, and some more
-            cap = max(m + k, int((m + k) * ((hi - lo) / (b1 - lo)) * 1.125) + 1024)
+        if m + (b1 - b0) > cap:  # room for a whole block of changes, and for what the words so far promise
+            cap = m + (b1 - b0) + max(1024, int(m * ((hi - lo) / max(1, b0 - lo)) * 1.125))
             pos2, old2, new2 = np.empty(cap, np.int64), np.empty(cap, old.dtype), np.empty(cap, old.dtype)
             pos2[:m], old2[:m], new2[:m] = pos[:m], old_at[:m], new_at[:m]
             pos, old_at, new_at = pos2, old2, new2
         w1 = b0 // per + (b1 - b0) // per
         for w in range(b0 // per, w1):
-            if old_words[w] != new_words[w]:  # a word at a time: most hold no change
-                m = _take(old, new, w * per, w * per + per, pos, old_at, new_at, m, update)
+            x = old_words[w] ^ new_words[w]
+            while x != 0:  # each changed element of the word, from its lowest differing bit
+                e = np.int64(trailing_zeros(x)) // bits
+                j = w * per + e
+                pos[m], old_at[m], new_at[m] = j, old[j], new[j]
+                m += 1
+                if update:
+                    old[j] = new[j]
+                x &= ~(lane << np.uint64(e * bits))
         m = _take(old, new, w1 * per, b1, pos, old_at, new_at, m, update)  # the tensor's last elements, short of a word
     return pos, old_at, new_at, m
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
 def _take(old, new, lo, hi, pos, old_at, new_at, m, update):
-    """Write the changes in ``[lo, hi)`` from index ``m`` of the outputs (and, with ``update``, the
-    new bits into ``old``); the count after them."""
+    """Write the changes in ``[lo, hi)`` (fewer than a word's elements) from index ``m`` of the outputs
+    (and, with ``update``, the new bits into ``old``); the count after them."""
     for j in range(lo, hi):
         a, b = old[j], new[j]
         if a != b:
