@@ -10,8 +10,10 @@ tensor entries and cell tables in a blob, as a model of very many tensors publis
 each rank reads the tensor tables and only its tensors' cell tables (on top of its 0.6x). Then rank 1 fails in the middle
 of an update, after writing its part (tests/server_hooks): every rank rolls back, the
 served weights and outputs are those of before, and the same update lands next time.
-After K + 1 deltas through the endpoint the outputs equal a TP 2 server cold-started on
-the final weights.
+After K + 1 deltas through the endpoint the outputs equal a TP 2 cold start on the final
+weights: the server itself, which starts cold on them (version unknown, its weights known
+by fingerprint: the reference) and is taken back to v0 by the anchor (``rollback``, each
+rank fetching its rows of a format-7 anchor) before the deltas. No second server is started.
 """
 from __future__ import annotations
 
@@ -47,11 +49,19 @@ def test_tp2_tied_embeddings(tmp_path):
         assert coders.count("ctx") > len(coders) / 2 and any(p.positions.coder == "ctx" for p in embed.chunks)
     fault = tmp_path / "fault"  # tests/server_hooks: rank N fails its next apply while this file holds N
     env = HOOKS | {"ENGINE_EXT_TEST_FAULT": str(fault)}
-    server = Server(model, sources=str(root), tp=2, env=env, log=tmp_path / "tp2.log")  # version unknown: matched by fingerprint
+    fp = {n: json.loads((root / "run" / (f"v{n:08d}.json" if n else "v00000000.anchor.json")).read_text())["fingerprint"]
+          for n in range(K + 2)}
+    server = Server(save_state_dict(tmp_path / "final", final, model), sources=str(root), tp=2, env=env,
+                    log=tmp_path / "tp2.log")  # cold on the final weights; version unknown: matched by fingerprint
     try:
+        st = server.status()
+        assert st["version"] is None and st["fingerprint"] == fp[K + 1], st
+        assert_layout_on_this_host(st)
+        cold = server.outputs()  # the reference: a TP 2 cold start on the final weights
+        r = server.update({"url": str(root / "run" / "v00000000.anchor.json"), "rollback": True})
+        assert r.status_code == 200 and r.json()["version"] == 0 and len(r.json()["fetched_bytes"]) == 2, r.text
+        assert server.status()["fingerprint"] == fp[0]
         before = server.outputs()
-        assert server.status()["version"] is None
-        assert_layout_on_this_host(server.status())
         for n in range(1, K + 1):
             r = server.update({"url": str(root / "run" / f"v{n:08d}.json")})
             assert r.status_code == 200, r.text
@@ -61,7 +71,7 @@ def test_tp2_tied_embeddings(tmp_path):
             assert len(a["fetched_bytes"]) == 2 and max(a["fetched_bytes"]) <= 0.6 * (a["payload_bytes"] - tables) + tables, (
                 a["fetched_bytes"], tables)
         at_k, st = server.outputs(), server.status()
-        assert st["fingerprint"] == json.loads((root / "run" / f"v{K:08d}.json").read_text())["fingerprint"]
+        assert st["fingerprint"] == fp[K]
         fault.write_text("1")
         r = server.update({"url": str(root / "run" / f"v{K + 1:08d}.json")})
         assert r.status_code == 500 and r.json()["reason"] == "apply" and "injected fault on rank 1" in r.json()["error"], r.text
@@ -70,11 +80,8 @@ def test_tp2_tied_embeddings(tmp_path):
         r = server.update({"url": str(root / "run" / f"v{K + 1:08d}.json")})
         assert r.status_code == 200 and r.json()["version"] == K + 1, r.text
         updated, st = server.outputs(), server.status()
-        assert st["fingerprint"] == json.loads((root / "run" / f"v{K + 1:08d}.json").read_text())["fingerprint"]
+        assert st["fingerprint"] == fp[K + 1]
     finally:
         server.stop()
     assert updated != before and at_k != before
-    cold_dir = save_state_dict(tmp_path / "final", final, model)
-    with Server(cold_dir, tp=2, log=tmp_path / "tp2_cold.log") as cold:
-        assert cold.status()["fingerprint"] == st["fingerprint"]
-        assert cold.outputs() == updated
+    assert updated == cold  # K + 1 deltas from v0 serve what a cold start on the final weights does
