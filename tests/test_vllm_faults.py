@@ -1,13 +1,14 @@
 """Faults on the read side of a real vLLM CPU server lose nothing (docs/RELIABILITY.md).
 
-One server follows an HTTP store (tests/servers.py, on loopback) that misbehaves on cue:
-it answers 503 (retried, the update lands), cuts reads half way (retried, the update
-lands), stays down or keeps cutting (a clear 502 within ENGINE_EXT_FETCH_TIMEOUT, the served
-weights and outputs untouched, the next update fine). Then the server is SIGKILLed in the
-middle of an update: its model directory is byte for byte what it was (the plugin never
-writes it), and a new server started from it with ENGINE_EXT_FOLLOW catches up to the
-store's LATEST by itself, with the fingerprint and the outputs of a server cold-started on
-the final weights.
+One server reads an HTTP store (tests/servers.py, on loopback) that misbehaves on cue. It
+starts cold on the final weights (its fingerprint and outputs: the cold-start reference) and
+is taken back to v0 by the anchor (``rollback``); then the store answers 503 (retried, the
+update lands), cuts reads half way (retried, the update lands), stays down or keeps cutting
+(a clear 502 within ENGINE_EXT_FETCH_TIMEOUT, the served weights and outputs untouched, the
+next update fine). Then the server is SIGKILLed in the middle of an update: the model
+directory it served from is byte for byte what it was (the plugin never writes it), and a
+new server started from the v0 checkpoint with ENGINE_EXT_FOLLOW catches up to the store's
+LATEST by itself, with the fingerprint and the outputs of the cold start.
 """
 from __future__ import annotations
 
@@ -39,14 +40,18 @@ def served(server) -> tuple:
 def test_store_outages_and_a_killed_server_lose_nothing(tmp_path, http_server):
     http_server.reset()
     model = make_model(tmp_path / "model", "qwen2")
-    model_files = tree_sha(model)
     run = http_server.root / f"run-{tmp_path.name}"
-    final = rl_trajectory(model, run, K, seed=5)
+    final = save_state_dict(tmp_path / "final", rl_trajectory(model, run, K, seed=5), model)
+    final_files = tree_sha(final)
     root = f"{http_server.url}/{run.name}"
     fp = {v: json.loads((run / f"v{v:08d}.json").read_text())["fingerprint"] for v in range(1, K + 1)}
     env = {"ENGINE_EXT_FETCH_TIMEOUT": "30"}
-    server = Server(model, sources=root, base_version=0, env=env, log=tmp_path / "server.log")
+    server = Server(final, sources=root, env=env, log=tmp_path / "server.log")  # cold on vK: the reference
     try:
+        cold = served(server)
+        assert cold[0] == fp[K] and server.status()["version"] is None  # version unknown: matched by fingerprint
+        r = server.update({"url": f"{root}/v00000000.anchor.json", "rollback": True})
+        assert r.status_code == 200 and r.json()["version"] == 0, r.text
         http_server.fail_next = 2  # 503 twice: retried
         r = server.update({"url": f"{root}/v00000001.json"})
         assert r.status_code == 200 and r.json()["version"] == 1, r.text
@@ -88,7 +93,7 @@ def test_store_outages_and_a_killed_server_lose_nothing(tmp_path, http_server):
     finally:
         server.stop()
         http_server.reset()
-    assert tree_sha(model) == model_files  # the model directory is never written
+    assert tree_sha(final) == final_files  # the model directory it served from is never written
 
     follow = {**env, "ENGINE_EXT_FOLLOW": root, "ENGINE_EXT_FOLLOW_INTERVAL": "1"}
     with Server(model, sources=root, base_version=0, env=follow, log=tmp_path / "restarted.log") as again:
@@ -98,6 +103,4 @@ def test_store_outages_and_a_killed_server_lose_nothing(tmp_path, http_server):
             time.sleep(1)
         assert st["follow"]["state"] == "following" and st["follow"]["failures_in_a_row"] == 0, st["follow"]
         caught_up = served(again)
-    assert caught_up[0] == fp[K]
-    with Server(save_state_dict(tmp_path / "final", final, model), log=tmp_path / "cold.log") as cold:
-        assert served(cold) == caught_up
+    assert caught_up == cold  # the fingerprint (fp[K]) and the outputs of the cold start on the final weights
