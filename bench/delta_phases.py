@@ -15,6 +15,7 @@ import argparse
 import collections
 import functools
 import os
+import resource
 import sys
 import tempfile
 import threading
@@ -91,6 +92,8 @@ def main() -> None:
     add_shape_args(ap)
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--deltas", type=int, default=2)
+    ap.add_argument("--gap", type=float, default=0.0,
+                    help="seconds between deltas (a training step's length: memory freed that long ago may be cold again)")
     args = ap.parse_args()
     from engine_ext import DeltaPublisher
 
@@ -112,14 +115,19 @@ def main() -> None:
             for i, v in enumerate(versions[1:]):
                 SPENT.clear()
                 CALLS.clear()
+                time.sleep(args.gap)
                 os.sync()
+                r0 = resource.getrusage(resource.RUSAGE_SELF)
                 t0 = time.perf_counter()
                 pub.publish(v)
                 t1 = time.perf_counter()
                 pub.wait()
                 t2 = time.perf_counter()
+                r1 = resource.getrusage(resource.RUSAGE_SELF)
                 print(f"\ndelta {i + 1}: {pub.last_changed} changes; the step waits {t1 - t0:.3f} s, "
-                      f"until stored {t2 - t0:.3f} s (background after publish returned {t2 - t1:.3f} s)")
+                      f"until stored {t2 - t0:.3f} s (background after publish returned {t2 - t1:.3f} s); "
+                      f"CPU {r1.ru_utime - r0.ru_utime:.2f} s user, {r1.ru_stime - r0.ru_stime:.2f} s system, "
+                      f"{r1.ru_minflt - r0.ru_minflt} page faults")
                 for label, s in SPENT.items():
                     print(f"  {label:<45} {s:7.3f} s  ({CALLS[label]} calls)")
 

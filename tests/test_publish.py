@@ -192,6 +192,34 @@ def test_backpressure_and_wait(tmp_path, states):
         bad.wait()
 
 
+def test_a_published_version_frees_its_changes(tmp_path, states, monkeypatch):
+    """Once a version is in the store, nothing holds its changes (positions, bits, encodings): not the
+    background thread until the next version arrives. They are O(changes) bytes (GBs on a big model), and the
+    next diff reuses that memory instead of taking fresh pages."""
+    import gc
+    import weakref
+
+    from engine_ext.trainer import publisher as publisher_mod
+
+    seen = []
+    snapshot = publisher_mod.DeltaPublisher._snapshot_delta
+
+    def watched(self, sd, version):
+        job = snapshot(self, sd, version)
+        seen.extend(weakref.ref(t) for c in job.payload for t in (c.positions, c.new_bits, c.old_bits))
+        return job
+    monkeypatch.setattr(publisher_mod.DeltaPublisher, "_snapshot_delta", watched)
+    gc.disable()  # freed by reference counts alone, as the memory must be (no cycle waits for a collection)
+    try:
+        with DeltaPublisher(str(tmp_path), anchor_every=0) as pub:
+            pub.publish(states[0])
+            pub.publish(states[1])
+            pub.wait()
+            assert seen and all(r() is None for r in seen), "a published version's changes are still held"
+    finally:
+        gc.enable()
+
+
 def test_partial_fetch_by_range(http_server, states):
     """A reader can fetch and verify single tensors by byte range (what a TP rank needs)."""
     http_server.reset()

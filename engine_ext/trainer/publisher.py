@@ -503,6 +503,7 @@ class DeltaPublisher:
             finally:
                 for _ in range(job.holds if job is not None else 0):
                     self._release_kept()  # done reading the kept bits, written or not
+                job = None  # its changes are freed now, not when the next version arrives (the next diff reuses the memory)
                 self._queue.task_done()
 
     def _build(self, job: _Job) -> None:
