@@ -564,18 +564,19 @@ class DeltaPublisher:
         return False, self._encode(c, None)
 
     def _write_delta(self, b: VersionBuilder, payload: list[_Change], agree) -> None:
-        """Encode every change (on the pool) into the builder; ``agree(histograms)`` gives the
-        version's step tables. An encode started at the diff (``early``) gives the bytes encoding here
-        would: the same function of the same inputs (only tensors the context coder is tried on need the tables)."""
-        early = [f.result() for f in [c.early or self._pool.submit(self._encode_early, c) for c in payload]]
+        """Encode every change (on the pool) into the builder, each added (hashed, appended) as soon as it
+        is encoded, in order, while the pool encodes the next ones; ``agree(histograms)`` gives the version's
+        step tables. An encode started at the diff (``early``) gives the bytes encoding here would: the same
+        function of the same inputs (only tensors the context coder is tried on need the tables)."""
+        early = [None if c.early is None else c.early.result() for c in payload]  # (tried, encoding), started at the diff
+        tried = [c.context_pays() if e is None else e[0] for c, e in zip(payload, early)]  # else a sample of each: cheap
+        encodings = [None if t else self._pool.submit(self._encode, c, None) if e is None else e[1]
+                     for c, t, e in zip(payload, tried, early)]  # the plain ones start now, and go on while the tables are agreed
         # the step tables come from the tensors whose sample promises a gain (none where changes are uniform)
-        tables = agree(codec.step_histograms((c.dtype, c.old_bits, c.new_bits) for c, (t, _) in zip(payload, early) if t))
-
-        def enc(job):
-            c, (t, e) = job
-            return self._encode(c, c.context(tables)) if t else e
-
-        for c, e in zip(payload, self._pool.map(enc, zip(payload, early))):
+        tables = agree(codec.step_histograms((c.dtype, c.old_bits, c.new_bits) for c, t in zip(payload, tried) if t))
+        encodings = [self._pool.submit(self._encode, c, c.context(tables)) if t else e for c, t, e in zip(payload, tried, encodings)]
+        for c, e in zip(payload, encodings):
+            e = e.result() if isinstance(e, Future) else e
             if e is None:
                 b.add_unchanged(c.name, c.dtype, c.shape, c.fp)
             else:
