@@ -14,7 +14,10 @@ Steps (one version step = 1 % of the bf16 elements change, as an RL step at lr ~
   loaded first (:func:`bench.synthetic.warm_up_publisher`: once per trainer process), and the
   background is timed with no sync in its middle;
 * publish a 1 % delta (on the training thread: the diff; in the background: fingerprint
-  update, encode, hash, write) vs ``save_file``;
+  update, encode, hash, write) vs ``save_file``: the first delta after the anchor, and (the
+  median of ``--deltas`` - 1) a delta after a delta, as an RL run publishes all but one in
+  ``anchor_every`` (the first delta's working memory is new to the process: on a VM whose
+  fresh pages cost ~40 us each, ``bench/delta_phases.py`` shows the difference as page faults);
   both as the time the training step waits for (``publish`` returning) and until published;
 * per rank at TP 1 and TP 2 (rows of every matrix split between the ranks): fetch, verify
   and decode the rank's part of the delta from the local store vs ``load_file`` of the
@@ -84,11 +87,13 @@ def fsync_file(path):
         os.close(fd)
 
 
-def rl_step(sd: dict, gen: torch.Generator, frac: float) -> dict:
-    """A new version: ``frac`` of each tensor's bf16 elements move by one step of their bits."""
+def rl_step(sd: dict, gen: torch.Generator, frac: float, in_place: bool = False) -> dict:
+    """A new version: ``frac`` of each tensor's bf16 elements move by one step of their bits (``in_place``:
+    ``sd``'s own tensors move)."""
     out = {}
     for name, t in sd.items():
-        bits = t.view(torch.int16).reshape(-1).clone()
+        bits = t.view(torch.int16).reshape(-1)
+        bits = bits if in_place else bits.clone()
         hit = torch.rand(bits.numel(), generator=gen) < frac
         bits[hit] += 1
         out[name] = bits.view(torch.bfloat16).reshape(t.shape)
@@ -146,7 +151,16 @@ def run_round(args, work: Path, key: Path) -> dict:
     out["publish_anchor"] = out["anchor_blocks"] + untimed_sync(pub.wait)  # ... and until it is in the store
     out["delta_blocks"], uri = timed(lambda: pub.publish(nxt))
     out["publish_delta"] = out["delta_blocks"] + untimed_sync(pub.wait)
+    blocks, stored = [], []  # deltas after a delta (the steady state of an RL run), each made in place from the last
+    v = {n: t.clone() for n, t in nxt.items()} if args.deltas > 1 else {}  # (a version more held would crowd the anchor)
+    for _ in range(args.deltas - 1):
+        rl_step(v, gen, args.density, in_place=True)  # publish() has returned: the publisher holds its own copy
+        blocks.append(timed(lambda: pub.publish(v))[0])
+        stored.append(blocks[-1] + untimed_sync(pub.wait))
+    if blocks:
+        out["next_delta_blocks"], out["publish_next_delta"] = statistics.median(blocks), statistics.median(stored)
     pub.close()
+    v.clear()  # its tensors freed before the ranks load theirs
     if args.publish_only:
         dense.unlink()
         shutil.rmtree(store)
@@ -202,8 +216,10 @@ ROWS = [  # (label, ours, dense alternative)
     ("publish the anchor: the training step waits", "anchor_blocks", "save_file"),
     ("publish the anchor: until it is in the store", "publish_anchor", "save_file"),
     ("publish the anchor: until it is in the store", "publish_anchor", "save_file_fsync"),
-    ("publish a 1 % delta: the training step waits", "delta_blocks", "save_file"),
-    ("publish a 1 % delta: until it is in the store", "publish_delta", "save_file"),
+    ("publish the first 1 % delta (after the anchor): the training step waits", "delta_blocks", "save_file"),
+    ("publish the first 1 % delta (after the anchor): until it is in the store", "publish_delta", "save_file"),
+    ("publish a 1 % delta after a delta: the training step waits", "next_delta_blocks", "save_file"),
+    ("publish a 1 % delta after a delta: until it is in the store", "publish_next_delta", "save_file"),
     ("TP 1 rank: fetch + verify + decode", "tp1_fetch_decode", "tp1_dense_read"),
     ("TP 1 rank: apply in place (undo, fingerprints)", "tp1_apply", "tp1_dense_copy"),
     ("TP 1 rank: start-up check", "tp1_startup", "tp1_dense_read"),
@@ -223,6 +239,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="scale_bench.json")
     ap.add_argument("--publish-only", action="store_true", help="only the trainer's rows (anchor and delta), no ranks")
+    ap.add_argument("--deltas", type=int, default=3,
+                    help="deltas published after the anchor: the first, and the median of the others (after a delta)")
     args = ap.parse_args()
     rounds = signed_rounds(args, run_round, "engine_ext_scale_",
                            lambda r: ", ".join(f"{k} {v:.3f}" for k, v in r.items() if k != "params"))
