@@ -559,15 +559,12 @@ class DeltaPublisher:
         """(whether the context coder is tried on the change, its encoding where it is not), on the pool as
         soon as the tensor is diffed: it overlaps the next tensors' diff. A tensor the context coder is tried
         on waits for the version's step tables, built from every tensor's changes (:meth:`_write_delta`)."""
-        if c.context_pays():
-            return True, None
-        return False, self._encode(c, None)
+        return (True, None) if c.context_pays() else (False, self._encode(c, None))
 
     def _write_delta(self, b: VersionBuilder, payload: list[_Change], agree) -> None:
-        """Encode every change (on the pool) into the builder, each added (hashed, appended) as soon as it
-        is encoded, in order, while the pool encodes the next ones; ``agree(histograms)`` gives the version's
-        step tables. An encode started at the diff (``early``) gives the bytes encoding here would: the same
-        function of the same inputs (only tensors the context coder is tried on need the tables)."""
+        """Encode every change (on the pool) into the builder, each hashed and appended in order as soon as it is
+        encoded; ``agree(histograms)`` gives the step tables. An encode started at the diff (``early``) gives the
+        bytes encoding here would: the same function of the same inputs (only context-coded tensors need tables)."""
         early = [None if c.early is None else c.early.result() for c in payload]  # (tried, encoding), started at the diff
         tried = [c.context_pays() if e is None else e[0] for c, e in zip(payload, early)]  # else a sample of each: cheap
         encodings = [None if t else self._pool.submit(self._encode, c, None) if e is None else e[1]
