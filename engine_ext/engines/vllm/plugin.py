@@ -1,7 +1,8 @@
 """``vllm.general_plugins`` entry point: runs in every vLLM process before the model loads.
 
 On the CPU it asks for AMX tile permission (vLLM's AMX attention otherwise can die with
-SIGILL) and keeps the backend's unpacked linear weights (see :mod:`.patches`), adds the
+SIGILL) and keeps the backend's unpacked linear weights, MoE experts and AMX MLA ``kv_b_proj``
+weights (see :mod:`.patches`), adds the
 ``engine_ext`` worker RPC method, registers the weight-transfer backend as ``engine_ext``
 (the name its trainer side registers too, by vLLM's convention) and ``delta`` (the old
 name), has ``LLM.finish_weight_update(weight_version)`` record the label on the ranks,
@@ -29,7 +30,8 @@ def register() -> None:
         log.propagate = False
     from ... import settings
     from . import compat, worker
-    from .patches import drain_replies_after_a_failed_rpc, keep_cpu_linear_weights, keep_cpu_moe_weights, request_amx_permission
+    from .patches import (drain_replies_after_a_failed_rpc, keep_amx_mla_weights, keep_cpu_linear_weights, keep_cpu_moe_weights,
+                          request_amx_permission)
 
     settings.current()  # every ENGINE_EXT_* variable read once, here, in every vLLM process
     checked, note = compat.version_note()
@@ -38,6 +40,7 @@ def register() -> None:
         request_amx_permission()
         keep_cpu_linear_weights()
         keep_cpu_moe_weights()
+        keep_amx_mla_weights()
     drain_replies_after_a_failed_rpc()
     compat.carry_env_to_ray_workers()
     worker.install()

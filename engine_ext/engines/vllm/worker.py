@@ -21,18 +21,47 @@ RPC_METHOD = "engine_ext"
 
 
 def cpu_refresh(model: torch.nn.Module):
-    """Refresh hook for vLLM's CPU backend: re-pack the linear layers whose weights changed
-    and the touched experts of MoE layers."""
-    from .patches import moe_layers, packed_layers, repack, repack_experts
+    """Refresh hook for vLLM's CPU backend: re-pack the linear layers whose weights changed,
+    re-derive the AMX MLA impl's packed W_UK/W_UV of the layers whose ``kv_b_proj`` changed, and
+    re-pack the touched experts of MoE layers."""
+    from .patches import mla_layers, moe_layers, packed_layers, rederive_mla, repack, repack_experts
 
     def refresh(touched) -> None:
         for ptr, layer in packed_layers(model).items():
             if touched is None or ptr in touched:
                 repack(layer)
+        for layer in mla_layers(model):
+            if touched is None or layer.kv_b_proj.weight.untyped_storage().data_ptr() in touched:
+                rederive_mla(layer)
         for layer in moe_layers(model):
             repack_experts(layer, touched)
 
     return refresh
+
+
+def cpu_derived_check(model: torch.nn.Module):
+    """Audit hook for vLLM's CPU backend: every derived copy the kernels read (sgl-packed linear
+    weights, the AMX MLA impl's packed W_UK/W_UV, packed MoE experts) compared bit for bit with a
+    fresh derivation from the weights the maps write. O(model): an operator's ``?audit=1``."""
+    from .patches import (experts_copy_stale, linear_copy_stale, mla_copy_stale, mla_layers, moe_layers,
+                          packed_layers)
+
+    def check() -> dict:
+        names = {id(m): n for n, m in model.named_modules()}
+        checked, opaque, stale = 0, 0, []
+        results = [(layer, linear_copy_stale(layer)) for layer in packed_layers(model).values()]
+        results += [(layer, mla_copy_stale(layer)) for layer in mla_layers(model)]
+        results += [(layer, experts_copy_stale(layer)) for layer in moe_layers(model)]
+        for layer, is_stale in results:
+            if is_stale is None:
+                opaque += 1
+                continue
+            checked += 1
+            if is_stale:
+                stale.append(names.get(id(layer), type(layer).__name__))
+        return {"checked": checked, "opaque": opaque, "stale": sorted(stale)}
+
+    return check
 
 
 # Quantisation methods whose served weights are the checkpoint's bytes (or a copy the patches
@@ -68,9 +97,11 @@ def build_updater(model: torch.nn.Module, vllm_config, rank: int = 0) -> RankUpd
         from .patches import cpu_paths
 
         refresh, describe = cpu_refresh(model), (lambda: {"platform": "cpu", **cpu_paths(model)})
+        check_derived = cpu_derived_check(model)
     else:
-        refresh, describe = None, (lambda: {"platform": compat.device_type()})
-    return RankUpdater(model, load, ckpt.specs(), ckpt.load, refresh, rank=rank, describe=describe)
+        refresh, describe, check_derived = None, (lambda: {"platform": compat.device_type()}), None
+    return RankUpdater(model, load, ckpt.specs(), ckpt.load, refresh, rank=rank, describe=describe,
+                       check_derived=check_derived)
 
 
 def updater_for(model: torch.nn.Module, vllm_config, rank: int = 0) -> RankUpdater:
