@@ -176,6 +176,10 @@ def test_versions_through_each_path_equal_a_cold_start(servers, case, store):
     assert traj.fingerprints[store] == cold_fp  # the trainer's last version is what the cold server holds
     code, body = _update(server, traj.url(store, 0), rollback=True)
     assert code == 200 and body["version"] == 0 and body["fallback"] == [], body
+    # The copies the kernels read (packed GEMM weights, MLA's W_UK/W_UV, packed experts) must follow the
+    # weights: at the end of the chain a stale copy would equal the cold start's again, so check here.
+    audit = server.status(audit=True)["audit"]
+    assert audit["ok"] and audit["derived"]["stale"] == [], audit
     if "at_v0" not in served:  # once per server: the served computation reads the weights the updates write
         served["at_v0"] = server.outputs()
         assert served["at_v0"] != served["cold"]
@@ -185,6 +189,7 @@ def test_versions_through_each_path_equal_a_cold_start(servers, case, store):
         assert body["tensors"] > 0 and body["elements"] > 0
     assert server.status()["fingerprint"] == cold_fp
     assert server.outputs() == served["cold"]
+    assert server.status(audit=True)["audit"]["ok"]
     changed = mm.delta_names(traj, store)
     assert traj.frozen == () or all(changed[n] == 0 for n in traj.frozen if n in changed)  # a frozen tower: no deltas
 

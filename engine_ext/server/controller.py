@@ -248,12 +248,17 @@ class Controller:
 
     async def audit(self) -> dict:
         """Re-read every rank's live weights, under the update lock (never in the middle of an apply),
-        and compare their fingerprints with the served state's: what ``GET ...?audit=1`` answers."""
+        and compare their fingerprints with the served state's, and every copy the engine derived from
+        them (what its kernels read) with a fresh derivation: what ``GET ...?audit=1`` answers."""
         async with self._lock:
-            live = self._served_fingerprints(check_replies(await self.ranks.call("audit")))
+            replies = check_replies(await self.ranks.call("audit"))
+            live = self._served_fingerprints(replies)
             differ = sorted(n for n in set(live) | set(self.state.tensor_fps) if live.get(n) != self.state.tensor_fps.get(n))
-            return {"ok": not differ, "version": self.state.version, "fingerprint": fpr.fmt(fpr.model_fingerprint(live)),
-                    "differ": differ[:20]}
+            stale = sorted({f"rank {r.rank}: {n}" for r in replies for n in r.derived.get("stale", ())})
+            derived = {"checked": sum(r.derived.get("checked", 0) for r in replies),
+                       "opaque": sum(r.derived.get("opaque", 0) for r in replies), "stale": stale[:20]}
+            return {"ok": not differ and not stale, "version": self.state.version,
+                    "fingerprint": fpr.fmt(fpr.model_fingerprint(live)), "differ": differ[:20], "derived": derived}
 
     def _served_fingerprints(self, replies) -> dict[str, int]:
         """The whole-tensor fingerprints of the served tensors from the ranks' reports (a checkpoint's
@@ -323,11 +328,13 @@ class Controller:
 
     async def _prepare_and_execute(self, req: UpdateRequest, source: str, trust: Trust):
         """Prepare outside the lock, execute under it; plan again if the state moved meanwhile
-        (here, or on the ranks through another door: :meth:`sync` before planning and executing)."""
+        (here, or on the ranks through another door: :meth:`sync` before planning and executing). Every
+        plan of the request fetches within the one deadline (``ENGINE_EXT_FETCH_TIMEOUT``), fixed here."""
+        deadline = time.monotonic() + settings.current().fetch_timeout
         for _ in range(self.REPLANS):
             async with self._lock:
                 await self.sync()
-            txn = UpdateTransaction(self.ranks, self.state, req, source, trust)
+            txn = UpdateTransaction(self.ranks, self.state, req, source, trust, deadline=deadline)
             try:
                 try:
                     await txn.prepare()

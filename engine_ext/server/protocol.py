@@ -113,6 +113,7 @@ class RankReply:
     mismatched: tuple[str, ...] = ()  # setup: tensors whose live weights differ from the loaded checkpoint
     tied: dict[str, str] = field(default_factory=dict)  # setup: checkpoint tensors not served, tied to another {name: kept}
     engine: dict = field(default_factory=dict)  # setup: the engine's kernels/paths on this rank
+    derived: dict = field(default_factory=dict)  # audit: {"checked", "opaque", "stale"} of the engine's derived copies
     written: int = 0  # apply: checkpoint elements written
     undo_bytes: int = 0  # apply
     seconds: dict[str, float] = field(default_factory=dict)  # setup, apply: time per step on the rank

@@ -46,6 +46,7 @@ log = logging.getLogger("engine_ext")
 Loader = Callable[[str, torch.Tensor], None]  # load one whole checkpoint tensor via the engine's loader
 Refresh = Callable[["Touched | None"], None]  # rebuild derived copies of what an apply wrote; None: of everything
 Describe = Callable[[], dict]  # the engine's kernels/paths on this rank, for the start-up log and status
+CheckDerived = Callable[[], dict]  # the audit of derived copies: {"checked": n, "opaque": n, "stale": [layer names]}
 OPS = ("setup", "fetch", "fetched", "apply", "discard", "commit", "rollback", "status", "resync", "audit", "forget",
        "set_label")
 DECODE_BACKENDS = ("auto", "host", "device")
@@ -79,7 +80,8 @@ class RankUpdater:
 
     ``checkpoint``: {name: (shape, dtype)} of the served checkpoint; ``read_checkpoint``
     reads one tensor of it (the dense fallback starts from it); ``refresh`` rebuilds
-    derived copies of the storages an apply wrote; ``describe`` reports the engine's paths.
+    derived copies of the storages an apply wrote; ``describe`` reports the engine's paths;
+    ``check_derived`` compares every derived copy with a fresh derivation (for :meth:`audit`).
     ``decode_backend``: where context-coded parts are decoded: "auto" where the weights
     live (on an accelerator in Triton, on the host in numba), "host" always on the host,
     "device" always through the Triton pass (on CPU weights only under ``TRITON_INTERPRET=1``:
@@ -89,11 +91,12 @@ class RankUpdater:
     def __init__(self, module: torch.nn.Module, load: Loader, checkpoint: dict[str, tuple[tuple[int, ...], DType]],
                  read_checkpoint: Callable[[str], torch.Tensor] | None = None, refresh: Refresh | None = None,
                  rank: int = 0, describe: Describe | None = None, decode_backend: str = "auto",
-                 apply_backend: str = "auto"):
+                 apply_backend: str = "auto", check_derived: CheckDerived | None = None):
         if decode_backend not in DECODE_BACKENDS:
             raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
         self.module, self.load, self.checkpoint = module, load, checkpoint
         self.read_checkpoint, self.refresh, self.rank, self.describe = read_checkpoint, refresh, rank, describe
+        self.check_derived = check_derived
         self.decode_backend, self.apply_backend = decode_backend, apply_backend
         self.maps: dict[str, TensorMap | Unmappable] = {}
         self.host: dict[str, torch.Tensor] = {}  # checkpoint copies of unmappable tensors (dense fallback)
@@ -203,12 +206,15 @@ class RankUpdater:
     def audit(self) -> RankReply:
         """The fingerprints of the live weights, read again through the maps; nothing changes. What is
         served checked against what the bookkeeping says (an operator's audit, the chaos soak's "never
-        a mix"); dense-fallback tensors report their host copy, the only copy the maps can read."""
+        a mix"); dense-fallback tensors report their host copy, the only copy the maps can read. The
+        copies the engine derives from those weights (packed, re-laid) are what its kernels read: the
+        engine's ``check_derived`` compares each with a fresh derivation (``derived``)."""
         self.setup()
         live = {n: fpr.tensor_fingerprint(self.host[n]) if n in self.host else local_fingerprint(m)
                 for n, m in self.maps.items()}
         return RankReply(True, self.rank, pending=self._pending is not None, fingerprints={
-            n: TensorReport(fp, self.covered[n], _numel(self.checkpoint[n][0])) for n, fp in live.items()})
+            n: TensorReport(fp, self.covered[n], _numel(self.checkpoint[n][0])) for n, fp in live.items()},
+            derived=self.check_derived() if self.check_derived is not None else {})
 
     def report(self, names: Iterable[str] | None = None) -> dict[str, TensorReport]:
         """This rank's view of each tensor's fingerprint, for the driver to combine."""

@@ -203,9 +203,11 @@ class VllmServer:
         data = body if isinstance(body, (str, bytes)) else json.dumps(body)
         return requests.post(self.url + ROUTE, data=data, headers=self._headers(headers), timeout=timeout)
 
-    def status(self, headers: dict | None = None) -> dict:
-        """``GET /update_weights_delta``: version, fingerprint, layout (engine paths), history."""
-        r = requests.get(self.url + ROUTE, headers=self._headers(headers), timeout=30)
+    def status(self, headers: dict | None = None, audit: bool = False) -> dict:
+        """``GET /update_weights_delta``: version, fingerprint, layout (engine paths), history; with
+        ``audit``, also ``audit`` (the live weights and the engine's derived copies re-read and checked)."""
+        r = requests.get(self.url + ROUTE, headers=self._headers(headers), params={"audit": 1} if audit else None,
+                         timeout=120 if audit else 30)
         r.raise_for_status()
         return r.json()
 
