@@ -192,7 +192,7 @@ class UpdateTransaction:
     POLL_S = 0.05  # between asking the ranks whether their fetch is done (each ask is one cheap RPC)
 
     def __init__(self, ranks: Ranks, state: ServedState, request: UpdateRequest, source: str,
-                 trust: Trust | None = None):
+                 trust: Trust | None = None, deadline: float | None = None):
         self.ranks, self.state, self.request, self.source = ranks, state, request, source
         self.trust = trust or Trust.from_settings()
         self.id = uuid.uuid4().hex
@@ -208,6 +208,10 @@ class UpdateTransaction:
         self.base_version = state.version
         self._fetching = False
         self._t0 = time.perf_counter()
+        # One fetch deadline (``time.monotonic()``) for the whole update: every manifest and blob, plan and
+        # fetch, and every plan again after others committed meanwhile (the driver passes the request's own)
+        self.fetch_timeout = settings.current().fetch_timeout
+        self.deadline = deadline if deadline is not None else time.monotonic() + self.fetch_timeout
 
     async def run(self) -> UpdateAnswer:
         try:
@@ -266,7 +270,7 @@ class UpdateTransaction:
         planned = route.plan(
             self.source, self.state.version, self.state.model_fingerprint, have_manifests=self.state.manifests,
             trust=self.trust, limits=self.limits, allow_older=self.request.rollback,
-            deadline=time.monotonic() + settings.current().fetch_timeout, tensor_fps=self.state.tensor_fps,
+            deadline=self.deadline, tensor_fps=self.state.tensor_fps,
             expected=self.state.tensors)
         self.store, self.chain, self.target = planned.store, planned.links, planned.target
         if not self.chain:
@@ -295,17 +299,16 @@ class UpdateTransaction:
         only the tensors (or grid cells, :mod:`engine_ext.format.chunks`) it holds, checks every part's SHA-256,
         decodes (bounded by the manifests' counts) and composes a chain, in the background,
         while the driver polls. Any rank's failure fails the update before anything is written."""
-        deadline = time.monotonic() + settings.current().fetch_timeout
         links = [{"key": link.key, "sha256": link.sha256, "max_bytes": self.limits.manifest_bytes} for link in self.chain]
         self._fetching = True
         check_replies(await self.ranks.call("fetch", txn=self.id, store=self.store.uri, route=links,
-                                            timeout_s=settings.current().fetch_timeout))
+                                            timeout_s=max(0.0, self.deadline - time.monotonic())))
         while True:
             replies = check_replies(await self.ranks.call("fetched", txn=self.id))
             if not any(r.pending for r in replies):
                 break
-            if time.monotonic() > deadline:
-                raise FetchTimeoutError(f"the ranks did not fetch their part within {settings.current().fetch_timeout:g} s "
+            if time.monotonic() > self.deadline:
+                raise FetchTimeoutError(f"the ranks did not fetch their part within {self.fetch_timeout:g} s "
                                         "(ENGINE_EXT_FETCH_TIMEOUT)")
             await asyncio.sleep(self.POLL_S)
         self.fetched_bytes = [r.fetched_bytes for r in replies]
