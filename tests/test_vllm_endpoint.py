@@ -150,13 +150,21 @@ def test_refused_and_unchanged(world, body, status, reason):
     assert s.outputs() == world["at_v2"]
 
 
+def running_requests(server) -> float:
+    """vLLM's ``vllm:num_requests_running`` gauge (its /metrics)."""
+    text = requests.get(server.url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running"))
+
+
 def test_chain_while_generating(world):
     """v4 from v2 (chain v3+v4) while long generations run with pause mode keep: all complete."""
     s, root = world["server"], world["root"]
     with cf.ThreadPoolExecutor(6) as ex:
         gens = [ex.submit(s.complete, [10 + i, 11, 12], 120, 0) for i in range(5)]
-
-        time.sleep(1.0)
+        deadline = time.monotonic() + 120  # the update starts once the generations run (not after a sleep)
+        while running_requests(s) < len(gens) and not any(g.done() for g in gens):
+            assert time.monotonic() < deadline, "the generations never started"
+            time.sleep(0.05)
         upd = ex.submit(s.update, {"url": v(root, "run", K)})
         r = upd.result()
         results = [g.result() for g in gens]

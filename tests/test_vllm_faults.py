@@ -4,8 +4,9 @@ One server reads an HTTP store (tests/servers.py, on loopback) that misbehaves o
 starts cold on the final weights (its fingerprint and outputs: the cold-start reference) and
 is taken back to v0 by the anchor (``rollback``); then the store answers 503 (retried, the
 update lands), cuts reads half way (retried, the update lands), stays down or keeps cutting
-(a clear 502 within ENGINE_EXT_FETCH_TIMEOUT, the served weights and outputs untouched, the
-next update fine). Then the server is SIGKILLed in the middle of an update: the model
+(a clear 502 once the retries are spent, within 30 s, the served weights and outputs untouched,
+the next update fine). Every update runs under the default fetch deadline: the 30 s is the
+attack's bound, asserted on the failing updates alone, so a loaded host cannot fail the set-up. Then the server is SIGKILLed in the middle of an update: the model
 directory it served from is byte for byte what it was (the plugin never writes it), and a
 new server started from the v0 checkpoint with ENGINE_EXT_FOLLOW catches up to the store's
 LATEST by itself, with the fingerprint and the outputs of the cold start.
@@ -45,8 +46,7 @@ def test_store_outages_and_a_killed_server_lose_nothing(tmp_path, http_server):
     final_files = tree_sha(final)
     root = f"{http_server.url}/{run.name}"
     fp = {v: json.loads((run / f"v{v:08d}.json").read_text())["fingerprint"] for v in range(1, K + 1)}
-    env = {"ENGINE_EXT_FETCH_TIMEOUT": "30"}
-    server = Server(final, sources=root, env=env, log=tmp_path / "server.log")  # cold on vK: the reference
+    server = Server(final, sources=root, log=tmp_path / "server.log")  # cold on vK: the reference
     try:
         cold = served(server)
         assert cold[0] == fp[K] and server.status()["version"] is None  # version unknown: matched by fingerprint
@@ -67,7 +67,7 @@ def test_store_outages_and_a_killed_server_lose_nothing(tmp_path, http_server):
             took = time.monotonic() - t
             http_server.reset()
             assert r.status_code == 502 and r.json()["reason"] == "fetch", (switch, r.text)
-            assert took < 30, (switch, took)  # within ENGINE_EXT_FETCH_TIMEOUT
+            assert took < 30, (switch, took)  # the retries give up in bounded time
             assert served(server) == at_v2, switch  # nothing changed
         r = server.update({"url": f"{root}/v00000003.json"})
         assert r.status_code == 200 and r.json()["version"] == 3, r.text
@@ -95,7 +95,7 @@ def test_store_outages_and_a_killed_server_lose_nothing(tmp_path, http_server):
         http_server.reset()
     assert tree_sha(final) == final_files  # the model directory it served from is never written
 
-    follow = {**env, "ENGINE_EXT_FOLLOW": root, "ENGINE_EXT_FOLLOW_INTERVAL": "1"}
+    follow = {"ENGINE_EXT_FOLLOW": root, "ENGINE_EXT_FOLLOW_INTERVAL": "1"}
     with Server(model, sources=root, base_version=0, env=follow, log=tmp_path / "restarted.log") as again:
         deadline = time.monotonic() + 120
         while (st := again.status())["version"] != K:

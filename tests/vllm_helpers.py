@@ -42,10 +42,16 @@ class Server(VllmServer):
         try:
             layout = self.status().get("layout") or {}
             engine = (layout.get("engine") or [{}])[0]
-            server_report.note_engine(
-                f"CPU flags [{' '.join(cpu_flags())}]: GEMM paths {engine.get('gemm')}, attention ISA {engine.get('attention_isa')}, "
-                f"AMX permission {engine.get('amx')}, converting maps {len(layout.get('converted', []))}, "
-                f"dense fallback {layout.get('fallback')}", f"{Path(self.model).name} tp={kw.get('tp', 1)}")
+            paths = (f"CPU flags [{' '.join(cpu_flags())}]: GEMM paths {engine.get('gemm')}, attention ISA "
+                     f"{engine.get('attention_isa')}" + (f", MLA {engine['mla']}" if engine.get("mla") else "") +
+                     f", AMX permission {engine.get('amx')}, converting maps {len(layout.get('converted', []))}")
+            server_report.note_engine(f"{paths}, dense fallback {layout.get('fallback')}",
+                                      f"{Path(self.model).name} tp={kw.get('tp', 1)}")
+            # Loud, whichever test started the server: a tensor this host's engine path leaves to the dense
+            # fallback is reloaded whole at every version, and a cell that passes anyway hides the path.
+            assert not layout.get("fallback"), (
+                f"dense fallback on this host ({paths}): {layout.get('fallback')}; every tensor must be mapped "
+                "in place on every CPU path (engine_ext/engines/vllm/patches.py)")
             if warmup:
                 self.complete(WARMUP_PROMPT, max_tokens=1, logprobs=0)
         except BaseException:
