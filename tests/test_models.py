@@ -28,6 +28,7 @@ import pytest
 import model_matrix as mm
 
 STUBS = Path(__file__).resolve().parent / "sglang_stubs"
+HOOKS = Path(__file__).resolve().parent / "server_hooks"
 
 
 @dataclass(frozen=True)
@@ -38,10 +39,18 @@ class Case:
     dtypes: tuple[str, ...] = ("fp32",)  # trainer dtypes of the trainer paths
     env: tuple[tuple[str, str], ...] = ()  # extra server environment (the VLM's torchvision stub)
     ci: bool = False  # CI serves one case per distinct server-side path; the rest run with `--full` (below)
+    hide_amx: bool = False  # served as on an AVX-512 host without AMX (tests/server_hooks: ENGINE_EXT_TEST_HIDE_AMX)
 
     @property
     def id(self) -> str:
-        return f"{self.kind}-tp{self.tp}" + ("-tiedcopy" if self.tied_copy else "")
+        return f"{self.kind}-tp{self.tp}" + ("-tiedcopy" if self.tied_copy else "") + ("-noamx" if self.hide_amx else "")
+
+    def server_env(self) -> dict:
+        env = dict(self.env)
+        if self.hide_amx:
+            env["ENGINE_EXT_TEST_HIDE_AMX"] = "1"
+            env["PYTHONPATH"] = os.pathsep.join(p for p in [str(HOOKS), env.get("PYTHONPATH")] if p)
+        return env
 
     def stores(self) -> list[str]:
         return [f"{p}/{d}" for d in self.dtypes for p in mm.TRAINER_PATHS] + ["checkpoint/fp32"]
@@ -59,6 +68,9 @@ CASES = [
     Case("qwen3-moe"),
     Case("qwen2-moe"),
     Case("deepseek-v2", ci=True),
+    # MLA's other CPU path: AMX hosts serve it through AMXMLAImpl (packed W_UK/W_UV, refreshed), other hosts
+    # through CPUMLAImpl (views of kv_b_proj): on an AMX host this case takes the other hosts' path
+    Case("deepseek-v2", hide_amx=True),
     # vLLM builds Qwen2.5-VL's HF processor at start, whose video processor needs torchvision; the CUDA
     # wheel cannot load beside the CPU torch, so the server gets the test-only stub (tests/sglang_stubs):
     # text prompts never call it
@@ -100,7 +112,7 @@ def servers(tmp_path_factory):
             root = tmp_path_factory.mktemp(case.id)
             try:
                 traj = mm.trajectory(case.kind, root, dtypes=case.dtypes, tied_copy=case.tied_copy)
-                server = Server(traj.final, sources=str(root), tp=case.tp, env=dict(case.env), log=root / "server.log")
+                server = Server(traj.final, sources=str(root), tp=case.tp, env=case.server_env(), log=root / "server.log")
                 current["world"] = {"case": case, "traj": traj, "server": server}
                 current["world"].update(cold=server.outputs(), status=server.status())
             except BaseException as e:  # every cell of the case reports it (the server is not started again)

@@ -42,7 +42,8 @@ class Server(VllmServer):
         try:
             layout = self.status().get("layout") or {}
             engine = (layout.get("engine") or [{}])[0]
-            paths = (f"CPU flags [{' '.join(cpu_flags())}]: GEMM paths {engine.get('gemm')}, attention ISA "
+            hidden = " (AMX hidden from vLLM)" if (kw.get("env") or {}).get("ENGINE_EXT_TEST_HIDE_AMX") == "1" else ""
+            paths = (f"CPU flags [{' '.join(cpu_flags())}]{hidden}: GEMM paths {engine.get('gemm')}, attention ISA "
                      f"{engine.get('attention_isa')}" + (f", MLA {engine['mla']}" if engine.get("mla") else "") +
                      f", AMX permission {engine.get('amx')}, converting maps {len(layout.get('converted', []))}")
             server_report.note_engine(f"{paths}, dense fallback {layout.get('fallback')}",

@@ -7,7 +7,13 @@ A test puts this directory on a server's ``PYTHONPATH`` and sets, in the server'
   and then, on the rank whose number the file holds, deletes the file and raises: a rank
   that fails in the middle of an update, after writing. One fault per arming (write the
   rank number into the file to arm it).
+- ``ENGINE_EXT_TEST_HIDE_AMX=1``: ``torch.cpu._is_amx_tile_supported()`` answers False in the
+  server's processes, which is every choice vLLM 0.32's CPU backend makes on it (the sgl GEMM
+  path, the ``amx`` attention ISA, the AMX MLA backend, the MoE prepack ISA): an AMX host
+  serves as an AVX-512 host without AMX does, so both hosts' paths run wherever the suite runs
+  on AMX (the kernels themselves still run on this CPU).
 """
+
 import importlib.abc
 import importlib.util
 import os
@@ -37,9 +43,15 @@ def _fail_after_apply(module) -> None:
     module.RankUpdater.apply = apply
 
 
+def _hide_amx(module) -> None:
+    module._is_amx_tile_supported = lambda: False
+
+
 PATCHES = {}  # module name -> what to do once it is imported
 if FLAG:
     PATCHES["engine_ext.server.rank"] = _fail_after_apply
+if os.environ.get("ENGINE_EXT_TEST_HIDE_AMX") == "1":
+    PATCHES["torch.cpu"] = _hide_amx
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):

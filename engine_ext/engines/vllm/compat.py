@@ -39,6 +39,10 @@ TOUCHPOINTS = (
                "the impl serves kv_b_proj from its own packed W_UK/W_UV (AMXMLAImpl)"),
     Touchpoint("vllm.model_executor.layers.attention.mla_attention", "MLAAttention.kv_b_proj", (), "the kept weight's layer"),
     Touchpoint("vllm.model_executor.layers.attention.mla_attention", "MLAAttention.impl", (), "the MLA backend's impl"),
+    Touchpoint("vllm.model_executor.layers.attention.mla_attention", "split_kv_b_proj",
+               ("kv_b_proj", "out_dtype", "kv_lora_rank", "num_heads", "qk_nope_head_dim", "v_head_dim"),
+               "the audit derives W_UK/W_UV afresh and compares the layer's W_UK_T (N, P, L) and W_UV (N, L, V), which "
+               "replace_parameter registers by name (elsewhere than AMX: views of kv_b_proj's weight)"),
     Touchpoint("vllm.v1.attention.backends.mla.amx_mla", "AMXMLAImpl.process_weights_after_loading", ("act_dtype",),
                "re-run after an update to re-derive the packed W_UK/W_UV from the kept kv_b_proj weight"),
     Touchpoint("vllm.v1.attention.backends.mla.amx_mla", "AMXMLAImpl._w_uk_packed", (), "the packed copy it derives (private)"),
@@ -177,6 +181,15 @@ def mla_attention_class():
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
     return MLAAttention
+
+
+def mla_split_kv_b_proj(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's own ``W_UK`` [L, N, P] and ``W_UV`` [L, N, V] of an MLA attention layer, from its
+    ``kv_b_proj`` as it is now (what the layer derived after loading)."""
+    from vllm.model_executor.layers.attention.mla_attention import split_kv_b_proj
+
+    return split_kv_b_proj(layer.kv_b_proj, layer.kv_b_proj.weight.dtype, layer.kv_lora_rank, layer.num_heads,
+                           layer.qk_nope_head_dim, layer.v_head_dim)
 
 
 def multiproc_executor_class():

@@ -274,17 +274,16 @@ def mla_backends(model: torch.nn.Module) -> dict[str, int]:
     """``{MLA impl class: layers}``, e.g. ``{"AMXMLAImpl": 27}`` (the AMX path, whose packed copies
     :func:`rederive_mla` refreshes) or ``{"CPUMLAImpl": 27}`` (views of ``kv_b_proj``'s weight)."""
     out: dict[str, int] = {}
-    for mod in model.modules():
-        if getattr(mod, "kv_b_proj", None) is not None and getattr(mod, "impl", None) is not None:
-            name = type(mod.impl).__name__
-            out[name] = out.get(name, 0) + 1
+    for layer in mla_attention_layers(model):
+        name = type(layer.impl).__name__
+        out[name] = out.get(name, 0) + 1
     return out
 
 
 def cpu_paths(model: torch.nn.Module) -> dict:
     """The CPU kernels this model runs on: ``{"gemm": {path: layers}, "attention_isa": [...],
-    "amx": None (no AMX) | permitted (bool)}``, for MLA models ``"mla": {impl class: layers}``, and for MoE models ``"moe": {"layers": n,
-    "padded": how many of them the engine pads}``."""
+    "amx": None (no AMX) | permitted (bool)}``, for MLA models ``"mla": {impl class: layers}``, and for
+    MoE models ``"moe": {"layers": n, "padded": how many of them the engine pads}``."""
     gemm: dict[str, int] = {}
     for mod in model.modules():
         path = getattr(mod, "_engine_ext_gemm", None)
@@ -399,11 +398,23 @@ def linear_copy_stale(layer: torch.nn.Module) -> bool | None:
 
 
 def mla_copy_stale(layer: torch.nn.Module) -> bool:
-    """Whether the AMX MLA impl's packed W_UK/W_UV differ from its own derivation, run afresh on a
-    shallow copy of the impl from the kept ``kv_b_proj`` weight."""
-    fresh = copy.copy(layer.impl)
-    fresh.process_weights_after_loading(layer._engine_ext_mla)
-    return not all(_same_bits(getattr(layer.impl, n), getattr(fresh, n)) for n in MLA_PACKED)
+    """Whether an MLA layer's W_UK/W_UV differ from a fresh derivation from its ``kv_b_proj`` weight:
+    on AMX the impl's packed copies (its own derivation, run afresh on a shallow copy of the impl),
+    elsewhere the layer's ``W_UK_T`` (N, P, L) and ``W_UV`` (N, L, V), views of that weight today."""
+    if getattr(layer, "_engine_ext_mla", None) is not None:
+        fresh = copy.copy(layer.impl)
+        fresh.process_weights_after_loading(layer._engine_ext_mla)
+        return not all(_same_bits(getattr(layer.impl, n), getattr(fresh, n)) for n in MLA_PACKED)
+    from .compat import mla_split_kv_b_proj
+
+    w_uk, w_uv = mla_split_kv_b_proj(layer)
+    return not (_same_bits(layer.W_UK_T, w_uk.permute(1, 2, 0)) and _same_bits(layer.W_UV, w_uv.transpose(0, 1)))
+
+
+def mla_attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every MLA attention layer that derives W_UK/W_UV from its ``kv_b_proj`` weight (AMX or not)."""
+    return [m for m in model.modules() if getattr(m, "kv_b_proj", None) is not None and getattr(m, "impl", None) is not None
+            and (getattr(m, "_engine_ext_mla", None) is not None or isinstance(getattr(m, "W_UK_T", None), torch.Tensor))]
 
 
 def experts_copy_stale(layer: torch.nn.Module) -> bool:

@@ -41,16 +41,15 @@ def cpu_refresh(model: torch.nn.Module):
 
 def cpu_derived_check(model: torch.nn.Module):
     """Audit hook for vLLM's CPU backend: every derived copy the kernels read (sgl-packed linear
-    weights, the AMX MLA impl's packed W_UK/W_UV, packed MoE experts) compared bit for bit with a
+    weights, MLA's W_UK/W_UV, packed MoE experts) compared bit for bit with a
     fresh derivation from the weights the maps write. O(model): an operator's ``?audit=1``."""
-    from .patches import (experts_copy_stale, linear_copy_stale, mla_copy_stale, mla_layers, moe_layers,
-                          packed_layers)
+    from .patches import experts_copy_stale, linear_copy_stale, mla_attention_layers, mla_copy_stale, moe_layers, packed_layers
 
     def check() -> dict:
         names = {id(m): n for n, m in model.named_modules()}
         checked, opaque, stale = 0, 0, []
         results = [(layer, linear_copy_stale(layer)) for layer in packed_layers(model).values()]
-        results += [(layer, mla_copy_stale(layer)) for layer in mla_layers(model)]
+        results += [(layer, mla_copy_stale(layer)) for layer in mla_attention_layers(model)]
         results += [(layer, experts_copy_stale(layer)) for layer in moe_layers(model)]
         for layer, is_stale in results:
             if is_stale is None:

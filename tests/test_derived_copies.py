@@ -1,0 +1,145 @@
+"""The copies vLLM's CPU backend derives from the weights for its kernels, on vLLM's own ops in this
+process (no server): the audit (``?audit=1``: ``derived``) finds each one stale once the weights it
+came from are written, and the refresh an update runs makes it fresh again.
+
+Each family is the one a patch keeps in step (engine_ext/engines/vllm/patches.py): packed MoE
+experts (every host), MLA's W_UK/W_UV (AMX hosts: the impl's packed copies; elsewhere views of
+``kv_b_proj``'s weight), sgl-packed linear weights (AMX hosts; oneDNN's handle elsewhere is opaque).
+The servers' matrix (tests/test_models.py) audits the same copies after a rollback on a real server.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from engine_ext.engines.vllm import compat, patches  # noqa: E402
+from engine_ext.engines.vllm.worker import cpu_derived_check  # noqa: E402
+
+AMX = torch.cpu._is_amx_tile_supported()
+needs_amx = pytest.mark.skipif(not AMX, reason="vLLM takes this path only on CPUs with AMX")
+
+
+def _write_one(t: torch.Tensor) -> None:
+    """One element moved by one step, in place (what an update does to the checkpoint-layout weight)."""
+    with torch.no_grad():
+        flat = t.view(-1)
+        flat[7] = flat[7] * 1.5 + 0.01
+
+
+class _Experts(torch.nn.Module):
+    """An MoE layer as keep_cpu_moe_weights leaves it: checkpoint-layout experts, packed copies aside."""
+
+    def __init__(self, n=4, inter=32, hidden=64):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w13_weight = torch.nn.Parameter((torch.randn(n, 2 * inter, hidden, generator=g) * 0.02).to(torch.bfloat16),
+                                             requires_grad=False)
+        self.w2_weight = torch.nn.Parameter((torch.randn(n, hidden, inter, generator=g) * 0.02).to(torch.bfloat16),
+                                            requires_grad=False)
+        experts = compat.cpu_moe_experts_class().__new__(compat.cpu_moe_experts_class())
+        experts.__dict__["isa"] = compat.cpu_moe_experts_class().isa
+        self._engine_ext_moe = {"experts": experts, "padded": False, "packed": {}}
+        self._engine_ext_moe["packed"] = patches.packed_experts(self, torch.arange(n))
+
+
+def test_packed_experts_found_stale_then_refreshed():
+    layer = _Experts()
+    assert patches.experts_copy_stale(layer) is False
+    _write_one(layer.w2_weight.data[2])
+    assert patches.experts_copy_stale(layer) is True
+    assert patches.repack_experts(layer) == 4
+    assert patches.experts_copy_stale(layer) is False
+
+
+class _KvBProj(torch.nn.Module):
+    def __init__(self, heads, nope, v, latent):
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        self.weight = torch.nn.Parameter((torch.randn(heads * (nope + v), latent, generator=g) * 0.02).to(torch.bfloat16),
+                                         requires_grad=False)
+        self.quant_method = None
+
+
+class _Mla(torch.nn.Module):
+    """An MLA attention layer's members the audit and the refresh read (vLLM's MLAAttention has them)."""
+
+    def __init__(self, heads=2, nope=32, v=32, latent=64):
+        super().__init__()
+        self.kv_b_proj = _KvBProj(heads, nope, v, latent)
+        self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank = heads, nope, v, latent
+
+
+def test_mla_views_follow_the_weight_and_a_copy_is_found_stale():
+    """Without AMX, vLLM's MLAAttention holds W_UK_T and W_UV as views of kv_b_proj's weight: they follow
+    every in-place write. A copy (what a vLLM that copied would hold) is found stale after one."""
+    layer = _Mla()
+    layer.impl = object()
+    w_uk, w_uv = compat.mla_split_kv_b_proj(layer)
+    layer.W_UK_T, layer.W_UV = w_uk.permute(1, 2, 0), w_uv.transpose(0, 1)
+    assert patches.mla_attention_layers(layer) == [layer] and patches.mla_copy_stale(layer) is False
+    _write_one(layer.kv_b_proj.weight.data)
+    assert patches.mla_copy_stale(layer) is False  # views
+    layer.W_UK_T = layer.W_UK_T.clone()
+    _write_one(layer.kv_b_proj.weight.data)
+    assert patches.mla_copy_stale(layer) is True
+
+
+@needs_amx
+def test_amx_mla_packed_copies_found_stale_then_rederived():
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLAImpl
+
+    torch.cpu._init_amx()
+    layer = _Mla()
+    impl = AMXMLAImpl.__new__(AMXMLAImpl)
+    for name in ("kv_b_proj", "num_heads", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank"):
+        setattr(impl, name, getattr(layer, name))
+    impl.process_weights_after_loading(torch.bfloat16)
+    layer.impl, layer._engine_ext_mla = impl, torch.bfloat16
+    assert patches.mla_layers(layer) == [layer] and patches.mla_copy_stale(layer) is False
+    _write_one(layer.kv_b_proj.weight.data)
+    assert patches.mla_copy_stale(layer) is True
+    patches.rederive_mla(layer)
+    assert patches.mla_copy_stale(layer) is False
+
+
+def _linear(n=32, k=64) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(2)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter((torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16), requires_grad=False)
+    layer.bias = torch.nn.Parameter(torch.randn(n, generator=g).to(torch.bfloat16), requires_grad=False)
+    assert patches.keep_cpu_linear_weights()
+    compat.cpu_gemm_module().dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+    return layer
+
+
+def test_linear_copy_on_this_host():
+    """The sgl path (AMX hosts) serves a packed tensor: stale after a write, fresh after the re-pack. The
+    oneDNN handle (other AVX-512 hosts) and the torch path (AVX2) have no tensor to compare: None."""
+    layer = _linear()
+    assert layer.weight.numel() > 0  # kept by the patch
+    if patches.gemm_path(layer) != "sgl":
+        assert patches.linear_copy_stale(layer) is None
+        return
+    assert patches.linear_copy_stale(layer) is False
+    _write_one(layer.weight.data)
+    assert patches.linear_copy_stale(layer) is True
+    patches.repack(layer)
+    assert patches.linear_copy_stale(layer) is False
+
+
+def test_the_audit_names_the_stale_layers():
+    model = torch.nn.Module()
+    model.experts = _Experts()
+    model.proj = _linear()
+    model.proj._engine_ext_packed = True  # as the patched dispatch marks it
+    check = cpu_derived_check(model)
+    sgl = patches.gemm_path(model.proj) == "sgl"
+    assert check() == {"checked": 1 + sgl, "opaque": int(not sgl), "stale": []}
+    _write_one(model.experts.w13_weight.data[0])
+    _write_one(model.proj.weight.data)
+    assert check()["stale"] == (["experts", "proj"] if sgl else ["experts"])
+    patches.repack_experts(model.experts)
+    patches.repack(model.proj)
+    assert check()["stale"] == []
