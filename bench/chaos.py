@@ -362,6 +362,7 @@ class Soak:
         self.site = None
         self.stop = threading.Event()
         self.lock = threading.Lock()
+        self.scan_lock = threading.Lock()  # one store scan at a time (scan_stores)
         self.pushed_version = None
         self.convergence: dict[str, float] = {}
         self.crashed: set[int] = set()
@@ -492,6 +493,13 @@ class Soak:
             time.sleep(0.4)
 
     def scan_stores(self) -> None:
+        """Read every store and check its objects against what earlier scans saw. One scan at a time:
+        the watch loop, the fault threads (starting a publisher) and the convergence phase all scan, and
+        a scan that read LATEST before another read a newer one must not compare after it."""
+        with self.scan_lock:
+            self._scan_stores()
+
+    def _scan_stores(self) -> None:
         from engine_ext.format.manifest import Latest, Manifest
 
         for name, site in self.stores.sites.items():
