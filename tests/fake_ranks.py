@@ -66,6 +66,7 @@ class FakeRanks:
 
     def __init__(self, ranks, fail_rank=None, pause_s=0.0):
         self.ranks, self.fail_rank, self.pause_s, self.calls = ranks, fail_rank, pause_s, []
+        self.gate = None  # a threading.Event: a pause holds until it is set (a condition, where pause_s is a time)
 
     async def call(self, op, **kw):
         self.calls.append(op)
@@ -80,6 +81,8 @@ class FakeRanks:
     async def pause(self, mode):
         self.calls.append(f"pause:{mode}")
         await asyncio.sleep(self.pause_s)
+        if self.gate is not None:
+            await asyncio.to_thread(self.gate.wait, 120)
 
     async def resume(self):
         self.calls.append("resume")

@@ -509,21 +509,36 @@ def test_replay_is_a_noop_and_downgrade_needs_rollback(world):
 
 def test_wait_queue_is_bounded(world):
     """200 queued ``"wait": true`` requests used to cause 200 pauses: now at most
-    ENGINE_EXT_MAX_WAITING + 1 are in flight, the rest get 429."""
+    ENGINE_EXT_MAX_WAITING + 1 are in flight, the rest get 429.
+
+    The first update's pause holds until every request that was not let in has its 429 (a
+    condition, not a pause of 0.5 s that a loaded host could outlast while the 40 requests are
+    still arriving, letting a sixth in once the first five were done), so exactly
+    ENGINE_EXT_MAX_WAITING + 1 are let in."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     ctl = world["ctl"]
     fake = ctl.ranks
     url = str(world["local"] / "v00000003.json")
+    refused = 40 - (ctl.max_waiting + 1)
     with served_at(world, 2):
-        fake.pause_s, fake.calls[:] = 0.5, []
+        fake.gate, fake.calls[:] = threading.Event(), []
         try:
             with ThreadPoolExecutor(40) as pool:
-                answers = list(pool.map(lambda _: world["srv"].post({"url": url, "wait": True}), range(40)))
+                futures = [pool.submit(world["srv"].post, {"url": url, "wait": True}) for _ in range(40)]
+                deadline = time.monotonic() + 120
+                while sum(f.done() for f in futures) < refused:
+                    assert time.monotonic() < deadline, [f.result().status_code for f in futures if f.done()]
+                    time.sleep(0.02)
+                assert all(f.result().status_code == 429 for f in futures if f.done())  # only refusals answered so far
+                fake.gate.set()
+                answers = [f.result() for f in futures]
         finally:
-            fake.pause_s = 0.0
+            fake.gate.set()
+            fake.gate = None
     codes = [a.status_code for a in answers]
-    assert codes.count(429) >= 40 - (ctl.max_waiting + 1) and set(codes) <= {200, 409, 429}, codes
+    assert codes.count(429) == refused and set(codes) <= {200, 409, 429}, codes
     assert sum(c.startswith("pause") for c in fake.calls) <= ctl.max_waiting + 1
 
 

@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -245,7 +246,9 @@ def test_verify_failure_rolls_back(world):
 def test_one_update_at_a_time(world):
     store, versions = world
     ranks = [make_rank(0, versions[0]), make_rank(1, versions[0])]
-    ctl = Controller(FakeRanks(ranks, pause_s=0.3), Sources([str(store)]), version=0)
+    fake = FakeRanks(ranks)
+    fake.gate = threading.Event()  # the first update's pause holds until the refusal was seen (not for a time)
+    ctl = Controller(fake, Sources([str(store)]), version=0)
 
     async def two():
         await ctl.start()
@@ -253,8 +256,11 @@ def test_one_update_at_a_time(world):
         while not ctl.status()["busy"]:  # its prepare (fetch, decode) runs first, in a thread: slow on a loaded host
             assert not first.done(), first
             await asyncio.sleep(0.01)
-        with pytest.raises(Busy):  # while it applies (the ranks pause 0.3 s), another update is refused
-            await ctl.update(parse_request({"url": str(store / "v00000002.json")}))
+        try:
+            with pytest.raises(Busy):  # while it applies (its pause held), another update is refused
+                await ctl.update(parse_request({"url": str(store / "v00000002.json")}))
+        finally:
+            fake.gate.set()
         waited = asyncio.create_task(ctl.update(parse_request({"url": str(store / "v00000002.json"), "wait": True})))
         return await first, await waited
 
