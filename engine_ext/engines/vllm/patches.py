@@ -200,6 +200,12 @@ def mla_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if getattr(m, "_engine_ext_mla", None) is not None]
 
 
+def mla_attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every MLA attention layer that derives W_UK/W_UV from its ``kv_b_proj`` weight (AMX or not)."""
+    return [m for m in model.modules() if getattr(m, "kv_b_proj", None) is not None and getattr(m, "impl", None) is not None
+            and (getattr(m, "_engine_ext_mla", None) is not None or isinstance(getattr(m, "W_UK_T", None), torch.Tensor))]
+
+
 MLA_PACKED = ("_w_uk_packed", "_w_uv_packed")  # what AMXMLAImpl derives from kv_b_proj's weight
 
 
@@ -411,15 +417,8 @@ def mla_copy_stale(layer: torch.nn.Module) -> bool:
     return not (_same_bits(layer.W_UK_T, w_uk.permute(1, 2, 0)) and _same_bits(layer.W_UV, w_uv.transpose(0, 1)))
 
 
-def mla_attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Every MLA attention layer that derives W_UK/W_UV from its ``kv_b_proj`` weight (AMX or not)."""
-    return [m for m in model.modules() if getattr(m, "kv_b_proj", None) is not None and getattr(m, "impl", None) is not None
-            and (getattr(m, "_engine_ext_mla", None) is not None or isinstance(getattr(m, "W_UK_T", None), torch.Tensor))]
-
-
 def experts_copy_stale(layer: torch.nn.Module) -> bool:
     """Whether the packed experts the MoE kernel reads differ from a fresh packing of every kept expert."""
     info = layer._engine_ext_moe
     fresh = packed_experts(layer, torch.arange(getattr(layer, MOE_WEIGHTS[0]).shape[0]))
     return not all(_same_bits(info["packed"][n], fresh[n]) for n in MOE_WEIGHTS)
-
