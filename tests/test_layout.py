@@ -160,6 +160,36 @@ def test_narrowing_copy_is_unmappable():
     assert isinstance(maps["w"], Unmappable) and "converts torch.float32 -> torch.bfloat16" in maps["w"].reason
 
 
+class ExpertLoader(torch.nn.Module):
+    """GPT-OSS's expert loader in vLLM: each expert's [H, 2I] slice is transposed, made contiguous (a
+    copy) and written into the [E, 2I, H] parameter; a loader that then writes into its "copy" is not
+    mappable (under the probe the copy is the probe itself)."""
+
+    def __init__(self, scribble=False):
+        super().__init__()
+        self.w13 = torch.nn.Parameter(torch.zeros(3, 6, 4, dtype=torch.bfloat16), requires_grad=False)
+        self.scribble = scribble
+
+    def load(self, name, t):  # t: [E, H, 2I]
+        for e in range(t.shape[0]):
+            rows = t[e].t().contiguous()
+            if self.scribble:
+                rows.mul_(2)
+            self.w13.data[e].copy_(rows.clone())
+
+
+def test_a_transposed_contiguous_copy_maps_like_its_view():
+    m = ExpertLoader()
+    maps = probe_layout(m, m.load, [("experts", (3, 4, 6), "bfloat16")])
+    assert isinstance(maps["experts"], TensorMap), maps["experts"]
+    new = torch.randn(3, 4, 6).to(torch.bfloat16)
+    old = torch.zeros(3, 4, 6, dtype=torch.bfloat16)
+    apply_delta([diff_tensor("experts", old, new)], maps)
+    assert torch.equal(m.w13.data.view(torch.int16), new.transpose(1, 2).contiguous().view(torch.int16))
+    m = ExpertLoader(scribble=True)
+    assert isinstance(probe_layout(m, m.load, [("experts", (3, 4, 6), "bfloat16")])["experts"], Unmappable)
+
+
 class TiedLoader(torch.nn.Module):
     """Two checkpoint names copied into one parameter, and one name copied into two parameters."""
 

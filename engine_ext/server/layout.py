@@ -5,7 +5,8 @@
 checkpoint's shape and dtype whose storage we know. A ``TorchFunctionMode``
 intercepts every write into the module's parameters and buffers (``copy_``,
 ``__setitem__``, ``fill_``, any in-place op, ``.data =``) and suppresses it, so the
-weights are untouched. A ``copy_`` / ``__setitem__`` whose source is a view of the
+weights are untouched; ``.contiguous()`` and ``.clone()`` of a view of the probe give that view
+back (they keep every element at its index). A ``copy_`` / ``__setitem__`` whose source is a view of the
 probe's storage with the same dtype and shape is an affine map: the source's storage
 offset and strides give a box in checkpoint coordinates, the destination's give the
 parameter storage offset and strides, together a :class:`~engine_ext.server.maps.Piece`.
@@ -37,6 +38,10 @@ from .maps import EXACT_WIDENINGS, Piece, TensorMap, Unmappable, row_major_strid
 from ..format.dtypes import DType, dtype_by_name
 
 _CONSTANT_WRITES = {"fill_", "zero_"}
+# Copies that keep every element at its index (GPT-OSS's expert loader transposes, then ``.contiguous()``):
+# under the probe they return the probe's view itself, whose strides say where each element came from. A
+# loader that then writes into that "copy" writes into the probe, which the probe refuses (unmappable).
+_IDENTITY_COPIES = {"contiguous", "clone"}
 
 
 class _Unmappable(Exception):
@@ -140,6 +145,8 @@ class _Probe(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        if name in _IDENTITY_COPIES and args and isinstance(args[0], torch.Tensor) and _storage_key(args[0]) == self.pkey:
+            return args[0]  # the same elements at the same indices: the view itself keeps the map (see _IDENTITY_COPIES)
         if name == "__set__" and getattr(getattr(func, "__self__", None), "__name__", None) == "data":
             if isinstance(args[0], torch.Tensor) and _storage_key(args[0]) in self.tracked:
                 self._fail(f"loader rebinds {self.tracked[_storage_key(args[0])][0]}.data")
