@@ -3,7 +3,7 @@ process (no server): the audit (``?audit=1``: ``derived``) finds each one stale 
 came from are written, and the refresh an update runs makes it fresh again.
 
 Each family is the one a patch keeps in step (engine_ext/engines/vllm/patches.py): packed MoE
-experts (every host), MLA's W_UK/W_UV (AMX hosts: the impl's packed copies; elsewhere views of
+experts (every host) and padded expert biases, packed causal-conv1d weights (AVX-512 BF16 hosts), MLA's W_UK/W_UV (AMX hosts: the impl's packed copies; elsewhere views of
 ``kv_b_proj``'s weight), sgl-packed linear weights (AMX hosts; oneDNN's handle elsewhere is opaque).
 The servers' matrix (tests/test_models.py) audits the same copies after a rollback on a real server.
 """
@@ -51,6 +51,78 @@ def test_packed_experts_found_stale_then_refreshed():
     assert patches.experts_copy_stale(layer) is True
     assert patches.repack_experts(layer) == 4
     assert patches.experts_copy_stale(layer) is False
+
+
+def test_padded_expert_bias_is_kept_in_checkpoint_layout_and_padded_again():
+    """An MoE layer with expert biases whose width the engine pads (48 -> 64 per expert): vLLM pads the
+    bias in place of the Parameter's data, which its kernel reads. Under the patch the layer holds a
+    checkpoint-layout bias for the loader (and the maps), and a write into it is padded into the kernel's
+    copy by the refresh, as a cold load pads it."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    cls = compat.cpu_moe_experts_class()
+    assert patches.keep_cpu_moe_weights()
+    experts = cls.__new__(cls)
+    experts.__dict__.update(moe_config=SimpleNamespace(intermediate_size_per_partition=48, activation=MoEActivation.SILU),
+                            _use_zentorch=False)
+    g = torch.Generator().manual_seed(3)
+    layer = torch.nn.Module()
+    for name, shape in (("w13_weight", (2, 96, 64)), ("w2_weight", (2, 64, 48)), ("w13_bias", (2, 96))):
+        p = torch.nn.Parameter((torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16), requires_grad=False)
+        p.weight_loader = "the loader's attributes"
+        layer.register_parameter(name, p)
+    kernel_bias = layer.w13_bias  # what vLLM's quant config hands the kernel
+    checkpoint = layer.w13_bias.data.clone()
+    experts.process_weights_after_loading(layer)
+    assert kernel_bias.shape == (2, 128) and layer.w13_bias is not kernel_bias
+    assert torch.equal(layer.w13_bias.data, checkpoint) and layer.w13_bias.weight_loader == "the loader's attributes"
+    assert patches.experts_copy_stale(layer) is False
+    _write_one(layer.w13_bias.data[1])  # element 7 of expert 1: the gate half
+    assert patches.experts_copy_stale(layer) is True
+    assert kernel_bias.data[1, 7] != layer.w13_bias.data[1, 7]
+    assert patches.repack_experts(layer) == 2 and patches.experts_copy_stale(layer) is False
+    assert kernel_bias.data[1, 7] == layer.w13_bias.data[1, 7] and torch.equal(kernel_bias.data[1, 48:64], torch.zeros(16, dtype=torch.bfloat16))
+    assert torch.equal(kernel_bias.data[:, 64:112], layer.w13_bias.data[:, 48:])
+
+
+def _conv_op_packs() -> bool:
+    from vllm import _custom_ops as ops
+
+    return hasattr(ops, "causal_conv1d_weight_pack") and torch.cpu._is_avx512_bf16_supported()
+
+
+@pytest.mark.skipif(not _conv_op_packs(), reason="vLLM packs causal-conv1d weights only on AVX-512 BF16 (or Arm BF16) hosts")
+def test_packed_conv1d_weight_is_written_in_checkpoint_layout_and_packed_again():
+    """Qwen3-Next's Gated DeltaNet ``conv1d`` ([dim, 1, 4] bf16): vLLM's dispatch packs it in place of the
+    weight's data, which its kernel reads. Under the patch the weight's loader writes the checkpoint layout
+    into the stash vLLM keeps (registered, so the probe maps into it); the refresh packs it again with
+    vLLM's own op: the kernel's copy equals a cold load's."""
+    from vllm import _custom_ops as ops
+
+    assert patches.keep_cpu_linear_weights()
+    g = torch.Generator().manual_seed(4)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter((torch.randn(64, 1, 4, generator=g) * 0.1).to(torch.bfloat16), requires_grad=False)
+    written = []
+
+    def loader(param, w):
+        written.append(param)
+        param.data.copy_(w)
+
+    layer.weight.weight_loader = loader
+    compat.cpu_gemm_module().dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+    assert patches.conv_layers(layer) == [layer] and patches.packed_layers(layer) == {}
+    assert patches.conv_copy_stale(layer) is False
+    new = (torch.randn(64, 1, 4, generator=g) * 0.1).to(torch.bfloat16)
+    layer.weight.weight_loader(layer.weight, new)  # what the model's load_weights calls
+    assert written == [layer._engine_ext_conv] and torch.equal(layer._engine_ext_conv_weight, new)
+    assert patches.conv_copy_stale(layer) is True
+    patches.repack_conv(layer)
+    assert patches.conv_copy_stale(layer) is False
+    assert torch.equal(layer.weight.data, ops.causal_conv1d_weight_pack(new.view(64, 4).contiguous()))
+    assert torch.equal(layer._cpu_unpacked_conv_weight, new.view(64, 4))  # vLLM's stash: the spec-decode path's weight
 
 
 class _KvBProj(torch.nn.Module):

@@ -159,11 +159,11 @@ def cpu_moe_experts_class():
 
 
 def cpu_pad_moe_experts(experts, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``rows`` ({"w13_weight": [n, 2I, H], "w2_weight": [n, H, I]}, some experts of a layer) padded
+    """``rows`` ({"w13_weight": [n, 2I, H], "w2_weight": [n, H, I]}, maybe "w13_bias", some experts of a layer) padded
     as vLLM's CPU MoE pads the whole layer after loading (``_pad_moe_intermediate`` of ``experts``,
     run on a module holding just those experts)."""
     holder = torch.nn.Module()
-    for name, w in rows.items():
+    for name, w in rows.items():  # an expert bias ("w13_bias" [n, 2I]) is padded with its experts
         holder.register_parameter(name, torch.nn.Parameter(w, requires_grad=False))
     experts._pad_moe_intermediate(holder)
     return {name: getattr(holder, name).data for name in rows}

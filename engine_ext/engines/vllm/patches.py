@@ -106,7 +106,11 @@ def keep_cpu_linear_weights() -> bool:
 
     def dispatch_keeping_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
         orig(layer, remove_weight=False)
-        layer._engine_ext_packed = True  # marks layers whose served copy is derived
+        if "_cpu_unpacked_conv_weight" in layer.__dict__:
+            keep_conv_weight(layer)
+            return
+        if layer.weight.ndim == 2:
+            layer._engine_ext_packed = True  # marks layers whose served copy is derived
         layer._engine_ext_gemm = gemm_path(layer)
 
     setattr(dispatch_keeping_weight, _MARK, True)
@@ -115,7 +119,64 @@ def keep_cpu_linear_weights() -> bool:
     return True
 
 
+def keep_conv_weight(layer: torch.nn.Module) -> None:
+    """After vLLM's dispatch packed a causal-conv1d weight in place of its data (hosts with AVX-512 BF16 or
+    Arm BF16: Qwen3-Next's and Qwen3.5's Gated DeltaNet ``conv1d``): the checkpoint layout it stashed
+    (``_cpu_unpacked_conv_weight``, [dim, width]) becomes where the loader writes. The kernel reads
+    ``layer.weight`` itself, so that Parameter keeps the packed data, and its ``weight_loader`` loads into a
+    Parameter over the stash instead (with the same loader attributes); the stash is registered as a
+    non-persistent buffer, so the layout probe maps the loader's writes into it. :func:`repack_conv` packs
+    it again after a write, by vLLM's own dispatch. Before this patch the loader, and every in-place write,
+    wrote checkpoint-layout values into the packed data."""
+    stash = layer.__dict__["_cpu_unpacked_conv_weight"]
+    packed = layer.weight
+    kept = torch.nn.Parameter(stash.unsqueeze(1), requires_grad=False)  # [dim, 1, width], as loaded
+    kept.__dict__.update(packed.__dict__)
+    loader = packed.__dict__.get("weight_loader")
+    if loader is None:
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader as loader
+
+    def load_into_checkpoint_layout(param, loaded_weight, *args, **kwargs):
+        return loader(kept, loaded_weight, *args, **kwargs)
+
+    packed.weight_loader = load_into_checkpoint_layout
+    layer.register_buffer("_engine_ext_conv_weight", kept.data, persistent=False)
+    layer._engine_ext_conv = kept
+
+
+def conv_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The causal-conv1d layers whose kernel reads a packed copy of a kept weight (:func:`keep_conv_weight`)."""
+    return [m for m in model.modules() if getattr(m, "_engine_ext_conv", None) is not None]
+
+
+def packed_conv(layer: torch.nn.Module) -> torch.Tensor:
+    """vLLM's packing of the layer's kept conv weight, made fresh (its dispatch, on a shallow copy)."""
+    from .compat import cpu_gemm_module
+
+    fresh = copy.copy(layer)
+    fresh._parameters = dict(layer._parameters)
+    fresh._parameters["weight"] = torch.nn.Parameter(layer._engine_ext_conv.data.clone(), requires_grad=False)
+    fresh.__dict__.pop("_cpu_unpacked_conv_weight", None)
+    dispatch = cpu_gemm_module().dispatch_cpu_unquantized_gemm
+    getattr(dispatch, "original", dispatch)(fresh, remove_weight=False)  # vLLM's own, not the keep-weights wrapper
+    return fresh.weight.data
+
+
+def repack_conv(layer: torch.nn.Module) -> None:
+    """Pack the layer's kept conv weight again into the data its kernel reads (in place)."""
+    fresh = packed_conv(layer)
+    if fresh.shape != layer.weight.shape:
+        raise RuntimeError(f"vLLM's conv1d packing changed the weight's shape {tuple(layer.weight.shape)} -> {tuple(fresh.shape)}")
+    layer.weight.data.copy_(fresh)
+
+
+def conv_copy_stale(layer: torch.nn.Module) -> bool:
+    """Whether the packed conv weight the kernel reads differs from a fresh packing of the kept weight."""
+    return not _same_bits(layer.weight.data, packed_conv(layer))
+
+
 MOE_WEIGHTS = ("w13_weight", "w2_weight")
+MOE_BIAS = "w13_bias"  # padded with the experts where the engine pads (the gate/up halves of each expert's row)
 
 
 def keep_cpu_moe_weights() -> bool:
@@ -135,24 +196,28 @@ def keep_cpu_moe_weights() -> bool:
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         kept = {n: getattr(layer, n) for n in MOE_WEIGHTS}
-        bias = getattr(layer, "w13_bias", None)
-        bias_before = None if bias is None else bias.data
+        bias = getattr(layer, MOE_BIAS, None)
+        bias_before = None if bias is None else bias.data  # (``.data`` is a new tensor object at every access)
         orig_process(self, layer)
         packed = {n: getattr(layer, n) for n in MOE_WEIGHTS}
         if all(packed[n] is kept[n] for n in MOE_WEIGHTS):
             return  # this path serves the weights as loaded (zentorch): nothing derived
-        padded = any(packed[n].shape != kept[n].shape for n in MOE_WEIGHTS) or (
-            bias is not None and bias.data is not bias_before)
-        if padded and bias is not None:  # the padded bias is read by the kernel through the same Parameter
-            log.warning("engine_ext: %s pads the MoE experts and expert biases of %s; its experts are left "
-                        "to the engine (named at start-up)", type(self).__name__, type(layer).__name__)
-            return
+        padded = any(packed[n].shape != kept[n].shape for n in MOE_WEIGHTS)
+        info = {"experts": self, "padded": padded, "packed": {n: packed[n].data for n in MOE_WEIGHTS}}
+        if bias is not None and bias.data_ptr() != bias_before.data_ptr():
+            # The engine padded the expert bias in place of the Parameter's data (the kernel reads that very
+            # Parameter through its quant config): the layer gets a checkpoint-layout Parameter for the loader
+            # to write, with the old one's loader attributes, and repack_experts pads the touched experts' rows.
+            kept_bias = torch.nn.Parameter(bias_before, requires_grad=False)
+            kept_bias.__dict__.update(bias.__dict__)
+            setattr(layer, MOE_BIAS, kept_bias)
+            info["packed"][MOE_BIAS] = bias.data
         for n in MOE_WEIGHTS:
             setattr(layer, n, kept[n])  # the checkpoint-layout parameter the loader writes
         by_ptr = self.__dict__.setdefault("_engine_ext_packed", {})
         for n in MOE_WEIGHTS:
             by_ptr[kept[n].data_ptr()] = packed[n].data
-        layer._engine_ext_moe = {"experts": self, "padded": padded, "packed": {n: packed[n].data for n in MOE_WEIGHTS}}
+        layer._engine_ext_moe = info
 
     def apply(self, *args, **kwargs):
         by_ptr = self.__dict__.get("_engine_ext_packed")
@@ -228,7 +293,7 @@ def repack_experts(layer: torch.nn.Module, touched=None) -> int:
     None: all) says were written, both matrices of each (padded first where the engine pads);
     returns how many experts were re-packed."""
     info = layer._engine_ext_moe
-    kept = {name: getattr(layer, name).data for name in MOE_WEIGHTS}
+    kept = {name: getattr(layer, name).data for name in _moe_served(info)}
     if touched is None:
         experts = torch.arange(kept[MOE_WEIGHTS[0]].shape[0])
     else:
@@ -248,10 +313,16 @@ def packed_experts(layer: torch.nn.Module, experts: torch.Tensor) -> dict[str, t
     from .compat import cpu_pad_moe_experts, cpu_prepack_moe_weight
 
     info = layer._engine_ext_moe
-    rows = {name: getattr(layer, name).data[experts].contiguous() for name in MOE_WEIGHTS}
+    rows = {name: getattr(layer, name).data[experts].contiguous() for name in _moe_served(info)}
     if info["padded"]:
         rows = cpu_pad_moe_experts(info["experts"], rows)
-    return {name: cpu_prepack_moe_weight(rows[name], info["experts"].isa) for name in MOE_WEIGHTS}
+    return {name: cpu_prepack_moe_weight(rows[name], info["experts"].isa) if name in MOE_WEIGHTS else rows[name]
+            for name in rows}
+
+
+def _moe_served(info: dict) -> tuple[str, ...]:
+    """The layer's tensors the MoE kernel reads from derived copies: both matrices, and the expert bias where padded."""
+    return MOE_WEIGHTS + ((MOE_BIAS,) if MOE_BIAS in info["packed"] else ())
 
 
 # What each CPU GEMM path of dispatch_cpu_unquantized_gemm calls (vLLM 0.32.0).
@@ -421,4 +492,4 @@ def experts_copy_stale(layer: torch.nn.Module) -> bool:
     """Whether the packed experts the MoE kernel reads differ from a fresh packing of every kept expert."""
     info = layer._engine_ext_moe
     fresh = packed_experts(layer, torch.arange(getattr(layer, MOE_WEIGHTS[0]).shape[0]))
-    return not all(_same_bits(info["packed"][n], fresh[n]) for n in MOE_WEIGHTS)
+    return not all(_same_bits(info["packed"][n], fresh[n]) for n in _moe_served(info))

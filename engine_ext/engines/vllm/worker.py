@@ -21,15 +21,18 @@ RPC_METHOD = "engine_ext"
 
 
 def cpu_refresh(model: torch.nn.Module):
-    """Refresh hook for vLLM's CPU backend: re-pack the linear layers whose weights changed,
-    re-derive the AMX MLA impl's packed W_UK/W_UV of the layers whose ``kv_b_proj`` changed, and
-    re-pack the touched experts of MoE layers."""
-    from .patches import mla_layers, moe_layers, packed_layers, rederive_mla, repack, repack_experts
+    """Refresh hook for vLLM's CPU backend: re-pack the linear layers whose weights changed and the
+    causal-conv1d weights that changed, re-derive the AMX MLA impl's packed W_UK/W_UV of the layers whose
+    ``kv_b_proj`` changed, and re-pack the touched experts of MoE layers."""
+    from .patches import conv_layers, mla_layers, moe_layers, packed_layers, rederive_mla, repack, repack_conv, repack_experts
 
     def refresh(touched) -> None:
         for ptr, layer in packed_layers(model).items():
             if touched is None or ptr in touched:
                 repack(layer)
+        for layer in conv_layers(model):
+            if touched is None or layer._engine_ext_conv.untyped_storage().data_ptr() in touched:
+                repack_conv(layer)
         for layer in mla_layers(model):
             if touched is None or layer.kv_b_proj.weight.untyped_storage().data_ptr() in touched:
                 rederive_mla(layer)
@@ -41,9 +44,10 @@ def cpu_refresh(model: torch.nn.Module):
 
 def cpu_derived_check(model: torch.nn.Module):
     """Audit hook for vLLM's CPU backend: every derived copy the kernels read (sgl-packed linear
-    weights, MLA's W_UK/W_UV, packed MoE experts) compared bit for bit with a
+    weights, packed causal-conv1d weights, MLA's W_UK/W_UV, packed MoE experts and padded expert biases) compared bit for bit with a
     fresh derivation from the weights the maps write. O(model): an operator's ``?audit=1``."""
-    from .patches import experts_copy_stale, linear_copy_stale, mla_attention_layers, mla_copy_stale, moe_layers, packed_layers
+    from .patches import (conv_copy_stale, conv_layers, experts_copy_stale, linear_copy_stale, mla_attention_layers,
+                          mla_copy_stale, moe_layers, packed_layers)
 
     def check() -> dict:
         names = {id(m): n for n, m in model.named_modules()}
@@ -51,6 +55,7 @@ def cpu_derived_check(model: torch.nn.Module):
         results = [(layer, linear_copy_stale(layer)) for layer in packed_layers(model).values()]
         results += [(layer, mla_copy_stale(layer)) for layer in mla_attention_layers(model)]
         results += [(layer, experts_copy_stale(layer)) for layer in moe_layers(model)]
+        results += [(layer, conv_copy_stale(layer)) for layer in conv_layers(model)]
         for layer, is_stale in results:
             if is_stale is None:
                 opaque += 1
