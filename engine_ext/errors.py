@@ -77,6 +77,16 @@ class ModelMismatchError(DeltaError):
     http_status = 409
 
 
+class UnreproducibleError(DeltaError):
+    """The update writes a tensor whose served form this server cannot bring to what a cold start on the
+    new weights would compute with (its live weights differ from the checkpoint they were loaded from: a
+    layout the engine derives after loading that no refresh follows). Refused before anything is written;
+    the server named those tensors at start-up. Restart the server on the new checkpoint instead."""
+
+    reason = "unreproducible"
+    http_status = 409
+
+
 class VerifyError(DeltaError):
     """The result of an apply does not have the fingerprint the manifest promises."""
 

@@ -385,3 +385,39 @@ def test_a_tied_copy_in_the_served_checkpoint_is_not_served(tmp_path, refuse_alo
     with pytest.raises(ModelMismatchError, match=r"2 tensor\(s\) not in the served model: \['lm_head.weight', 'model.extra.weight'\]") as e:
         run(ctl.update(parse_request({"url": str(tmp_path / "other" / "v00000000.anchor.json"), "rollback": True})))
     assert e.value.http_status == 409 and same_bits(held, bits(ranks))
+
+
+def test_an_update_writing_a_mismatched_tensor_is_refused_before_anything_is_written(world):
+    """A tensor whose live weights differ from the checkpoint they were loaded from (the engine re-laid
+    it after loading, as vLLM's CPU backend packs a causal-conv1d weight in place) is named at start-up,
+    and any route that writes it is refused (409 ``unreproducible``) from the manifests, before a fetch:
+    nothing written, the served state unchanged. The rank refuses such a part on its own too."""
+    from engine_ext.errors import UnreproducibleError
+    from engine_ext.server.rank import RankUpdater
+
+    store, versions = world
+    ranks = []
+    for r in range(2):
+        up = make_rank(r, versions[0])
+        ranks.append(RankUpdater(up.module, up.load, up.checkpoint, read_checkpoint=lambda n: versions[0][n], rank=r))
+    for up in ranks:
+        with torch.no_grad():
+            up.module.b.copy_(up.module.b.flip(0))  # "derived after loading": the live layout is not the checkpoint's
+    ctl = Controller(FakeRanks(ranks), Sources([str(store)]))
+    run(ctl.start())
+    assert ctl.status()["layout"]["mismatched"] == ["b"]
+    before, fp = bits(ranks), ctl.status()["fingerprint"]
+    # the served fingerprint is no version's (the re-laid "b"): the route goes through the anchor, which
+    # writes every tensor, "b" too
+    with pytest.raises(UnreproducibleError, match=r"\['b'\]") as e:
+        run(ctl.update(parse_request({"url": str(store / "v00000001.json")})))
+    assert error_answer(e.value)[0] == 409 and e.value.reason == "unreproducible"
+    assert "fetch" not in ctl.ranks.calls and same_bits(before, bits(ranks))
+    assert ctl.status()["fingerprint"] == fp and ctl.status()["version"] is None
+    from engine_ext.format.delta import ABS, TensorDelta
+    from engine_ext.format.dtypes import BY_TORCH
+
+    part = TensorDelta("b", BY_TORCH[torch.bfloat16], (16,), ABS, torch.tensor([3]), torch.tensor([1], dtype=torch.int16))
+    with pytest.raises(UnreproducibleError):
+        ranks[0].apply([part])
+    assert same_bits(before, bits(ranks))

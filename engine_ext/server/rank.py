@@ -37,7 +37,7 @@ from .. import settings
 from .maps import ApplyResult, TensorMap, Unmappable, checkpoint_view, covered_elements, local_fingerprint
 from ..format.delta import TensorDelta, apply_tensor
 from ..format.dtypes import DType
-from ..errors import BaseMismatchError, IntegrityError
+from ..errors import BaseMismatchError, IntegrityError, UnreproducibleError
 from .protocol import RankReply, TensorReport
 from .touched import Touched
 
@@ -176,7 +176,7 @@ class RankUpdater:
                     bad.append(name)
         if bad:
             log.error("engine_ext: rank %s: the live weights of %d tensor(s) differ from the loaded checkpoint, so "
-                      "updates touching them will be refused as base mismatches: %s", self.rank, len(bad), bad[:8])
+                      "updates writing them will be refused (409 unreproducible): %s", self.rank, len(bad), bad[:8])
         return bad
 
     def converted(self) -> list[str]:
@@ -332,6 +332,9 @@ class RankUpdater:
         for td in deltas:
             if td.name not in self.checkpoint:
                 raise ValueError(f"{td.name}: not a tensor of the served checkpoint")
+        if refused := sorted({td.name for td in deltas} & set(self.mismatched)):
+            raise UnreproducibleError(f"rank {self.rank}: the update writes {len(refused)} tensor(s) whose live weights "
+                                      f"differ from the loaded checkpoint (named at start-up): {refused[:8]}")
         mapped = [td for td in deltas if td.name not in self.host]
         dense = [td for td in deltas if td.name in self.host]
         old_fps = {td.name: self.fps[td.name] for td in deltas}

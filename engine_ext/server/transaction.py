@@ -35,7 +35,7 @@ from typing import Protocol
 from ..format import fingerprint as fpr
 from ..store import reader, route
 from .. import settings
-from ..errors import BaseMismatchError, DeltaError, FetchTimeoutError, VerifyError
+from ..errors import BaseMismatchError, DeltaError, FetchTimeoutError, UnreproducibleError, VerifyError
 from ..format.manifest import ANCHOR
 from .protocol import RankReply, UpdateAnswer, UpdateRequest
 from ..store.signing import Trust
@@ -286,6 +286,16 @@ class UpdateTransaction:
                     f"server holds version {self.state.version} (fingerprint {fpr.fmt(self.state.model_fingerprint)})"
                     f"{route.differing_tensors(first, self.state.tensor_fps)}")
         self._check_manifests(self.chain)
+        refused = sorted(set(self.state.layout.get("mismatched", ())) & set(self.written()))
+        if refused:
+            raise UnreproducibleError(
+                f"the route writes {len(refused)} tensor(s) whose served weights differ from the checkpoint they were "
+                f"loaded from (named at start-up: a layout the engine derives after loading, which an in-place write "
+                f"would not reproduce): {refused[:8]}")
+
+    def written(self) -> set[str]:
+        """Tensors some link of the route writes: an anchor's every tensor, a delta's changed ones."""
+        return {t.name for link in self.chain for t in link.manifest.tensors if t.nnz or link.manifest.kind == ANCHOR}
 
     def _check_manifests(self, links) -> None:
         for link in links:
