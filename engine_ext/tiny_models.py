@@ -30,8 +30,10 @@ from pathlib import Path
 import torch
 
 KINDS = ("qwen2", "llama", "qwen2-tied", "qwen3-moe", "qwen3-moe-fused", "qwen2-moe", "qwen3", "llama-tied", "mistral",
-         "gemma2", "phi3", "deepseek-v2", "qwen2.5-vl")
-MOE_KINDS = ("qwen3-moe", "qwen3-moe-fused", "qwen2-moe", "deepseek-v2")
+         "gemma2", "phi3", "deepseek-v2", "qwen2.5-vl", "gpt-oss", "qwen3-next")
+MOE_KINDS = ("qwen3-moe", "qwen3-moe-fused", "qwen2-moe", "deepseek-v2", "gpt-oss", "qwen3-next")
+# Kinds built by :func:`tiny_config` from the class's own defaults (any vLLM architecture name is a kind too)
+ARCH_KINDS = {"gpt-oss": "GptOssForCausalLM", "qwen3-next": "Qwen3NextForCausalLM"}
 VLM_KINDS = ("qwen2.5-vl",)
 # The vision special tokens of a tiny VLM are words of its tokenizer (ids 4.. in this order, before any others).
 VISION_WORDS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -113,6 +115,8 @@ def model_class(kind: str):
     """The transformers class of ``kind`` (what a trainer holds)."""
     import transformers
 
+    if kind in ARCH_KINDS or kind[:1].isupper():
+        return arch_class(ARCH_KINDS.get(kind, kind))
     return {"llama": transformers.LlamaForCausalLM, "llama-tied": transformers.LlamaForCausalLM,
             "qwen3-moe": transformers.Qwen3MoeForCausalLM, "qwen3-moe-fused": transformers.Qwen3MoeForCausalLM,
             "qwen2-moe": transformers.Qwen2MoeForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
@@ -148,7 +152,10 @@ def write_tokenizer(path: str | os.PathLike, vocab: int, words: list[str] | tupl
 def build(kind: str = "qwen2", *, vocab: int = 1024, hidden: int = 128, layers: int = 2, heads: int = 4,
           kv_heads: int = 2, seed: int = 0, std: float = 0.02, moe_intermediate: int | None = None) -> "torch.nn.Module":
     """A tiny random ``kind`` model in float32 (a trainer's master weights), initialised as :func:`make_model` does."""
-    cfg = _config(kind, vocab, hidden, layers, heads, kv_heads, moe_intermediate)
+    if kind in ARCH_KINDS or kind[:1].isupper():  # a vLLM architecture name: its class's tiny defaults
+        cfg = tiny_config(ARCH_KINDS.get(kind, kind))
+    else:
+        cfg = _config(kind, vocab, hidden, layers, heads, kv_heads, moe_intermediate)
     torch.manual_seed(seed)
     model = model_class(kind)(cfg)
     with torch.no_grad():
@@ -298,6 +305,57 @@ def perturb(sd: dict, gen: torch.Generator, density: float = 0.03) -> dict:
         flat[mask] += 1e-2 * torch.randn(int(mask.sum()), generator=gen) * (flat[mask].abs() + 1e-3)
         out[name] = flat.to(t.dtype).reshape(t.shape)
     return out
+
+
+# --------------------------------------------------------------------------- any architecture, by class name
+
+# What a tiny config of any transformers architecture gets, where its config has the attribute. Widths are
+# small, multiples of 32 where vLLM's CPU kernels need them (the grouped MoE GEMM; its padded path is
+# tests/test_moe.py's, at TP 2).
+TINY = {
+    "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64, "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4,
+    "num_experts_per_tok": 2, "moe_topk": 2, "sliding_window": 64, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "full_attention_interval": 2,  # linear heads keep their width: vLLM's CPU GDN takes 128
+    "decoder_sparse_step": 1, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+}
+
+
+def arch_class(arch: str):
+    """The transformers class named ``arch`` (vLLM's registry keys are transformers class names), or None."""
+    import transformers
+
+    names = {n.replace("_", "").lower(): n for n in dir(transformers) if n.endswith(("ForCausalLM", "ForConditionalGeneration"))}
+    name = arch if arch in dir(transformers) else names.get(arch.replace("_", "").lower())  # vLLM's Ernie4_5_ForCausalLM
+    try:
+        return None if name is None else getattr(transformers, name)
+    except (AttributeError, ImportError, RuntimeError):
+        return None
+
+
+def tiny_config(arch: str):
+    """A tiny config of transformers' ``arch`` class: :data:`TINY` over the class's own defaults, with one
+    layer of each layer type the full-size default has (sliding and full attention, linear and full
+    attention), in the order they first appear. Raises ValueError where the class has no plain config."""
+    cls = arch_class(arch)
+    if cls is None:
+        raise ValueError(f"transformers {__import__('transformers').__version__} has no class {arch}")
+    cfg_cls = cls.config_class
+    default = cfg_cls()
+    if getattr(default, "sub_configs", None) and any(k in default.sub_configs for k in ("text_config", "vision_config")):
+        raise ValueError(f"{arch}: a composite config ({sorted(default.sub_configs)}): no generic tiny form")
+    kw = {k: v for k, v in TINY.items() if hasattr(default, k)}
+    types = getattr(default, "layer_types", None)
+    if isinstance(types, list) and types:
+        distinct = list(dict.fromkeys(types))
+        kw["layer_types"] = distinct if len(distinct) > 1 else distinct * 2
+        kw["num_hidden_layers"] = len(kw["layer_types"])
+    for k, v in vars(default).items():  # per-layer lists sized for the full depth (not layer_types)
+        if k != "layer_types" and isinstance(v, list) and len(v) == default.num_hidden_layers and k not in kw:
+            kw[k] = v[:kw["num_hidden_layers"]]
+    kw["tie_word_embeddings"] = bool(getattr(default, "tie_word_embeddings", False))
+    return cfg_cls(**kw)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,11 @@ CASES = [
     Case("phi3"),
     Case("qwen3-moe"),
     Case("qwen2-moe"),
+    # GPT-OSS: MoE experts with biases (loaded transposed, then made contiguous), attention sinks, sliding and
+    # full layers; Qwen3-Next: hybrid Gated DeltaNet (a causal-conv1d weight vLLM packs on AVX-512 BF16 hosts)
+    # and full attention, MoE with a shared expert. Built from each class's own defaults (tiny_models.tiny_config)
+    Case("gpt-oss", ci=True),
+    Case("qwen3-next", ci=True),
     Case("deepseek-v2", ci=True),
     # MLA's other CPU path: AMX hosts serve it through AMXMLAImpl (packed W_UK/W_UV, refreshed), other hosts
     # through CPUMLAImpl (views of kv_b_proj): on an AMX host this case takes the other hosts' path
@@ -77,9 +82,10 @@ CASES = [
     Case("qwen2.5-vl", ci=True,
          env=(("PYTHONPATH", os.pathsep.join(p for p in [str(STUBS), os.environ.get("PYTHONPATH")] if p)),)),
 ]
-# CI (2 cores, 20 minutes) serves three cases: the README's tied model (every trainer path, fp32 and
-# bf16 masters, the Hub's tied copy), DeepSeek-V2 (MLA, vLLM's packed projections) and Qwen2.5-VL (a
-# VLM's name prefix). The trainer side of every case is engine-independent and runs in CI against
+# CI (2 cores, 20 minutes) serves five cases, one per distinct post-processing path: the README's tied
+# model (every trainer path, fp32 and bf16 masters, the Hub's tied copy), DeepSeek-V2 (MLA, vLLM's packed
+# projections), GPT-OSS (MoE experts with biases), Qwen3-Next (hybrid linear attention, packed conv1d) and
+# Qwen2.5-VL (a VLM's name prefix). The trainer side of every case is engine-independent and runs in CI against
 # SGLang (tests/test_sglang_models.py, all cases); tied embeddings at TP 2 are tests/test_vllm_tp2.py's,
 # MoE at TP 2 tests/test_moe.py's. The other cases (a server each, ~40 s) are `full`: `scripts/test.sh --full`.
 CELLS = [pytest.param(c, s, id=f"{c.id}-{s.replace('/', '-')}", marks=() if c.ci else pytest.mark.full)

@@ -1,0 +1,204 @@
+"""Conformance sweep: every architecture vLLM's registry offers, as a new user would meet it.
+
+For each architecture name in vLLM's model registry that transformers also has a class for,
+a tiny random config of that class (:func:`engine_ext.tiny_models.tiny_config`: the class's own
+defaults, shrunk; one layer of each layer type) is trained for two steps on float32 masters and
+published through the README's ``DeltaPublisher(...).publish(model)`` (3 versions: an anchor and
+two deltas). A vLLM CPU server with the plugin starts cold on the last version (the reference),
+is taken back to v0 (``rollback``) and forward through both deltas, and must then serve the
+cold start's fingerprint and greedy outputs (tokens, logprobs, top-k) bit for bit, with no stale
+derived copy (``?audit=1``). Each architecture ends in one row:
+
+* ``pass``: bit-equal to the cold start after the chain;
+* ``refused``: an update was refused with a clear reason and changed nothing (the reason is shown);
+* ``cannot serve``: vLLM CPU does not start or answer on it (the reason is shown);
+* ``no tiny config`` / ``no transformers class``: nothing to run;
+* ``DIVERGED``: every update accepted, yet the server computes otherwise than a cold start. The
+  sweep exits 1 on any such row: it must never appear.
+
+    python bench/arch_sweep.py                 # the CI subset (one per post-processing path)
+    python bench/arch_sweep.py --full --write  # every registry architecture; table into docs/MODELS.md
+    python bench/arch_sweep.py --archs GptOssForCausalLM Qwen3NextForCausalLM
+
+One server at a time (about 30-60 s each on 2 cores).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the matrix's trainer side (model_matrix) and prompts (vllm_helpers)
+
+# One architecture per distinct post-processing path vLLM's CPU backend takes (tests/test_arch_sweep.py
+# runs these in CI): padded MoE experts with biases, hybrid linear attention (packed conv1d), MLA, dense
+# with sliding windows, MoE with a shared expert.
+CI_ARCHS = ("GptOssForCausalLM", "Qwen3NextForCausalLM")
+NAMED = ("GptOssForCausalLM", "Qwen3NextForCausalLM", "Ernie4_5_ForCausalLM", "HunYuanDenseV1ForCausalLM",
+         "Exaone4ForCausalLM", "Qwen3MoeForCausalLM")
+MARK = ("<!-- arch_sweep: begin -->", "<!-- arch_sweep: end -->")
+
+
+@dataclass
+class Row:
+    arch: str
+    result: str  # pass | refused | cannot serve | no tiny config | no transformers class | DIVERGED
+    detail: str = ""
+    seconds: float = 0.0
+
+
+def registry_archs() -> list[str]:
+    """vLLM's text-generation architectures (its registry's names), sorted."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    return sorted(ModelRegistry.get_supported_archs())
+
+
+def _short(text: str, n: int = 160) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _start_reason(server_error: BaseException) -> str:
+    """The line of a failed start that says why (the last error line of the server's log)."""
+    text = str(server_error)
+    for line in reversed(text.splitlines()):
+        if "Error" in line or "error" in line or "not supported" in line:
+            return _short(line.strip(), 200)
+    return _short(text.splitlines()[0] if text else type(server_error).__name__, 200)
+
+
+def secure_env(work: Path) -> None:
+    """Run as deployed (tests/conftest.py does the same): every version signed, the route behind a token."""
+    import secrets
+
+    from engine_ext.store.signing import generate_key
+
+    key = work / "publisher.key"
+    if not key.exists():
+        work.mkdir(parents=True, exist_ok=True)
+        generate_key(str(key))
+    os.environ.update(ENGINE_EXT_SIGNING_KEY=str(key), ENGINE_EXT_TRUSTED_KEYS=f"{key}.pub",
+                      ENGINE_EXT_TOKEN=os.environ.get("ENGINE_EXT_TOKEN") or secrets.token_hex(16))
+
+
+def run_arch(arch: str, work: Path) -> Row:
+    """One row: the arch's trajectory through ``publish(model)``, a cold server, the chain, the comparison."""
+    import model_matrix as mm
+    from vllm_helpers import PROMPTS, WARMUP_PROMPT
+
+    from engine_ext.engines.vllm.launcher import VllmServer
+    from engine_ext.tiny_models import arch_class, tiny_config
+
+    t0 = time.perf_counter()
+    if arch_class(arch) is None:
+        return Row(arch, "no transformers class")
+    try:
+        tiny_config(arch)
+        traj = mm.trajectory(arch, work, paths=("module",), dtypes=("fp32",))
+    except Exception as e:  # noqa: BLE001 - the row says why
+        return Row(arch, "no tiny config", _short(f"{type(e).__name__}: {e}"), time.perf_counter() - t0)
+    try:
+        server = VllmServer(traj.final, sources=str(work), log=work / "server.log", startup_s=240)
+    except Exception as e:  # noqa: BLE001
+        return Row(arch, "cannot serve", _start_reason(e), time.perf_counter() - t0)
+    try:
+        def outputs():
+            out = []
+            for p in PROMPTS:
+                c = server.complete(p)["choices"][0]
+                out.append((c["text"], c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"], c["logprobs"]["top_logprobs"]))
+            return out
+
+        try:
+            server.complete(WARMUP_PROMPT, max_tokens=1, logprobs=0)
+            cold, status = outputs(), server.status()
+        except Exception as e:  # noqa: BLE001
+            return Row(arch, "cannot serve", _short(f"generation failed: {e}"), time.perf_counter() - t0)
+        layout = status.get("layout") or {}
+        notes = [f"{k} {len(layout[k])}" for k in ("fallback", "mismatched", "refused") if layout.get(k)]
+        for v in range(mm.VERSIONS):
+            before = server.status()["fingerprint"]
+            r = server.update({"url": traj.url("module/fp32", v), **({"rollback": True} if v == 0 else {})})
+            if r.status_code != 200:
+                after = server.status()["fingerprint"]
+                body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {"error": r.text}
+                if after != before:
+                    return Row(arch, "DIVERGED", f"v{v} refused ({r.status_code}) yet the served fingerprint moved",
+                               time.perf_counter() - t0)
+                return Row(arch, "refused", _short(f"v{v}: {r.status_code} {body.get('error', body)}", 240),
+                           time.perf_counter() - t0)
+        final = server.status(audit=True)
+        same = final["fingerprint"] == status["fingerprint"] and outputs() == cold
+        audit = final.get("audit") or {}
+        if not same or not audit.get("ok", False):
+            why = "outputs differ from a cold start" if not same else f"audit: {_short(json.dumps(audit), 200)}"
+            return Row(arch, "DIVERGED", why + (f" ({', '.join(notes)})" if notes else ""), time.perf_counter() - t0)
+        derived = audit.get("derived") or {}
+        detail = f"derived copies checked {derived.get('checked', 0)}, opaque {derived.get('opaque', 0)}"
+        return Row(arch, "pass", detail + (f"; {', '.join(notes)}" if notes else ""), time.perf_counter() - t0)
+    finally:
+        server.stop()
+
+
+def table(rows: list[Row], command: str) -> str:
+    head = ["| architecture | result | detail |", "|---|---|---|"]
+    body = [f"| `{r.arch}` | {r.result} | {r.detail.replace('|', '/')} |" for r in rows]
+    counts = {}
+    for r in rows:
+        counts[r.result] = counts.get(r.result, 0) + 1
+    summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+    return "\n".join([MARK[0], f"`{command}` ({time.strftime('%Y-%m-%d')}, vLLM CPU; {summary}):", "", *head, *body, MARK[1]])
+
+
+def write_table(text: str, path: Path = ROOT / "docs" / "MODELS.md") -> None:
+    doc = path.read_text()
+    if MARK[0] in doc:
+        a, b = doc.index(MARK[0]), doc.index(MARK[1]) + len(MARK[1])
+        doc = doc[:a] + text + doc[b:]
+    else:
+        doc = doc.rstrip() + "\n\n## Every architecture vLLM's registry offers\n\n" + text + "\n"
+    path.write_text(doc)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--archs", nargs="*", help="architecture names (default: the CI subset)")
+    ap.add_argument("--full", action="store_true", help="every architecture in vLLM's registry")
+    ap.add_argument("--named", action="store_true", help="the architectures issue 39 names")
+    ap.add_argument("--write", action="store_true", help="write the table into docs/MODELS.md")
+    ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    ap.add_argument("--work", type=Path, help="keep each architecture's stores and server log here (default: a temporary dir)")
+    args = ap.parse_args(argv)
+    archs = registry_archs() if args.full else list(NAMED) if args.named else list(args.archs or CI_ARCHS)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="arch-sweep-") as tmp:
+        tmp = args.work or tmp
+        secure_env(Path(tmp))
+        for arch in archs:
+            try:
+                row = run_arch(arch, Path(tmp) / arch)
+            except Exception as e:  # noqa: BLE001 - a harness failure is a row too, never a silent skip
+                row = Row(arch, "harness error", _short(f"{type(e).__name__}: {e}"))
+                traceback.print_exc()
+            rows.append(row)
+            print(f"{row.arch:40s} {row.result:14s} {row.seconds:6.1f} s  {row.detail}", flush=True)
+    command = "python bench/arch_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = table(rows, command.strip())
+    print(text)
+    if args.write:
+        write_table(text)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    return 1 if any(r.result in ("DIVERGED", "harness error") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
