@@ -322,6 +322,9 @@ TINY = {
 }
 
 
+TINY_MAX_PARAMS = 20_000_000
+
+
 def arch_class(arch: str):
     """The transformers class named ``arch`` (vLLM's registry keys are transformers class names), or None."""
     import transformers
@@ -355,7 +358,12 @@ def tiny_config(arch: str):
         if k != "layer_types" and isinstance(v, list) and len(v) == default.num_hidden_layers and k not in kw:
             kw[k] = v[:kw["num_hidden_layers"]]
     kw["tie_word_embeddings"] = bool(getattr(default, "tie_word_embeddings", False))
-    return cfg_cls(**kw)
+    cfg = cfg_cls(**kw)
+    with torch.device("meta"):  # what the shrunk defaults weigh, before anything is allocated
+        n = sum(p.numel() for p in cls(cfg).parameters())
+    if n > TINY_MAX_PARAMS:
+        raise ValueError(f"{arch}: {n / 1e6:.0f} M parameters after shrinking its defaults (widths this sweep does not know)")
+    return cfg
 
 
 if __name__ == "__main__":
