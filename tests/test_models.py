@@ -188,7 +188,8 @@ def test_versions_through_each_path_equal_a_cold_start(servers, case, store):
     traj, server = served["traj"], served["server"]
     cold_fp = served["status"]["fingerprint"]
     layout = served["status"]["layout"]
-    assert layout["fallback"] == [] and layout["mismatched"] == [], layout
+    # every tensor in place, none re-laid behind the maps, no derived copy that no refresh keeps in step
+    assert layout["fallback"] == [] and layout["mismatched"] == [] and layout["unreproducible"] == {}, layout
     tied = {"lm_head.weight": "model.embed_tokens.weight"} if case.tied_copy else {}
     assert layout["tied"] == tied, layout
     assert traj.fingerprints[store] == cold_fp  # the trainer's last version is what the cold server holds

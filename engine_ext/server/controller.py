@@ -159,6 +159,10 @@ class Controller:
             log.error("engine_ext: %d tensor(s) are served with other weights than the checkpoint they were loaded "
                       "from (a layout the engine derives after loading?); updates touching them will be refused: %s",
                       len(layout["mismatched"]), layout["mismatched"][:8])
+        if layout["unreproducible"]:
+            log.error("engine_ext: %d tensor(s) reach copies the engine derived after loading that no refresh keeps in "
+                      "step; updates writing them will be refused: %s", len(layout["unreproducible"]),
+                      dict(list(layout["unreproducible"].items())[:4]))
 
     def start_following(self, get_controller=None) -> Follower | None:
         """Pull mode (``ENGINE_EXT_FOLLOW``): watch the store's LATEST from this process's event

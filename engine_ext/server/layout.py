@@ -118,6 +118,7 @@ class _Probe(TorchFunctionMode):
         self.pkey = _storage_key(probe)
         self.pieces: list[Piece] = []
         self.error: str | None = None
+        self.targets: set[int] = set()  # storages the loader wrote (mappable or not)
 
     def _fail(self, reason: str):
         if self.error is None:
@@ -158,6 +159,7 @@ class _Probe(TorchFunctionMode):
         if target is not None and target.untyped_storage().nbytes() > 0:
             key = _storage_key(target)
             if key in self.tracked:
+                self.targets.add(key[2])
                 if name == "copy_":
                     self._record(args[0], args[1], name)
                 elif name == "__setitem__":
@@ -253,12 +255,12 @@ def probe_layout(module: torch.nn.Module, load, names_shapes_dtypes, device="cpu
         except Exception as e:  # noqa: BLE001 - the loader's own failure makes the tensor unmappable
             mode._fail(f"loader raised {type(e).__name__}: {e}")
         if mode.error is not None:
-            out[name] = Unmappable(name, mode.error)
+            out[name] = Unmappable(name, mode.error, tuple(sorted(mode.targets)))
             continue
         try:
             out[name] = TensorMap(name, shape, d, _dedupe(name, shape, mode.pieces))
         except _Unmappable as e:
-            out[name] = Unmappable(name, str(e))
+            out[name] = Unmappable(name, str(e), tuple(sorted(mode.targets)))
     return out
 
 

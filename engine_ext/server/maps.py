@@ -66,6 +66,7 @@ class Unmappable:
 
     name: str
     reason: str
+    storages: tuple[int, ...] = ()  # data_ptrs of the parameter storages its loader wrote (reloaded there densely)
 
 
 # Casts an engine may apply to a checkpoint tensor at load that keep every value exactly

@@ -111,6 +111,7 @@ class RankReply:
     fallback: tuple[str, ...] = ()  # setup, apply: tensors reloaded densely through the engine's loader
     converted: tuple[str, ...] = ()  # setup: tensors mapped through a converting map
     mismatched: tuple[str, ...] = ()  # setup: tensors whose live weights differ from the loaded checkpoint
+    unreproducible: dict[str, str] = field(default_factory=dict)  # setup: {tensor: why} no refresh keeps its copies in step
     tied: dict[str, str] = field(default_factory=dict)  # setup: checkpoint tensors not served, tied to another {name: kept}
     engine: dict = field(default_factory=dict)  # setup: the engine's kernels/paths on this rank
     derived: dict = field(default_factory=dict)  # audit: {"checked", "opaque", "stale"} of the engine's derived copies

@@ -47,6 +47,8 @@ Loader = Callable[[str, torch.Tensor], None]  # load one whole checkpoint tensor
 Refresh = Callable[["Touched | None"], None]  # rebuild derived copies of what an apply wrote; None: of everything
 Describe = Callable[[], dict]  # the engine's kernels/paths on this rank, for the start-up log and status
 CheckDerived = Callable[[], dict]  # the audit of derived copies: {"checked": n, "opaque": n, "stale": [layer names]}
+# {checkpoint tensor: why} for tensors whose served form no refresh keeps in step (given the maps): refused
+FindUnreproducible = Callable[[dict], dict]
 OPS = ("setup", "fetch", "fetched", "apply", "discard", "commit", "rollback", "status", "resync", "audit", "forget",
        "set_label")
 DECODE_BACKENDS = ("auto", "host", "device")
@@ -91,12 +93,13 @@ class RankUpdater:
     def __init__(self, module: torch.nn.Module, load: Loader, checkpoint: dict[str, tuple[tuple[int, ...], DType]],
                  read_checkpoint: Callable[[str], torch.Tensor] | None = None, refresh: Refresh | None = None,
                  rank: int = 0, describe: Describe | None = None, decode_backend: str = "auto",
-                 apply_backend: str = "auto", check_derived: CheckDerived | None = None):
+                 apply_backend: str = "auto", check_derived: CheckDerived | None = None,
+                 find_unreproducible: FindUnreproducible | None = None):
         if decode_backend not in DECODE_BACKENDS:
             raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
         self.module, self.load, self.checkpoint = module, load, checkpoint
         self.read_checkpoint, self.refresh, self.rank, self.describe = read_checkpoint, refresh, rank, describe
-        self.check_derived = check_derived
+        self.check_derived, self.find_unreproducible = check_derived, find_unreproducible
         self.decode_backend, self.apply_backend = decode_backend, apply_backend
         self.maps: dict[str, TensorMap | Unmappable] = {}
         self.host: dict[str, torch.Tensor] = {}  # checkpoint copies of unmappable tensors (dense fallback)
@@ -112,6 +115,7 @@ class RankUpdater:
         self._fetches: dict[str, _Fetch] = {}
         self.setup_s = 0.0
         self.mismatched: tuple[str, ...] = ()
+        self.unreproducible: dict[str, str] = {}  # {tensor: why}: a derived copy of it that no refresh keeps in step
         self.tied: dict[str, str] = {}  # checkpoint tensors the engine ties to another and does not load: {name: kept}
 
     # ---- start-up
@@ -136,9 +140,16 @@ class RankUpdater:
                     self.covered[name] = covered_elements(m)
             if self.read_checkpoint is not None and settings.current().check_load:
                 self.mismatched = tuple(self.check_load())
+            if self.find_unreproducible is not None:
+                self.unreproducible = dict(sorted(self.find_unreproducible(self.maps).items()))
+                if self.unreproducible:
+                    log.error("engine_ext: rank %s: %d tensor(s) reach copies the engine derived after loading that no "
+                              "refresh keeps in step; updates writing them will be refused (409 unreproducible): %s",
+                              self.rank, len(self.unreproducible), dict(list(self.unreproducible.items())[:4]))
             self.setup_s = time.perf_counter() - t
         return RankReply(True, self.rank, fingerprints=self.report(), fallback=tuple(sorted(self.host)),
-                         converted=tuple(self.converted()), mismatched=self.mismatched, engine=self.describe() if self.describe else {},
+                         converted=tuple(self.converted()), mismatched=self.mismatched,
+                         unreproducible=dict(self.unreproducible), engine=self.describe() if self.describe else {},
                          tensors={n: (tuple(s), d.name) for n, (s, d) in self.checkpoint.items()},
                          tied=dict(self.tied), seconds={"setup": self.setup_s}, **self.committed())
 
@@ -332,9 +343,9 @@ class RankUpdater:
         for td in deltas:
             if td.name not in self.checkpoint:
                 raise ValueError(f"{td.name}: not a tensor of the served checkpoint")
-        if refused := sorted({td.name for td in deltas} & set(self.mismatched)):
-            raise UnreproducibleError(f"rank {self.rank}: the update writes {len(refused)} tensor(s) whose live weights "
-                                      f"differ from the loaded checkpoint (named at start-up): {refused[:8]}")
+        if refused := sorted({td.name for td in deltas} & (set(self.mismatched) | set(self.unreproducible))):
+            raise UnreproducibleError(f"rank {self.rank}: the update writes {len(refused)} tensor(s) whose served form "
+                                      f"an in-place write would not reproduce (named at start-up): {refused[:8]}")
         mapped = [td for td in deltas if td.name not in self.host]
         dense = [td for td in deltas if td.name in self.host]
         old_fps = {td.name: self.fps[td.name] for td in deltas}

@@ -155,6 +155,7 @@ class ServedState:
         layout = {"fallback": sorted({n for r in replies for n in r.fallback}),
                   "converted": sorted({n for r in replies for n in r.converted}),
                   "mismatched": sorted({n for r in replies for n in r.mismatched}),
+                  "unreproducible": dict(sorted({n: why for r in replies for n, why in r.unreproducible.items()}.items())),
                   "tied": dict(sorted(tied.items())),
                   "engine": [r.engine for r in replies]}
         if tied:
@@ -286,12 +287,17 @@ class UpdateTransaction:
                     f"server holds version {self.state.version} (fingerprint {fpr.fmt(self.state.model_fingerprint)})"
                     f"{route.differing_tensors(first, self.state.tensor_fps)}")
         self._check_manifests(self.chain)
-        refused = sorted(set(self.state.layout.get("mismatched", ())) & set(self.written()))
-        if refused:
+        layout, written = self.state.layout, self.written()
+        if refused := sorted(set(layout.get("mismatched", ())) & written):
             raise UnreproducibleError(
                 f"the route writes {len(refused)} tensor(s) whose served weights differ from the checkpoint they were "
                 f"loaded from (named at start-up: a layout the engine derives after loading, which an in-place write "
                 f"would not reproduce): {refused[:8]}")
+        if refused := sorted(set(layout.get("unreproducible", {})) & written):
+            why = layout["unreproducible"][refused[0]]
+            raise UnreproducibleError(
+                f"the route writes {len(refused)} tensor(s) whose engine keeps copies derived after loading that no "
+                f"refresh keeps in step (named at start-up), e.g. {refused[0]}: {why}; all: {refused[:8]}")
 
     def written(self) -> set[str]:
         """Tensors some link of the route writes: an anchor's every tensor, a delta's changed ones."""

@@ -41,6 +41,9 @@ def register() -> None:
         keep_cpu_linear_weights()
         keep_cpu_moe_weights()
         keep_amx_mla_weights()
+    from .census import wrap_post_processing
+
+    wrap_post_processing()  # on every platform: what post-processing derives must be refreshed or refused
     drain_replies_after_a_failed_rpc()
     compat.carry_env_to_ray_workers()
     worker.install()

@@ -97,6 +97,11 @@ def build_updater(model: torch.nn.Module, vllm_config, rank: int = 0) -> RankUpd
     def load(name: str, tensor: torch.Tensor) -> None:
         model.load_weights([(name, tensor)])
 
+    def find_unreproducible(maps: dict) -> dict[str, str]:
+        from .census import unreproducible
+
+        return unreproducible(model, maps)
+
     if compat.is_cpu():
         from .patches import cpu_paths
 
@@ -105,7 +110,7 @@ def build_updater(model: torch.nn.Module, vllm_config, rank: int = 0) -> RankUpd
     else:
         refresh, describe, check_derived = None, (lambda: {"platform": compat.device_type()}), None
     return RankUpdater(model, load, ckpt.specs(), ckpt.load, refresh, rank=rank, describe=describe,
-                       check_derived=check_derived)
+                       check_derived=check_derived, find_unreproducible=find_unreproducible)
 
 
 def updater_for(model: torch.nn.Module, vllm_config, rank: int = 0) -> RankUpdater:
