@@ -127,12 +127,15 @@ def run_arch(arch: str, work: Path) -> Row:
             return Row(arch, "cannot serve", _short(f"generation failed: {e}"), time.perf_counter() - t0)
         layout = status.get("layout") or {}
         notes = [f"{k} {len(layout[k])}" for k in ("fallback", "mismatched", "refused") if layout.get(k)]
-        weak = ""
+        weak, pause = "", []  # (the sampled check of derived copies, the pause), ms, per delta
         for v in range(mm.VERSIONS):
             if v == 1 and outputs() == cold:  # v0 computes as the final version: the comparison sees little
                 weak = "; v0's outputs equal the final's (a weak comparison)"
             before = server.status()["fingerprint"]
             r = server.update({"url": traj.url("module/fp32", v), **({"rollback": True} if v == 0 else {})})
+            if r.status_code == 200 and v:
+                ms = r.json()["phases_ms"]
+                pause.append((ms.get("verify_derived", 0.0), r.json()["pause_ms"]))
             if r.status_code != 200:
                 after = server.status()["fingerprint"]
                 body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {"error": r.text}
@@ -148,7 +151,8 @@ def run_arch(arch: str, work: Path) -> Row:
             why = "outputs differ from a cold start" if not same else f"audit: {_short(json.dumps(audit), 200)}"
             return Row(arch, "DIVERGED", why + (f" ({', '.join(notes)})" if notes else ""), time.perf_counter() - t0)
         derived = audit.get("derived") or {}
-        detail = f"derived copies checked {derived.get('checked', 0)}, opaque {derived.get('opaque', 0)}"
+        detail = (f"derived copies checked {derived.get('checked', 0)}, opaque {derived.get('opaque', 0)}; sampled check "
+                  f"{sum(c for c, _ in pause):.1f} of {sum(p for _, p in pause):.0f} ms paused")
         return Row(arch, "pass", detail + (f"; {', '.join(notes)}" if notes else "") + weak, time.perf_counter() - t0)
     finally:
         server.stop()

@@ -51,6 +51,13 @@ def _non_negative_float(s: str) -> float:
     return v
 
 
+def _verify_derived(s: str) -> str:
+    v = s.strip().lower()
+    if v not in ("sample", "all", "off"):
+        raise ValueError(f"must be sample, all or off, got {s!r}")
+    return v
+
+
 def _reader_device(s: str) -> str:
     v = s.strip().lower()
     if v not in ("gpu", "cpu"):
@@ -108,6 +115,12 @@ VARIABLES: tuple[Variable, ...] = (
              "`0` skips the start-up check that every rank's live weights equal the checkpoint it loaded "
              "(it reads the checkpoint once and names every tensor that differs, e.g. a layout the engine "
              "derives after loading)"),
+    Variable("ENGINE_EXT_VERIFY_DERIVED", "verify_derived", _verify_derived, "sample",
+             "after every apply and rollback, inside the pause: compare the copies the engine's kernels read "
+             "(packed, padded, derived) with a fresh derivation from the weights just written, and roll back on "
+             "any difference. `sample`: one touched layer of each kind per update, taken in turn (about 2 % of a "
+             "DeepSeek-V3 pause); `all`: every touched layer (as much again as the refresh); `off`: none (the "
+             "audit `?audit=1` still checks every copy)"),
     Variable("ENGINE_EXT_FOLLOW_INTERVAL", "follow_interval", _positive_float, 5.0,
              "seconds between two looks at `LATEST` in pull mode (each varied by +-20 %; doubled after each "
              "failure, up to 60 s)"),
@@ -150,6 +163,7 @@ class Settings:
     follow: str | None = None
     follow_interval: float = 5.0
     check_load: bool = True
+    verify_derived: str = "sample"
     context_coder: bool = True
     reader_device: str = "gpu"
     reader_mbps: float = 100.0

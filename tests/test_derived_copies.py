@@ -212,6 +212,15 @@ def test_the_audit_names_the_stale_layers():
     _write_one(model.experts.w13_weight.data[0])
     _write_one(model.proj.weight.data)
     assert check()["stale"] == (["experts", "proj"] if sgl else ["experts"])
+    model.more = _Experts()
+    for layer in (model.experts, model.more):
+        for e in range(4):
+            _write_one(layer.w2_weight.data[e])
+    # after an apply, by default: one layer of each kind (one expert of it), a different one each time
+    seen = [check(sample=True) for _ in range(2)]
+    assert [s["checked"] + s["opaque"] for s in seen] == [2, 2]
+    assert {n for s in seen for n in s["stale"] if n != "proj"} == {"experts", "more"}
     patches.repack_experts(model.experts)
+    patches.repack_experts(model.more)
     patches.repack(model.proj)
     assert check()["stale"] == []

@@ -421,3 +421,31 @@ def test_an_update_writing_a_mismatched_tensor_is_refused_before_anything_is_wri
     with pytest.raises(UnreproducibleError):
         ranks[0].apply([part])
     assert same_bits(before, bits(ranks))
+
+
+def test_a_stale_derived_copy_after_the_apply_rolls_every_rank_back(world):
+    """After each apply's refresh, the engine's derived copies of the layers written are checked against a
+    fresh derivation (``ENGINE_EXT_VERIFY_DERIVED``, default ``sample``): a refresh that did not follow the
+    weights fails the update, which rolls back, although the fingerprints (read in the checkpoint layout)
+    would have passed. ``off`` leaves it to the audit."""
+    from engine_ext import settings
+
+    store, versions = world
+    ranks = [make_rank(0, versions[0]), make_rank(1, versions[0])]
+    asked = []
+
+    def stale(touched=None, sample=False):
+        asked.append(sample)
+        return {"checked": 1, "opaque": 0, "stale": ["model.layers.0.mlp"]}
+
+    ranks[1].check_derived = stale
+    ctl = Controller(FakeRanks(ranks), Sources([str(store)]), version=0)
+    run(ctl.start())
+    before = bits(ranks)
+    with pytest.raises(Exception, match=r"VerifyError: .*model.layers.0.mlp.*rolled back") as e:
+        run(ctl.update(parse_request({"url": str(store / "v00000001.json")})))
+    assert error_answer(e.value)[0] == 500 and e.value.reason == "verify"
+    assert asked == [True] and same_bits(before, bits(ranks)) and ctl.status()["version"] == 0
+    with settings.override(verify_derived="off"):
+        assert run(ctl.update(parse_request({"url": str(store / "v00000001.json")})))["version"] == 1
+    assert asked == [True]

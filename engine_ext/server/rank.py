@@ -37,7 +37,7 @@ from .. import settings
 from .maps import ApplyResult, TensorMap, Unmappable, checkpoint_view, covered_elements, local_fingerprint
 from ..format.delta import TensorDelta, apply_tensor
 from ..format.dtypes import DType
-from ..errors import BaseMismatchError, IntegrityError, UnreproducibleError
+from ..errors import BaseMismatchError, IntegrityError, UnreproducibleError, VerifyError
 from .protocol import RankReply, TensorReport
 from .touched import Touched
 
@@ -46,7 +46,9 @@ log = logging.getLogger("engine_ext")
 Loader = Callable[[str, torch.Tensor], None]  # load one whole checkpoint tensor via the engine's loader
 Refresh = Callable[["Touched | None"], None]  # rebuild derived copies of what an apply wrote; None: of everything
 Describe = Callable[[], dict]  # the engine's kernels/paths on this rank, for the start-up log and status
-CheckDerived = Callable[[], dict]  # the audit of derived copies: {"checked": n, "opaque": n, "stale": [layer names]}
+# The audit of derived copies, {"checked": n, "opaque": n, "stale": [layer names]}: of every layer, or of those a
+# Touched wrote (``sample``: one of each kind)
+CheckDerived = Callable[..., dict]
 # {checkpoint tensor: why} for tensors whose served form no refresh keeps in step (given the maps): refused
 FindUnreproducible = Callable[[dict], dict]
 OPS = ("setup", "fetch", "fetched", "apply", "discard", "commit", "rollback", "status", "resync", "audit", "forget",
@@ -368,6 +370,7 @@ class RankUpdater:
                 self.host[name] = new
                 self.fps[name] = fpr.tensor_fingerprint(new)
             self._refresh(touched)
+            t_verify = self._verify_derived(touched)
         except BaseException:
             self._pending.touched = None
             self.rollback()
@@ -376,7 +379,7 @@ class RankUpdater:
         return RankReply(True, self.rank, written=int(sum(res.written.values())) + sum(td.nnz for td in dense),
                          fingerprints=self.report(names | {td.name for td in deltas}), fallback=tuple(sorted(parts)),
                          undo_bytes=res.undo.nbytes if res.undo is not None else 0,
-                         seconds={"load": t_load, "apply": t_apply})
+                         seconds={"load": t_load, "apply": t_apply - t_verify, "verify_derived": t_verify})
 
     def commit(self, version: int | None = None, manifest: str | None = None) -> RankReply:
         """Keep the applied update (or adopt a version whose weights are held): drop the undo log;
@@ -424,6 +427,21 @@ class RankUpdater:
     def _refresh(self, touched: Touched | None) -> None:
         if self.refresh is not None:
             self.refresh(touched)
+
+    def _verify_derived(self, touched: Touched | None) -> float:
+        """After an apply's refresh, before the driver verifies and commits: the copies the engine's kernels
+        read, of the layers just written, against a fresh derivation (``ENGINE_EXT_VERIFY_DERIVED``). A stale
+        one fails the apply, which rolls back: the fingerprints read the checkpoint layout and cannot see it."""
+        mode = settings.current().verify_derived
+        if self.check_derived is None or mode == "off":
+            return 0.0
+        t = time.perf_counter()
+        found = self.check_derived(touched, sample=mode == "sample")
+        if found["stale"]:
+            raise VerifyError(f"rank {self.rank}: after the apply, the engine's derived copies of {found['stale'][:5]} "
+                              "differ from a fresh derivation from the weights written (a refresh that does not follow "
+                              "them); rolled back")
+        return time.perf_counter() - t
 
 
 class _LiveBases:

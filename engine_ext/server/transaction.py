@@ -417,6 +417,8 @@ class UpdateTransaction:
                 fingerprint=fpr.fmt(self.state.model_fingerprint), tensors=0, elements=0, written=0, payload_bytes=0,
                 manifests=[], fallback=[], pause_mode=self.request.pause_mode, pause_ms=0.0,
                 phases_ms=phases, noop=True)
+        # inside the pause's apply: the slowest rank's check of its derived copies (ENGINE_EXT_VERIFY_DERIVED)
+        phases["verify_derived"] = _ms(max((r.seconds.get("verify_derived", 0.0) for r in self.replies), default=0.0))
         return UpdateAnswer(
             version=self.chain[-1].manifest.version, base_version=self.base_version,
             fingerprint=fpr.fmt(self.state.model_fingerprint), tensors=len(self.changed()),

@@ -44,19 +44,33 @@ def cpu_refresh(model: torch.nn.Module):
 
 def cpu_derived_check(model: torch.nn.Module):
     """Audit hook for vLLM's CPU backend: every derived copy the kernels read (sgl-packed linear
-    weights, packed causal-conv1d weights, MLA's W_UK/W_UV, packed MoE experts and padded expert biases) compared bit for bit with a
-    fresh derivation from the weights the maps write. O(model): an operator's ``?audit=1``."""
+    weights, packed causal-conv1d weights, MLA's W_UK/W_UV, packed MoE experts and padded expert biases) compared
+    bit for bit with a fresh derivation from the weights the maps write. ``check()``: every layer, O(model)
+    (an operator's ``?audit=1``); ``check(touched)``: the layers an apply wrote; ``sample=True``: of those,
+    one layer of each kind, a different one at each call (the default check after every apply)."""
     from .patches import (conv_copy_stale, conv_layers, experts_copy_stale, linear_copy_stale, mla_attention_layers,
                           mla_copy_stale, moe_layers, packed_layers)
 
-    def check() -> dict:
+    turn = [0]
+
+    def written(layer, weight, touched) -> bool:
+        return touched is None or weight.untyped_storage().data_ptr() in touched
+
+    def check(touched=None, sample: bool = False) -> dict:
         names = {id(m): n for n, m in model.named_modules()}
+        kinds = [
+            [(m, linear_copy_stale) for m in packed_layers(model).values() if written(m, m.weight, touched)],
+            [(m, mla_copy_stale) for m in mla_attention_layers(model) if written(m, m.kv_b_proj.weight, touched)],
+            [(m, experts_copy_stale) for m in moe_layers(model)
+             if touched is None or any(written(m, getattr(m, n), touched) for n in ("w13_weight", "w2_weight"))],
+            [(m, conv_copy_stale) for m in conv_layers(model) if written(m, m._engine_ext_conv, touched)],
+        ]
+        if sample:
+            turn[0] += 1
+            kinds = [[layers[turn[0] % len(layers)]] for layers in kinds if layers]
+            kinds = [[(m, _one_expert(f, turn[0]) if f is experts_copy_stale else f) for m, f in layers] for layers in kinds]
         checked, opaque, stale = 0, 0, []
-        results = [(layer, linear_copy_stale(layer)) for layer in packed_layers(model).values()]
-        results += [(layer, mla_copy_stale(layer)) for layer in mla_attention_layers(model)]
-        results += [(layer, experts_copy_stale(layer)) for layer in moe_layers(model)]
-        results += [(layer, conv_copy_stale(layer)) for layer in conv_layers(model)]
-        for layer, is_stale in results:
+        for layer, is_stale in ((m, f(m)) for layers in kinds for m, f in layers):
             if is_stale is None:
                 opaque += 1
                 continue
@@ -66,6 +80,15 @@ def cpu_derived_check(model: torch.nn.Module):
         return {"checked": checked, "opaque": opaque, "stale": sorted(stale)}
 
     return check
+
+
+def _one_expert(check, turn: int):
+    """``check`` (experts_copy_stale) on one expert of a layer, a different one at each turn."""
+    def one(layer):
+        n = layer.w13_weight.shape[0]
+        return check(layer, torch.tensor([turn % n]))
+
+    return one
 
 
 # Quantisation methods whose served weights are the checkpoint's bytes (or a copy the patches
