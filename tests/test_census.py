@@ -1,4 +1,5 @@
-"""The post-processing census (engine_ext/engines/vllm/census.py) on plain torch modules, no server.
+"""The post-processing census (engine_ext/server/census.py; vLLM's claims: engine_ext/engines/vllm/census.py)
+on plain torch modules, no server.
 
 A module kind whose post-processing derives a copy that no patch refreshes is found without knowing
 the model, and the checkpoint tensors that reach it are refused (409 ``unreproducible``), named at
@@ -14,7 +15,8 @@ import json
 import pytest
 import torch
 
-from engine_ext.engines.vllm import census
+from engine_ext.engines.vllm.census import claimed
+from engine_ext.server import census
 from engine_ext.errors import UnreproducibleError
 from engine_ext.format.dtypes import BY_TORCH
 from engine_ext.server.controller import Controller
@@ -64,8 +66,9 @@ def _toy():
 def test_the_census_names_exactly_the_unclaimed_copy_that_reaches_checkpoint_weights():
     model, maps = _toy()
     assert set(model.__dict__["_engine_ext_census"].derived) == {"proj", "packed", "rope"}
-    assert census.unclaimed(model, maps) == {"proj": ["w_t"], "rope": ["cos_sin"]}
-    found = census.unreproducible(model, maps)
+    assert census.unclaimed(model, maps, claimed) == {"proj": ["w_t"], "rope": ["cos_sin"]}
+    assert census.unclaimed(model, maps) == {"proj": ["w_t"], "packed": ["cpu_linear.<packed>"], "rope": ["cos_sin"]}
+    found = census.unreproducible(model, maps, claimed)
     assert list(found) == ["proj.weight"] and "'w_t'" in found["proj.weight"]
     assert census.unclaimed(Toy(), maps) is None  # no census taken: nothing claimed, a warning at start-up
 
@@ -78,7 +81,7 @@ def test_an_update_reaching_an_unclaimed_copy_is_refused_and_changes_nothing(tmp
         pub.publish({n: (t.float() * 1.01).to(torch.bfloat16) for n, t in sd.items()})
     specs = {n: (tuple(t.shape), BY_TORCH[t.dtype]) for n, t in sd.items()}
     up = RankUpdater(model, model.load, specs, read_checkpoint=sd.__getitem__,
-                     find_unreproducible=lambda maps: census.unreproducible(model, maps))
+                     find_unreproducible=lambda maps: census.unreproducible(model, maps, claimed))
     ctl = Controller(FakeRanks([up]), Sources([str(tmp_path / "store")]), version=0)
     asyncio.run(ctl.start())
     assert list(ctl.status()["layout"]["unreproducible"]) == ["proj.weight"]

@@ -79,6 +79,9 @@ def results(tmp_path_factory):
 def test_versions_through_each_path_equal_a_cold_load(results, kind, store):
     got = results[kind]
     assert got["loaded"] and "error" not in got, got  # "changed_at_start": what a failed start-up left behind
+    # SGLang's post-processing derived nothing the updates write (its adapter refreshes nothing: it would be refused)
+    assert got["census"] is not None and got["census"]["modules"] > 0, got["census"]  # taken at load
+    assert got["layout"]["unreproducible"] == {} and got["layout"]["mismatched"] == [], got["layout"]
     cell = got["paths"][store]
     assert cell["reason"] is None, cell
     assert cell["versions"] == [0, 1, 2], cell
@@ -115,6 +118,9 @@ def _worker(spec_path: str, out_path: str) -> None:
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
+    from engine_ext.engines.sglang.census import wrap_post_processing
+
+    assert wrap_post_processing()  # as the plugin does in a scheduler: the census of what post-processing derives
 
     def load(model_dir: str):
         sa = ServerArgs(model_path=model_dir, tp_size=1, device="cpu", skip_tokenizer_init=True, dtype="bfloat16")
@@ -159,6 +165,8 @@ def _worker(spec_path: str, out_path: str) -> None:
             print(f"[{kind}] load failed: {res['error']}", file=sys.stderr, flush=True)
             continue
         res["loaded"] = True
+        census = live.__dict__.get("_engine_ext_census")
+        res["census"] = None if census is None else {"modules": census.modules, "derived": sorted(census.derived)}
         cold = {n: raw(p).clone() for n, p in live.named_parameters()}
         ptrs = {n: p.data_ptr() for n, p in live.named_parameters()}
         agent = RankAgent(live, case["final"], rank=0, group=get_tp_group().cpu_group)

@@ -76,6 +76,9 @@ def register() -> None:
     from .compat import register_after_hook
 
     settings.current()  # every ENGINE_EXT_* variable read once, here, in every SGLang process
+    from .census import wrap_post_processing
+
+    wrap_post_processing()  # what post-processing derives is refused, as SGLang's adapter refreshes nothing
 
     register_after_hook(SCHEDULER_TARGET, _after_scheduler_init)
     register_after_hook(TOKENIZER_TARGET, _after_tokenizer_init)

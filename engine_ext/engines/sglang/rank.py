@@ -61,7 +61,13 @@ def build_updater(model: torch.nn.Module, model_path: str, *, revision: str | No
     def load(name: str, tensor: torch.Tensor) -> None:
         model.load_weights([(name, tensor)])
 
-    return RankUpdater(model, load, ckpt.specs(), ckpt.load, refresh=None, rank=rank)
+    def find_unreproducible(maps: dict) -> dict[str, str]:
+        from ...server.census import unreproducible
+
+        return unreproducible(model, maps)  # the adapter refreshes no derived copy: it claims none
+
+    return RankUpdater(model, load, ckpt.specs(), ckpt.load, refresh=None, rank=rank,
+                       find_unreproducible=find_unreproducible)
 
 
 AFTER_UPDATE = "after_update"  # scheduler op beside the updater's: cache flush and weight version

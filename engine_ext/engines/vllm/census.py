@@ -1,122 +1,10 @@
-"""What vLLM's post-processing derived from the loaded weights, and whether every such copy is kept in step.
-
-After the loader wrote the checkpoint into the model's parameters, vLLM's
-``process_weights_after_loading`` lets every layer re-lay what its kernels read: packing,
-padding, prepacked handles, derived tensors. An in-place update writes the checkpoint-layout
-weights, so each copy made there must be refreshed by one of the plugin's patches
-(:mod:`engine_ext.engines.vllm.patches`), or the server computes with stale weights while its
-fingerprint (read through the checkpoint layout) says all is well: silent divergence.
-
-The census finds those copies without knowing the model: the plugin wraps vLLM's
-``process_weights_after_loading`` and records, for every module, the state reachable from it
-(its parameters and buffers, tensors in its ``__dict__``, in the objects it holds, such as its
-quant method, attention impl or MoE experts, and in the closures it holds, such as the CPU GEMM's
-``cpu_linear``) before and after. What is new after (a tensor on a storage that did not exist
-before, an opaque object such as a oneDNN handle, a parameter whose data was re-bound) was derived
-by post-processing. Each one must be *claimed*: a copy a patch refreshes after every write
-(:func:`claimed`). An unclaimed copy in a module whose parameters, or its descendants', receive
-checkpoint weights makes those checkpoint tensors *unreproducible*: updates writing them are
-refused (409), and the start-up names them. A new copy in a module that holds no such parameter
-cannot come from the weights an update writes (a workspace, a rotary cache) and is not counted.
-
-This is a census of identities, not of bytes: it costs a walk over the modules' attributes (no
-tensor data is read) once, at load. The bytes of the claimed copies are checked by the audit
-(``?audit=1``: :func:`engine_ext.engines.vllm.worker.cpu_derived_check`).
-"""
+"""vLLM's side of the post-processing census (:mod:`engine_ext.server.census`): where it is taken, and
+what the plugin's patches claim (the copies they refresh after every write)."""
 from __future__ import annotations
-
-import logging
-from dataclasses import dataclass, field
 
 import torch
 
-log = logging.getLogger("engine_ext")
-_MARK = "_engine_ext_census"
-_MAX_DEPTH = 4  # module -> quant method -> experts -> their dict: deep enough for vLLM 0.32's holders
-_SKIP_TYPES = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device, type)
-
-
-def _is_config(obj) -> bool:
-    name = type(obj).__name__
-    return name.endswith(("Config", "Configs")) or name in ("ProcessGroup", "GroupCoordinator", "Logger")
-
-
-def _walk(obj, path: str, out: dict, depth: int, seen: set) -> None:
-    """``out[path] = key`` for every tensor (its storage) and opaque object reachable from ``obj``."""
-    if isinstance(obj, _SKIP_TYPES) or isinstance(obj, torch.nn.Module) or id(obj) in seen or depth > _MAX_DEPTH:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        if obj.device.type != "meta" and obj.untyped_storage().nbytes() > 0:
-            out[path] = ("tensor", obj.device.type, obj.untyped_storage().data_ptr())
-        return
-    if isinstance(obj, dict):
-        for k, v in list(obj.items())[:256]:
-            _walk(v, f"{path}[{k!r}]", out, depth + 1, seen)
-        return
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        for i, v in enumerate(list(obj)[:256]):
-            _walk(v, f"{path}[{i}]", out, depth + 1, seen)
-        return
-    if callable(obj) and getattr(obj, "__closure__", None):
-        for name, cell in zip(obj.__code__.co_freevars, obj.__closure__):
-            try:
-                _walk(cell.cell_contents, f"{path}.<{name}>", out, depth + 1, seen)
-            except ValueError:  # an empty cell
-                pass
-        return
-    if callable(obj) or _is_config(obj):
-        return
-    attrs = getattr(obj, "__dict__", None)
-    if isinstance(attrs, dict):
-        if type(obj).__module__.startswith(("vllm", "torch", "engine_ext")) or not attrs:
-            for k, v in list(attrs.items()):
-                _walk(v, f"{path}.{k}", out, depth + 1, seen)
-        return
-    out[path] = ("opaque", type(obj).__name__, id(obj))  # a C++ handle (oneDNN's) or another object we cannot read
-
-
-def module_state(module: torch.nn.Module) -> dict[str, tuple]:
-    """The tensors (by storage) and opaque objects ``module`` itself holds (not its child modules')."""
-    out: dict[str, tuple] = {}
-    seen: set = set()
-    for k, v in vars(module).items():
-        if k == "_modules":
-            continue
-        if k in ("_parameters", "_buffers"):
-            for n, t in v.items():
-                if t is not None:
-                    _walk(t, n, out, 0, seen)
-        else:
-            _walk(v, k, out, 0, seen)
-    return out
-
-
-@dataclass
-class Census:
-    """{module name: {path: key}} of what post-processing made, and whether it ran at all."""
-
-    derived: dict[str, dict[str, tuple]] = field(default_factory=dict)
-    modules: int = 0
-
-
-def take(model: torch.nn.Module, process) -> None:
-    """Run vLLM's post-processing (``process()``) on ``model`` and record what it derived (:class:`Census`)."""
-    before = {name: module_state(m) for name, m in model.named_modules()}
-    storages = {key for state in before.values() for key in state.values() if key[0] == "tensor"}
-    process()
-    census = Census(modules=len(before))
-    for name, m in model.named_modules():
-        made = {}
-        for path, key in module_state(m).items():
-            if key[0] == "tensor" and key in storages:
-                continue  # a storage that existed before: the loaded weights themselves, or a view of them
-            if key[0] == "opaque" and before.get(name, {}).get(path) == key:
-                continue  # held before post-processing
-            made[path] = key
-        if made:
-            census.derived[name] = made
-    model.__dict__[_MARK] = census
+from ...server.census import CENSUS_ATTR, keys_of, take
 
 
 def wrap_post_processing() -> bool:
@@ -126,13 +14,13 @@ def wrap_post_processing() -> bool:
     except ImportError:
         return False
     orig = utils.process_weights_after_loading
-    if getattr(orig, _MARK, False):
+    if getattr(orig, CENSUS_ATTR, False):
         return True
 
     def process_weights_after_loading(model, model_config, target_device):
         take(model, lambda: orig(model, model_config, target_device))
 
-    setattr(process_weights_after_loading, _MARK, True)
+    setattr(process_weights_after_loading, CENSUS_ATTR, True)
     process_weights_after_loading.original = orig
     for mod in (utils, base_loader):
         if getattr(mod, "process_weights_after_loading", None) is orig:
@@ -146,10 +34,8 @@ def claimed(module: torch.nn.Module) -> set[tuple]:
 
     keys: set[tuple] = set()
 
-    def add(obj, path="claim"):
-        out: dict = {}
-        _walk(obj, path, out, 0, set())
-        keys.update(out.values())
+    def add(obj):
+        keys.update(keys_of(obj))
 
     if getattr(module, "_engine_ext_packed", False):  # the CPU GEMM's packed weight or handle (patches.repack)
         add(_captured(getattr(module, "cpu_linear", None)))
@@ -165,56 +51,4 @@ def claimed(module: torch.nn.Module) -> set[tuple]:
     return keys
 
 
-def unclaimed(model: torch.nn.Module, maps: dict) -> dict[str, list[str]] | None:
-    """{module name: [paths of derived copies no patch refreshes]}; None where no census was taken
-    (the model was not post-processed through vLLM's loader in this process). A copy is claimed by a
-    patch (:func:`claimed`, wherever it is reachable from: the MoE kernel's own holder too) or is itself
-    where the maps write (a bias the CPU GEMM keeps in float32: a converting map, checked at start-up
-    through the fingerprints like every mapped weight)."""
-    from ...server.maps import TensorMap
-
-    census = model.__dict__.get(_MARK)
-    if census is None:
-        return None
-    keys: set[tuple] = set()
-    for mod in model.modules():
-        keys |= claimed(mod)
-    for m in maps.values():
-        if isinstance(m, TensorMap):
-            keys |= {("tensor", pc.dest.device.type, pc.dest.untyped_storage().data_ptr()) for pc in m.pieces}
-    out = {}
-    for name, made in census.derived.items():
-        rest = sorted(p for p, k in made.items() if k not in keys)
-        if rest:
-            out[name] = rest
-    return out
-
-
-def unreproducible(model: torch.nn.Module, maps: dict) -> dict[str, str]:
-    """{checkpoint tensor: why} for the tensors whose weights land in a module (or a descendant of a
-    module) holding a derived copy that no patch refreshes: an in-place write would not reach what the
-    kernels read. Unmappable tensors (reloaded through the loader) count by the parameter their loader wrote."""
-    from ...server.maps import TensorMap
-
-    free = unclaimed(model, maps)
-    if not free:
-        if free is None:
-            log.warning("engine_ext: no post-processing census was taken for this model (not loaded through vLLM's "
-                        "loader here?): derived copies are not checked at start-up")
-        return {}
-    owner = {}  # parameter storage -> the modules holding it or an ancestor of its holder
-    for name, mod in model.named_modules():
-        for p in mod.parameters(recurse=True):
-            if p.untyped_storage().nbytes() > 0:
-                owner.setdefault(p.untyped_storage().data_ptr(), set()).add(name)
-    out = {}
-    for tensor, m in maps.items():
-        ptrs = {pc.dest.untyped_storage().data_ptr() for pc in m.pieces} if isinstance(m, TensorMap) else set(m.storages)
-        holders = set().union(*(owner.get(ptr, set()) for ptr in ptrs)) if ptrs else set()
-        hit = sorted(holders & set(free))
-        if hit:
-            out[tensor] = f"{hit[0]} holds {free[hit[0]][0]!r}, derived after loading and refreshed by no patch"
-    return out
-
-
-__all__ = ["Census", "take", "wrap_post_processing", "claimed", "unclaimed", "unreproducible", "module_state"]
+__all__ = ["wrap_post_processing", "claimed"]

@@ -121,9 +121,10 @@ def build_updater(model: torch.nn.Module, vllm_config, rank: int = 0) -> RankUpd
         model.load_weights([(name, tensor)])
 
     def find_unreproducible(maps: dict) -> dict[str, str]:
-        from .census import unreproducible
+        from ...server.census import unreproducible
+        from .census import claimed
 
-        return unreproducible(model, maps)
+        return unreproducible(model, maps, claimed)
 
     if compat.is_cpu():
         from .patches import cpu_paths
