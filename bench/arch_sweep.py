@@ -19,6 +19,7 @@ derived copy (``?audit=1``). Each architecture ends in one row:
     python bench/arch_sweep.py                 # the CI subset (one per post-processing path)
     python bench/arch_sweep.py --full --write  # every registry architecture; table into docs/MODELS.md
     python bench/arch_sweep.py --archs GptOssForCausalLM Qwen3NextForCausalLM
+    .venv-sglang/bin/python bench/arch_sweep.py --engine sglang --full --write   # SGLang's registry
 
 One server at a time (about 30-60 s each on 2 cores).
 """
@@ -46,6 +47,7 @@ NAMED = ("GptOssForCausalLM", "Qwen3NextForCausalLM", "Ernie4_5_ForCausalLM", "H
          "Exaone4ForCausalLM", "Qwen3MoeForCausalLM")
 GENERATIVE = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")  # what RL rolls out
 MARK = ("<!-- arch_sweep: begin -->", "<!-- arch_sweep: end -->")
+SGLANG_MARK = ("<!-- arch_sweep sglang: begin -->", "<!-- arch_sweep sglang: end -->")
 
 
 @dataclass
@@ -183,53 +185,119 @@ def run_arch(arch: str, work: Path) -> Row:
         server.stop()
 
 
-def table(rows: list[Row], command: str) -> str:
+def sglang_archs() -> list[str]:
+    """SGLang's model classes (its registry's names), sorted. Run with the SGLang virtualenv's python."""
+    from sglang.srt.models.registry import import_model_classes
+
+    return sorted(import_model_classes("sglang.srt.models"))
+
+
+def run_sglang_arch(arch: str, work: Path) -> Row:
+    """One row on SGLang CPU: the matrix's worker (tests/test_sglang_models.py: SGLang's own ``get_model``, the
+    adapter's rank handler and the controller, in one process of its own), then every parameter compared
+    with the cold load bit for bit (no generation: SGLang's scheduler does not run here)."""
+    import subprocess
+
+    import model_matrix as mm
+
+    t0 = time.perf_counter()
+    if not arch.endswith(GENERATIVE):
+        return Row(arch, "not generative", "a pooling/classification model: no policy to roll out")
+    from engine_ext.tiny_models import arch_class, tiny_config
+
+    if arch_class(arch) is None:
+        return Row(arch, "no transformers class")
+    kind = curated_kinds().get(arch, arch)
+    try:
+        if kind == arch:
+            tiny_config(arch)
+        traj = mm.trajectory(kind, work, paths=("module",), dtypes=("fp32",))
+    except Exception as e:  # noqa: BLE001
+        return Row(arch, "no tiny config", _short(f"{type(e).__name__}: {e}"), time.perf_counter() - t0)
+    store = "module/fp32"
+    spec = {arch: {"final": str(traj.final), "root": str(work), "fingerprints": traj.fingerprints,
+                   "urls": {store: [traj.url(store, v) for v in range(mm.VERSIONS)]}}}
+    (work / "spec.json").write_text(json.dumps(spec))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "sglang_stubs"), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", SGLANG_PLUGINS="engine_ext")
+    with open(work / "worker.log", "w") as log:
+        try:
+            p = subprocess.run([sys.executable, str(ROOT / "tests" / "test_sglang_models.py"), str(work / "spec.json"),
+                                str(work / "out.json")], env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600)
+        except subprocess.TimeoutExpired:
+            return Row(arch, "cannot serve", "SGLang's load or update took over 600 s", time.perf_counter() - t0)
+    if p.returncode != 0 or not (work / "out.json").exists():
+        return Row(arch, "cannot serve", "worker died: " + root_cause(work / "worker.log", f"rc {p.returncode}"),
+                   time.perf_counter() - t0)
+    res = json.loads((work / "out.json").read_text())[arch]
+    took = time.perf_counter() - t0
+    if not res["loaded"]:
+        return Row(arch, "cannot serve", _short(res.get("error", ""), 200), took)
+    if "error" in res:
+        return Row(arch, "refused", _short("start-up: " + res["error"], 200), took)
+    cell = res["paths"][store]
+    layout = res.get("layout") or {}
+    notes = [f"{k} {len(layout[k])}" for k in ("fallback", "mismatched", "unreproducible") if layout.get(k)]
+    if cell["reason"] is not None:
+        if not cell.get("unchanged"):
+            return Row(arch, "DIVERGED", f"refused ({cell['reason']}) yet the parameters moved", took)
+        return Row(arch, "refused", _short(f"{cell['reason']}: {cell.get('error', '')}", 240), took)
+    if cell["mismatched"] or cell["moved"] or cell["fingerprint"] != res["cold_fingerprint"]:
+        return Row(arch, "DIVERGED", _short(f"parameters differ from the cold load: {cell['mismatched'][:3]}"), took)
+    return Row(arch, "pass", "every parameter equals the cold load's" + (f"; {', '.join(notes)}" if notes else ""), took)
+
+
+def table(rows: list[Row], command: str, engine: str = "vLLM 0.32 CPU") -> str:
     head = ["| architecture | result | detail |", "|---|---|---|"]
     body = [f"| `{r.arch}` | {r.result} | {r.detail.replace('|', '/')} |" for r in rows]
     counts = {}
     for r in rows:
         counts[r.result] = counts.get(r.result, 0) + 1
     summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
-    return "\n".join([MARK[0], f"`{command}` ({time.strftime('%Y-%m-%d')}, vLLM CPU; {summary}):", "", *head, *body, MARK[1]])
+    marks = SGLANG_MARK if engine.startswith("SGLang") else MARK
+    return "\n".join([marks[0], f"`{command}` ({time.strftime('%Y-%m-%d')}, {engine}; {summary}):", "", *head, *body, marks[1]])
 
 
-def write_table(text: str, path: Path = ROOT / "docs" / "MODELS.md") -> None:
+def write_table(text: str, path: Path = ROOT / "docs" / "MODELS.md", marks=MARK) -> None:
     doc = path.read_text()
-    if MARK[0] in doc:
-        a, b = doc.index(MARK[0]), doc.index(MARK[1]) + len(MARK[1])
-        doc = doc[:a] + text + doc[b:]
-    else:
-        doc = doc.rstrip() + "\n\n## Every architecture vLLM's registry offers\n\n" + text + "\n"
-    path.write_text(doc)
+    if marks[0] not in doc:
+        raise SystemExit(f"{path} has no {marks[0]} ... {marks[1]} section to write the table into")
+    a, b = doc.index(marks[0]), doc.index(marks[1]) + len(marks[1])
+    path.write_text(doc[:a] + text + doc[b:])
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--archs", nargs="*", help="architecture names (default: the CI subset)")
+    ap.add_argument("--engine", choices=("vllm", "sglang"), default="vllm",
+                    help="sglang: SGLang's registry and loaders (run with the SGLang virtualenv's python)")
     ap.add_argument("--full", action="store_true", help="every architecture in vLLM's registry")
     ap.add_argument("--named", action="store_true", help="the architectures issue 39 names")
     ap.add_argument("--write", action="store_true", help="write the table into docs/MODELS.md")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
     ap.add_argument("--work", type=Path, help="keep each architecture's stores and server log here (default: a temporary dir)")
     args = ap.parse_args(argv)
-    archs = registry_archs() if args.full else list(NAMED) if args.named else list(args.archs or CI_ARCHS)
+    sglang = args.engine == "sglang"
+    everything = sglang_archs() if sglang else registry_archs()
+    archs = everything if args.full else list(NAMED) if args.named else list(args.archs or CI_ARCHS)
+    run = run_sglang_arch if sglang else run_arch
     rows = []
     with tempfile.TemporaryDirectory(prefix="arch-sweep-") as tmp:
         tmp = args.work or tmp
         secure_env(Path(tmp))
         for arch in archs:
             try:
-                row = run_arch(arch, Path(tmp) / arch)
+                row = run(arch, Path(tmp) / arch)
             except Exception as e:  # noqa: BLE001 - a harness failure is a row too, never a silent skip
                 row = Row(arch, "harness error", _short(f"{type(e).__name__}: {e}"))
                 traceback.print_exc()
             rows.append(row)
             print(f"{row.arch:40s} {row.result:14s} {row.seconds:6.1f} s  {row.detail}", flush=True)
     command = "python bench/arch_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = table(rows, command.strip())
+    text = table(rows, command.strip(), "SGLang 0.5.23 CPU" if sglang else "vLLM 0.32 CPU")
     print(text)
     if args.write:
-        write_table(text)
+        write_table(text, marks=SGLANG_MARK if sglang else MARK)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
     return 1 if any(r.result in ("DIVERGED", "harness error") for r in rows) else 0
