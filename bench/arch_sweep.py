@@ -187,6 +187,7 @@ def run_arch(arch: str, work: Path) -> Row:
 
 def sglang_archs() -> list[str]:
     """SGLang's model classes (its registry's names), sorted. Run with the SGLang virtualenv's python."""
+    sys.path.insert(0, str(ROOT / "tests" / "sglang_stubs"))  # torchvision, which the CPU venv cannot hold (a stub)
     from sglang.srt.models.registry import import_model_classes
 
     return sorted(import_model_classes("sglang.srt.models"))
