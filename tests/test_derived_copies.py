@@ -4,7 +4,8 @@ came from are written, and the refresh an update runs makes it fresh again.
 
 Each family is the one a patch keeps in step (engine_ext/engines/vllm/patches.py): packed MoE
 experts (every host) and padded expert biases, packed causal-conv1d weights (AVX-512 BF16 hosts), MLA's W_UK/W_UV (AMX hosts: the impl's packed copies; elsewhere views of
-``kv_b_proj``'s weight), sgl-packed linear weights (AMX hosts; oneDNN's handle elsewhere is opaque).
+``kv_b_proj``'s weight), sgl-packed linear weights (AMX hosts) and oneDNN handles (checked by what they
+compute).
 The servers' matrix (tests/test_models.py) audits the same copies after a rollback on a real server.
 """
 from __future__ import annotations
@@ -201,17 +202,42 @@ def test_linear_copy_on_this_host():
     assert patches.linear_copy_stale(layer) is False
 
 
+def test_a_onednn_handle_is_checked_by_what_it_computes():
+    """Above 1 MiB vLLM's CPU GEMM serves through oneDNN (every x86 host), whose handle is opaque: the check
+    runs the served GEMM and a fresh dispatch's on one probe input and compares the outputs bit for bit. A
+    write the handle does not see is found stale; the re-pack makes it fresh."""
+    from vllm import _custom_ops as ops
+
+    if not ops._supports_onednn:
+        pytest.skip("this vLLM build has no oneDNN GEMM")
+    layer = _linear(n=1024, k=1024)  # 2 MiB of bf16
+    assert patches.gemm_path(layer) == "onednn"
+    assert patches.linear_copy_stale(layer) is False
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    before = layer.cpu_linear(x, layer.weight, layer.bias)
+    with torch.no_grad():
+        layer.weight.data[:, :64] *= 2  # a write every output reads
+    sees_the_write = not torch.equal(before, layer.cpu_linear(x, layer.weight, layer.bias))
+    assert patches.linear_copy_stale(layer) is (not sees_the_write)  # a handle that copied the weight is stale
+    patches.repack(layer)
+    assert patches.linear_copy_stale(layer) is False
+
+
 def test_the_audit_names_the_stale_layers():
     model = torch.nn.Module()
     model.experts = _Experts()
     model.proj = _linear()
     model.proj._engine_ext_packed = True  # as the patched dispatch marks it
     check = cpu_derived_check(model)
-    sgl = patches.gemm_path(model.proj) == "sgl"
-    assert check() == {"checked": 1 + sgl, "opaque": int(not sgl), "stale": []}
+    assert check() == {"checked": 2, "opaque": 0, "stale": []}
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    before = model.proj.cpu_linear(x, model.proj.weight, model.proj.bias)
     _write_one(model.experts.w13_weight.data[0])
-    _write_one(model.proj.weight.data)
-    assert check()["stale"] == (["experts", "proj"] if sgl else ["experts"])
+    with torch.no_grad():
+        model.proj.weight.data[:, :8] *= 2
+    # the sgl path (AMX) serves a packed copy; oneDNN's handle (other hosts) may read the weight itself
+    copied = torch.equal(before, model.proj.cpu_linear(x, model.proj.weight, model.proj.bias))
+    assert check()["stale"] == (["experts", "proj"] if copied else ["experts"])
     model.more = _Experts()
     for layer in (model.experts, model.more):
         for e in range(4):

@@ -463,15 +463,23 @@ def _captured(fn) -> dict:
 
 
 def linear_copy_stale(layer: torch.nn.Module) -> bool | None:
-    """Whether the packed copy the layer's GEMM serves differs from a fresh dispatch of its kept weight
-    (vLLM's own packing, on a shallow copy of the layer); None where that copy is no tensor to compare
-    (oneDNN's opaque handle; the torch path reads ``layer.weight`` itself)."""
-    served = _captured(getattr(layer, "cpu_linear", None)).get("packed_weight")
-    if not isinstance(served, torch.Tensor):
-        return None
+    """Whether the copy the layer's GEMM serves differs from a fresh dispatch of its kept weight (vLLM's own
+    packing, on a shallow copy of the layer). A packed tensor (the sgl path) is compared bit for bit; an
+    opaque handle (oneDNN's) by what it computes: both GEMMs on one probe input, bit for bit (the same
+    kernel on the same input is deterministic). None where the layer reads ``layer.weight`` itself (the
+    torch path: nothing derived)."""
+    served_fn = getattr(layer, "cpu_linear", None)
+    served = _captured(served_fn).get("packed_weight")
     fresh = copy.copy(layer)  # own __dict__ (its cpu_linear), the same parameters
     repack(fresh)
-    return not _same_bits(served, _captured(fresh.cpu_linear)["packed_weight"])
+    if isinstance(served, torch.Tensor):
+        return not _same_bits(served, _captured(fresh.cpu_linear)["packed_weight"])
+    if served_fn is None or served_fn is torch.nn.functional.linear or "handler" not in _captured(served_fn):
+        return None
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, layer.weight.shape[1], generator=g).to(layer.weight.dtype)
+    bias = getattr(layer, "bias", None)
+    return not _same_bits(served_fn(x, layer.weight, bias), fresh.cpu_linear(x, layer.weight, bias))
 
 
 def mla_copy_stale(layer: torch.nn.Module) -> bool:
