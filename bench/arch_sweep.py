@@ -115,12 +115,11 @@ def secure_env(work: Path) -> None:
                       ENGINE_EXT_TOKEN=os.environ.get("ENGINE_EXT_TOKEN") or secrets.token_hex(16))
 
 
-def run_arch(arch: str, work: Path) -> Row:
-    """One row: the arch's trajectory through ``publish(model)``, a cold server, the chain, the comparison."""
+def trajectory(arch: str, work: Path):
+    """``arch``'s 3 versions through ``publish(model)`` into ``work`` (both engines' first step), or the
+    :class:`Row` that says why there is nothing to run."""
     import model_matrix as mm
-    from vllm_helpers import PROMPTS, WARMUP_PROMPT
 
-    from engine_ext.engines.vllm.launcher import VllmServer
     from engine_ext.tiny_models import arch_class, tiny_config
 
     t0 = time.perf_counter()
@@ -132,9 +131,22 @@ def run_arch(arch: str, work: Path) -> Row:
     try:
         if kind == arch:
             tiny_config(arch)
-        traj = mm.trajectory(kind, work, paths=("module",), dtypes=("fp32",))
+        return mm.trajectory(kind, work, paths=("module",), dtypes=("fp32",))
     except Exception as e:  # noqa: BLE001 - the row says why
         return Row(arch, "no tiny config", _short(f"{type(e).__name__}: {e}"), time.perf_counter() - t0)
+
+
+def run_arch(arch: str, work: Path) -> Row:
+    """One row: the arch's trajectory through ``publish(model)``, a cold server, the chain, the comparison."""
+    import model_matrix as mm
+    from vllm_helpers import PROMPTS, WARMUP_PROMPT
+
+    from engine_ext.engines.vllm.launcher import VllmServer
+
+    t0 = time.perf_counter()
+    traj = trajectory(arch, work)
+    if isinstance(traj, Row):
+        return traj
     try:
         server = VllmServer(traj.final, sources=str(work), log=work / "server.log", startup_s=240)
     except Exception as e:  # noqa: BLE001
@@ -202,19 +214,9 @@ def run_sglang_arch(arch: str, work: Path) -> Row:
     import model_matrix as mm
 
     t0 = time.perf_counter()
-    if not arch.endswith(GENERATIVE):
-        return Row(arch, "not generative", "a pooling/classification model: no policy to roll out")
-    from engine_ext.tiny_models import arch_class, tiny_config
-
-    if arch_class(arch) is None:
-        return Row(arch, "no transformers class")
-    kind = curated_kinds().get(arch, arch)
-    try:
-        if kind == arch:
-            tiny_config(arch)
-        traj = mm.trajectory(kind, work, paths=("module",), dtypes=("fp32",))
-    except Exception as e:  # noqa: BLE001
-        return Row(arch, "no tiny config", _short(f"{type(e).__name__}: {e}"), time.perf_counter() - t0)
+    traj = trajectory(arch, work)
+    if isinstance(traj, Row):
+        return traj
     store = "module/fp32"
     spec = {arch: {"final": str(traj.final), "root": str(work), "fingerprints": traj.fingerprints,
                    "urls": {store: [traj.url(store, v) for v in range(mm.VERSIONS)]}}}
