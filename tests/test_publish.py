@@ -289,6 +289,18 @@ def test_every_call_path_publishes_each_storage_once_in_the_served_dtype(tmp_pat
     assert fps["module"][-1] == fpr.fmt(fpr.model_fingerprint(served))  # the trainer's weights, in bf16, each once
 
 
+def test_fresh_tensors_freed_once_cast_are_never_taken_for_aliases():
+    """An iterator of gathered tensors (``full_tensor()`` per name: each fresh, freed once cast to bf16)
+    hands the allocator's freed addresses to the next tensor of the same shape; none of them is an
+    alias (measured before the fix: 7 of 20 dropped as aliases)."""
+    g = torch.Generator().manual_seed(0)
+    params = {f"layers.{i}.w": torch.randn(64, 64, generator=g) for i in range(20)}
+    kept = {}
+    sd = clean_state_dict(((n, p.clone()) for n, p in params.items()), kept, cast=lambda t: t.to(torch.bfloat16))
+    assert list(sd) == list(params) and kept == {}
+    assert all(torch.equal(sd[n], p.to(torch.bfloat16)) for n, p in params.items())
+
+
 def test_aliases_are_one_storage_seen_the_same_way():
     """Only names seeing the same elements the same way are one tensor: views of one storage at
     another offset, shape or stride (a fused qkv split by rows, a transpose) stay apart, and

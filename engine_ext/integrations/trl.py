@@ -33,7 +33,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from ..fleet import Fleet, FleetResult
+from ..fleet import Fleet, FleetResult, WeightSyncError
 from ..format import fingerprint as fpr
 from ..trainer.checkpoint_layout import transformers_model
 from ..format.dtypes import dtype_by_name, served_as, served_dtype
@@ -41,10 +41,6 @@ from ..trainer.publisher import DeltaPublisher
 from ..trainer.sharded import ShardedPublisher
 
 log = logging.getLogger("engine_ext")
-
-
-class WeightSyncError(RuntimeError):
-    """A sync did not reach every server (the servers that failed keep serving what they had)."""
 
 
 @dataclass
@@ -131,7 +127,7 @@ class DeltaWeightTransfer:
         with the trainer's fingerprint; :class:`WeightSyncError` names the servers that did not."""
         t0 = time.perf_counter()
         pub = self.publisher
-        uri = pub.publish((name, tensor.detach()) for name, tensor in iterator)  # taken whole, then cast
+        uri = pub.publish(iterator)  # taken whole, each tensor cast as taken (ties found on the tensors as given)
         pub.wait()
         t1 = time.perf_counter()
         result = self._push(uri, pub.fingerprint)
@@ -171,16 +167,8 @@ class DeltaWeightTransfer:
 
     # -- helpers ------------------------------------------------------------------------------
     def _push(self, uri: str, fingerprint: int) -> FleetResult:
-        result = self.fleet.update(uri)
-        self.last = result
-        if not result.ok:
-            raise WeightSyncError(f"{len(result.failed)} of {len(result.replicas)} server(s) did not reach "
-                                  f"v{result.target}: " + "; ".join(f"{r.url}: {r.error}" for r in result.failed))
-        wrong = [r.url for r in result.replicas if r.fingerprint != fpr.fmt(fingerprint)]
-        if wrong:
-            raise WeightSyncError(f"{wrong} serve v{result.target} with another fingerprint than the trainer's "
-                                  f"{fpr.fmt(fingerprint)}")
-        return result
+        self.last = self.fleet.bring(uri, fpr.fmt(fingerprint))  # WeightSyncError names each server that failed
+        return self.last
 
     def _each(self, path: str, **kw) -> None:
         if not self.pause_servers:
