@@ -27,6 +27,10 @@ FINAL_REASONS = frozenset({"model_mismatch", "downgrade"})
 _VERSION_KEY = re.compile(r"v(\d{8})(?:\.anchor)?\.json$")
 
 
+class WeightSyncError(RuntimeError):
+    """A sync did not bring every replica to the trainer's version (those that failed keep serving what they had)."""
+
+
 @dataclass
 class ReplicaResult:
     """One replica's outcome. ``ok``: it answered 200 with the fleet's target version."""
@@ -175,5 +179,19 @@ class Fleet:
                 r.ok, r.error = False, f"answered version {r.version_after}, not {target}"
         return FleetResult(uri, target, replicas)
 
+    def bring(self, uri: str, fingerprint: str, names: dict[str, str] | None = None) -> FleetResult:
+        """:meth:`update`, then insist: every replica answered 200 with the target version and serves
+        ``fingerprint`` (the trainer's, ``fpr.fmt`` form); else :class:`WeightSyncError` naming each
+        replica that did not (``names``: how to call a URL in that message), and why."""
+        result = self.update(uri)
+        name = (names or {}).get
+        if not result.ok:
+            raise WeightSyncError(f"{len(result.failed)} of {len(result.replicas)} server(s) did not reach "
+                                  f"v{result.target}: " + "; ".join(f"{name(r.url, r.url)}: {r.error}" for r in result.failed))
+        wrong = [name(r.url, r.url) for r in result.replicas if r.fingerprint != fingerprint]
+        if wrong:
+            raise WeightSyncError(f"{wrong} serve v{result.target} with another fingerprint than the trainer's {fingerprint}")
+        return result
 
-__all__ = ["Fleet", "FleetResult", "ReplicaResult", "TRANSIENT_STATUS", "version_of"]
+
+__all__ = ["Fleet", "FleetResult", "ReplicaResult", "TRANSIENT_STATUS", "WeightSyncError", "version_of"]

@@ -113,6 +113,7 @@ class RankReply:
     mismatched: tuple[str, ...] = ()  # setup: tensors whose live weights differ from the loaded checkpoint
     unreproducible: dict[str, str] = field(default_factory=dict)  # setup: {tensor: why} no refresh keeps its copies in step
     tied: dict[str, str] = field(default_factory=dict)  # setup: checkpoint tensors not served, tied to another {name: kept}
+    ties: dict[str, str] = field(default_factory=dict)  # setup: parameters the engine registers under two names {second: first}
     engine: dict = field(default_factory=dict)  # setup: the engine's kernels/paths on this rank
     derived: dict = field(default_factory=dict)  # audit: {"checked", "opaque", "stale"} of the engine's derived copies
     written: int = 0  # apply: checkpoint elements written

@@ -119,6 +119,7 @@ class RankUpdater:
         self.mismatched: tuple[str, ...] = ()
         self.unreproducible: dict[str, str] = {}  # {tensor: why}: a derived copy of it that no refresh keeps in step
         self.tied: dict[str, str] = {}  # checkpoint tensors the engine ties to another and does not load: {name: kept}
+        self.ties: dict[str, str] = {}  # every parameter the engine registers under two names: {second: first}
 
     # ---- start-up
     def setup(self) -> RankReply:
@@ -153,7 +154,7 @@ class RankUpdater:
                          converted=tuple(self.converted()), mismatched=self.mismatched,
                          unreproducible=dict(self.unreproducible), engine=self.describe() if self.describe else {},
                          tensors={n: (tuple(s), d.name) for n, (s, d) in self.checkpoint.items()},
-                         tied=dict(self.tied), seconds={"setup": self.setup_s}, **self.committed())
+                         tied=dict(self.tied), ties=dict(self.ties), seconds={"setup": self.setup_s}, **self.committed())
 
     def _leave_out_tied(self) -> None:
         """A checkpoint tensor that the engine holds as a second name of a parameter registered
@@ -164,7 +165,7 @@ class RankUpdater:
         found"). It leaves this rank's served set (a version holds each storage once, under the
         kept name, and need not carry the copy that some checkpoints also store), and the
         start-up says so."""
-        tied = tied_names(self.module)
+        tied = self.ties = tied_names(self.module)
         for name, m in list(self.maps.items()):
             if name in tied and (isinstance(m, Unmappable) or not any(p.numel for p in m.pieces)):
                 self.tied[name] = tied[name]

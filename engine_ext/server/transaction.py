@@ -157,6 +157,9 @@ class ServedState:
                   "mismatched": sorted({n for r in replies for n in r.mismatched}),
                   "unreproducible": dict(sorted({n: why for r in replies for n, why in r.unreproducible.items()}.items())),
                   "tied": dict(sorted(tied.items())),
+                  # every tie of the served model (a trainer whose gathered stream carries both names leaves
+                  # the second out: engine_ext.integrations.verl), whether or not the checkpoint stores the copy
+                  "ties": dict(sorted({n: k for r in replies for n, k in r.ties.items()}.items())),
                   "engine": [r.engine for r in replies]}
         if tied:
             log.info("engine_ext: not served on their own, tied by the engine to another tensor: %s",
