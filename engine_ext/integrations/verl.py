@@ -79,7 +79,9 @@ class VerlSyncOptions:
     (default ``ENGINE_EXT_TOKEN``). ``abort_requests``: abort in-flight requests around a sync and
     resume them after, as verl's own manager does for partial rollouts (``False``: generation
     continues while a version is fetched; each replica pauses only while it applies).
-    ``retries``/``timeout_s``: per replica (:class:`~engine_ext.fleet.Fleet`). ``publisher``: more
+    ``retries``/``timeout_s``: per replica (:class:`~engine_ext.fleet.Fleet`). ``sharded``: where verl
+    hands over the training engine (``patches/verl/``), every actor rank publishes its own rows
+    (``False``: the gathered stream, from rank 0, even then). ``publisher``: more
     :class:`~engine_ext.trainer.publisher.DeltaPublisher` arguments (``keep_on_cpu``,
     ``chunk_min_cell``, ``quantize``, ``resume``, ...).
     """
@@ -93,6 +95,7 @@ class VerlSyncOptions:
     abort_requests: bool = True
     retries: int = 4
     timeout_s: float = 900.0
+    sharded: bool = True
     publisher: dict = field(default_factory=dict)
 
     @classmethod
@@ -138,9 +141,12 @@ class EngineExtCheckpointEngine(CheckpointEngine):
     """
 
     wire_format = "named_tensors"
-    # patches/verl/: verl hands send_weights the training engine (per-rank shards) instead of the
-    # gathered tensors when its checkpoint engine says so.
-    takes_training_engine = True
+
+    @property
+    def takes_training_engine(self) -> bool:
+        """Read by verl with ``patches/verl/`` applied: hand :meth:`send_weights` the training engine
+        (every rank publishes its shards) instead of the gathered tensors."""
+        return self.options.sharded
 
     def __init__(self, bucket_size: int = 0, is_master: bool = False, **engine_kwargs):
         self.bucket_size, self.is_master = bucket_size, is_master
