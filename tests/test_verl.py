@@ -28,39 +28,11 @@ pytest.importorskip("vllm")
 pytest.importorskip("verl")
 ray = pytest.importorskip("ray")
 from vllm_helpers import Server, fingerprint, make_model  # noqa: E402
-from verl_actor import ActorGroup, Replica, VerlActor  # noqa: E402
+from verl_actor import Replica, VerlActor, manager_for, verl_config  # noqa: E402
 
 from engine_ext.tiny_models import save_state_dict  # noqa: E402
 
 HERE = Path(__file__).parent
-CONFIG_LINES = [  # README.md and docs/VERL.md: what a verl user adds
-    "actor_rollout_ref.rollout.checkpoint_engine.backend=engine_ext",
-    "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=engine_ext.integrations.verl",
-    "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.engine_ext.store=s3://bucket/run1",
-    "+actor_rollout_ref.rollout.checkpoint_manager_class=engine_ext.integrations.verl.EngineExtCheckpointManager",
-]
-
-
-def verl_config(store: str | None = None, **engine_kwargs):
-    """verl's ``ppo_trainer`` config with the config lines (the store replaced), composed as verl's CLI does."""
-    from hydra import compose, initialize_config_module
-
-    lines = [ln.replace("s3://bucket/run1", store) if store else ln for ln in CONFIG_LINES]
-    lines += [f"+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.engine_ext.{k}={v}" for k, v in engine_kwargs.items()]
-    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
-        return compose(config_name="ppo_trainer", overrides=lines)
-
-
-def manager_for(cfg, actor, replicas):
-    """The manager as ``RayPPOTrainer`` builds it (``trainer/ppo/ray_trainer.py``)."""
-    from verl.utils.config import omega_conf_to_dataclass
-    from verl.utils.import_utils import load_class_from_fqn
-
-    cls = load_class_from_fqn(cfg.actor_rollout_ref.rollout.get("checkpoint_manager_class"), "CheckpointEngineManager")
-    return cls(config=omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout.checkpoint_engine),
-               actor_wg=ActorGroup(actor), replicas=replicas)
-
-
 def test_the_config_lines_reach_verls_registry_and_loader():
     from verl.checkpoint_engine import CheckpointEngineRegistry
     from verl.utils.config import omega_conf_to_dataclass
