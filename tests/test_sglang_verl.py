@@ -96,7 +96,7 @@ def test_verl_sync_into_a_live_sglang_server(tmp_path):
     try:
         remote = ray.remote(VerlActor)
         actor = remote.remote(str(model), {"store": store, "anchor_every": 0})
-        manager = manager_for(verl_config(store), actor, [Replica(0, url)])
+        manager = manager_for(verl_config(store, manager_line=True), actor, [Replica(0, url)])  # RayPPOTrainer's way
         for step in range(3):
             if step:
                 ray.get(actor.train_step.remote())

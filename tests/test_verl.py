@@ -39,12 +39,14 @@ def test_the_config_lines_reach_verls_registry_and_loader():
     from verl.utils.import_utils import import_external_libs, load_class_from_fqn
 
     cfg = verl_config()
+    assert cfg.actor_rollout_ref.rollout.get("checkpoint_manager_class") is None  # three lines, nothing else
     ce = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout.checkpoint_engine)
     import_external_libs(ce.custom_backend_module)
     from engine_ext.integrations.verl import EngineExtCheckpointEngine, EngineExtCheckpointManager, VerlSyncOptions
 
     assert CheckpointEngineRegistry.get(ce.backend) is EngineExtCheckpointEngine
-    assert load_class_from_fqn(cfg.actor_rollout_ref.rollout.checkpoint_manager_class) is EngineExtCheckpointManager
+    with_line = verl_config(manager_line=True).actor_rollout_ref.rollout.checkpoint_manager_class
+    assert load_class_from_fqn(with_line) is EngineExtCheckpointManager
     engine = CheckpointEngineRegistry.new(ce.backend, bucket_size=1 << 20, **ce.engine_kwargs[ce.backend])
     assert engine.options.store == "s3://bucket/run1" and engine.options.torch_dtype is torch.bfloat16
     assert engine.prepare() == {} and EngineExtCheckpointEngine.build_topology(2, 4, [{}] * 6) == ({}, {})
@@ -88,6 +90,7 @@ def ray_cluster():
 @pytest.mark.engine
 def test_verl_sync_applies_in_place_refuses_and_catches_up(tmp_path, ray_cluster):
     from engine_ext.fleet import WeightSyncError
+    from engine_ext.integrations.verl import EngineExtCheckpointManager
 
     model = make_model(tmp_path / "model", "qwen2-tied")
     stores = tmp_path / "stores"  # the replicas' ENGINE_EXT_SOURCES
@@ -97,7 +100,8 @@ def test_verl_sync_applies_in_place_refuses_and_catches_up(tmp_path, ray_cluster
     server = Server(model, sources=str(stores), log=tmp_path / "server.log")
     try:
         replica = Replica(0, server.url)
-        manager = manager_for(verl_config(store), actor, [replica])
+        manager = manager_for(verl_config(store), actor, [replica])  # no manager line: verl's own class
+        assert type(manager).__name__ == "CheckpointEngineManager"
         metrics = []
         for step in range(3):  # v0: the anchor (the replica serves these weights already), v1 and v2: deltas
             if step:
@@ -106,6 +110,7 @@ def test_verl_sync_applies_in_place_refuses_and_catches_up(tmp_path, ray_cluster
             st = server.status()
             assert st["version"] == step
             assert st["fingerprint"] == fingerprint(ray.get(actor.served.remote()))  # the trainer's weights, in bf16
+        assert type(manager) is EngineExtCheckpointManager  # verl's own manager took the in-place route
         assert replica.calls == ["abort", "resume"] * 3  # verl's partial-rollout semantics kept
         assert [m["engine_ext/version"] for m in metrics] == [0, 1, 2]
         assert metrics[0]["engine_ext/fetched_bytes"] == 0  # adopted: the server started from these weights
@@ -150,16 +155,13 @@ def test_verl_sync_applies_in_place_refuses_and_catches_up(tmp_path, ray_cluster
     ray.kill(actor)
 
 
-def test_the_verl_patch_hands_shards(tmp_path, monkeypatch):
+def test_the_verl_patch_hands_shards(tmp_path, ray_cluster):
     """patches/verl/ applied to a copy of verl 0.9.1's engine_workers.py: verl's own update_weights hands
-    the training engine to engine_ext, which publishes the module's tensors as they are held (its rows,
-    through ShardedPublisher: one rank here) and never asks for the gathered stream; ``sharded=false``
-    keeps the gathered path. Unpatched verl ignores the attribute (the sync test above)."""
-    import asyncio
-    import importlib.util
+    the training engine to engine_ext, which publishes the FSDP2 module's shards as they are held
+    (ShardedPublisher; one rank here) and never asks for the gathered stream; ``sharded=false`` keeps the
+    gathered path. Unpatched verl ignores the attribute (the sync test above)."""
     import shutil
     import subprocess
-    from types import SimpleNamespace
 
     import verl.workers.engine_workers as stock
 
@@ -171,29 +173,18 @@ def test_the_verl_patch_hands_shards(tmp_path, monkeypatch):
     shutil.copy(stock.__file__, copy)
     patch = Path(__file__).parents[1] / "patches" / "verl" / "engine_workers-training-engine.patch"
     subprocess.run(["patch", "-p1", "-d", str(tmp_path / "src"), "-i", str(patch)], check=True, capture_output=True)
-    spec = importlib.util.spec_from_file_location("patched_engine_workers", copy)
-    patched = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(patched)
-    update = patched.ActorRolloutRefWorker.update_weights.__wrapped__
 
     model = make_model(tmp_path / "model", "qwen2-tied")
     for sharded, gathered_calls in ((True, 0), (False, 2)):
         store = tmp_path / f"store-{sharded}"
-        worker = VerlActor(str(model), {"store": str(store), "anchor_every": 0, "sharded": sharded})
-        calls = []
-
-        def gathered(**kw):
-            calls.append(1)
-            return worker.model.state_dict().items().__iter__(), None
-
-        worker.actor.engine = SimpleNamespace(module=worker.model, get_per_tensor_param=gathered)
-        worker.checkpoint_engine.leave_out_tied({"lm_head.weight": "model.embed_tokens.weight"})  # the manager's part
-        metrics = [asyncio.run(update(worker, global_steps=0))]
-        worker.train_step()
-        metrics.append(asyncio.run(update(worker, global_steps=1)))
-        assert len(calls) == gathered_calls
-        assert [m["engine_ext/version"] for m in metrics] == [0, 1]
+        worker = ray.remote(VerlActor).remote(str(model), {"store": str(store), "anchor_every": 0, "sharded": sharded})
+        ray.get(worker.execute_checkpoint_engine.remote("leave_out_tied", {"lm_head.weight": "model.embed_tokens.weight"}))
+        m0, calls0 = ray.get(worker.update_weights_patched.remote(str(copy), 0))
+        ray.get(worker.train_step.remote())
+        m1, calls1 = ray.get(worker.update_weights_patched.remote(str(copy), 1))
+        assert calls0 + calls1 == gathered_calls, sharded
+        assert [m0["engine_ext/version"], m1["engine_ext/version"]] == [0, 1]
         doc = Manifest.from_json(open_store(str(store)).read("v00000001.json"))
-        assert doc.fingerprint == metrics[1]["engine_ext/fingerprint"] == fingerprint(worker.served()), sharded
+        assert doc.fingerprint == m1["engine_ext/fingerprint"] == fingerprint(ray.get(worker.served.remote())), sharded
         assert "lm_head.weight" not in {t.name for t in doc.tensors}
-        worker.checkpoint_engine.close()
+        ray.kill(worker)

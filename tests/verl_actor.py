@@ -2,15 +2,15 @@
 
 :class:`VerlActor` is one actor rank the way verl builds it (``ActorRolloutRefWorker.init_model``'s
 step 4): ``import_external_libs(custom_backend_module)`` and ``CheckpointEngineRegistry.new(backend,
-is_master=..., bucket_size=..., **engine_kwargs)``; its sync is verl's own
+is_master=..., bucket_size=..., **engine_kwargs)``, beside verl's real FSDP2 training engine
+(tests/verl_fsdp.py: fp32 masters, AdamW steps through ``train_batch``). Its sync is verl's own
 ``ActorRolloutRefWorker.update_weights`` (called through ``__wrapped__``, as verl's CPU tests do),
-which hands the checkpoint engine ``self.actor.engine.get_per_tensor_param()``.
+which hands the checkpoint engine the engine's own ``get_per_tensor_param()``: one
+``full_tensor()`` per name, a tied embedding twice.
 
-The one fake: :class:`GatheredParams` stands in for verl's FSDP engine (``FSDPEngine`` needs a GPU
-to build): its ``get_per_tensor_param()`` yields ``state_dict()`` in order, each tensor a fresh
-full copy, which is what ``DTensor.full_tensor()`` gives on one rank (a tied embedding comes
-twice, as two tensors that share nothing). The model is a real transformers model trained by
-real AdamW steps in fp32.
+Fakes (verl needs GPUs there): the stand-ins of tests/verl_fsdp.py that run the engine on a CPU,
+:class:`ActorGroup` (verl's actor ``RayWorkerGroup``: here one rank) and :class:`Replica` (verl's
+``RolloutReplica``: its rank and address; the server behind it is real).
 """
 from __future__ import annotations
 
@@ -24,46 +24,45 @@ CONFIG_LINES = [  # docs/VERL.md: what a verl user adds
     "actor_rollout_ref.rollout.checkpoint_engine.backend=engine_ext",
     "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=engine_ext.integrations.verl",
     "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.engine_ext.store=s3://bucket/run1",
-    "+actor_rollout_ref.rollout.checkpoint_manager_class=engine_ext.integrations.verl.EngineExtCheckpointManager",
 ]
+# Optional (RayPPOTrainer reads it; verl's own manager becomes this class at its first sync anyway)
+MANAGER_LINE = "+actor_rollout_ref.rollout.checkpoint_manager_class=engine_ext.integrations.verl.EngineExtCheckpointManager"
 
 
-def verl_config(store: str | None = None, **engine_kwargs):
+def verl_config(store: str | None = None, manager_line: bool = False, **engine_kwargs):
     """verl's ``ppo_trainer`` config with the config lines (the store replaced), composed as verl's CLI does."""
     from hydra import compose, initialize_config_module
 
-    lines = [ln.replace("s3://bucket/run1", store) if store else ln for ln in CONFIG_LINES]
+    lines = [ln.replace("s3://bucket/run1", store) if store else ln for ln in CONFIG_LINES + [MANAGER_LINE] * manager_line]
     lines += [f"+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.engine_ext.{k}={v}" for k, v in engine_kwargs.items()]
     with initialize_config_module(config_module="verl.trainer.config", version_base=None):
         return compose(config_name="ppo_trainer", overrides=lines)
 
 
 def manager_for(cfg, actor, replicas):
-    """The manager as ``RayPPOTrainer`` builds it (``trainer/ppo/ray_trainer.py``)."""
+    """The manager as ``RayPPOTrainer`` builds it (``trainer/ppo/ray_trainer.py``): the configured class, else
+    verl's own (what the fully async and v1 trainers always build)."""
     from verl.utils.config import omega_conf_to_dataclass
     from verl.utils.import_utils import load_class_from_fqn
 
-    cls = load_class_from_fqn(cfg.actor_rollout_ref.rollout.get("checkpoint_manager_class"), "CheckpointEngineManager")
+    fqn = cfg.actor_rollout_ref.rollout.get("checkpoint_manager_class")
+    if fqn:
+        cls = load_class_from_fqn(fqn, "CheckpointEngineManager")
+    else:
+        from verl.checkpoint_engine import CheckpointEngineManager as cls
     return cls(config=omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout.checkpoint_engine),
                actor_wg=ActorGroup(actor), replicas=replicas)
 
 
-class GatheredParams:
-    """verl's ``BaseEngine.get_per_tensor_param()`` on one rank (see the module docstring)."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-
-    def get_per_tensor_param(self, **kwargs):
-        gen = ((name, t.detach().clone()) for name, t in self.model.state_dict().items())
-        return gen, None
-
-
 class VerlActor:
-    """One verl actor rank (rank 0, the sender) holding a tiny model's fp32 masters and an AdamW."""
+    """One verl actor rank (rank 0, the sender): verl's FSDP2 engine over a tiny model and its checkpoint engine."""
 
     def __init__(self, model_dir: str, engine_kwargs: dict, *, lr: float = 1e-4, seed: int = 0,
                  bucket_megabytes: int = 64):
+        import verl_fsdp
+
+        verl_fsdp.install_cpu_platform()  # before anything imports verl.workers.engine
+        verl_fsdp.init_gloo()
         import transformers
         from omegaconf import OmegaConf
         from verl.checkpoint_engine import CheckpointEngineRegistry
@@ -78,35 +77,57 @@ class VerlActor:
         self.checkpoint_engine = CheckpointEngineRegistry.new(
             ce.backend, is_master=True, bucket_size=ce.update_weights_bucket_megabytes << 20,
             **OmegaConf.to_container(ce.engine_kwargs.get(ce.backend), resolve=True))
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
-        self.vocab = self.model.config.vocab_size
-        self.actor = SimpleNamespace(engine=GatheredParams(self.model))
+        self.engine = verl_fsdp.build_engine(model_dir, lr)
+        self.vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
+        self.actor = SimpleNamespace(engine=self.engine)
+        self.steps = seed
 
-    def train_step(self, batch: int = 4, length: int = 16) -> float:
-        """One real AdamW step of next-token loss on random tokens."""
-        ids = torch.randint(0, self.vocab, (batch, length))
-        loss = self.model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+    def train_step(self) -> float:
+        """One real optimizer step of verl's engine (AdamW on fp32 masters, verl's sft_loss on random tokens)."""
+        import verl_fsdp
 
-    def update_weights(self, global_steps: int | None = None, mode: str = "auto") -> dict:
-        """verl's own ``ActorRolloutRefWorker.update_weights`` on this stand-in worker."""
-        from verl.workers.engine_workers import ActorRolloutRefWorker
+        self.steps += 1
+        return verl_fsdp.train_step(self.engine, self.vocab, seed=self.steps)
 
-        return asyncio.run(ActorRolloutRefWorker.update_weights.__wrapped__(self, global_steps=global_steps, mode=mode))
+    def update_weights(self, global_steps: int | None = None, mode: str = "auto", module=None) -> dict:
+        """verl's own ``ActorRolloutRefWorker.update_weights`` on this worker (``module``: another copy of
+        verl's ``engine_workers``, e.g. a patched one)."""
+        if module is None:
+            from verl.workers import engine_workers as module
+
+        return asyncio.run(module.ActorRolloutRefWorker.update_weights.__wrapped__(self, global_steps=global_steps, mode=mode))
+
+    def update_weights_patched(self, patched_file: str, global_steps: int | None = None) -> tuple[dict, int]:
+        """:meth:`update_weights` through a patched copy of verl's ``engine_workers.py``; also how many
+        times the gathered stream was asked for."""
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("patched_engine_workers", patched_file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        calls, original = [], self.engine.get_per_tensor_param
+
+        def counted(**kw):
+            calls.append(1)
+            return original(**kw)
+
+        self.engine.get_per_tensor_param = counted
+        try:
+            return self.update_weights(global_steps, "auto", module), len(calls)
+        finally:
+            del self.engine.get_per_tensor_param
 
     def execute_checkpoint_engine(self, method: str, *args, **kwargs):
-        """verl's own ``ActorRolloutRefWorker.execute_checkpoint_engine`` on this stand-in worker."""
+        """verl's own ``ActorRolloutRefWorker.execute_checkpoint_engine`` on this worker."""
         from verl.workers.engine_workers import ActorRolloutRefWorker
 
         return ActorRolloutRefWorker.execute_checkpoint_engine.__wrapped__(self, method, *args, **kwargs)
 
     def served(self) -> dict[str, torch.Tensor]:
         """The weights the replicas must serve: the masters in bf16, each tied tensor once."""
-        return {n: p.detach().to(torch.bfloat16) for n, p in self.model.named_parameters()}
+        import verl_fsdp
+
+        return verl_fsdp.served(self.engine)
 
 
 class ActorGroup:

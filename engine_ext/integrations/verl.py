@@ -8,7 +8,6 @@ config names it (``checkpoint_engine.custom_backend_module``)::
     actor_rollout_ref.rollout.checkpoint_engine.backend=engine_ext
     actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=engine_ext.integrations.verl
     +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.engine_ext.store=s3://bucket/run1
-    +actor_rollout_ref.rollout.checkpoint_manager_class=engine_ext.integrations.verl.EngineExtCheckpointManager
 
 What runs where:
 
@@ -19,7 +18,8 @@ What runs where:
   by ``global_steps``. With ``patches/verl/`` applied, verl hands the training engine instead and
   every rank publishes the rows it holds (:class:`~engine_ext.trainer.sharded.ShardedPublisher`):
   nothing is gathered.
-* **The driver** (:class:`EngineExtCheckpointManager`, verl's ``checkpoint_manager_class``): after
+* **The driver** (:class:`EngineExtCheckpointManager`: verl's own manager becomes one at its first
+  sync, :func:`_route_stock_managers`; ``rollout.checkpoint_manager_class`` may also name it): after
   the actors published, it POSTs the version to every replica's ``/update_weights_delta``, on the
   HTTP server verl started for it. verl builds vLLM's app with vLLM's own ``build_app`` and
   ``init_app_state``, which mount engine_ext's endpoint plugin, and vLLM loads the general plugin
@@ -252,10 +252,14 @@ class EngineExtCheckpointEngine(CheckpointEngine):
 
     # -- the rollout side -------------------------------------------------------------------------
     async def receive_weights(self, global_steps: int | None = None):
-        """verl's stock manager calls this on rollout workers to stream dense tensors into the engine;
-        engine_ext's replicas pull and apply in place instead, driven by :class:`EngineExtCheckpointManager`."""
-        raise DeltaError(f"the {BACKEND} checkpoint engine applies versions in place on the replicas' servers: set "
-                         f"+actor_rollout_ref.rollout.checkpoint_manager_class={__name__}.EngineExtCheckpointManager")
+        """verl's stock manager would call this on rollout workers to stream dense tensors into the engine;
+        engine_ext's replicas pull and apply in place instead, driven by :class:`EngineExtCheckpointManager`
+        (which a stock manager becomes: :func:`_route_stock_managers`). Reached only by a manager that
+        is neither: its sync fails here, with what to configure."""
+        raise DeltaError(f"the {BACKEND} checkpoint engine applies versions in place on the replicas' servers, driven by "
+                         f"{__name__}.EngineExtCheckpointManager; a manager that streams tensors to the rollout workers "
+                         f"called it: set +actor_rollout_ref.rollout.checkpoint_manager_class="
+                         f"{__name__}.EngineExtCheckpointManager")
         yield  # pragma: no cover - an async generator, as verl's contract says
 
     def close(self) -> None:
@@ -287,10 +291,15 @@ class EngineExtCheckpointManager(CheckpointEngineManager):
 
     def __init__(self, config, actor_wg, replicas) -> None:
         super().__init__(config, actor_wg, replicas)  # imports custom_backend_module, looks the backend up
+        self._take_over()
+
+    def _take_over(self) -> None:
+        """The state this manager adds to verl's (also run on a stock manager that becomes one: see
+        :func:`_route_stock_managers`)."""
         if self.backend != BACKEND:
             raise ValueError(f"{type(self).__name__} drives the {BACKEND!r} checkpoint engine; the config names "
                              f"{self.backend!r}")
-        self.options = VerlSyncOptions.from_kwargs((config.engine_kwargs or {}).get(BACKEND))
+        self.options = VerlSyncOptions.from_kwargs((self.config.engine_kwargs or {}).get(BACKEND))
         self.token = self.options.token or os.environ.get("ENGINE_EXT_TOKEN")
         self.syncs: list[dict] = []
         self.last: FleetResult | None = None
@@ -357,5 +366,41 @@ class EngineExtCheckpointManager(CheckpointEngineManager):
         self.last = fleet.bring(self._uri, self._fingerprint, names)  # WeightSyncError names each replica that failed
         return self.last
 
+
+def _route_stock_managers() -> None:
+    """Let verl's own ``CheckpointEngineManager`` drive the ``engine_ext`` backend as
+    :class:`EngineExtCheckpointManager` does, so that no manager line is needed.
+
+    verl's trainers build the stock manager themselves: ``RayPPOTrainer`` reads
+    ``rollout.checkpoint_manager_class``, but the fully async trainer and the v1 separate-async
+    trainer do not. Its sync would stream dense tensors to the rollout workers, which engine_ext's
+    replicas do not take. The stock manager imports this module (``custom_backend_module``) while
+    it is being built, so its class is swapped at the first sync instead: ``update_weights`` and
+    ``add_replicas`` of a stock manager whose backend is ``engine_ext`` make it an
+    :class:`EngineExtCheckpointManager` first. Any other backend is untouched. Applied once, at
+    import (patches/README.md, "verl").
+    """
+    stock = CheckpointEngineManager
+    if getattr(stock, "_engine_ext_routed", False):
+        return
+    original = {name: getattr(stock, name) for name in ("update_weights", "add_replicas")}
+
+    def routed(name):
+        def method(self, *args, **kwargs):
+            if type(self) is stock and self.backend == BACKEND:
+                self.__class__ = EngineExtCheckpointManager
+                self._take_over()
+                return getattr(EngineExtCheckpointManager, name)(self, *args, **kwargs)
+            return original[name](self, *args, **kwargs)  # any other backend; and super() calls of a subclass
+
+        method.__name__, method.__doc__ = name, original[name].__doc__
+        return method
+
+    for name in original:
+        setattr(stock, name, routed(name))
+    stock._engine_ext_routed = True
+
+
+_route_stock_managers()
 
 __all__ = ["BACKEND", "EngineExtCheckpointEngine", "EngineExtCheckpointManager", "VerlSyncOptions", "replica_url"]
