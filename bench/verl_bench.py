@@ -1,11 +1,12 @@
 """verl with the engine_ext checkpoint engine: what each version costs against verl's own backends.
 
-    python bench/verl_bench.py                  # 69 M-param tied Qwen2 shape, 3 AdamW steps, a vLLM CPU replica, ~3-5 min
+    python bench/verl_bench.py                  # 52 M-param tied Qwen2 shape, 3 AdamW steps of verl's FSDP2 engine, a vLLM CPU replica, ~3 min
     python bench/verl_bench.py --no-server      # the trainer side only
 
-The actor side is verl 0.9.1's own ``ActorRolloutRefWorker.update_weights`` (tests/verl_actor.py:
-the gathered stream on one rank, as verl's FSDP engine hands it to a custom backend) on fp32 masters
-trained by real AdamW steps (next-token loss on random tokens) at an RL learning rate; the sync is
+The actor side is verl 0.9.1's own ``ActorRolloutRefWorker.update_weights`` (tests/verl_actor.py)
+on verl's real FSDP2 engine on one rank (tests/verl_fsdp.py: fp32 masters, AdamW steps through its
+``train_batch`` on random tokens, at an RL learning rate), handing the backend its gathered
+``get_per_tensor_param()``; the sync is
 :class:`~engine_ext.integrations.verl.EngineExtCheckpointManager`'s, into a real vLLM CPU server.
 Per version it prints the share of bf16 elements that changed and, side by side on the same tensors:
 

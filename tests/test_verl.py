@@ -74,6 +74,26 @@ def test_the_config_lines_reach_verls_registry_and_loader():
         asyncio.run(first())
 
 
+def test_the_example_composes_into_verls_fully_async_config():
+    """examples/verl_grpo.sh's overrides, composed by Hydra as ``fully_async_main`` does: the backend and its
+    store reach the checkpoint-engine config of verl's fully async trainer (which builds verl's own manager)."""
+    import shlex
+
+    import verl.experimental.fully_async_policy as fully_async
+    from hydra import compose, initialize_config_dir
+
+    text = (Path(__file__).parents[1] / "examples" / "verl_grpo.sh").read_text()
+    cmd = text[text.index("python -m verl.experimental"):].split('"$@"')[0].replace("\\\n", " ")
+    args = shlex.split(cmd.replace("$STORE", "s3://b/run").replace("$DATA", "/d").replace("$MODEL", "m"))
+    assert args[:3] == ["python", "-m", "verl.experimental.fully_async_policy.fully_async_main"]
+    with initialize_config_dir(config_dir=str(Path(fully_async.__file__).parent / "config"), version_base=None):
+        cfg = compose(config_name="fully_async_ppo_trainer", overrides=args[3:])
+    ce = cfg.actor_rollout_ref.rollout.checkpoint_engine
+    assert (ce.backend, ce.custom_backend_module) == ("engine_ext", "engine_ext.integrations.verl")
+    assert dict(ce.engine_kwargs["engine_ext"]) == {"store": "s3://b/run", "anchor_every": 50}
+    assert cfg.actor_rollout_ref.hybrid_engine is False
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     env = {k: v for k, v in os.environ.items() if k.startswith("ENGINE_EXT_")}
