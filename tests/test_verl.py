@@ -27,7 +27,7 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("verl")
 ray = pytest.importorskip("ray")
-from vllm_helpers import Server, fingerprint, make_model  # noqa: E402
+from vllm_helpers import Server, fingerprint, free_port, make_model  # noqa: E402
 from verl_actor import Replica, VerlActor, manager_for, verl_config  # noqa: E402
 
 from engine_ext.tiny_models import save_state_dict  # noqa: E402
@@ -176,10 +176,11 @@ def test_verl_sync_applies_in_place_refuses_and_catches_up(tmp_path, ray_cluster
 
 
 def test_the_verl_patch_hands_shards(tmp_path, ray_cluster):
-    """patches/verl/ applied to a copy of verl 0.9.1's engine_workers.py: verl's own update_weights hands
-    the training engine to engine_ext, which publishes the FSDP2 module's shards as they are held
-    (ShardedPublisher; one rank here) and never asks for the gathered stream; ``sharded=false`` keeps the
-    gathered path. Unpatched verl ignores the attribute (the sync test above)."""
+    """patches/verl/ applied to a copy of verl 0.9.1's engine_workers.py, on verl's FSDP2 engine over two
+    actor ranks: verl's own update_weights hands the training engine to engine_ext, and each rank publishes
+    the rows it holds (ShardedPublisher, committed by rank 0), never asking for the gathered stream;
+    ``sharded=false`` keeps the gathered path (both ranks gather, rank 0 publishes). Both versions carry
+    the trainer's weights. Unpatched verl ignores the attribute (the sync test above)."""
     import shutil
     import subprocess
 
@@ -195,16 +196,23 @@ def test_the_verl_patch_hands_shards(tmp_path, ray_cluster):
     subprocess.run(["patch", "-p1", "-d", str(tmp_path / "src"), "-i", str(patch)], check=True, capture_output=True)
 
     model = make_model(tmp_path / "model", "qwen2-tied")
-    for sharded, gathered_calls in ((True, 0), (False, 2)):
+    for sharded, gathered_calls in ((True, 0), (False, 2)):  # per rank, over two syncs
         store = tmp_path / f"store-{sharded}"
-        worker = ray.remote(VerlActor).remote(str(model), {"store": str(store), "anchor_every": 0, "sharded": sharded})
-        ray.get(worker.execute_checkpoint_engine.remote("leave_out_tied", {"lm_head.weight": "model.embed_tokens.weight"}))
-        m0, calls0 = ray.get(worker.update_weights_patched.remote(str(copy), 0))
-        ray.get(worker.train_step.remote())
-        m1, calls1 = ray.get(worker.update_weights_patched.remote(str(copy), 1))
-        assert calls0 + calls1 == gathered_calls, sharded
+        port = free_port()
+        ranks = [ray.remote(VerlActor).remote(str(model), {"store": str(store), "anchor_every": 0, "sharded": sharded},
+                                              rank=r, world_size=2, port=port) for r in range(2)]  # FSDP2 over 2 ranks
+        ray.get([w.execute_checkpoint_engine.remote("leave_out_tied", {"lm_head.weight": "model.embed_tokens.weight"})
+                 for w in ranks])
+        first = ray.get([w.update_weights_patched.remote(str(copy), 0) for w in ranks])
+        ray.get([w.train_step.remote() for w in ranks])
+        second = ray.get([w.update_weights_patched.remote(str(copy), 1) for w in ranks])
+        assert [a[1] + b[1] for a, b in zip(first, second)] == [gathered_calls] * 2, sharded
+        assert first[1][0] == second[1][0] == {}  # rank 1 drained (or published its part); rank 0 reports
+        m0, m1 = first[0][0], second[0][0]
         assert [m0["engine_ext/version"], m1["engine_ext/version"]] == [0, 1]
         doc = Manifest.from_json(open_store(str(store)).read("v00000001.json"))
-        assert doc.fingerprint == m1["engine_ext/fingerprint"] == fingerprint(ray.get(worker.served.remote())), sharded
+        trained = ray.get([w.served.remote() for w in ranks])[0]  # full_tensor() is a collective: every rank
+        assert doc.fingerprint == m1["engine_ext/fingerprint"] == fingerprint(trained), sharded
         assert "lm_head.weight" not in {t.name for t in doc.tensors}
-        ray.kill(worker)
+        for w in ranks:
+            ray.kill(w)

@@ -55,14 +55,15 @@ def manager_for(cfg, actor, replicas):
 
 
 class VerlActor:
-    """One verl actor rank (rank 0, the sender): verl's FSDP2 engine over a tiny model and its checkpoint engine."""
+    """One verl actor rank (rank 0 is the sender): verl's FSDP2 engine over a tiny model (sharded over
+    ``world_size`` ranks, gloo) and its checkpoint engine."""
 
     def __init__(self, model_dir: str, engine_kwargs: dict, *, lr: float = 1e-4, seed: int = 0,
-                 bucket_megabytes: int = 64):
+                 bucket_megabytes: int = 64, rank: int = 0, world_size: int = 1, port: int | None = None):
         import verl_fsdp
 
         verl_fsdp.install_cpu_platform()  # before anything imports verl.workers.engine
-        verl_fsdp.init_gloo()
+        verl_fsdp.init_gloo(rank, world_size, port)
         import transformers
         from omegaconf import OmegaConf
         from verl.checkpoint_engine import CheckpointEngineRegistry
@@ -75,19 +76,19 @@ class VerlActor:
         ce = self.config.rollout.checkpoint_engine
         import_external_libs(ce.custom_backend_module)  # what verl does before the registry lookup
         self.checkpoint_engine = CheckpointEngineRegistry.new(
-            ce.backend, is_master=True, bucket_size=ce.update_weights_bucket_megabytes << 20,
+            ce.backend, is_master=rank == 0, bucket_size=ce.update_weights_bucket_megabytes << 20,
             **OmegaConf.to_container(ce.engine_kwargs.get(ce.backend), resolve=True))
         self.engine = verl_fsdp.build_engine(model_dir, lr)
         self.vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
         self.actor = SimpleNamespace(engine=self.engine)
-        self.steps = seed
+        self.steps, self.rank = seed, rank
 
     def train_step(self) -> float:
         """One real optimizer step of verl's engine (AdamW on fp32 masters, verl's sft_loss on random tokens)."""
         import verl_fsdp
 
         self.steps += 1
-        return verl_fsdp.train_step(self.engine, self.vocab, seed=self.steps)
+        return verl_fsdp.train_step(self.engine, self.vocab, seed=self.steps * 1000 + self.rank)
 
     def update_weights(self, global_steps: int | None = None, mode: str = "auto", module=None) -> dict:
         """verl's own ``ActorRolloutRefWorker.update_weights`` on this worker (``module``: another copy of

@@ -125,7 +125,8 @@ def train_step(engine, vocab: int, seed: int, lengths=(12, 16, 9, 14)) -> float:
 
 
 def served(engine) -> dict[str, torch.Tensor]:
-    """The trainer's weights as the replicas must serve them: each parameter once (ties included), bf16."""
+    """The trainer's weights as the replicas must serve them: each parameter once (ties included), bf16.
+    Collective (``full_tensor()``): every rank calls it."""
     out = {}
     for name, p in engine.module.named_parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
