@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import json
 import os
+import re
 import threading
 
 import pytest
@@ -72,7 +73,10 @@ def test_parse_request():
         with pytest.raises(RequestError):
             parse_request(bad)
     assert error_answer(RequestError("x")) == (400, {"ok": False, "reason": "bad_request", "error": "x"})
-    assert error_answer(KeyError("k")) == (500, {"ok": False, "reason": "internal", "error": "KeyError('k')"})
+    status, body = error_answer(KeyError("/srv/secret/path"))
+    assert status == 500 and body["reason"] == "internal" and "/srv/secret" not in body["error"], body
+    assert re.fullmatch(r"the request failed with an internal error \(KeyError\); the server's log has the details "
+                        r"under error id [0-9a-f]{12}", body["error"]), body
 
 
 def test_auth_is_secure_by_default():
@@ -200,6 +204,26 @@ def test_held_weights_are_recognised_by_fingerprint(world):
     a = run(ctl2.update(parse_request({"url": str(store / "v00000003.json")})))
     assert a["noop"] and a["version"] == 3 and not [c for c in ctl2.ranks.calls if c.startswith(("fetch", "pause"))]
     assert ctl2.state.manifests == (hashlib.sha256((store / "v00000003.json").read_bytes()).hexdigest(),)
+
+
+def test_an_internal_failure_answers_words_and_an_id_the_log_carries(world, caplog):
+    """A 500 says what failed in words with an error id; the repr (paths, internals) goes to the log only,
+    under that id (docs/SECURITY.md)."""
+    store, versions = world
+    ctl = Controller(FakeRanks([make_rank(0, versions[0]), make_rank(1, versions[0])]), Sources([str(store)]), version=0)
+    run(ctl.start())
+
+    async def broken(*a, **k):
+        raise RuntimeError("/srv/private/cache/blob.bin is gone")
+
+    ctl._prepare_and_execute = broken
+    with caplog.at_level("ERROR", logger="engine_ext"), pytest.raises(Exception) as e:
+        run(ctl.update(parse_request({"url": str(store / "v00000001.json")})))
+    status, body = error_answer(e.value)
+    assert status == 500 and "/srv/private" not in body["error"] and "RuntimeError" in body["error"], body
+    error_id = re.search(r"error id ([0-9a-f]{12})", body["error"]).group(1)
+    assert any(error_id in r.getMessage() and "/srv/private" in r.getMessage() for r in caplog.records)
+    assert ctl.status()["history"][-1]["error"] == body["error"]  # the status route shows the words, not the repr
 
 
 def test_failure_on_one_rank_rolls_every_rank_back(world):

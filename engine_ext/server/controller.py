@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import hmac
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,11 +87,21 @@ class Auth:
             raise Unauthorized("missing or wrong bearer token")
 
 
+def internal_error(e: BaseException, what: str = "the request") -> str:
+    """Words for an unexpected failure, safe to answer to a caller: what failed, the exception's type and
+    an error id; the details (message, traceback: internals, local paths) go to the server's log only,
+    under that id (docs/SECURITY.md)."""
+    error_id = secrets.token_hex(6)
+    log.error("engine_ext: %s failed with an internal error [error id %s]: %r", what, error_id, e, exc_info=e)
+    return f"{what} failed with an internal error ({type(e).__name__}); the server's log has the details under error id {error_id}"
+
+
 def error_answer(e: Exception) -> tuple[int, dict]:
-    """HTTP status and JSON body for an exception (DeltaError carries both)."""
+    """HTTP status and JSON body for an exception (DeltaError carries both; anything else is a 500 whose
+    words and error id are in :func:`internal_error`)."""
     if isinstance(e, DeltaError):
         return e.http_status, {"ok": False, "reason": e.reason, "error": str(e)}
-    return 500, {"ok": False, "reason": "internal", "error": repr(e)}
+    return 500, {"ok": False, "reason": "internal", "error": internal_error(e)}
 
 
 @dataclass(frozen=True)
@@ -319,10 +330,10 @@ class Controller:
             raise
         except Exception as e:  # noqa: BLE001 - an unexpected failure is still an answer, never a crash
             metrics.record_failure("internal")
-            self.history.append({"url": _cut(req.url, 300), "ok": False, "reason": "internal", "error": _cut(repr(e)),
+            words = internal_error(e, "the update")
+            self.history.append({"url": _cut(req.url, 300), "ok": False, "reason": "internal", "error": words,
                                  "time": time.time()})
-            log.exception("engine_ext: update failed")
-            raise ApplyError(f"internal error: {_cut(repr(e))}") from e
+            raise ApplyError(words) from e
         if not answer.noop:
             metrics.record_success(answer.version, answer.payload_bytes, sum(answer.fetched_bytes), answer.written, phases)
         self.history.append({"version": answer.version, "base_version": answer.base_version, "elements": answer.elements,
@@ -363,4 +374,4 @@ class Controller:
         raise BaseMismatchError("other updates kept changing the served weights while this one was fetched; retry")
 
 
-__all__ = ["Controller", "Auth", "Busy", "Policy", "QueueFull", "Unauthorized", "error_answer", "initial_version"]
+__all__ = ["Controller", "Auth", "Busy", "Policy", "QueueFull", "Unauthorized", "error_answer", "initial_version", "internal_error"]
