@@ -261,13 +261,24 @@ class PushFailed(Exception):
     """Some replicas did not reach the version (the table is still printed)."""
 
 
+def _token(a) -> str | None:
+    """The update routes' token: ``--token-file``, else ``ENGINE_EXT_TOKEN``; ``--token`` (deprecated: argv
+    is visible to every user of the machine through ``ps``) still works, with a warning."""
+    if a.token is not None:
+        print("engine-ext push: warning: --token is deprecated (the command line is visible in ps); "
+              "use ENGINE_EXT_TOKEN or --token-file", file=sys.stderr)
+        return a.token
+    if a.token_file:
+        return Path(a.token_file).read_text().strip()
+    return settings.current().token
+
+
 def cmd_push(a) -> str:
     from .fleet import Fleet
 
     urls = [u.strip() for u in ",".join(a.servers).split(",") if u.strip()]
-    token = a.token if a.token is not None else settings.current().token
-    res = Fleet(urls, token, retries=a.retries, timeout_s=a.timeout).update(a.uri, rollback=a.rollback,
-                                                                          progress=not a.json)
+    res = Fleet(urls, _token(a), retries=a.retries, timeout_s=a.timeout).update(a.uri, rollback=a.rollback,
+                                                                              progress=not a.json)
     out = json.dumps(res.to_json(), indent=1) if a.json else f"target v{res.target}\n{res.table()}"
     if not res.ok:
         names = ", ".join(r.url for r in res.failed)
@@ -276,15 +287,52 @@ def cmd_push(a) -> str:
     return out
 
 
+EXAMPLES = """examples:
+  engine-ext keygen publisher.key
+  engine-ext anchor ./ckpt-step0 --out s3://bucket/run1 --dtype bfloat16
+  engine-ext diff ./ckpt-step0 ./ckpt-step1 --out s3://bucket/run1 --dtype bfloat16
+  engine-ext inspect s3://bucket/run1/v00000001.json --trust publisher.key.pub
+  engine-ext apply s3://bucket/run1/v00000001.json --base ./ckpt-step0 --out ./ckpt-step1-rebuilt
+  ENGINE_EXT_TOKEN=... engine-ext push s3://bucket/run1 --servers http://rollout-0:8000,http://rollout-1:8000
+
+environment: ENGINE_EXT_SIGNING_KEY (publishing commands sign with it), ENGINE_EXT_TRUSTED_KEYS (reading
+commands verify with it), ENGINE_EXT_TOKEN (push), ENGINE_EXT_S3_ENDPOINT, ENGINE_EXT_HTTP_TOKEN; every
+variable: docs/settings.md."""
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after each option's help (pip's and vLLM's convention), descriptions kept as written."""
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("engine-ext")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="engine-ext", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = argparse.ArgumentParser(prog="engine-ext", description=__doc__.replace("``", ""), epilog=EXAMPLES,
+                                formatter_class=_Help)
+    p.add_argument("--version", action="version", version=f"engine-ext {_version()}")
+    p.add_argument("--debug", action="store_true", help="on an error, print the traceback too")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def command(name, help):
+        q = sub.add_parser(name, help=help, description=help, formatter_class=_Help)
+        q.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="on an error, print the traceback too")
+        return q
 
     def signs(q):
-        q.add_argument("--sign", action="append", help="Ed25519 private key (PEM) to sign with (default ENGINE_EXT_SIGNING_KEY)")
+        q.add_argument("--sign", action="append", metavar="KEY",
+                       help="Ed25519 private key (PEM) to sign with, repeatable (default: ENGINE_EXT_SIGNING_KEY)")
 
     def trusts(q):
-        q.add_argument("--trust", action="append", help="trusted Ed25519 public key (PEM or 64 hex; default ENGINE_EXT_TRUSTED_KEYS)")
+        q.add_argument("--trust", action="append", metavar="PUBKEY",
+                       help="trusted Ed25519 public key (PEM file or 64 hex digits), repeatable "
+                            "(default: ENGINE_EXT_TRUSTED_KEYS)")
         q.add_argument("--allow-unsigned", action="store_true", help="read unsigned versions (trust the store)")
 
     def dtypes(q):
@@ -292,41 +340,50 @@ def build_parser() -> argparse.ArgumentParser:
                        help="served dtype to cast floating-point tensors (16 bits and wider) to before publishing "
                             "(default: as stored: a checkpoint dir already holds the dtype it is served in)")
 
-    k = sub.add_parser("keygen", help="make an Ed25519 signing key (OUT) and its public key (OUT.pub)")
-    k.add_argument("out")
+    def model(q):
+        q.add_argument("--model", help="model identity written into the manifest (default: the checkpoint's name)")
+
+    k = command("keygen", "make an Ed25519 signing key (OUT) and its public key (OUT.pub)")
+    k.add_argument("out", metavar="OUT", help="path of the private key to write (OUT.pub gets the public key)")
     k.set_defaults(fn=cmd_keygen)
-    d = sub.add_parser("diff", help="publish the delta between two checkpoint directories")
-    d.add_argument("old"); d.add_argument("new")
-    d.add_argument("--out", required=True, help="store root: path, file://, http(s)://, s3://bucket/prefix")
+    d = command("diff", "publish the delta between two checkpoint directories")
+    d.add_argument("old", metavar="OLD", help="checkpoint directory of the base version")
+    d.add_argument("new", metavar="NEW", help="checkpoint directory of the new version")
+    d.add_argument("--out", required=True, metavar="STORE", help="store root: path, file://, http(s)://, s3://bucket/prefix")
     d.add_argument("--base-version", type=int, help="version of OLD (default: the store's LATEST if it is OLD, else 0)")
     d.add_argument("--version", type=int, help="version of NEW (default: the first free version, at least base + 1)")
-    d.add_argument("--mode", choices=["abs", "rel"], help="force a value mode (default: smaller per tensor)")
-    d.add_argument("--model", help="model identity written into the manifest")
+    d.add_argument("--mode", choices=["abs", "rel"], help="force a value mode (default: the smaller per tensor)")
+    model(d)
     dtypes(d)
     signs(d)
     trusts(d)
     d.set_defaults(fn=cmd_diff)
-    an = sub.add_parser("anchor", help="publish a full anchor of a checkpoint directory")
-    an.add_argument("checkpoint"); an.add_argument("--out", required=True)
-    an.add_argument("--version", type=int, help="default: 0 on an empty store, else the first free version")
-    an.add_argument("--model")
+    an = command("anchor", "publish a full anchor of a checkpoint directory")
+    an.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint directory to publish whole")
+    an.add_argument("--out", required=True, metavar="STORE", help="store root: path, file://, http(s)://, s3://bucket/prefix")
+    an.add_argument("--version", type=int, help="version to publish (default: 0 on an empty store, else the first free version)")
+    model(an)
     dtypes(an)
     signs(an)
     trusts(an)
     an.set_defaults(fn=cmd_anchor)
-    ap = sub.add_parser("apply", help="materialise the checkpoint a manifest produces")
-    ap.add_argument("manifest"); ap.add_argument("--base", help="checkpoint the delta applies to")
+    ap = command("apply", "materialise the checkpoint a manifest produces")
+    ap.add_argument("manifest", metavar="MANIFEST", help="manifest URI of the version to materialise")
+    ap.add_argument("--base", help="checkpoint directory the delta applies to (not needed for an anchor)")
     ap.add_argument("--out", required=True, help="new directory (must not exist)")
     trusts(ap)
     ap.set_defaults(fn=cmd_apply)
-    i = sub.add_parser("inspect", help="summarise a manifest")
-    i.add_argument("manifest"); i.add_argument("--all", action="store_true"); i.add_argument("--json", action="store_true")
+    i = command("inspect", "summarise a manifest")
+    i.add_argument("manifest", metavar="MANIFEST", help="manifest URI (a store's vNNNNNNNN[.anchor].json)")
+    i.add_argument("--all", action="store_true", help="list every tensor, not only the largest changes")
+    i.add_argument("--json", action="store_true", help="print the summary as JSON")
     trusts(i)
     i.set_defaults(fn=cmd_inspect)
-    pu = sub.add_parser("push", help="update every replica to a version, concurrently; non-zero exit naming any that did not get there")
-    pu.add_argument("uri", help="manifest URI (or a store root: its LATEST) as the servers see it")
+    pu = command("push", "update every replica to a version, concurrently; non-zero exit naming any that did not get there")
+    pu.add_argument("uri", metavar="URI", help="manifest URI (or a store root: its LATEST) as the servers see it")
     pu.add_argument("--servers", action="append", required=True, help="server base URLs, comma-separated (repeatable)")
-    pu.add_argument("--token", help="bearer token of the servers' update routes (default ENGINE_EXT_TOKEN)")
+    pu.add_argument("--token-file", metavar="PATH", help="file holding the servers' update-route token (default: ENGINE_EXT_TOKEN)")
+    pu.add_argument("--token", help=argparse.SUPPRESS)  # deprecated: visible in ps (a warning says so)
     pu.add_argument("--retries", type=int, default=4, help="extra attempts per replica for transient failures")
     pu.add_argument("--timeout", type=float, default=900.0, help="seconds one attempt may take")
     pu.add_argument("--rollback", action="store_true", help="allow an older version (an explicit rollback)")
@@ -336,11 +393,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Every error is one line on stderr and a non-zero exit (1; 130 for Ctrl-C); ``--debug`` adds the traceback."""
     a = build_parser().parse_args(argv)
     try:
         print(a.fn(a))
-    except (DeltaError, ValueError, FileNotFoundError, OSError, PushFailed) as e:
-        print(f"engine-ext {a.cmd}: error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"engine-ext {a.cmd}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one line for the user; the traceback with --debug
+        if a.debug:
+            import traceback
+
+            traceback.print_exc()
+        expected = isinstance(e, (DeltaError, ValueError, OSError, PushFailed))
+        what = str(e) if expected else f"{type(e).__name__}: {e}"
+        print(f"engine-ext {a.cmd}: error: {' '.join(what.split())}" +
+              ("" if expected or a.debug else " (--debug shows the traceback)"), file=sys.stderr)
         return 1
     return 0
 

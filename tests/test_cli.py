@@ -214,3 +214,72 @@ def test_dtype_casts_checkpoints_to_the_served_dtype(versions, tmp_path):
     same_bits = CheckpointDir(tmp_path / "applied")
     assert all(torch.equal(as_bits(same_bits.load(n)), as_bits(CheckpointDir(versions[1]).load(n))) for n in same_bits.tensors)
 
+
+
+def run_cli(*argv) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as e:  # argparse's --help and --version
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_cli_conventions(tmp_path, monkeypatch):
+    """--version; help on every argument with its default, an examples section, no RST markup; the token
+    from the environment or a file (argv's --token still works, with a deprecation warning); every error
+    one line with a non-zero exit, the traceback only with --debug; Ctrl-C exits 130."""
+    import engine_ext.cli as cli
+
+    code, out, _ = run_cli("--version")
+    assert code == 0 and out.startswith("engine-ext ")
+    code, out, _ = run_cli("--help")
+    assert code == 0 and "examples:" in out and "ENGINE_EXT_TOKEN" in out and "``" not in out
+    for cmd in ("keygen", "diff", "anchor", "apply", "inspect", "push"):
+        code, out, _ = run_cli(cmd, "--help")
+        assert code == 0 and "``" not in out, cmd
+        # every positional and option has help: argparse prints a bare name when it has none
+        lines = [ln for ln in out.split("\n\n", 2)[-1].splitlines() if ln.startswith("  ") and not ln.startswith("   ")]
+        assert all(len(ln.split()) > 1 or ln.strip().endswith(",") for ln in lines), (cmd, lines)
+    code, out, _ = run_cli("push", "--help")
+    assert "(default: 4)" in out and "(default: 900.0)" in out and "--token-file" in out
+    assert "KEY" in run_cli("diff", "--help")[1] and "PUBKEY" in run_cli("diff", "--help")[1]
+
+    seen = {}
+
+    class FakeFleet:
+        def __init__(self, urls, token, **kw):
+            seen["token"] = token
+
+        def update(self, uri, **kw):
+            from engine_ext.fleet import FleetResult, ReplicaResult
+
+            return FleetResult(uri, 1, [ReplicaResult("http://s", ok=True, version_after=1)])
+
+    import engine_ext.fleet
+
+    monkeypatch.setattr(engine_ext.fleet, "Fleet", FakeFleet)  # a mock: no server in this unit test
+    (tmp_path / "tok").write_text("from-file\n")
+    assert run_cli("push", "s3://b/r", "--servers", "http://s", "--token-file", str(tmp_path / "tok"), "--json")[0] == 0
+    assert seen["token"] == "from-file"
+    code, _, err = run_cli("push", "s3://b/r", "--servers", "http://s", "--token", "in-argv", "--json")
+    assert code == 0 and seen["token"] == "in-argv" and "deprecated" in err
+
+    def boom(a):
+        raise RuntimeError("something\nbroke")
+
+    monkeypatch.setattr(cli, "cmd_keygen", boom)
+    code, _, err = run_cli("keygen", str(tmp_path / "k"))
+    assert code == 1 and err.count("\n") == 1 and "RuntimeError: something broke" in err and "Traceback" not in err
+    code, _, err = run_cli("keygen", str(tmp_path / "k"), "--debug")
+    assert code == 1 and "Traceback" in err
+    code, _, err = run_cli("--debug", "keygen", str(tmp_path / "k"))
+    assert code == 1 and "Traceback" in err
+
+    def interrupted(a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_keygen", interrupted)
+    code, _, err = run_cli("keygen", str(tmp_path / "k"))
+    assert code == 130 and "interrupted" in err
