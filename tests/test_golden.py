@@ -1,0 +1,111 @@
+"""Owned bytes: a committed store (tests/golden/store, written by tests/golden/make_golden.py from
+fixed inputs) pins every coder and format version the publisher writes, both ways.
+
+* Decode: the committed bytes, read through the CLI's verified reader (its signatures checked
+  against the committed test key), give back the fixed inputs bit for bit at every version.
+* Encode: publishing the same inputs again writes the same bytes: every blob (their names are
+  content hashes) and every manifest, but for its creation time (and so its signature and the
+  next version's hashes of it).
+* Coverage: the store holds positions coders ``all``, ``pco``, ``zstd`` and ``ctx``, values
+  coders ``raw``, ``pco``, ``zstd`` and ``ctx``, both value modes, cells, step tables and format
+  versions 5, 7 and 8 (format 6, a chunked anchor without a pieces digest, is no longer written).
+
+An upgrade of pcodec, zstandard or constriction that changes what they write or read fails here
+(pyproject.toml caps them below their next minor or major version). If a format change is meant,
+rerun make_golden.py and commit the store with it.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "golden"))
+import make_golden  # noqa: E402
+
+from engine_ext.cli import main  # noqa: E402
+from engine_ext.store import open_store  # noqa: E402
+from engine_ext.store.reader import load_cells, read_link  # noqa: E402
+from engine_ext.store.signing import Trust  # noqa: E402
+from engine_ext.store.checkpoint import CheckpointDir  # noqa: E402
+
+KEYS = ["v00000000.anchor.json", "v00000001.json", "v00000002.json"]
+PUB = str(make_golden.KEY) + ".pub"
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def manifests(store_dir: Path) -> dict[str, dict]:
+    """Every manifest as JSON, less what a second writing changes: its time, and so the hashes of its base's
+    manifests (their bytes hold their times)."""
+    out = {}
+    for key in KEYS:
+        d = json.loads((store_dir / key).read_text())
+        d.pop("created_unix")
+        d.pop("base_manifests", None)
+        out[key] = d
+    return out
+
+
+def test_the_committed_bytes_decode_to_the_fixed_inputs(tmp_path):
+    store = shutil.copytree(make_golden.STORE, tmp_path / "store")  # readers may leave files; never in the repo
+    base = None
+    for key, want in zip(KEYS, make_golden.states()):
+        out = tmp_path / key.split(".")[0]
+        argv = ["apply", str(store / key), "--out", str(out), "--trust", PUB] + (["--base", str(base)] if base else [])
+        assert main(argv) == 0, key
+        got = CheckpointDir(out)
+        assert set(got.names()) == set(want), key
+        for name, t in want.items():
+            g = got.load(name)
+            assert g.dtype == t.dtype and g.shape == t.shape and torch.equal(bits(g), bits(t)), (key, name)
+        base = out
+
+
+def test_the_fixed_inputs_encode_to_the_committed_bytes(tmp_path):
+    make_golden.publish(tmp_path / "store", make_golden.KEY)
+    committed = {p.name: p.read_bytes() for p in make_golden.STORE.glob("v*.bin")} | \
+        {p.name: p.read_bytes() for p in make_golden.STORE.glob("v*.safetensors")}
+    fresh = {p.name: p.read_bytes() for p in (tmp_path / "store").glob("v*.bin")} | \
+        {p.name: p.read_bytes() for p in (tmp_path / "store").glob("v*.safetensors")}
+    assert sorted(fresh) == sorted(committed)
+    for name in committed:
+        assert fresh[name] == committed[name], name
+    assert manifests(tmp_path / "store") == manifests(make_golden.STORE)
+
+
+def test_the_store_covers_every_coder_and_format_version(tmp_path):
+    store = open_store(str(shutil.copytree(make_golden.STORE, tmp_path / "store")))
+    trust = Trust.from_public_keys([PUB])
+    positions, values, modes, versions, cells, tables = set(), set(), set(), set(), 0, 0
+    for key in KEYS:
+        m = read_link(store, key, trust).manifest
+        load_cells(store, m)
+        versions.add(m.format_version)
+        tables += bool(m.step_tables)
+        for t in m.tensors:
+            for part in (t.chunks or [t]):
+                cells += bool(t.chunks)
+                if part.positions.coder != "none":
+                    positions.add(part.positions.coder)
+                    values.add(part.values.coder)
+                    modes.add(part.values.mode)
+    assert positions == {"all", "pco", "zstd", "ctx"}, positions
+    assert values == {"raw", "pco", "zstd", "ctx"}, values
+    assert modes == {"abs", "rel"} and cells and tables
+    assert versions == {5, 7, 8}, versions
+
+
+@pytest.mark.parametrize("lib", ["pcodec", "zstandard", "constriction"])
+def test_the_libraries_that_write_stored_bytes_are_capped(lib):
+    """pyproject.toml caps each library that writes stored bytes below its next minor (0.x) or major version."""
+    text = (HERE.parent / "pyproject.toml").read_text()
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith(f'"{lib}>='))
+    assert ",<" in line, line
