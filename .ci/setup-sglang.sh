@@ -22,7 +22,9 @@ log="$SGLANG_VENV/engine_ext-install.log"
 # SGLang itself without its dependencies (it pins torch 2.14.1 and CUDA kernels).
 pip_install "$log" "$SGLANG_VENV/bin/python" --no-deps -r .ci/sglang-requirements.txt
 # Pure-Python packages sglang imports that the main venv lacks, with their own deps.
-pip_install "$log" "$SGLANG_VENV/bin/python" -r .ci/sglang-extras.txt
+lock=()  # requirements/sglang.lock (scripts/lock.sh) as constraints, unless the lock is being refreshed
+if [ -z "${ENGINE_EXT_LOCK_REFRESH:-}" ] && [ -f requirements/sglang.lock ]; then lock=(-c requirements/sglang.lock); fi
+pip_install "$log" "$SGLANG_VENV/bin/python" "${lock[@]}" -r .ci/sglang-extras.txt
 "$SGLANG_VENV/bin/python" - <<'PYEOF'
 import sys
 from importlib.metadata import entry_points
