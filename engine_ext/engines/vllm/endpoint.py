@@ -63,8 +63,30 @@ class EngineClientRanks:
         await self.client.update_weight_version(str(version))
 
 
+class SplitFrontEnd(DeltaError):
+    """vLLM serves through more than one API-server process (``--api-server-count`` > 1): each would hold a
+    controller and a served state of its own, and an update or a status request reaches one of them."""
+
+    reason, http_status = "unsupported", 503
+
+
+def split_front_end(args: Namespace) -> SplitFrontEnd | None:
+    """The refusal for a server started with several API-server processes (None: one, the supported case)."""
+    count = getattr(args, "api_server_count", None) or 1
+    if count <= 1:
+        return None
+    return SplitFrontEnd(f"engine_ext needs one API-server process: this server runs {count} (--api-server-count), "
+                         "and each would keep its own served state (version, fingerprints, history, lock), so an "
+                         "update or a status request would reach only one of them; start vLLM with "
+                         "--api-server-count 1 (updates pause generation for milliseconds, the front end is not "
+                         "their bottleneck)")
+
+
 def _controller(request: Request):
     async def get() -> Controller | None:
+        refused = getattr(request.app.state, "engine_ext_refused", None)
+        if refused is not None:
+            raise refused
         return getattr(request.app.state, "engine_ext", None)
 
     return get
@@ -172,6 +194,9 @@ NATIVE_ROUTES = {"/init_weight_transfer_engine": NativeDoor.init, "/start_weight
 def native_route(step):
     async def handle(request: Request) -> JSONResponse:
         try:
+            refused = getattr(request.app.state, "engine_ext_refused", None)
+            if refused is not None:
+                raise refused
             door, ctl = getattr(request.app.state, "engine_ext_native", None), getattr(request.app.state, "engine_ext", None)
             if door is None or ctl is None:
                 return JSONResponse({"ok": False, "reason": "unavailable",
@@ -231,6 +256,10 @@ class EndpointPlugin:
         # vLLM's own --api-key (or VLLM_API_KEY) opens our route too; its middleware guards /v1 only.
         state.engine_ext_auth = Auth.from_settings(engine_tokens=compat.api_keys(args))
         if engine_client is None:
+            return
+        state.engine_ext_refused = split_front_end(args)
+        if state.engine_ext_refused is not None:  # refused at start-up: no controller, no probe, no follower
+            log.error("engine_ext: the update routes refuse every request: %s", state.engine_ext_refused)
             return
         model_dir = getattr(args, "model", None)
         ctl = Controller(EngineClientRanks(engine_client),
