@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +49,7 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineManager, CheckpointEngineRegistry
 from verl.utils.ray_utils import auto_await
 
+from .. import settings
 from ..errors import DeltaError
 from ..fleet import Fleet, FleetResult, WeightSyncError
 from ..format import fingerprint as fpr
@@ -300,7 +300,7 @@ class EngineExtCheckpointManager(CheckpointEngineManager):
             raise ValueError(f"{type(self).__name__} drives the {BACKEND!r} checkpoint engine; the config names "
                              f"{self.backend!r}")
         self.options = VerlSyncOptions.from_kwargs((self.config.engine_kwargs or {}).get(BACKEND))
-        self.token = self.options.token or os.environ.get("ENGINE_EXT_TOKEN")
+        self.token = self.options.token or settings.current().token
         self.syncs: list[dict] = []
         self.last: FleetResult | None = None
         self._uri: str | None = None

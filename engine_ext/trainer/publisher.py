@@ -32,10 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..format import chunks, codec
-from . import lineage
 from .. import settings
-from ..format import fingerprint as fpr
+from ..format import chunks, codec, fingerprint as fpr
+from . import lineage
 from .builder import LATEST_TTL_S, VersionBuilder, sign_latest
 from ..format.delta import changed_bits
 from ..errors import ConflictError, DeltaError
@@ -94,11 +93,9 @@ def clean_state_dict(model_or_sd, aliases: dict[str, str] | None = None, cast=No
     kept}). Tensors that only share a storage (views at other offsets or strides) stay.
     ``cast`` (e.g. to the served dtype) is applied to each kept tensor as it is taken, after
     aliases are found on the tensors as given (a cast copy aliases nothing), so an iterator
-    of gathered fp32 tensors is never held whole in fp32. Only a tensor still alive can be
-    aliased (a weak reference): a gathered tensor freed once cast gives its address to the
-    next one, which is not its alias (measured: 7 of 20 fresh 64x64 tensors were taken as
-    aliases before). Ties between gathered tensors (``full_tensor()`` per name) cannot be seen
-    here; :mod:`engine_ext.integrations.verl` leaves them out by the served model's ties.
+    of gathered fp32 tensors is never held whole in fp32. Only a tensor still alive is an alias
+    (weak references: a gathered tensor freed once cast gives its address to the next one).
+    Ties between gathered tensors cannot be seen here (:mod:`engine_ext.integrations.verl`).
     """
     from collections.abc import Mapping
 
@@ -113,13 +110,10 @@ def clean_state_dict(model_or_sd, aliases: dict[str, str] | None = None, cast=No
         if not isinstance(t, torch.Tensor):
             continue
         key = _alias_key(t)
-        seen = first.get(key) if key is not None else None
-        if seen is not None and seen[1]() is not None:
-            dropped[name] = seen[0]
+        if key is not None and key in first and first[key][1]() is not None:  # alive: its address is its own
+            dropped[name] = first[key][0]
             continue
         if key is not None:
-            # A weak reference: a tensor given fresh (gathered) and freed once cast no longer holds its address,
-            # and the next fresh tensor may be allocated there; only a tensor still alive can be aliased.
             first[key] = (name, weakref.ref(t))
         names.append(name)
         keys.append(key)
@@ -222,10 +216,10 @@ class DeltaPublisher:
             LATEST when half of that has passed (heartbeat).
     """
 
-    # Each tensor's encode starts on the pool as it is diffed (True), or after the whole diff (False): the same
-    # bytes. "auto": early where the diff runs on an accelerator (the weights' GPU: the cores are free); on the
-    # CPU the diff takes every core, and encoding beside it made the training step wait ~0.3 s longer at 1.12 B
-    # on 2 cores for ~0.4 s less until stored (docs/benchmarks.md, "the 1 % delta, second pass").
+    # Each tensor's encode starts on the pool as it is diffed (True), or after the whole diff (False): same bytes.
+    # "auto": early where the diff runs on an accelerator (the cores are free); on the CPU the diff takes every core,
+    # and encoding beside it made the step wait ~0.3 s longer at 1.12 B on 2 cores for ~0.4 s less until stored
+    # (docs/benchmarks.md, "the 1 % delta, second pass").
     encode_early: bool | str = "auto"
 
     def __init__(self, store: Store | str, model: str = "model", *, anchor_every: int = 50,
@@ -352,8 +346,7 @@ class DeltaPublisher:
             self._heartbeat.join()
         self.wait()
         self._queue.put(None)
-        self._thread.join()
-        self._pool.shutdown()
+        self._thread.join(), self._pool.shutdown()
 
     # -- resuming a store that already holds versions -----------------------------
     def _resume_from_latest(self, sd: dict, version: int) -> None:
