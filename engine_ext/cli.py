@@ -264,11 +264,11 @@ class PushFailed(Exception):
 def _token(a) -> str | None:
     """The update routes' token: ``--token-file``, else ``ENGINE_EXT_TOKEN``; ``--token`` (deprecated: argv
     is visible to every user of the machine through ``ps``) still works, with a warning."""
-    if a.token is not None:
-        print("engine-ext push: warning: --token is deprecated (the command line is visible in ps); "
+    if getattr(a, "token", None) is not None:
+        print(f"engine-ext {a.cmd}: warning: --token is deprecated (the command line is visible in ps); "
               "use ENGINE_EXT_TOKEN or --token-file", file=sys.stderr)
         return a.token
-    if a.token_file:
+    if getattr(a, "token_file", None):
         return Path(a.token_file).read_text().strip()
     return settings.current().token
 
@@ -287,12 +287,30 @@ def cmd_push(a) -> str:
     return out
 
 
+def cmd_report(a) -> str:
+    from . import report
+
+    store = open_store(a.store)
+    keys = a.trust or list(settings.current().trusted_keys)
+    trust = Trust.from_public_keys(keys, allow_unsigned=not keys or a.allow_unsigned)
+    rows = report.collect(store, trust, bound=not a.no_bound)
+    if not rows:
+        raise DeltaError(f"{store.uri}: no versions to report")
+    reps = []
+    if a.servers:
+        urls = [u.strip() for u in ",".join(a.servers).split(",") if u.strip()]
+        reps = report.replicas(urls, _token(a), max(r.version for r in rows))
+    path = report.render(report.Report(store.uri, rows, reps, verified=bool(keys)), a.out)
+    return f"{len(rows)} version(s) of {store.uri}: {path}"
+
+
 EXAMPLES = """examples:
   engine-ext keygen publisher.key
   engine-ext anchor ./ckpt-step0 --out s3://bucket/run1 --dtype bfloat16
   engine-ext diff ./ckpt-step0 ./ckpt-step1 --out s3://bucket/run1 --dtype bfloat16
   engine-ext inspect s3://bucket/run1/v00000001.json --trust publisher.key.pub
   engine-ext apply s3://bucket/run1/v00000001.json --base ./ckpt-step0 --out ./ckpt-step1-rebuilt
+  engine-ext report s3://bucket/run1 --out ./report --trust publisher.key.pub --servers http://rollout-0:8000
   ENGINE_EXT_TOKEN=... engine-ext push s3://bucket/run1 --servers http://rollout-0:8000,http://rollout-1:8000
 
 environment: ENGINE_EXT_SIGNING_KEY (publishing commands sign with it), ENGINE_EXT_TRUSTED_KEYS (reading
@@ -389,6 +407,15 @@ def build_parser() -> argparse.ArgumentParser:
     pu.add_argument("--rollback", action="store_true", help="allow an older version (an explicit rollback)")
     pu.add_argument("--json", action="store_true", help="print the result as JSON (no progress bar)")
     pu.set_defaults(fn=cmd_push)
+    rp = command("report", "write one self-contained HTML page of a run: per version what changed, where, and what it cost")
+    rp.add_argument("store", metavar="STORE", help="store root: path, file://, http(s)://, s3://bucket/prefix")
+    rp.add_argument("--out", required=True, metavar="DIR", help="directory to write index.html into")
+    rp.add_argument("--servers", action="append", help="replicas' base URLs, comma-separated (repeatable): their version, lag, last update")
+    rp.add_argument("--token-file", metavar="PATH", help="file holding the replicas' route token (default: ENGINE_EXT_TOKEN)")
+    rp.add_argument("--no-bound", action="store_true",
+                    help="read the manifests only (the first-order bound replays the chain in memory: the whole model, once)")
+    trusts(rp)
+    rp.set_defaults(fn=cmd_report)
     return p
 
 
