@@ -2,7 +2,8 @@
 
     python bench/rans_bench.py                  # 2 M symbols of a skewed 49-symbol alphabet, ~30 s
 
-Decode ns per symbol on one core for 1, 8 and 32 lanes, on two threads (two chunks, nogil), and
+Decode ns per symbol on one core for 1, 8 and 32 lanes, on two threads (two chunks, nogil), the
+bypass section's unpack per value, the fixed cost of one decode call, and
 constriction's ANS stack coder with one ``Categorical`` model for the same symbols (what codec v2's
 49-symbol streams use today); bytes of each against the entropy. Best of ``--repeat``.
 """
@@ -59,6 +60,16 @@ def main() -> None:
         both()
         t2 = best(both, a.repeat)
     print(f"{'rans 32 lanes, 2 threads (2 chunks)':>34} {t2 / a.n * 1e9:>14.2f}")
+    widths = rng.integers(4, 13, a.n).astype(np.uint8)  # a gap's low bits: a few to a dozen
+    values = (rng.integers(0, 1 << 12, a.n) & ((1 << widths.astype(np.int64)) - 1)).astype(np.uint32)
+    data = rans.pack_bits(values, widths)
+    rans.unpack_bits(data, widths)
+    t = best(lambda: rans.unpack_bits(data, widths), a.repeat)
+    print(f"{'bypass bits, unpack (4-12 bits each)':>34} {t / a.n * 1e9:>14.2f}")
+    small = sym[:16]
+    w16, s16 = rans.encode(small, freq, 8)
+    t = best(lambda: [rans.decode(w16, s16, 16, freq, symbol_of, cum) for _ in range(1000)], a.repeat)
+    print(f"fixed cost per call (16 symbols, tables built): {t / 1000 * 1e6:.1f} us")
     try:
         import constriction
     except ImportError:

@@ -81,3 +81,23 @@ def test_readers_refuse_a_short_long_or_altered_stream():
         rans.encode(np.array([1]), rans.normalize([1, 0, 1]), 1)
     with pytest.raises(ValueError, match="outside"):
         rans.encode(np.array([5]), rans.normalize([1, 1]), 1)
+
+
+def test_bypass_bits_round_trip_and_refuse_bad_sections():
+    rng = np.random.default_rng(5)
+    widths = rng.integers(0, 33, 10_000).astype(np.uint8)
+    values = (rng.integers(0, 1 << 32, widths.size, dtype=np.uint64) & ((np.uint64(1) << widths.astype(np.uint64)) - 1)
+              ).astype(np.uint32)
+    data = rans.pack_bits(values, widths)
+    assert len(data) == (int(widths.sum()) + 7) // 8
+    assert np.array_equal(rans.unpack_bits(data, widths), values)
+    assert rans.pack_bits(np.array([5, 1, 0]), np.array([3, 1, 0])) == bytes([0b1101])  # LSB first: 101, then 1
+    assert rans.pack_bits(np.zeros(0), np.zeros(0)) == b""
+    with pytest.raises(IntegrityError, match="bytes where"):
+        rans.unpack_bits(data + b"\0", widths)
+    with pytest.raises(IntegrityError, match="bytes where"):
+        rans.unpack_bits(data[:-1], widths)
+    with pytest.raises(IntegrityError, match="padding"):
+        rans.unpack_bits(bytes([0b11101]), np.array([3, 1]))
+    with pytest.raises(ValueError, match="wider"):
+        rans.pack_bits(np.array([8]), np.array([3]))

@@ -167,4 +167,77 @@ def decode(words: np.ndarray, states: np.ndarray, n: int, freq: np.ndarray,
     return out
 
 
-__all__ = ["M", "PROB_BITS", "RANS_L", "decode", "encode", "normalize", "tables"]
+# -- the bypass section: raw low bits beside the coded symbols ------------------------------------------
+# Bits no model predicts (a gap's low bits, escapes, a step's low bits) skip the coder: value k takes
+# widths[k] bits (0..32), packed little-endian, least significant bit first, one after another; the last
+# byte is padded with zero bits. Readers know the widths (from the decoded symbols) and check the section's
+# length (ceil(sum(widths) / 8) bytes) and that the padding is zero.
+
+
+@numba.njit(nogil=True, cache=True)
+def _pack(values, widths, out):  # pragma: no cover - compiled
+    acc = np.uint64(0)
+    have = 0
+    o = 0
+    for k in range(values.shape[0]):
+        w = widths[k]
+        if w == 0:
+            continue
+        acc |= (np.uint64(values[k]) & ((np.uint64(1) << np.uint64(w)) - np.uint64(1))) << np.uint64(have)
+        have += w
+        while have >= 8:
+            out[o] = np.uint8(acc & np.uint64(0xFF))
+            o += 1
+            acc >>= np.uint64(8)
+            have -= 8
+    if have:
+        out[o] = np.uint8(acc)
+        o += 1
+    return o
+
+
+@numba.njit(nogil=True, cache=True)
+def _unpack(data, widths, out):  # pragma: no cover - compiled
+    acc = np.uint64(0)
+    have = 0
+    r = 0
+    for k in range(widths.shape[0]):
+        w = widths[k]
+        while have < w:
+            acc |= np.uint64(data[r]) << np.uint64(have)
+            r += 1
+            have += 8
+        out[k] = np.uint32(acc & ((np.uint64(1) << np.uint64(w)) - np.uint64(1)))
+        acc >>= np.uint64(w)
+        have -= w
+    return acc  # the padding bits of the last byte: zero in a valid section
+
+
+def pack_bits(values: np.ndarray, widths: np.ndarray) -> bytes:
+    """The bypass section of ``values`` (uint32), value ``k`` in ``widths[k]`` bits (0..32; higher bits must be zero)."""
+    values = np.ascontiguousarray(values, dtype=np.uint32)
+    widths = np.ascontiguousarray(widths, dtype=np.uint8)
+    if values.shape != widths.shape or (widths > 32).any():
+        raise ValueError("one width (0..32) per value")
+    if ((values.astype(np.uint64) >> widths.astype(np.uint64)) != 0).any():
+        raise ValueError("a value wider than its width")
+    out = np.empty((int(widths.sum(dtype=np.int64)) + 7) // 8, np.uint8)
+    return out[:_pack(values, widths, out)].tobytes()
+
+
+def unpack_bits(data: bytes, widths: np.ndarray) -> np.ndarray:
+    """The values of a bypass section whose widths the reader knows; :class:`IntegrityError` if its length is not
+    exactly what they need or its padding is not zero."""
+    widths = np.ascontiguousarray(widths, dtype=np.uint8)
+    if (widths > 32).any():
+        raise IntegrityError("bypass: a width over 32 bits")
+    need = (int(widths.sum(dtype=np.int64)) + 7) // 8
+    if len(data) != need:
+        raise IntegrityError(f"bypass: {len(data)} bytes where the widths need {need}")
+    out = np.empty(widths.size, np.uint32)
+    if _unpack(np.frombuffer(data, np.uint8), widths, out):
+        raise IntegrityError("bypass: padding bits are not zero")
+    return out
+
+
+__all__ = ["M", "PROB_BITS", "RANS_L", "decode", "encode", "normalize", "pack_bits", "tables", "unpack_bits"]
