@@ -74,6 +74,24 @@ def test_the_config_lines_reach_verls_registry_and_loader():
         asyncio.run(first())
 
 
+def test_an_engine_without_fsdp_rows_publishes_its_gathered_stream(tmp_path):
+    """With patches/verl/, an engine that holds no FSDP module (Megatron, ...) is asked for its gathered stream."""
+    import asyncio
+
+    import engine_ext.integrations.verl  # noqa: F401  (registers the backend)
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    class Engine:  # what verl hands a backend that takes the training engine: here without a .module
+        def get_per_tensor_param(self, **kw):
+            return iter([("w", torch.arange(8, dtype=torch.float32))]), None
+
+    engine = CheckpointEngineRegistry.new("engine_ext", bucket_size=1 << 20, is_master=True,
+                                          store=str(tmp_path / "store"), anchor_every=0)
+    metrics = asyncio.run(engine.send_weights(Engine(), global_steps=3))
+    assert metrics["engine_ext/version"] == 3 and metrics["engine_ext/dense_bytes"] == 16  # bf16, 8 elements
+    engine.close()
+
+
 def test_the_example_composes_into_verls_fully_async_config():
     """examples/verl_grpo.sh's overrides, composed by Hydra as ``fully_async_main`` does: the backend and its
     store reach the checkpoint-engine config of verl's fully async trainer (which builds verl's own manager)."""

@@ -178,8 +178,11 @@ class EngineExtCheckpointEngine(CheckpointEngine):
         ``patches/verl/``, the training engine (every rank publishes its rows). Returns the sync's
         metrics on the sender (rank 0 of a sharded version), ``{}`` elsewhere."""
         t0 = time.perf_counter()
-        if hasattr(weights, "module") and not hasattr(weights, "__next__"):  # the training engine (patched verl)
-            return self._publish_shards(weights.module, global_steps, t0)
+        if hasattr(weights, "get_per_tensor_param"):  # the training engine (patched verl)
+            module = getattr(weights, "module", None)
+            if isinstance(module, torch.nn.Module):  # FSDP: the rows each rank holds
+                return self._publish_shards(module, global_steps, t0)
+            weights, _ = weights.get_per_tensor_param()  # another engine (Megatron, ...): its gathered stream
         if not self.is_master:
             for _ in weights:  # every parameter is gathered collectively: this rank takes part and drops it
                 pass
