@@ -101,3 +101,32 @@ def test_bypass_bits_round_trip_and_refuse_bad_sections():
         rans.unpack_bits(bytes([0b11101]), np.array([3, 1]))
     with pytest.raises(ValueError, match="wider"):
         rans.pack_bits(np.array([8]), np.array([3]))
+
+
+@pytest.mark.parametrize("density", [0.001, 0.03, 0.5, 1.0])
+def test_positions_round_trip_near_pco(density):
+    """Positions as gap classes (rANS) plus low bits (bypass), decoded in one fused pass; bytes near pcodec's."""
+    from engine_ext.format import codec
+
+    rng = np.random.default_rng(int(density * 1000))
+    numel = 1 << 20
+    pos = np.flatnonzero(rng.random(numel) < density)
+    data = rans.encode_positions(pos)
+    assert np.array_equal(rans.decode_positions(data, pos.size), pos)
+    coder, ref = codec.encode_positions(pos, numel)
+    if coder == "pco":
+        assert len(data) <= 1.1 * len(ref) + 400, (len(data), len(ref))
+    for few in (np.zeros(0, np.int64), np.array([0]), np.array([numel - 1]), np.array([3, 4, 5, 1 << 32])):
+        assert np.array_equal(rans.decode_positions(rans.encode_positions(few), few.size), few)
+    # Structure is checked here (lengths, header, lanes' end states, padding); a flipped value bit is caught
+    # where every coded byte is, by the part's SHA-256 before any decode (docs/FORMAT.md, "Readers must").
+    bad = bytearray(data)
+    bad[0:2] = b"\0\0"  # zero lanes
+    with pytest.raises(IntegrityError):
+        rans.decode_positions(bytes(bad), pos.size)
+    with pytest.raises(IntegrityError):
+        rans.decode_positions(data[:-1], pos.size)
+    with pytest.raises(IntegrityError):
+        rans.decode_positions(data[:10], pos.size)
+    with pytest.raises(ValueError):
+        rans.encode_positions(np.array([3, 3]))

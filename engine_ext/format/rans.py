@@ -240,4 +240,121 @@ def unpack_bits(data: bytes, widths: np.ndarray) -> np.ndarray:
     return out
 
 
-__all__ = ["M", "PROB_BITS", "RANS_L", "decode", "encode", "normalize", "pack_bits", "tables", "unpack_bits"]
+# -- positions as gap classes and raw low bits: the fused decode (a prototype, in no format yet) ---------------
+# Sorted unique positions as gaps g[0] = p[0] + 1, g[k] = p[k] - p[k-1] (all >= 1); gap g is its class
+# c = bit_length(g) (1..64), coded by the rANS stage with the part's static class frequencies, and its c - 1 low bits
+# in the bypass section. Bytes: u16 lanes, then 64 u16 class frequencies, then u32 per lane state, u32 word count, the
+# words, then the bypass section.
+GAP_CLASSES = 65
+
+
+@numba.njit(nogil=True, cache=True)
+def _gap_classes(gaps):  # pragma: no cover - compiled
+    c = np.empty(gaps.shape[0], np.int64)
+    for i in range(gaps.shape[0]):
+        g = gaps[i]
+        k = 0
+        while g:
+            k += 1
+            g >>= np.uint64(1)
+        c[i] = k
+    return c
+
+
+@numba.njit(nogil=True, cache=True)
+def _decode_positions(words, states, n, freq, cum, symbol_of, bits, out):  # pragma: no cover - compiled
+    """rANS class, then its low bits, then the position: one pass, no intermediate array."""
+    lanes = states.shape[0]
+    x = states.astype(np.uint32)
+    r = 0
+    nw = words.shape[0]
+    mask = np.uint32(M - 1)
+    acc = np.uint64(0)  # the bypass reader
+    have = 0
+    b = 0
+    nb = bits.shape[0]
+    pos = np.int64(-1)
+    i = 0
+    while i < n:
+        for lane in range(min(lanes, n - i)):
+            v = x[lane]
+            slot = v & mask
+            c = symbol_of[slot]
+            v = freq[c] * (v >> np.uint32(PROB_BITS)) + slot - cum[c]
+            if v < np.uint32(RANS_L):
+                if r >= nw:
+                    return -1
+                v = (v << np.uint32(16)) | np.uint32(words[r])
+                r += 1
+            x[lane] = v
+            if c == 0:
+                return -4  # class 0 is no gap
+            w = c - 1
+            while have < w:
+                if b >= nb:
+                    return -5
+                acc |= np.uint64(bits[b]) << np.uint64(have)
+                b += 1
+                have += 8
+            low = acc & ((np.uint64(1) << np.uint64(w)) - np.uint64(1))
+            acc >>= np.uint64(w)
+            have -= w
+            pos += np.int64((np.uint64(1) << np.uint64(w)) | low)
+            out[i + lane] = pos
+        i += lanes
+    if r != nw or b != nb or acc != np.uint64(0):
+        return -2
+    for lane in range(lanes):
+        if x[lane] != np.uint32(RANS_L):
+            return -3
+    return 0
+
+
+def encode_positions(pos: np.ndarray, lanes: int = 32) -> bytes:
+    """Sorted unique non-negative positions as gap classes (rANS) and low bits (bypass)."""
+    pos = np.ascontiguousarray(pos, dtype=np.int64)
+    gaps = np.diff(pos, prepend=np.int64(-1)).astype(np.uint64)
+    if pos.size and (pos[0] < 0 or (gaps == 0).any()):
+        raise ValueError("positions must be sorted, unique and non-negative")
+    classes = _gap_classes(gaps)
+    counts = np.bincount(classes, minlength=GAP_CLASSES)[1:GAP_CLASSES] if pos.size else np.ones(GAP_CLASSES - 1, np.int64)
+    freq = np.concatenate([[0], normalize(counts)]).astype(np.uint32)
+    words, states = encode(classes, freq, lanes)
+    widths = np.maximum(classes - 1, 0).astype(np.uint8)
+    low = (gaps & ((np.uint64(1) << widths.astype(np.uint64)) - np.uint64(1))).astype(np.uint64)
+    if (widths > 32).any():  # the bypass section packs up to 32 bits a value: split a wider gap's low bits
+        raise ValueError("a gap of 2**33 or more")
+    head = np.concatenate([[lanes], freq[1:]]).astype(np.uint16)
+    return (head.tobytes() + states.tobytes() + np.uint32(words.size).tobytes() + words.tobytes()
+            + pack_bits(low.astype(np.uint32), widths))
+
+
+def decode_positions(data: bytes, n: int) -> np.ndarray:
+    """The ``n`` positions of :func:`encode_positions`' bytes; :class:`IntegrityError` on any inconsistency."""
+    head = 2 * GAP_CLASSES
+    if len(data) < head:
+        raise IntegrityError("rANS positions: shorter than their header")
+    h = np.frombuffer(data, np.uint16, GAP_CLASSES)
+    lanes = int(h[0])
+    freq = np.concatenate([[0], h[1:]]).astype(np.uint32)
+    if not 1 <= lanes <= MAX_LANES or int(freq.sum()) != M:
+        raise IntegrityError("rANS positions: bad lanes or class frequencies")
+    at = head + 4 * lanes + 4
+    if len(data) < at:
+        raise IntegrityError("rANS positions: truncated lane states")
+    states = np.frombuffer(data, np.uint32, lanes, head)
+    nw = int(np.frombuffer(data, np.uint32, 1, at - 4)[0])
+    if len(data) < at + 2 * nw or (n and (states < RANS_L).any()):
+        raise IntegrityError("rANS positions: truncated stream or bad lane state")
+    words = np.frombuffer(data, np.uint16, nw, at)
+    bits = np.frombuffer(data, np.uint8, len(data) - at - 2 * nw, at + 2 * nw)
+    cum, symbol_of = tables(freq)
+    out = np.empty(n, np.int64)
+    code = _decode_positions(words, states, n, freq, cum, symbol_of, bits, out)
+    if code:
+        raise IntegrityError(f"rANS positions: corrupt data (code {code})")
+    return out
+
+
+__all__ = ["M", "PROB_BITS", "RANS_L", "decode", "decode_positions", "encode", "encode_positions", "normalize",
+           "pack_bits", "tables", "unpack_bits"]
