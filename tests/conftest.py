@@ -110,6 +110,21 @@ def http_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster for one test module, whose workers get the run's ``ENGINE_EXT_*`` settings and
+    the tests' directory on their path (their helpers: ranks, verl's actor)."""
+    ray = pytest.importorskip("ray")
+    env = {k: v for k, v in os.environ.items() if k.startswith("ENGINE_EXT_")}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env={"env_vars": env})
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
 def s3_server():
     """moto_server on loopback; dummy AWS credentials and ENGINE_EXT_S3_ENDPOINT are set in
     os.environ and the settings while the module runs (``s3_server.env`` has them for subprocesses)."""

@@ -48,18 +48,6 @@ class RayRanks:
         pass
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    env = {k: v for k, v in os.environ.items() if k.startswith("ENGINE_EXT_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": env})
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
 def _states(steps: int = 3) -> list[dict]:
     g = torch.Generator().manual_seed(11)
     out = [{"w": torch.randn(256, 128, generator=g).to(torch.bfloat16), "b": torch.randn(64, generator=g).to(torch.bfloat16)}]

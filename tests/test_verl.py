@@ -18,7 +18,6 @@ Fakes (verl needs GPUs there), named in docs/VERL.md: the FSDP engine's gathered
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,7 @@ from verl_actor import Replica, VerlActor, manager_for, verl_config  # noqa: E40
 
 from engine_ext.tiny_models import save_state_dict  # noqa: E402
 
-HERE = Path(__file__).parent
+
 def test_the_config_lines_reach_verls_registry_and_loader():
     from verl.checkpoint_engine import CheckpointEngineRegistry
     from verl.utils.config import omega_conf_to_dataclass
@@ -110,18 +109,6 @@ def test_the_example_composes_into_verls_fully_async_config():
     assert (ce.backend, ce.custom_backend_module) == ("engine_ext", "engine_ext.integrations.verl")
     assert dict(ce.engine_kwargs["engine_ext"]) == {"store": "s3://b/run", "anchor_every": 50}
     assert cfg.actor_rollout_ref.hybrid_engine is False
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    env = {k: v for k, v in os.environ.items() if k.startswith("ENGINE_EXT_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": env})
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 @pytest.mark.vllm
