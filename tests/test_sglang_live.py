@@ -69,14 +69,19 @@ def live(tmp_path_factory):
             time.sleep(1)
         yield {"url": url, "case": case, "log": tmp / "server.log"}
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_server(proc)
         log.close()
+
+
+def stop_server(proc) -> None:
+    """Stop an SGLang server we started (its whole process group: launcher, TokenizerManager, schedulers)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def generate(url: str) -> list:

@@ -14,7 +14,6 @@ equal SGLang's own dense reload of the trainer's final weights in the same serve
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -34,7 +33,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE / "sglang_stubs"))
 sys.path.insert(0, str(HERE))
 
-from test_sglang_live import AUTH, ROUTE, generate  # noqa: E402
+from test_sglang_live import AUTH, ROUTE, generate, stop_server as stop  # noqa: E402
 from test_sglang_tp import _free_port  # noqa: E402
 from verl_actor import Replica, VerlActor, manager_for, verl_config  # noqa: E402
 
@@ -62,16 +61,6 @@ def start_sglang(model, sources: str, log: Path):
         except requests.RequestException:
             pass
         time.sleep(1)
-
-
-def stop(proc) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def status(url: str) -> dict:
