@@ -25,17 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.synthetic import AdamRL, llm_shapes  # noqa: E402
 from engine_ext.format import codec  # noqa: E402
 from engine_ext.format.dtypes import BY_NAME, as_bits, step_between  # noqa: E402
+from engine_ext.report import entropy_bits  # noqa: E402  (the report's first-order bound: one definition)
 
 BF16 = BY_NAME["bfloat16"]
-
-
-def entropy_bits(x: np.ndarray) -> float:
-    """Total first-order (empirical) entropy of the sequence, in bits."""
-    if x.size == 0:
-        return 0.0
-    _, c = np.unique(x, return_counts=True)
-    p = c / c.sum()
-    return float(-(c * np.log2(p)).sum())
 
 
 def changes(old: dict, new: dict):
