@@ -25,7 +25,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ import torch
 from ..fleet import Fleet, FleetResult, WeightSyncError
 from ..format import fingerprint as fpr
 from ..trainer.checkpoint_layout import transformers_model
-from ..format.dtypes import dtype_by_name, served_as, served_dtype
+from ..format.dtypes import served_dtype
 from ..trainer.publisher import DeltaPublisher
 from ..trainer.sharded import ShardedPublisher
 
@@ -155,9 +154,7 @@ class DeltaWeightTransfer:
             return None
         t1 = time.perf_counter()
         result = self._push(uri, pub.fingerprint)
-        dense = sum(math.prod(p.shape) * served_as(dtype_by_name(p.dtype), pub.dtype).itemsize
-                    for p in pub.layout.values())
-        self.syncs.append(SyncStats(pub.version, max((r.fetched_bytes or 0) for r in result.replicas), dense,
+        self.syncs.append(SyncStats(pub.version, max((r.fetched_bytes or 0) for r in result.replicas), pub.model_nbytes,
                                     t1 - t0, time.perf_counter() - t1, pub.last_changed / max(pub.last_numel, 1)))
         return result
 

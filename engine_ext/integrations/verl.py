@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +52,6 @@ from .. import settings
 from ..errors import DeltaError
 from ..fleet import Fleet, FleetResult, WeightSyncError
 from ..format import fingerprint as fpr
-from ..format.dtypes import dtype_by_name, served_as
 from ..format.manifest import ANCHOR, DELTA, Manifest, manifest_key
 from ..trainer.publisher import DeltaPublisher
 from ..trainer.sharded import ShardedPublisher
@@ -226,8 +224,7 @@ class EngineExtCheckpointEngine(CheckpointEngine):
                                   f"committed version): {pub.aborted[pub.version]}")
         if pub.rank != 0:
             return {}
-        dense = sum(math.prod(p.shape) * served_as(dtype_by_name(p.dtype), pub.dtype).itemsize for p in pub.layout.values())
-        return self._metrics(pub, uri, dense, time.perf_counter() - t0)
+        return self._metrics(pub, uri, pub.model_nbytes, time.perf_counter() - t0)
 
     def _open(self, kind):
         if self._publisher is None:

@@ -33,6 +33,7 @@ ranks' partial fingerprints prove them, else with an anchor.
 """
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 
 import torch
@@ -226,6 +227,12 @@ class ShardedPublisher(DeltaPublisher):
                 out[name] = h.tensor
                 self._starts[name] = h.start
         return out
+
+    @property
+    def model_nbytes(self) -> int:
+        """The whole model in the served dtype, every rank's rows (what a dense sync sends per version)."""
+        return sum(math.prod(p.shape) * served_as(dtype_by_name(p.dtype), self.dtype).itemsize
+                   for p in (self.layout or {}).values())
 
     def _describe(self, name: str, t: torch.Tensor) -> tuple:
         p = self.layout[name]
