@@ -392,7 +392,7 @@ def section_b(dev, smoke, log):
         for name, ob, (pos, o, n) in zip(names, bases, changes):
             ctx = codec.Context(ob, context_blocks.block_policy(name, shape), tables, codec.Readers(mbps=0))
             e = codec.encode(bf16, ob.numel(), pos, n, o, context=ctx, shape=shape)
-            if e.pos_coder != "ctx":
+            if e.pos_coder != "ctx-rans":
                 raise AssertionError(f"{name}: the publisher's choice is not codec v2 here ({e.pos_coder})")
             encs.append(e)
         nnz = sum(p.numel() for p, _, _ in changes)
@@ -479,7 +479,7 @@ def _v2_parts(store: str, version: int) -> tuple[int, int, int]:
 
     m = Manifest.from_json(Path(store, f"v{version:08d}.json").read_bytes())
     parts = [p for t in m.tensors if t.nnz for p in (t.chunks or [t])]
-    return sum(p.positions.coder == "ctx" for p in parts), len(parts), m.payload_bytes
+    return sum(p.positions.coder == "ctx-rans" for p in parts), len(parts), m.payload_bytes
 
 
 # ---------------------------------------------------------------------------- (c) CUDA graph through the transaction

@@ -167,7 +167,7 @@ def _manifest(**over):
 
 @pytest.mark.parametrize("change", [
     {"nnz": 11}, {"nnz": -1}, {"shape": [1 << 41]}, {"offset": 5}, {"blob": 3}, {"dtype": "complex64"},
-    {"base_version": 1}, {"format_version": 9}, {"fingerprint": "zz"}, {"sha256": None},
+    {"base_version": 1}, {"format_version": 10}, {"fingerprint": "zz"}, {"sha256": None},
     {"base_manifests": ["xyz"]}, {"base_manifests": ["0" * 64] * 5}, {"base_manifests": ["0" * 63 + "\n"]},
     {"format_version": 1, "base_manifests": ["0" * 64]},
 ])

@@ -21,6 +21,8 @@ from engine_ext.format.manifest import Manifest
 from engine_ext.trainer import builder
 from engine_ext.trainer.publisher import DeltaPublisher
 
+import legacy_ctx
+
 FLOATS = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
 
 
@@ -228,11 +230,16 @@ def test_the_context_pass_matches_its_definition():
         ck.scan(u, 7, 0xFF, lut, bl, too_far, starts)
 
 
-def test_hostile_bytes_fail_cleanly():
+LAYOUTS = {"ctx-rans": cc.encode, "ctx": legacy_ctx.encode}  # format 9's writer, format 5's (kept in tests)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_hostile_bytes_fail_cleanly(layout):
     shape = (64, 96)
     old, new = _pair(shape)
     pos, steps, base = _changes(old, new)
-    e, tables = _encode("bfloat16", shape, base, pos, steps, 0b1011)
+    tables = cm.step_tables("bfloat16", cm.exponents(base[pos], "bfloat16"), steps)
+    e = LAYOUTS[layout]("bfloat16", shape, None, 0b1011, base, pos, steps, tables)
 
     def dec(p, v, nnz=pos.size, tabs=tables):
         return cc.decode("bfloat16", shape, None, p, v, nnz, lambda box: cb.box_of(base, shape, box), tabs)
@@ -244,13 +251,16 @@ def test_hostile_bytes_fail_cleanly():
     with pytest.raises(IntegrityError):
         dec(e.pos, e.val, pos.size + 1)  # the manifest's count disagrees with the header's
     with pytest.raises(IntegrityError):
-        dec(e.pos, e.val[:-3])
+        dec(*((e.pos, e.val[:-3]) if e.val else (e.pos[:-3], e.val)))  # the streams cut short
     with pytest.raises(IntegrityError, match="step table"):
         dec(e.pos, e.val, tabs=tables[:0])
+    if layout == "ctx-rans":
+        with pytest.raises(IntegrityError, match="no values segment"):
+            dec(e.pos, b"\x00")
     rng = np.random.default_rng(1)
     for _ in range(200):  # flipped bytes: an IntegrityError or a bounded (wrong) result, never a crash
         p, v = bytearray(e.pos), bytearray(e.val)
-        target = p if rng.random() < 0.5 else v
+        target = p if rng.random() < 0.5 or not v else v
         target[rng.integers(len(target))] ^= 1 << rng.integers(8)
         try:
             got_pos, got_steps = dec(bytes(p), bytes(v))
@@ -271,7 +281,7 @@ def test_bytes_first_codes_v2_and_the_base_fingerprint_is_checked_first(tmp_path
     assert settings.current().reader_mbps == 0  # the suite's publishers code bytes first (conftest)
     _publish(tmp_path, [{"w": old}, {"w": new}])
     m = reader.read_manifest(open_store(str(tmp_path)), "v00000001.json")
-    assert m.tensors[0].positions.coder == "ctx" and m.format_version == 5 and m.step_tables["bfloat16"]
+    assert m.tensors[0].positions.coder == "ctx-rans" and m.format_version == 9 and m.step_tables["bfloat16"]
     d = reader.load_delta(str(tmp_path / "v00000001.json"), bases=reader.TensorBases({"w": old}))
     assert torch.equal(as_bits(apply_tensor(old, d.tensors[0])), as_bits(new))
     with pytest.raises(BaseMismatchError, match="wrong base"):
@@ -308,17 +318,17 @@ def test_publisher_choice_and_switch(tmp_path):
     context = codec.Context(ob, 0b1011, tables)
     plain = codec.encode(BY_NAME["bfloat16"], ob.numel(), pos, nb[pos], ob[pos])
     ctx = codec.encode(BY_NAME["bfloat16"], ob.numel(), pos, nb[pos], ob[pos], context=context, shape=(256, 256))
-    assert ctx.pos_coder == "ctx" and len(ctx.pos) + len(ctx.val) <= 0.9 * (len(plain.pos) + len(plain.val))
+    assert ctx.pos_coder == "ctx-rans" and len(ctx.pos) + len(ctx.val) <= 0.9 * (len(plain.pos) + len(plain.val))
     # uniform changes carry no context: the plain coder is kept
     flat = ob.clone()
     flat[::50] += 1
     p2 = torch.nonzero(flat != ob).reshape(-1)
     assert codec.encode(BY_NAME["bfloat16"], ob.numel(), p2, flat[p2], ob[p2], context=context,
-                        shape=(256, 256)).pos_coder != "ctx"
+                        shape=(256, 256)).pos_coder != "ctx-rans"
     with settings.override(context_coder=False):
         _publish(tmp_path, [{"w": old}, {"w": new}])
     doc = json.loads((tmp_path / "v00000001.json").read_text())
-    assert doc["tensors"][0]["positions"]["coder"] != "ctx" and doc["step_tables"] is None
+    assert doc["tensors"][0]["positions"]["coder"] != "ctx-rans" and doc["step_tables"] is None
 
 
 def test_the_publisher_chooses_v2_where_it_pays_on_its_readers(tmp_path, monkeypatch):
@@ -347,7 +357,7 @@ def test_the_publisher_chooses_v2_where_it_pays_on_its_readers(tmp_path, monkeyp
         with settings.override(reader_device="gpu", reader_mbps=mbps):
             _publish(tmp_path / str(mbps), [{"w": old}, {"w": new}])
         m = reader.read_manifest(open_store(str(tmp_path / str(mbps))), "v00000001.json")
-        assert (m.tensors[0].positions.coder == "ctx") == want and bool(m.step_tables) == want
+        assert (m.tensors[0].positions.coder == "ctx-rans") == want and bool(m.step_tables) == want
     assert [len(c) for c in seen] == [0, 1]  # fast readers: the sample is never asked, no tables from any change
     d = reader.load_delta(str(tmp_path / "0.05" / "v00000001.json"), bases=reader.TensorBases({"w": old}))
     assert torch.equal(as_bits(apply_tensor(old, d.tensors[0])), as_bits(new))
@@ -379,7 +389,7 @@ def test_uniform_changes_build_no_step_tables(tmp_path, monkeypatch):
     _publish(tmp_path, [{"a": old, "b": follows}, {"a": uniform.view(torch.bfloat16).reshape(256, 256), "b": follows_new}])
     m = reader.read_manifest(open_store(str(tmp_path)), "v00000001.json")
     coders = {t.name: t.positions.coder for t in m.tensors}
-    assert coders["a"] != "ctx" and coders["b"] == "ctx"
+    assert coders["a"] != "ctx-rans" and coders["b"] == "ctx-rans"
     assert [len(c) for c in seen] == [1]  # the tables were built from tensor b's changes alone
     d = reader.load_delta(str(tmp_path / "v00000001.json"), bases=reader.TensorBases({"a": old, "b": follows}))
     got = {t.name: t for t in d.tensors}
@@ -446,7 +456,7 @@ def test_ranks_decode_a_chained_route_against_their_live_weights(tmp_path, world
     for v in (1, 2, 3):
         doc = json.loads((tmp_path / f"v{v:08d}.json").read_text())
         parts = doc["tensors"][0]["chunks"] or [doc["tensors"][0]]
-        assert {p["positions"]["coder"] for p in parts} == {"ctx"}
+        assert {p["positions"]["coder"] for p in parts} == {"ctx-rans"}
     ranks = [make_rank(r, states[0], sharded=(name,) if world > 1 else (), world=world,
                        by_column=(name,) if how == "columns" else (), padded=(name,) if how == "padded" else ())
              for r in range(world)]
@@ -507,5 +517,5 @@ def test_encoding_each_tensor_as_it_is_diffed_writes_the_same_bytes(tmp_path, mo
         assert early[key] == after[key], key
     last = json.loads(early["v00000003.json"])
     coders = {t["name"]: {c["positions"]["coder"] for c in (t["chunks"] or [t])} for t in last["tensors"]}
-    assert (coders["ctx"] == {"ctx"}) == context_coder and "ctx" not in coders["uniform"] | coders["big"]
+    assert (coders["ctx"] == {"ctx-rans"}) == context_coder and "ctx-rans" not in coders["uniform"] | coders["big"]
     assert len(next(t for t in last["tensors"] if t["name"] == "big")["chunks"]) > 1

@@ -211,7 +211,7 @@ def test_ranks_decode_on_their_device_and_never_read_the_base_to_the_host(tmp_pa
     for v in (1, 2, 3):
         doc = json.loads((tmp_path / f"v{v:08d}.json").read_text())
         parts = doc["tensors"][0]["chunks"] or [doc["tensors"][0]]
-        assert {p["positions"]["coder"] for p in parts} == {"ctx"} and (len(parts) > 1) == bool(extra)
+        assert {p["positions"]["coder"] for p in parts} == {"ctx-rans"} and (len(parts) > 1) == bool(extra)
     monkeypatch.setattr(rank_mod._LiveBases, "bits", lambda *a: pytest.fail("the base was read to the host"))
     decoded, real = [], cdev.decode
     monkeypatch.setattr(cdev, "decode", lambda *a, **k: decoded.append(1) or real(*a, **k))

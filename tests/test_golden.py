@@ -1,14 +1,16 @@
 """Owned bytes: a committed store (tests/golden/store, written by tests/golden/make_golden.py from
-fixed inputs) pins every coder and format version the publisher writes, both ways.
+fixed inputs) pins every coder and format version the publisher writes, both ways; a second one
+(tests/golden/store-f8, the same inputs as written before format 9) pins what readers must still read.
 
-* Decode: the committed bytes, read through the CLI's verified reader (its signatures checked
-  against the committed test key), give back the fixed inputs bit for bit at every version.
+* Decode: the committed bytes of both stores, read through the CLI's verified reader (its signatures
+  checked against the committed test key), give back the fixed inputs bit for bit at every version.
 * Encode: publishing the same inputs again writes the same bytes: every blob (their names are
   content hashes) and every manifest, but for its creation time (and so its signature and the
   next version's hashes of it).
-* Coverage: the store holds positions coders ``all``, ``pco``, ``zstd`` and ``ctx``, values
-  coders ``raw``, ``pco``, ``zstd`` and ``ctx``, both value modes, cells, step tables and format
-  versions 5, 7 and 8 (format 6, a chunked anchor without a pieces digest, is no longer written).
+* Coverage: the store holds positions coders ``all``, ``pco``, ``zstd`` and ``ctx-rans``, values
+  coders ``raw``, ``pco``, ``zstd`` and ``ctx-rans``, both value modes, cells, step tables and format
+  versions 5, 8 and 9; store-f8 holds format 5's ``ctx`` (range-coded streams) in format 7's tables,
+  and formats 5 and 8 (format 6, a chunked anchor without a pieces digest, was never kept).
 
 An upgrade of pcodec, zstandard or constriction that changes what they write or read fails here
 (pyproject.toml caps them below their next minor or major version). If a format change is meant,
@@ -54,8 +56,12 @@ def manifests(store_dir: Path) -> dict[str, dict]:
     return out
 
 
-def test_the_committed_bytes_decode_to_the_fixed_inputs(tmp_path):
-    store = shutil.copytree(make_golden.STORE, tmp_path / "store")  # readers may leave files; never in the repo
+STORES = {"store": make_golden.STORE, "store-f8": make_golden.FORMAT_8}
+
+
+@pytest.mark.parametrize("which", sorted(STORES))
+def test_the_committed_bytes_decode_to_the_fixed_inputs(tmp_path, which):
+    store = shutil.copytree(STORES[which], tmp_path / "store")  # readers may leave files; never in the repo
     base = None
     for key, want in zip(KEYS, make_golden.states()):
         out = tmp_path / key.split(".")[0]
@@ -81,8 +87,13 @@ def test_the_fixed_inputs_encode_to_the_committed_bytes(tmp_path):
     assert manifests(tmp_path / "store") == manifests(make_golden.STORE)
 
 
-def test_the_store_covers_every_coder_and_format_version(tmp_path):
-    store = open_store(str(shutil.copytree(make_golden.STORE, tmp_path / "store")))
+COVERS = {"store": ({"all", "pco", "zstd", "ctx-rans"}, {"raw", "pco", "zstd", "ctx-rans"}, {5, 8, 9}),
+          "store-f8": ({"all", "pco", "zstd", "ctx"}, {"raw", "pco", "zstd", "ctx"}, {5, 7, 8})}
+
+
+@pytest.mark.parametrize("which", sorted(STORES))
+def test_the_store_covers_every_coder_and_format_version(tmp_path, which):
+    store = open_store(str(shutil.copytree(STORES[which], tmp_path / "store")))
     trust = Trust.from_public_keys([PUB])
     positions, values, modes, versions, cells, tables = set(), set(), set(), set(), 0, 0
     for key in KEYS:
@@ -97,15 +108,14 @@ def test_the_store_covers_every_coder_and_format_version(tmp_path):
                     positions.add(part.positions.coder)
                     values.add(part.values.coder)
                     modes.add(part.values.mode)
-    assert positions == {"all", "pco", "zstd", "ctx"}, positions
-    assert values == {"raw", "pco", "zstd", "ctx"}, values
+    assert (positions, values, versions) == COVERS[which]
     assert modes == {"abs", "rel"} and cells and tables
-    assert versions == {5, 7, 8}, versions
 
 
 @pytest.mark.parametrize("lib", ["pcodec", "zstandard", "constriction"])
 def test_the_libraries_that_write_stored_bytes_are_capped(lib):
-    """pyproject.toml caps each library that writes stored bytes below its next minor (0.x) or major version."""
+    """pyproject.toml caps each library that writes or reads stored bytes below its next minor (0.x) or major
+    version (constriction: format 5's ``ctx`` streams, which readers still read)."""
     text = (HERE.parent / "pyproject.toml").read_text()
     line = next(ln for ln in text.splitlines() if ln.strip().startswith(f'"{lib}>='))
     assert ",<" in line, line

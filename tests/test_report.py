@@ -95,7 +95,7 @@ def test_the_page_shows_what_the_manifests_say(report):
         if m.kind == "delta":
             assert float(r[7]) == pytest.approx(m.payload_bytes / nnz, abs=1e-3) and float(r[8]) > 0, r
         assert r[10] == "1"  # one valid signature
-    assert "ctx" in rows[2][9]
+    assert "ctx-rans" in rows[2][9]
     assert len(re.findall(r"src='data:image/png;base64,", page)) == 3
     assert not re.search(r"(src|href)=['\"]?(https?:|//)", page)  # self-contained
     assert "signatures verified" in page

@@ -46,7 +46,7 @@ def test_tp2_tied_embeddings(tmp_path):
         assert m.format_version == 7 and any(t.grid for t in m.tensors)
         coders = [p.positions.coder for t in m.tensors if t.nnz for p in (t.chunks or [t])]
         embed = next(t for t in m.tensors if t.name == "model.embed_tokens.weight")
-        assert coders.count("ctx") > len(coders) / 2 and any(p.positions.coder == "ctx" for p in embed.chunks)
+        assert coders.count("ctx-rans") > len(coders) / 2 and any(p.positions.coder == "ctx-rans" for p in embed.chunks)
     fault = tmp_path / "fault"  # tests/server_hooks: rank N fails its next apply while this file holds N
     env = HOOKS | {"ENGINE_EXT_TEST_FAULT": str(fault)}
     fp = {n: json.loads((root / "run" / (f"v{n:08d}.json" if n else "v00000000.anchor.json")).read_text())["fingerprint"]

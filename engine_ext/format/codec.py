@@ -24,6 +24,7 @@ import zstandard
 
 from . import chunks, context_models, kernels
 from .dtypes import DType, step_between
+from .manifest import CONTEXT_CODERS
 from ..errors import IntegrityError
 
 ZSTD_LEVEL = 3
@@ -294,7 +295,7 @@ def encode_context(dtype: DType, shape, box, context: Context, pos: np.ndarray, 
     base[torch.from_numpy(pos)] = old_bits  # the base, whichever version's bits the context holds
     steps = step_between(old_bits, new_bits.detach().cpu(), dtype.is_float).numpy()
     e = context_codec.encode(dtype.name, shape, box, context.policy, base.numpy(), pos, steps, context.tables)
-    return Encoded("ctx", e.pos, "rel", "ctx", e.val)
+    return Encoded("ctx-rans", e.pos, "rel", "ctx-rans", e.val)
 
 
 @dataclass
@@ -362,7 +363,7 @@ def _cell_kernels():
 def uses_context(e: "Encoded | ChunkedEncoded") -> bool:
     """Whether any part of a tensor's encoding is context coded."""
     parts = [e] if isinstance(e, Encoded) else [enc for _, _, enc in e.cells]
-    return any(p.pos_coder == "ctx" for p in parts)
+    return any(p.pos_coder in CONTEXT_CODERS for p in parts)
 
 
 def decode_positions(coder: str, data: bytes, nnz: int, numel: int) -> torch.Tensor | None:

@@ -10,6 +10,7 @@ policy is one byte in the part's header, so the decoder needs no name.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -113,8 +114,14 @@ def _runs(shape, box) -> np.ndarray:
 
 
 def blocks(tensor_shape, box: Box | None, policy: int) -> Blocks:
-    """The blocks of a part (``box`` of the tensor, None: all of it) under a block policy."""
+    """The blocks of a part (``box`` of the tensor, None: all of it) under a block policy. Cached: a model's
+    layers repeat a few shapes, and a reader asks for every part's blocks (read-only arrays)."""
     full = tuple(int(s) for s in tensor_shape) or (1,)
+    return _blocks(full, None if box is None else (tuple(map(int, box[0])), tuple(map(int, box[1]))), int(policy))
+
+
+@functools.lru_cache(maxsize=4096)
+def _blocks(full: tuple, box: Box | None, policy: int) -> Blocks:
     box = box or ((0,) * len(full), full)
     shape = tuple(b - a for a, b in zip(*box))
     cuts = []
@@ -130,7 +137,10 @@ def blocks(tensor_shape, box: Box | None, policy: int) -> Blocks:
     row_ptr = np.concatenate([[0], np.cumsum([r.size for r in runs])]).astype(np.int64)
     run = np.array([b[1][-1] - b[0][-1] for b in boxes], dtype=np.int64)
     sizes = np.array([math.prod(t - s for s, t in zip(*b)) for b in boxes], dtype=np.int64)
-    return Blocks(shape, boxes, sizes, np.concatenate(runs).astype(np.int64), row_ptr, run, cuts)
+    out = Blocks(shape, boxes, sizes, np.concatenate(runs).astype(np.int64), row_ptr, run, cuts)
+    for a in (out.sizes, out.rows, out.row_ptr, out.run):
+        a.flags.writeable = False
+    return out
 
 
 def box_of(flat: np.ndarray, shape, box: Box) -> np.ndarray:

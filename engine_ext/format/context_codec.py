@@ -42,6 +42,7 @@ or to a result whose fingerprint the caller refuses.
 from __future__ import annotations
 
 import math
+import os
 import struct
 from dataclasses import dataclass
 
@@ -50,9 +51,10 @@ import torch
 
 from ..errors import IntegrityError, PartlyHeldError
 from .context_blocks import MAX_POLICY, Blocks, Box, blocks
-from .context_kernels import exponent_histogram, ranks as block_ranks, scan
+from . import context_rans, context_rans_kernels
+from .context_kernels import exponent_histogram, pool as scan_pool, ranks as block_ranks, scan
 from .context_models import (EXACT, EXPONENT, INT, ITEMSIZE, QMAX, UINT, alphabet, best_table, class_key, class_lut,
-                             count_params, exponents, golomb_params, quotient_probs, step_bins, supports,
+                             count_params, exponents, quotient_probs, step_bins, supports,
                              table_weights, unzigzag, zigzag)
 
 MAGIC = b"X2"
@@ -122,16 +124,6 @@ def _models():
     return constriction.stream.model, constriction.stream.queue
 
 
-def _put_bits(enc, m, values: np.ndarray, widths: np.ndarray) -> None:
-    """``values < 2^widths`` (widths <= 48) as uniform 16-bit digits, low first; zero widths cost nothing."""
-    for shift in (0, 16, 32):
-        w = np.clip(widths - shift, 0, 16)
-        sel = w > 0
-        if sel.any():
-            enc.encode(((values[sel] >> shift) & ((1 << w[sel]) - 1)).astype(np.int32), m.Uniform(),
-                       (1 << w[sel]).astype(np.int32))
-
-
 def _get_bits(dec, m, widths: np.ndarray) -> np.ndarray:
     out = np.zeros(widths.size, dtype=np.int64)
     for shift in (0, 16, 32):
@@ -140,17 +132,6 @@ def _get_bits(dec, m, widths: np.ndarray) -> np.ndarray:
         if sel.any():
             out[sel] |= dec.decode(m.Uniform(), (1 << w[sel]).astype(np.int32)).astype(np.int64) << shift
     return out
-
-
-def _put_golomb(enc, m, g: np.ndarray, b: np.ndarray, key: np.ndarray) -> None:
-    q = g >> b
-    sym = np.minimum(q, QMAX).astype(np.int32)
-    for k in np.unique(key):
-        enc.encode(sym[key == k], m.Categorical(quotient_probs(int(k)), perfect=False))
-    esc = q >= QMAX
-    if esc.any():
-        _put_bits(enc, m, q[esc] - QMAX, np.full(int(esc.sum()), 48))
-    _put_bits(enc, m, g & ((1 << b) - 1), b)
 
 
 def _get_golomb(dec, m, b: np.ndarray, key: np.ndarray) -> np.ndarray:
@@ -190,21 +171,12 @@ class _Reader:
         return b
 
     def varints(self, n: int, limit: int) -> np.ndarray:
-        out = []
-        for _ in range(n):
-            v, shift = 0, 0
-            while True:
-                byte = self.take(1)[0]
-                v |= (byte & 0x7F) << shift
-                if not byte & 0x80:
-                    break
-                shift += 7
-                if shift > 63:
-                    raise IntegrityError("context header: varint too long")
-            if v > limit:
-                raise IntegrityError(f"context header: count {v} over its bound {limit}")
-            out.append(v)
-        return np.array(out, dtype=np.int64)
+        out = np.zeros(n, np.int64)
+        at = context_rans_kernels.varints(np.frombuffer(self.data, np.uint8), self.at, n, limit, out)
+        if at < 0:
+            raise IntegrityError(f"context header: truncated, or a count over its bound {limit}")
+        self.at = at
+        return out
 
     def words(self) -> np.ndarray:
         rest = self.data[self.at:]
@@ -216,96 +188,92 @@ class _Reader:
 # ---------------------------------------------------------------- encode
 @dataclass
 class Encoded:
+    """A context-coded part's segments: ``ctx-rans`` keeps all its bytes in ``pos`` (``val`` empty)."""
+
     pos: bytes
-    val: bytes
+    val: bytes = b""
 
 
-def encode(dtype_name: str, tensor_shape, box: Box | None, policy: int, base_bits: np.ndarray,
-           positions: np.ndarray, steps: np.ndarray, tables: list[bytes]) -> Encoded:
-    """Encode the changes of one part (``box`` of the tensor, None: all of it; its blocks cut
-    by ``policy``): ``positions`` (sorted part-local row-major indices), ``steps`` (nonzero
-    ordered-space steps there), given the part's ``base_bits`` (flat) and the version's step
-    ``tables`` for this dtype."""
-    m, queue = _models()
+@dataclass
+class Arranged:
+    """A part's changes as the model sees them (encoder only): its classes and blocks, and each
+    change's class, block and rank among its (block, class) elements."""
+
+    edges: list
+    pops: np.ndarray  # [K] elements of each class
+    bl: Blocks
+    cls: np.ndarray
+    blk: np.ndarray
+    rank: np.ndarray
+
+    @property
+    def K(self) -> int:
+        return len(self.edges) + 1
+
+    def head(self, magic: bytes, policy: int) -> bytearray:
+        """The header both layouts share: magic, K, policy, edges, populations, changes per class."""
+        head = bytearray(magic) + struct.pack("<BB", self.K, policy) + bytes(self.edges)
+        _put_varints(head, self.pops)
+        _put_varints(head, np.bincount(self.cls, minlength=self.K))
+        return head
+
+
+def arrange(dtype_name: str, tensor_shape, box: Box | None, policy: int, base_bits: np.ndarray,
+            positions: np.ndarray) -> Arranged:
+    """Classes, blocks and ranks of a part's changes (``positions``: sorted part-local row-major indices),
+    given the part's ``base_bits`` (flat)."""
     shift, mask = EXPONENT[dtype_name]
-    itemsize = ITEMSIZE[dtype_name]
-    if (steps == 0).any():
-        raise ValueError("a context-coded step is never zero")
     bl = blocks(tensor_shape, box, policy)
-    u = np.ascontiguousarray(base_bits).view(UINT[itemsize]).reshape(-1)
+    u = np.ascontiguousarray(base_bits).view(UINT[ITEMSIZE[dtype_name]]).reshape(-1)
     pos = positions.astype(np.int64)
     exp_at = ((u[pos] >> shift) & mask).astype(np.int64)
     pop_e = exponent_histogram(u, shift, mask)
     edges = choose_edges(pop_e, np.bincount(exp_at, minlength=mask + 1))
     lut = class_lut(edges, dtype_name)
-    K = len(edges) + 1
-    pops = np.bincount(lut, weights=pop_e, minlength=K).astype(np.int64)
-    cls = lut[exp_at].astype(np.int64)
-    # the block of each change, its rank among its (block, class)
+    pops = np.bincount(lut, weights=pop_e, minlength=len(edges) + 1).astype(np.int64)
     blk = bl.block_of(pos)
     by_block = np.argsort(blk, kind="stable")
     rank = np.empty(pos.size, np.int64)
     bstart = np.searchsorted(blk[by_block], np.arange(bl.S + 1))
     block_ranks(u, *class_key(edges, dtype_name, bl.numel), bl.rows, bl.row_ptr, bl.run, pos[by_block], bstart, rank)
-    order = by_block[np.lexsort((rank, blk[by_block], cls[by_block]))]  # class, block, rank
     by_position = np.empty_like(rank)
     by_position[by_block] = rank
-    rank = by_position[order]
-    group = cls[order] * bl.S + blk[order]
-    k = np.bincount(group, minlength=K * bl.S).reshape(K, bl.S)
-    totals = k.sum(axis=1)
-
-    head = bytearray(MAGIC)
-    head += struct.pack("<BB", K, policy) + bytes(edges)
-    _put_varints(head, pops)
-    _put_varints(head, totals)
-    enc = queue.RangeEncoder()
-    # counts per (class, block), all blocks but the last, around their expectation
-    live = totals > 0
-    if bl.S > 1 and live.any():
-        expected = (totals[live, None] * bl.sizes[None, :-1]) // bl.numel
-        dev = k[live, :-1] - expected
-        b, key = count_params(expected)
-        _put_golomb(enc, m, ((dev << 1) ^ (dev >> 63)).reshape(-1), b.reshape(-1), key.reshape(-1))
-    # gaps between ranks per (class, block)
-    first = np.ones(order.size, dtype=bool)
-    first[1:] = group[1:] != group[:-1]
-    gaps = np.where(first, rank, rank - np.roll(rank, 1) - 1)
-    b, key = _gap_params(k, pops, bl)
-    _put_golomb(enc, m, gaps, b[group], key[group])
-    pos_bytes = bytes(head) + enc.get_compressed().astype("<u4").tobytes()
-
-    z = zigzag(steps[order], itemsize)
-    sym, low = step_bins(z)
-    cls_sorted = cls[order]
-    vhead = bytearray()
-    venc = queue.RangeEncoder()
-    for c in np.flatnonzero(live):
-        s = sym[cls_sorted == c]
-        t = best_table(np.bincount(s, minlength=alphabet(dtype_name)), tables)
-        vhead.append(t)
-        venc.encode(s.astype(np.int32), m.Categorical(table_weights(tables[t]), perfect=False))
-    big = sym >= EXACT
-    _put_bits(venc, m, z[big] & ((1 << low[big]) - 1), low[big])
-    return Encoded(pos_bytes, bytes(vhead) + venc.get_compressed().astype("<u4").tobytes())
+    return Arranged(edges, pops, bl, lut[exp_at].astype(np.int64), blk, by_position)
 
 
-def _gap_params(k: np.ndarray, pops: np.ndarray, bl: Blocks) -> tuple[np.ndarray, np.ndarray]:
-    """Golomb parameters per (class, block), flat: ``k`` changes among the class's expected
-    population in the block (at least ``k``)."""
-    expected_pop = np.maximum((pops[:, None] * bl.sizes[None, :]) // max(bl.numel, 1), k)
-    b, key = golomb_params(k.reshape(-1), expected_pop.reshape(-1))
-    return b, key
+def encode(dtype_name: str, tensor_shape, box: Box | None, policy: int, base_bits: np.ndarray,
+           positions: np.ndarray, steps: np.ndarray, tables: list[bytes]) -> Encoded:
+    """The ``ctx-rans`` bytes (format 9, :mod:`engine_ext.format.context_rans`) of one part's changes (``box``
+    of the tensor, None: all of it; its blocks cut by ``policy``): ``positions`` (sorted part-local row-major
+    indices), ``steps`` (nonzero ordered-space steps there), given the part's ``base_bits`` (flat) and the
+    version's step ``tables`` for this dtype."""
+    if (steps == 0).any():
+        raise ValueError("a context-coded step is never zero")
+    a = arrange(dtype_name, tensor_shape, box, policy, base_bits, positions)
+    K, S = a.K, a.bl.S
+    order = np.lexsort((a.rank, a.cls, a.blk))  # block, class, rank
+    k = np.bincount(a.cls * S + a.blk, minlength=K * S).reshape(K, S)
+    z = zigzag(steps[order], ITEMSIZE[dtype_name])
+    sym, lg = step_bins(z)
+    cls = a.cls[order]
+    table_of_class = np.full(K, -1, np.int64)
+    for c in np.flatnonzero(k.sum(axis=1)):
+        table_of_class[c] = best_table(np.bincount(sym[cls == c], minlength=alphabet(dtype_name)), tables)
+    return Encoded(context_rans.encode(bytes(a.head(context_rans.MAGIC, policy)), a.bl, a.pops, k, a.rank[order], sym,
+                                       lg, z & ((np.int64(1) << lg) - 1), table_of_class, tables))
 
 
 # ---------------------------------------------------------------- decode
 @dataclass
 class Header:
+    """What a part's bytes say before its streams (both layouts): ``at`` is where the streams begin."""
+
+    magic: bytes
     policy: int
     edges: list[int]
     pops: np.ndarray  # [K] elements of each class in the part
     totals: np.ndarray  # [K] changes of each class
-    words: np.ndarray
+    at: int
 
     @property
     def K(self) -> int:
@@ -316,8 +284,9 @@ def parse_positions_header(data: bytes, nnz: int, numel: int, dtype_name: str) -
     if not supports(dtype_name):
         raise IntegrityError(f"context coder does not support {dtype_name}")
     r = _Reader(data)
-    if r.take(2) != MAGIC:
-        raise IntegrityError("not a context-coded segment (format 5)")
+    magic = r.take(2)
+    if magic not in (MAGIC, context_rans.MAGIC):
+        raise IntegrityError("not a context-coded segment (format 5 or 9)")
     K, policy = r.take(2)
     if not 1 <= K <= MAX_CLASSES or policy > MAX_POLICY:
         raise IntegrityError(f"context header: {K} classes (expected 1..{MAX_CLASSES}), block policy {policy}")
@@ -331,7 +300,7 @@ def parse_positions_header(data: bytes, nnz: int, numel: int, dtype_name: str) -
         raise IntegrityError("context header: class populations do not make up the part, or hold fewer elements than changes")
     if int(totals.sum()) != nnz:
         raise IntegrityError(f"context header holds {int(totals.sum())} changes, the manifest {nnz}")
-    return Header(policy, edges, pops, totals, r.words())
+    return Header(magic, policy, edges, pops, totals, r.at)
 
 
 def decode_ranks(h: Header, bl: Blocks, dec, m) -> tuple[np.ndarray, np.ndarray]:
@@ -351,7 +320,7 @@ def decode_ranks(h: Header, bl: Blocks, dec, m) -> tuple[np.ndarray, np.ndarray]
     k[:, -1] = h.totals - k[:, :-1].sum(axis=1)
     if (k[:, -1] < 0).any() or (k[:, -1] > bl.sizes[-1]).any() or (k.sum(axis=0) > bl.sizes).any():
         raise IntegrityError("context counts: more changes than elements in a block")
-    b, key = _gap_params(k, h.pops, bl)
+    b, key = (x.reshape(-1) for x in context_rans.gap_params(k, h.pops, bl))
     flat = k.reshape(-1)
     group = np.repeat(np.arange(K * S), flat)
     g = _get_golomb(dec, m, b[group], key[group])
@@ -406,16 +375,39 @@ class Streams:
         return self.starts.shape[1] - 1
 
 
-def decode_streams(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_data: bytes, nnz: int,
-                   tables: list[bytes]) -> Streams:
-    """The range-coded streams of a part, decoded without its base (small: O(changes))."""
-    m, queue = _models()
+def part_header(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, nnz: int) -> tuple[Header, Blocks]:
+    """A part's header and its blocks (cheap: no stream is decoded)."""
     full = tuple(int(x) for x in tensor_shape) or (1,)
     numel = math.prod(b - a for a, b in zip(*box)) if box else math.prod(full)
     h = parse_positions_header(pos_data, nnz, numel, dtype_name)
-    bl = blocks(full, box, h.policy)
+    return h, blocks(full, box, h.policy)
+
+
+PARALLEL_CHANGES = 1 << 15  # parts with this many changes decode their chunks on every core
+_CORES = os.cpu_count() or 1
+
+
+def decode_streams(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_data: bytes, nnz: int,
+                   tables: list[bytes], want=None, head: tuple[Header, Blocks] | None = None) -> Streams:
+    """The entropy-coded streams of a part, decoded without its base (small: O(changes)): of the blocks in
+    ``want`` only (default all; format 9 decodes no others, format 5 decodes all), ``head`` its
+    :func:`part_header` where the caller has it."""
+    h, bl = head or part_header(dtype_name, tensor_shape, box, pos_data, nnz)
+    itemsize = ITEMSIZE[dtype_name]
+    if h.magic == context_rans.MAGIC:
+        if val_data:
+            raise IntegrityError("a ctx-rans part has no values segment")
+        data = np.frombuffer(pos_data, np.uint8)
+        workers = _CORES
+        if nnz < PARALLEL_CHANGES or workers == 1:
+            starts, ranks, steps = context_rans.decode_part(data, h.at, bl, h.pops, h.totals, INT[itemsize], tables, want)
+            return Streams(bl, h.edges, ranks, starts, steps)
+        p = context_rans.plan(data, h.at, bl, h.pops, h.totals, INT[itemsize], tables, want)
+        ranks, steps = context_rans.decode(data, p, workers, scan_pool())
+        return Streams(bl, h.edges, ranks, p.starts, steps)
+    m, queue = _models()
     try:  # the range decoder refuses some invalid words with its own exceptions
-        k, ranks = decode_ranks(h, bl, queue.RangeDecoder(h.words), m)
+        k, ranks = decode_ranks(h, bl, queue.RangeDecoder(_Reader(pos_data[h.at:]).words()), m)
         steps = decode_steps(val_data, h.totals, tables, dtype_name, queue.RangeDecoder, m)
     except (AssertionError, ValueError, RuntimeError, OverflowError) as e:
         raise IntegrityError(f"corrupt context stream ({type(e).__name__}: {e})") from None
@@ -429,42 +421,57 @@ def decode_streams(dtype_name: str, tensor_shape, box: Box | None, pos_data: byt
     return Streams(bl, h.edges, ranks[perm], starts, steps[perm])
 
 
+def held_blocks(bl: Blocks, base_of) -> dict | None:
+    """The base the caller holds of a part: ``{-1: whole}`` for all of it, else ``{block: bits}`` per held
+    block (empty: none). ``base_of`` as in :func:`decode`."""
+    try:
+        whole = base_of(((0,) * len(bl.shape), bl.shape))
+    except PartlyHeldError:
+        whole = False
+    if whole is None:
+        return {}
+    if whole is not False:
+        return {-1: whole}
+    held = {}
+    for b, sub in enumerate(bl.boxes):
+        try:
+            bits = base_of(sub)
+        except PartlyHeldError as e:
+            raise IntegrityError(f"{e}: {CUT_BLOCK}") from None
+        if bits is not None:
+            held[b] = bits
+    return held
+
+
 def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_data: bytes, nnz: int,
            base_of, tables: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
     """(sorted part-local positions, steps) of the changes in the blocks the caller holds.
 
     ``base_of(box)`` gives the flat raw bits (numpy, row-major) of a box of the part's base
     (part-local coordinates), None when the caller holds none of it, or raises
-    :class:`PartlyHeldError` when it holds only some: then each block is asked for alone.
-    The context pass runs here on the host (numba); a base on an accelerator is decoded there
-    by :func:`engine_ext.format.context_device.decode` from the same :func:`decode_streams`."""
-    st = decode_streams(dtype_name, tensor_shape, box, pos_data, val_data, nnz, tables)
-    bl, steps, starts, ranks_b = st.bl, st.steps, st.starts, st.ranks
+    :class:`PartlyHeldError` when it holds only some: then each block is asked for alone, and
+    only those held are decoded. The context pass runs here on the host (numba); a base on an
+    accelerator is decoded there by :func:`engine_ext.format.context_device.decode`."""
+    h, bl = part_header(dtype_name, tensor_shape, box, pos_data, nnz)
     itemsize = ITEMSIZE[dtype_name]
-    shift, mask, lut = class_key(st.edges, dtype_name, bl.numel)
-    S = bl.S
+    shift, mask, lut = class_key(h.edges, dtype_name, bl.numel)
     empty = np.empty(0, np.int64), np.empty(0, INT[itemsize])
-    try:
-        whole = base_of(((0,) * len(bl.shape), bl.shape))
-    except PartlyHeldError:
-        whole = False
-    if whole is None:
+    held = held_blocks(bl, base_of)
+    if not held:
         return empty
-    if whole is not False:
-        u = np.ascontiguousarray(whole).view(UINT[itemsize]).reshape(-1)
+    st = decode_streams(dtype_name, tensor_shape, box, pos_data, val_data, nnz, tables,
+                        None if -1 in held else np.fromiter(held, np.int64), (h, bl))
+    starts, ranks_b, steps = st.starts, st.ranks, st.steps
+    if -1 in held:
+        u = np.ascontiguousarray(held[-1]).view(UINT[itemsize]).reshape(-1)
         if u.size != bl.numel:
             raise IntegrityError("the base of a context-coded part has the wrong size")
         pos, src = scan(u, shift, mask, lut, bl, ranks_b, starts)
         vals = steps[src]
     else:
         out_pos, out_val = [], []
-        for b, sub in enumerate(bl.boxes):
-            try:
-                bits = base_of(sub)
-            except PartlyHeldError as e:
-                raise IntegrityError(f"{e}: {CUT_BLOCK}") from None
-            if bits is None:
-                continue
+        for b, bits in held.items():
+            sub = bl.boxes[b]
             ext = tuple(t - a for a, t in zip(*sub))
             u = np.ascontiguousarray(bits).view(UINT[itemsize]).reshape(-1)
             if u.size != bl.sizes[b]:
@@ -475,10 +482,8 @@ def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_
             coords = np.unravel_index(p, ext)
             out_pos.append(np.ravel_multi_index(tuple(c + a for c, a in zip(coords, sub[0])), bl.shape))
             out_val.append(steps[starts[b, 0] + src])
-        if not out_pos:
-            return empty
         pos, vals = np.concatenate(out_pos), np.concatenate(out_val)
-    if S > 1:
+    if bl.S > 1:
         order = np.argsort(pos, kind="stable")
         pos, vals = pos[order], vals[order]
     return pos, vals

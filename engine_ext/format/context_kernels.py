@@ -90,7 +90,8 @@ def _scan_blocks(u, shift, mask, lut, rows, row_ptr, run, ranks, starts, pos, sr
 _POOL: ThreadPoolExecutor | None = None
 
 
-def _pool() -> ThreadPoolExecutor:
+def pool() -> ThreadPoolExecutor:
+    """The pool the passes (and the streams of big parts) spread over: one thread per core."""
     global _POOL
     if _POOL is None:
         _POOL = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="ctx-scan")
@@ -117,7 +118,7 @@ def scan(u, shift, mask, lut, bl, ranks, starts, which=None):
             raise IntegrityError("context ranks beyond their class (a wrong base, or corrupt)")
         return pos, src
 
-    got = list(_pool().map(one, groups)) if len(groups) > 1 else [one(g) for g in groups]
+    got = list(pool().map(one, groups)) if len(groups) > 1 else [one(g) for g in groups]
     if not got:
         return np.empty(0, np.int64), np.empty(0, np.int64)
     return np.concatenate([p for p, _ in got]), np.concatenate([s for _, s in got])

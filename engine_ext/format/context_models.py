@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 
+import numba
 import numpy as np
 
 MAX_TABLES = 64  # step tables per dtype in a manifest
@@ -149,14 +150,39 @@ def best_table(hist: np.ndarray, tables: list[bytes]) -> int:
 
 
 # ---------------------------------------------------------------- Golomb laws
-def golomb_params(k: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+@numba.njit(cache=True, nogil=True)
+def golomb_param(k, n):  # pragma: no cover - compiled
     """(low bits b, quotient table key) of gaps between ``k`` changes among ``n`` elements:
     ``2^b`` near ``n / (2 k)`` (so that ``x = 2^b k / n`` lies in (1/4, 1/2], or (1/4, 1] when
-    b = 0), and the key names the quotient law's level of ``x`` (1/16 steps)."""
-    k = np.maximum(k, 1)
-    b = np.maximum(0, bit_length(n // k) - 2)
-    level = np.clip(((k << (b + 4)) // np.maximum(n, 1)) - 4, 0, 12)
-    return b, np.minimum(b, 4) * 16 + level
+    b = 0), and the key names the quotient law's level of ``x`` (1/16 steps). Integers only."""
+    k = max(k, 1)
+    x, length = n // k, 0
+    while x:
+        length += 1
+        x >>= 1
+    b = max(0, length - 2)
+    level = min(max((k << (b + 4)) // max(n, 1) - 4, 0), 12)
+    return b, min(b, 4) * 16 + level
+
+
+@numba.njit(cache=True, nogil=True)
+def count_spread(expected):  # pragma: no cover - compiled
+    """The spread (~ its square root) a block's count deviates from its expectation by (IEEE sqrt: exact everywhere)."""
+    return 1 + (8 * np.int64(np.floor(np.sqrt(np.float64(expected))))) // 5
+
+
+@numba.njit(cache=True, nogil=True)
+def _golomb_params(k, n, b, key):  # pragma: no cover - compiled
+    for i in range(k.shape[0]):
+        b[i], key[i] = golomb_param(k[i], n[i])
+
+
+def golomb_params(k: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`golomb_param` of arrays (any shape)."""
+    k, n = np.broadcast_arrays(np.asarray(k, np.int64), np.asarray(n, np.int64))
+    b, key = np.empty(k.shape, np.int64), np.empty(k.shape, np.int64)
+    _golomb_params(np.ascontiguousarray(k).reshape(-1), np.ascontiguousarray(n).reshape(-1), b.reshape(-1), key.reshape(-1))
+    return b, key
 
 
 @functools.lru_cache(maxsize=None)
@@ -177,6 +203,7 @@ def quotient_probs(key: int) -> np.ndarray:
 
 
 def count_params(expected: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Golomb parameters of zigzag deviations from an expected count (spread ~ its square root)."""
-    spread = 1 + (8 * np.floor(np.sqrt(expected.astype(np.float64))).astype(np.int64)) // 5
+    """Golomb parameters of zigzag deviations from an expected count (:func:`count_spread`)."""
+    expected = np.asarray(expected, np.int64)
+    spread = np.array([count_spread(e) for e in expected.reshape(-1).tolist()], np.int64).reshape(expected.shape)
     return golomb_params(np.ones_like(spread), spread + 1)

@@ -1,4 +1,4 @@
-"""The manifest of a published version (format version 8; spec in docs/FORMAT.md).
+"""The manifest of a published version (format version 9; spec in docs/FORMAT.md).
 
 A manifest is small JSON naming the versions, fingerprints, blobs and, per tensor,
 where its encoded positions and values lie; a delta also names the manifest(s) of its
@@ -18,7 +18,9 @@ count (:class:`TableRef`); every reader reads the tensor tables, a rank only the
 of the tensors it fetches (:mod:`engine_ext.format.tables`). Format 8 lets a blob's SHA-256 be
 a *pieces* digest (``digest: "pieces"``: over the digests of its segments, cut at the byte ranges
 the manifest lists into it; :mod:`engine_ext.format.pieces`), so a publisher hashes an anchor's
-bytes once, not once per blob and again per tensor. Versions 1 to 4 are still read, but
+bytes once, not once per blob and again per tensor. Format 9 adds the coder ``ctx-rans``: the
+context model's symbols on the project's own rANS stage, block-major chunks a rank decodes alone
+(:mod:`engine_ext.format.context_rans`), all of a part's bytes in its positions segment. Versions 1 to 4 are still read, but
 not format 4's context-coded parts (an opt-in coder whose blocks did not follow the
 engines' shards).
 """
@@ -35,15 +37,17 @@ from .pieces import PIECES, cuts
 from ..errors import IntegrityError, ManifestError
 
 FORMAT = "engine-ext-delta"
-FORMAT_VERSION = 8  # the newest version this code reads and writes
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
+FORMAT_VERSION = 9  # the newest version this code reads and writes
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 CHUNKED_ANCHORS = 6  # the first version whose anchors may come in cells
 TABLES = 7  # the first version whose tensor entries and cells may lie in tables in the blobs
 PIECE_DIGESTS = 8  # the first version whose blobs may carry a pieces digest (``digest: "pieces"``)
+RANS_STREAMS = 9  # the first version whose parts may be coded ``ctx-rans`` (codec v2 on rANS, block-major chunks)
 
 DELTA, ANCHOR = "delta", "anchor"
-POSITION_CODERS = {"none", "all", "pco", "zstd", "ctx"}
-VALUE_CODERS = {"none", "raw", "pco", "zstd", "ctx"}
+CONTEXT_CODERS = ("ctx", "ctx-rans")  # coded given the base: format 5's range-coded streams, format 9's rANS chunks
+POSITION_CODERS = {"none", "all", "pco", "zstd", *CONTEXT_CODERS}
+VALUE_CODERS = {"none", "raw", "pco", "zstd", *CONTEXT_CODERS}
 MODES = {"abs", "rel"}
 
 # Limits that bound the work a hostile manifest can cause.
@@ -175,8 +179,10 @@ class Manifest:
 
     def lowest_version(self) -> int:
         """The lowest format version that describes this manifest, which writers write (a
-        format-5 reader then still reads everything but a chunked anchor): 8 with a pieces digest,
-        7 with tables, 6 for an anchor with a chunked tensor, else 5."""
+        format-5 reader then still reads everything but a chunked anchor): 9 with a ``ctx-rans`` part
+        (as listed inline), 8 with a pieces digest, 7 with tables, 6 for an anchor with a chunked tensor, else 5."""
+        if any(p.positions.coder == "ctx-rans" for t in self.tensors for p in [t, *(t.chunks or ())]):
+            return RANS_STREAMS
         if any(b.digest == PIECES for b in self.blobs):
             return PIECE_DIGESTS
         if self.tables is not None or any(t.cells is not None for t in self.tensors):
@@ -249,13 +255,15 @@ class Manifest:
             bad(f"{where}: positions coder 'all' iff every element changes, with no bytes")
         if p.coder == "none" or v.coder == "none":
             bad(f"{where}: changed elements need positions and values")
-        if (p.coder == "ctx") != (v.coder == "ctx"):
-            bad(f"{where}: context-coded positions and values come together")
-        if p.coder == "ctx":
+        if (p.coder in CONTEXT_CODERS or v.coder in CONTEXT_CODERS) and p.coder != v.coder:
+            bad(f"{where}: context-coded positions and values come together, under one coder")
+        if p.coder in CONTEXT_CODERS:
             from .context_models import supports
 
             if self.format_version < 5 or self.kind != DELTA or v.mode != "rel" or not supports(dtype):
                 bad(f"{where}: the context coder needs a format-5 delta of relative steps of a float dtype it supports")
+            if p.coder == "ctx-rans" and (self.format_version < RANS_STREAMS or v.length):
+                bad(f"{where}: 'ctx-rans' needs format {RANS_STREAMS}, its bytes all in the positions segment")
             if not (self.step_tables or {}).get(dtype):
                 bad(f"{where}: context-coded, but the manifest has no step tables for {dtype}")
         if v.coder == "raw" and v.length != e.nnz * dtype_by_name(dtype).itemsize:

@@ -26,7 +26,7 @@ from .manifest import (CELL_RECORD_BYTES, Chunk, Manifest, Segment, TableRef, Te
 CELL_RECORD = np.dtype([("cell", "<u4"), ("nnz", "<u8"), ("blob", "<u4"), ("offset", "<u8"),
                         ("positions_length", "<u8"), ("values_length", "<u8"), ("positions_coder", "u1"),
                         ("values_coder", "u1"), ("mode", "u1"), ("sha256", "V32")])
-CELL_CODERS = ("none", "all", "raw", "pco", "zstd", "ctx")  # a coder's byte in a record: its index
+CELL_CODERS = ("none", "all", "raw", "pco", "zstd", "ctx", "ctx-rans")  # a coder's byte in a record: its index
 CELL_MODES = (None, "abs", "rel")
 assert CELL_RECORD.itemsize == CELL_RECORD_BYTES  # what the manifest's checks count with
 
@@ -53,7 +53,7 @@ def tabulate(m: Manifest, put: Callable[[bytes], tuple[int, int]], per_table: in
                                                           len(t.chunks)))
         rows.append({k: v for k, v in r.items() if k in _REQUIRED or v != default[k]})  # absent: the default
     out = dataclasses.replace(m, tensors=[], tables=[ref(rows[i:i + per_table]) for i in range(0, len(rows), per_table)])
-    out.format_version = out.lowest_version()  # 7, or 8 with a pieces digest
+    out.format_version = max(m.lowest_version(), out.lowest_version())  # 7, 8 with a pieces digest, 9 with ctx-rans
     return out
 
 

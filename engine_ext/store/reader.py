@@ -33,7 +33,7 @@ from .. import settings
 from ..format.delta import TensorDelta, apply_tensor
 from ..format.dtypes import as_bits, dtype_by_name
 from ..errors import BaseMismatchError, IntegrityError, ManifestError, ModelMismatchError, NotFoundError
-from ..format.manifest import LATEST_KEY, MAX_LATEST_BYTES, MAX_MANIFEST_BYTES, Latest, Manifest
+from ..format.manifest import CONTEXT_CODERS, LATEST_KEY, MAX_LATEST_BYTES, MAX_MANIFEST_BYTES, Latest, Manifest
 from .signing import MAX_SIGNATURE_BYTES, SIG_SUFFIX, SignatureError, Trust, sha256_hex
 from . import Store, split_uri
 
@@ -387,7 +387,7 @@ def _decode_part(p: _Part, data: memoryview, bases: Bases | None = None) -> tupl
     numel = t.numel if box is None else chunks.box_numel(box)
     n = e.positions.length
     try:
-        if e.positions.coder == "ctx":
+        if e.positions.coder in CONTEXT_CODERS:
             return _decode_context(p, data, bases)
         pos = codec.decode_positions(e.positions.coder, bytes(data[:n]), e.nnz, numel)
         vals = codec.decode_values(e.values.coder, bytes(data[n:]), e.nnz, dt)
@@ -432,7 +432,7 @@ def _decode_parts(parts: list[_Part], data_of, workers: int, bases: Bases | None
             return [TensorDelta(t.name, dtype_by_name(t.dtype), tuple(t.shape), "abs", None, vals, base,
                                 fpr.parse(t.fingerprint))]
         by_mode: dict[str, list] = {}
-        if bases is not None and any(p.entry.positions.coder == "ctx" for p in ps):
+        if bases is not None and any(p.entry.positions.coder in CONTEXT_CODERS for p in ps):
             bases.verify(t.name, base)  # before any context decoding: a wrong base decodes to garbage
         for p in ps:
             by_mode.setdefault(p.entry.values.mode, []).append(_decode_part(p, data_of((p.blob, p.offset)), bases))

@@ -352,7 +352,9 @@ INT_BITS = tuple(WIDTH)  # raw bits of fp8, 16- and 32-bit floats
 
 
 def _host(a) -> torch.Tensor:
-    return (a if isinstance(a, torch.Tensor) else torch.as_tensor(a)).to("cpu", torch.int64).reshape(-1)
+    if not isinstance(a, torch.Tensor):  # a cached block table is read-only: torch gets a copy of it (O(rows))
+        a = torch.as_tensor(a if a.flags.writeable else a.copy())
+    return a.to("cpu", torch.int64).reshape(-1)
 
 
 def _prepare_blocks(bits, geo, shift, emask, lut, ranks, starts):

@@ -1,0 +1,309 @@
+"""Codec v2's streams on the project's own rANS stage (coder ``ctx-rans``, format 9; docs/FORMAT.md, "ctx-rans").
+
+Why: format 5's range-coded streams (``ctx``) cost 73 ns per change to decode, on one thread, and
+every rank decoded a whole part's streams. The model is static (nothing adapts), so a table-driven
+interleaved rANS (:mod:`engine_ext.format.rans`) decodes it in a few ns per change, and laying the
+symbols out block by block lets a rank decode only the blocks it holds, on every core.
+
+**Symbols** (the model is :mod:`engine_ext.format.context_models`'s, as in format 5). Changes are
+ordered by block, then class, then rank. Change ``j`` of (block ``b``, class ``c``) has the gap
+``g = rank - previous rank - 1`` (the first: its rank); its Golomb quotient ``q = g >> B`` is the
+symbol ``min(q, QMAX)`` under the quotient table of key ``key[c, b]``, and its step's bin is a
+symbol under the step table the part names for class ``c`` (``B``, ``key``: :func:`gap_params`).
+
+**Chunks.** A block's changes are cut into chunks of at most ``CHUNK_CHANGES``; a chunk of ``n``
+changes codes them on ``L`` lanes (change ``j`` of the chunk on lane ``j % L``) in *rounds* of
+``L`` changes: a round's quotient symbols (lanes ``0..m-1``), then its step symbols. Its rANS words
+(one 16-bit stream, all lanes) come first, then its *bypass* section: per round, for each change
+``48`` escape bits when ``q >= QMAX`` (``q - QMAX``) and the gap's ``B`` low bits, then for each
+change its step's low bits (:func:`engine_ext.format.context_models.step_bins`), every field least
+significant bit first, the last byte padded with zeros.
+
+**Bytes** (little-endian): ``b"X3"``, u8 K, u8 block policy, u8 edges[K-1], varint populations[K],
+varint changes per class[K], u8 step table per class with changes; where the part has more than one
+block and changes, the *counts* (changes per (class, block) for every live class and every block but
+the last, zigzag deviations from their expectation Golomb coded as gaps are, one lane): varint
+words, varint bypass bytes, u32 state, the words, the bypass; then varint C and per chunk: varint
+changes, u8 lanes, varint words, varint bypass bytes, varint (rank before the chunk + 1; 0 where the
+chunk starts its (block, class)); then every chunk's u32 lane states; then every chunk's words and
+bypass, in chunk order. Nothing may follow.
+
+**Checks a reader makes:** every size and count bounded before use; each block's chunks hold exactly
+its changes; every lane ends at the encoder's initial state, every word and bypass byte is read and
+the padding is zero; quotients and ranks stay inside their block; a chunk that continues a
+(block, class) starts where the previous chunk ended; no step is zero.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import IntegrityError
+from . import context_rans_kernels as kernels, rans
+from .context_blocks import Blocks
+from .context_models import QMAX, count_params, golomb_params, quotient_probs, table_weights
+
+MAGIC = b"X3"
+CHUNK_CHANGES = 16384  # a block's changes above this are cut into chunks: the unit a thread (a GPU program) takes
+CHUNK_MIN = 2048  # small blocks' changes gather into chunks of at least this many (each costs its states and entry)
+LANES = 4  # rANS lanes of a chunk (fewer in a small one): enough independent chains for a CPU core
+LANE_MIN = 512  # changes a lane needs before a chunk takes another (its final state costs 4 bytes)
+QKEYS = 80  # quotient table keys (golomb_params: min(B, 4) * 16 + level, level <= 12)
+_W = 64  # table width: symbols per alphabet at most (quotients 49, steps <= 37)
+
+
+# ---------------------------------------------------------------- tables (built once, cached)
+
+
+def _rows(weights_list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(freq [T, 64], cum [T, 65], slots [T * M]) of normalized integer weights: the encoder's tables, and the
+    decoder's one table per alphabet, a slot's symbol ``s``, ``f[s]`` and ``slot - cum[s]`` packed in an int32
+    (``f | bias << 13 | s << 25``) so that a decode step is one load and one multiply-add."""
+    T = len(weights_list)
+    freq = np.zeros((T, _W), np.int64)
+    cum = np.zeros((T, _W + 1), np.int64)
+    slots = np.zeros((T, rans.M), np.int32)
+    for t, w in enumerate(weights_list):
+        f = rans.normalize(w).astype(np.int64)
+        freq[t, :f.size] = f
+        cum[t, 1:] = np.cumsum(freq[t])
+        sym = np.repeat(np.arange(f.size), f)
+        slots[t] = freq[t, sym] | ((np.arange(rans.M) - cum[t, sym]) << 13) | (sym << 25)
+    return freq, cum, slots.reshape(-1)
+
+
+@functools.lru_cache(maxsize=1)
+def quotient_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The quotient laws of every key as rANS tables: counts ``max(1, floor(p * 2^30))`` of
+    :func:`quotient_probs` (IEEE ``+ - * /`` only, then integer normalisation): alike on every host."""
+    return _rows([np.maximum(1, np.floor(quotient_probs(k) * float(1 << 30))).astype(np.int64) for k in range(QKEYS)])
+
+
+@functools.lru_cache(maxsize=32)
+def step_tables(tables: tuple[bytes, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A version's step tables (one-byte codes) as rANS tables: their exact integer weights, normalized."""
+    return _rows([table_weights(t).astype(np.int64) for t in tables])
+
+
+def gap_params(k: np.ndarray, pops: np.ndarray, bl: Blocks) -> tuple[np.ndarray, np.ndarray]:
+    """Golomb parameters (B, key) per (class, block) [K, S]: ``k`` changes among the class's expected
+    population in the block (at least ``k``)."""
+    expected_pop = np.maximum((pops[:, None] * bl.sizes[None, :]) // max(bl.numel, 1), k)
+    b, key = golomb_params(k.reshape(-1), expected_pop.reshape(-1))
+    return b.reshape(k.shape), key.reshape(k.shape)
+
+
+def lanes_for(n: int) -> int:
+    return max(1, min(LANES, n // LANE_MIN))
+
+
+def chunk_bounds(per_block: np.ndarray) -> np.ndarray:
+    """Where a part's changes (block-major, ``per_block`` in each block) are cut into chunks: whole blocks
+    gathered until a chunk holds ``CHUNK_MIN`` changes (its lane states and directory entry then cost
+    little), a block of more than ``CHUNK_CHANGES`` alone and cut into near-equal chunks. Encoder only."""
+    bounds, at, open_ = [0], 0, False
+    for n in per_block.tolist():
+        if n > CHUNK_CHANGES:
+            if open_:
+                bounds.append(at)
+            parts = -(-n // CHUNK_CHANGES)
+            bounds += (at + (np.arange(1, parts + 1) * n) // parts).tolist()
+            at, open_ = at + n, False
+            continue
+        at += n
+        open_ = open_ or n > 0
+        if open_ and at - bounds[-1] >= CHUNK_MIN:
+            bounds.append(at)
+            open_ = False
+    if open_:
+        bounds.append(at)
+    return np.asarray(bounds, np.int64)
+
+
+# ---------------------------------------------------------------- encode
+def _varint_bytes(values) -> bytes:
+    out = bytearray()
+    for v in values:
+        v = int(v)
+        while v >= 0x80:
+            out.append((v & 0x7F) | 0x80)
+            v >>= 7
+        out.append(v)
+    return bytes(out)
+
+
+def _golomb(g: np.ndarray, B: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(quotient symbol, quotient, low bits) of Golomb values ``g`` with ``B`` low bits."""
+    q = g >> B
+    return np.minimum(q, QMAX), q, g & ((np.int64(1) << B) - 1)
+
+
+def encode(head: bytes, bl: Blocks, pops: np.ndarray, k: np.ndarray, ranks: np.ndarray, zsym: np.ndarray,
+           zlow_bits: np.ndarray, zlow: np.ndarray, table_of_class: np.ndarray, tables: list[bytes]) -> bytes:
+    """A part's bytes after ``head`` (magic, K, policy, edges, populations, totals): ``k`` [K, S] changes per
+    (class, block); ``ranks`` and the step bins (``zsym``, ``zlow_bits``, ``zlow``) in block, class, rank
+    order; ``table_of_class`` the step table of each class (-1: no changes)."""
+    K, S = k.shape
+    totals = k.sum(axis=1)
+    live = totals > 0
+    out = bytearray(head)
+    out += bytes(table_of_class[live].astype(np.uint8))
+    qf, qc, _ = quotient_tables()
+    sf, sc, _ = step_tables(tuple(tables))  # (the decoder's are built from the same normalized frequencies)
+    freq, cum = np.concatenate([qf, sf]), np.concatenate([qc, sc])
+    if S > 1 and live.any():
+        expected = (totals[live, None] * bl.sizes[None, :-1]) // bl.numel
+        dev = (k[live, :-1] - expected).reshape(-1)
+        B, key = count_params(expected)
+        qs, q, low = _golomb((dev << 1) ^ (dev >> 63), B.reshape(-1))
+        buf = np.empty(8 * qs.size + 16, np.uint8)
+        nw, nb, x = kernels.encode_counts(qs, key.reshape(-1), q, B.reshape(-1), low, freq, cum, buf)
+        out += _varint_bytes((nw, nb)) + np.uint32(x).tobytes() + buf[:2 * nw + nb].tobytes()
+    # block-major: block b, class c at first[b, c]
+    per_block = k.sum(axis=0)
+    first = np.zeros((S, K + 1), np.int64)
+    first[:, 1:] = np.cumsum(k.T, axis=1)
+    first += np.concatenate([[0], np.cumsum(per_block)])[:-1, None]
+    B, key = gap_params(k, pops, bl)
+    n = ranks.size
+    group_c = np.repeat(np.tile(np.arange(K), S), k.T.reshape(-1))  # the class of each change
+    group_b = np.repeat(np.repeat(np.arange(S), K), k.T.reshape(-1))
+    is_first = np.ones(n, bool)
+    is_first[1:] = (group_c[1:] != group_c[:-1]) | (group_b[1:] != group_b[:-1])
+    gaps = np.where(is_first, ranks, ranks - np.roll(ranks, 1) - 1)
+    gB = B[group_c, group_b]
+    qs, q, low = _golomb(gaps, gB)
+    bounds = chunk_bounds(per_block)
+    lanes = np.array([lanes_for(int(m)) for m in np.diff(bounds)], np.int64)
+    starts_at = bounds[:-1]
+    prev = np.where(is_first[starts_at] if n else np.zeros(0, bool), 0, ranks[np.maximum(starts_at - 1, 0)] + 1)
+    buf = np.empty(16 * n + 64 * len(lanes) + 16, np.uint8)
+    nwords, nbypass = np.zeros(len(lanes), np.int64), np.zeros(len(lanes), np.int64)
+    states = np.zeros(int(lanes.sum()), np.int64)
+    used = kernels.encode_chunks(qs, key[group_c, group_b], q, gB, low, zsym, QKEYS + table_of_class[group_c], zlow_bits, zlow,
+                          bounds, lanes, freq, cum, buf, nwords, nbypass, states)
+    directory = np.stack([np.diff(bounds), lanes, nwords, nbypass, prev], axis=1)
+    out += _varint_bytes([len(lanes)]) + b"".join(_varint_bytes(r) for r in directory.tolist())
+    out += states.astype("<u4").tobytes() + buf[:used].tobytes()
+    return bytes(out)
+
+
+# ---------------------------------------------------------------- decode
+@dataclass
+class Plan:
+    """A part's chunks as its header and directory list them (host work, O(chunks), every size checked): what a
+    decoder runs, on the host (:func:`decode`) or on a device (``engine_ext.triton_kernels.rans_decode``).
+    Arrays per chunk: ``c_start`` [C + 1] its first change, ``lanes``, ``offs`` the byte offset of its words,
+    ``nwords``, ``nbypass`` bytes, ``c_state`` its first lane state in ``states``, ``prev`` (the rank before it
+    + 1; 0 where it starts its (block, class)), ``c_block`` the block it starts in. Per (block, class) group ``g``
+    (block-major, ``g = b * K + c``): ``gend`` its end, ``gq`` its quotient table's row in ``qtab``, ``gB`` its
+    low bits, ``gsize`` its block's size, ``gs`` its class's step table row in ``stab``. Tables: packed slots
+    (:func:`_rows`)."""
+
+    starts: np.ndarray  # [S, K + 1]: block b, class c at starts[b, c]
+    which: np.ndarray  # the chunks to decode
+    c_start: np.ndarray
+    lanes: np.ndarray
+    offs: np.ndarray
+    nwords: np.ndarray
+    nbypass: np.ndarray
+    c_state: np.ndarray
+    prev: np.ndarray
+    c_block: np.ndarray
+    states: np.ndarray
+    K: int
+    gend: np.ndarray
+    gq: np.ndarray
+    gB: np.ndarray
+    gsize: np.ndarray
+    gs: np.ndarray
+    qtab: np.ndarray
+    stab: np.ndarray
+    step_dtype: np.dtype
+
+    @property
+    def n(self) -> int:
+        return int(self.c_start[-1])
+
+    @property
+    def itembits(self) -> int:
+        return 8 * np.dtype(self.step_dtype).itemsize
+
+    def check_continuations(self, ranks: np.ndarray) -> None:
+        """A chunk that continues its (block, class) must start where the previous one ended (after a decode)."""
+        cont = self.which[self.prev[self.which] > 0]
+        if cont.size and (ranks[self.c_start[cont] - 1] != self.prev[cont] - 1).any():
+            raise IntegrityError(_error(11))
+
+
+_PLAN_ERRORS = {1: "truncated step tables", 2: "a step table beyond the version's", 3: "truncated counts",
+                4: "corrupt counts", 5: "a block count outside the block", 6: "more changes than elements in a block",
+                7: "a truncated or bad chunk directory", 8: "chunks of no changes, bad lanes, or not the part's changes",
+                9: "chunk bytes that do not make up the rest of the part", 10: "a lane state below its lower bound",
+                11: "a chunk does not continue its (block, class) where the previous ended"}
+
+
+def _error(code: int, tables: int = 0) -> str:
+    """The message of a plan's (positive) or a chunk's (negative) error code."""
+    if code < 0:
+        return f"ctx-rans: corrupt chunk (code {code})"
+    return f"ctx-rans: {_PLAN_ERRORS[code]}" + (f" {tables}" if code == 2 else "")
+
+
+def _wanted(S: int, want) -> np.ndarray:
+    wanted = np.ones(S, np.bool_)
+    if want is not None:
+        wanted[:] = False
+        wanted[np.asarray(want, np.int64)] = True
+    return wanted
+
+
+def plan(data: np.ndarray, at: int, bl: Blocks, pops: np.ndarray, totals: np.ndarray, step_dtype,
+         tables: list[bytes], want=None) -> Plan:
+    """The :class:`Plan` of a part whose header ended at ``data[at]`` (uint8): the chunks of the blocks in ``want``
+    (default all). One compiled pass over the header's rest and the directory (a reader plans every part)."""
+    code, stab, k, c_start, lanes, offs, nwords, nbypass, c_state, prev, c_block, states, which, starts, gend, gq, gB, \
+        gsize, gs = kernels.plan_part(data, at, bl.sizes, pops, totals, len(tables), _wanted(bl.S, want), quotient_tables()[2])
+    if code:
+        raise IntegrityError(_error(int(code), len(tables)))
+    return Plan(starts, which, c_start, lanes, offs, nwords, nbypass, c_state, prev, c_block, states, pops.size, gend, gq,
+                gB, gsize, gs, quotient_tables()[2], step_tables(tuple(tables))[2], np.dtype(step_dtype))
+
+
+def decode_part(data: np.ndarray, at: int, bl: Blocks, pops: np.ndarray, totals: np.ndarray, step_dtype,
+                tables: list[bytes], want=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(starts, ranks, steps) of a part on the host on one thread: :func:`plan` and :func:`decode` in one compiled
+    call (a small part's fixed cost is mostly crossings into compiled code)."""
+    n = int(totals.sum())
+    ranks, steps = np.zeros(n, np.int64), np.zeros(n, step_dtype)
+    code, starts = kernels.decode_part(data, at, bl.sizes, pops, totals, len(tables), _wanted(bl.S, want), quotient_tables()[2],
+                                step_tables(tuple(tables))[2], 8 * steps.itemsize, ranks, steps)
+    if code:
+        raise IntegrityError(_error(int(code), len(tables)))
+    return starts, ranks, steps
+
+
+def decode(data: np.ndarray, p: Plan, workers: int = 1, pool=None) -> tuple[np.ndarray, np.ndarray]:
+    """(ranks, steps) of a plan's chunks on the host, block-major (:attr:`Plan.starts`; other chunks' entries zero):
+    chunks spread over ``workers`` threads of ``pool`` (the kernel holds no GIL)."""
+    ranks, steps = np.zeros(p.n, np.int64), np.zeros(p.n, p.step_dtype)
+    which, changes = p.which, np.diff(p.c_start)
+    groups = [which] if workers <= 1 or pool is None or which.size < 2 else \
+        [g for g in np.array_split(which, np.searchsorted(np.cumsum(changes[which]),
+                                                          np.linspace(0, changes[which].sum(), workers + 1)[1:-1])) if g.size]
+
+    def run(g):
+        return kernels.decode_chunks(data, g, p.c_start, p.lanes, p.offs, p.nwords, p.nbypass, p.c_state, p.prev, p.c_block,
+                              p.states, p.K, p.gend, p.gq, p.gB, p.gsize, p.gs, p.qtab, p.stab, p.itembits, ranks, steps)
+
+    codes = list(pool.map(run, groups)) if len(groups) > 1 else [run(g) for g in groups]
+    if any(codes):
+        raise IntegrityError(_error(min(codes)))
+    p.check_continuations(ranks)
+    return ranks, steps
+
+
+__all__ = ["CHUNK_CHANGES", "LANES", "MAGIC", "Plan", "decode", "encode", "gap_params", "plan", "quotient_tables",
+           "step_tables"]
