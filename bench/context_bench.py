@@ -32,6 +32,7 @@ from bench.codec_bench import entropy_bits  # noqa: E402
 from bench.train_data import versions  # noqa: E402
 from engine_ext.format import codec, context_blocks, context_codec, context_kernels, context_models  # noqa: E402
 from engine_ext.format.dtypes import BY_NAME, as_bits, step_between  # noqa: E402
+from engine_ext.format.manifest import CONTEXT_CODERS  # noqa: E402
 
 BF16 = BY_NAME["bfloat16"]
 BYTES_FIRST = codec.Readers(mbps=0)  # what v2 codes wherever it saves 10 % (the publisher keeps it where it pays)
@@ -53,19 +54,19 @@ def step_tables(ch) -> list[bytes]:
                                      np.concatenate([step_between(o, n, True).numpy() for *_, o, n in ch]))
 
 
-def encode_all(ch, context: bool):
+def encode_all(ch, context: bool, readers: codec.Readers = BYTES_FIRST):
     tables = step_tables(ch) if context else []
     out = []
     for name, shape, ob, pos, o, nb in ch:
         policy = context_blocks.block_policy(name, shape)
-        ctx = codec.Context(ob, policy, tables, BYTES_FIRST) if context and policy is not None else None
+        ctx = codec.Context(ob, policy, tables, readers) if context and policy is not None else None
         out.append(codec.encode(BF16, ob.numel(), pos, nb, o, context=ctx, shape=shape))
-    return out, (tables if any(e.pos_coder == "ctx" for e in out) else [])
+    return out, (tables if any(e.pos_coder in CONTEXT_CODERS for e in out) else [])
 
 
 def decode_all(ch, encs, tables):
     for (_, shape, ob, pos, _, _), e in zip(ch, encs):
-        if e.pos_coder == "ctx":  # what a rank runs, the base read from memory
+        if e.pos_coder in CONTEXT_CODERS:  # what a rank runs, the base read from memory
             base = ob.numpy()
             context_codec.decode("bfloat16", shape, None, e.pos, e.val, pos.numel(),
                                  lambda box: context_blocks.box_of(base, shape, box), tables)
@@ -142,7 +143,7 @@ def at_scale(tensors: int = 8, rows: int = 4096, cols: int = 4096, density: floa
     t0 = time.perf_counter()
     encs, tables = encode_all(ch, True)
     encode_s = time.perf_counter() - t0
-    assert all(e.pos_coder == "ctx" for e in encs)
+    assert all(e.pos_coder == "ctx-rans" for e in encs)
     one = best(lambda: decode_all(ch, encs, tables), 2)
     with ThreadPoolExecutor(os.cpu_count()) as pool:
         every = best(lambda: list(pool.map(lambda i: decode_all([ch[i]], [encs[i]], tables), range(len(ch)))), 2)
@@ -152,52 +153,72 @@ def at_scale(tensors: int = 8, rows: int = 4096, cols: int = 4096, density: floa
     return sum(c[3].numel() for c in ch), sum(c[2].numel() for c in ch), one, every, load, encode_s
 
 
+def _synthetic(rows: int, cols: int, dens: float, g: torch.Generator, name: str):
+    """A bf16 tensor and its next version where small weights change more often (as in training)."""
+    w = (torch.randn(rows, cols, generator=g) * torch.exp(torch.randn(rows, cols, generator=g)) * 0.02).bfloat16()
+    inv = 1.0 / w.float().abs().clamp(min=1e-4)
+    hit = torch.rand(rows, cols, generator=g) < (inv * (dens / inv.mean())).clamp(max=0.9)
+    bits = as_bits(w).clone()
+    bits[hit] += torch.where(torch.rand(rows, cols, generator=g) < 0.5, 1, -1)[hit].to(torch.int16)
+    ob, nb = as_bits(w).reshape(-1), bits.reshape(-1)
+    pos = torch.nonzero(ob != nb).reshape(-1)
+    return (name, (rows, cols), ob, pos, ob[pos], nb[pos])
+
+
 def decode_costs(tensors: int = 4, rows: int = 4096, cols: int = 4096, densities=(0.01, 0.03)) -> list[dict]:
-    """What a reader pays to decode v2 instead of v1, split where the device decode splits it
-    (engine_ext.format.context_device): per change, the range-coded streams (host, on every
-    reader) against v1's whole decode; per base element, the context pass (numba on every core
-    here: a CPU reader's cost; a GPU reader runs it in Triton, not measured here); bytes saved per change;
-    and how the streams scale on two threads (a rank decodes its tensors on a thread pool).
-    The publisher's rule (``engine_ext.format.codec.ReaderCosts``) takes its constants from here."""
+    """What a reader pays to decode v2 instead of v1, side by side in one run: per change, v1's whole decode,
+    today's v2 streams (format 5's range coder, ``tests/legacy_ctx.py``'s writer) and the new v2 streams
+    (format 9, ``ctx-rans``) on one thread and on every core; bytes per change of each; and a part's fixed
+    cost (the streams of a 4096-element part with 64 changes). The publisher's rule
+    (``engine_ext.format.codec.Readers``) takes its constants from here."""
     from concurrent.futures import ThreadPoolExecutor
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import legacy_ctx
 
     g = torch.Generator().manual_seed(0)
     out = []
     for dens in densities:
-        ch = []
-        for i in range(tensors):
-            w = (torch.randn(rows, cols, generator=g) * torch.exp(torch.randn(rows, cols, generator=g)) * 0.02).bfloat16()
-            inv = 1.0 / w.float().abs().clamp(min=1e-4)
-            hit = torch.rand(rows, cols, generator=g) < (inv * (dens / inv.mean())).clamp(max=0.9)
-            bits = as_bits(w).clone()
-            bits[hit] += torch.where(torch.rand(rows, cols, generator=g) < 0.5, 1, -1)[hit].to(torch.int16)
-            ob, nb = as_bits(w).reshape(-1), bits.reshape(-1)
-            pos = torch.nonzero(ob != nb).reshape(-1)
-            ch.append((f"model.layers.{i}.mlp.up_proj.weight", (rows, cols), ob, pos, ob[pos], nb[pos]))
+        ch = [_synthetic(rows, cols, dens, g, f"model.layers.{i}.mlp.up_proj.weight") for i in range(tensors)]
         v1, _ = encode_all(ch, False)
         v2, tables = encode_all(ch, True)
-        assert all(e.pos_coder == "ctx" for e in v2)
+        assert all(e.pos_coder == "ctx-rans" for e in v2)
+        old = [legacy_ctx.encode("bfloat16", shape, None, context_blocks.block_policy(n, shape), ob.numpy(), pos.numpy(),
+                                 step_between(o, nb, True).numpy(), tables) for n, shape, ob, pos, o, nb in ch]
         nnz = sum(c[3].numel() for c in ch)
-        numel = sum(c[2].numel() for c in ch)
 
-        def streams(i):
-            _, shape, ob, pos, _, _ = ch[i]
-            context_codec.decode_streams("bfloat16", shape, None, v2[i].pos, v2[i].val, pos.numel(), tables)
+        def streams(i, encs=v2, one_thread=False):
+            _, shape, _, pos, _, _ = ch[i]
+            keep = context_codec.PARALLEL_CHANGES
+            context_codec.PARALLEL_CHANGES = 1 << 62 if one_thread else keep
+            try:
+                context_codec.decode_streams("bfloat16", shape, None, encs[i].pos, encs[i].val, pos.numel(), tables)
+            finally:
+                context_codec.PARALLEL_CHANGES = keep
 
-        decode_all(ch, v2, tables)  # warm
-        t1 = best(lambda: decode_all(ch, v1, []))
-        t2 = best(lambda: decode_all(ch, v2, tables))
-        ts = best(lambda: [streams(i) for i in range(len(ch))])
-        with ThreadPoolExecutor(2) as pool:
-            ts2 = best(lambda: list(pool.map(streams, range(len(ch)))))
+        [streams(i) for i in range(len(ch))]  # warm
+        t1 = best(lambda: decode_all(ch, v1, []), 5)
+        t_old = best(lambda: [streams(i, old) for i in range(len(ch))], 3)
+        t_new1 = best(lambda: [streams(i, v2, True) for i in range(len(ch))], 5)
+        t_new = best(lambda: [streams(i) for i in range(len(ch))], 5)  # a big part's chunks on every core
+        with ThreadPoolExecutor(os.cpu_count()) as pool:  # or parts across threads, one thread each
+            t_newp = best(lambda: list(pool.map(lambda i: streams(i, v2, True), range(len(ch)))), 5)
         b1 = sum(len(e.pos) + len(e.val) for e in v1)
+        b_old = sum(len(e.pos) + len(e.val) for e in old)
         b2 = sum(len(e.pos) + len(e.val) for e in v2)
-        out.append(dict(density=nnz / numel, v1_ns_per_change=t1 / nnz * 1e9, streams_ns_per_change=ts / nnz * 1e9,
-                        pass_ns_per_element=(t2 - ts) / numel * 1e9, v2_ns_per_element=t2 / numel * 1e9,
-                        saved_bytes_per_change=(b1 - b2) / nnz, streams_two_threads=ts / ts2,
-                        breakeven_mbps_gpu=(b1 - b2) / (ts - t1) / 1e6,
-                        breakeven_mbps_cpu=(b1 - b2) / (t2 - t1) / 1e6))
-    return out
+        out.append(dict(density=nnz / len(ch) / (rows * cols), v1=t1 / nnz * 1e9, old=t_old / nnz * 1e9,
+                        new1=t_new1 / nnz * 1e9, new=min(t_new, t_newp) / nnz * 1e9, b1=b1 / nnz, b_old=b_old / nnz,
+                        b2=b2 / nnz))
+    small = _synthetic(64, 64, 64 / 4096, g, "model.layers.0.self_attn.o_proj.weight")
+    name, shape, ob, pos, o, nb = small
+    tables = step_tables([small])
+    policy = context_blocks.block_policy(name, shape)
+    e = context_codec.encode("bfloat16", shape, None, policy, ob.numpy(), pos.numpy(), step_between(o, nb, True).numpy(),
+                             tables)
+    n = pos.numel()
+    one = lambda: context_codec.decode_streams("bfloat16", shape, None, e.pos, e.val, n, tables)  # noqa: E731
+    one()
+    part_s = best(lambda: [one() for _ in range(1000)], 5) / 1000
+    return out, (part_s, n, "ctx-rans", context_blocks.blocks(shape, None, policy).S)
 
 
 def main():
@@ -209,14 +230,18 @@ def main():
     torch.set_num_threads(1)
     if a.costs:
         print("command: python bench/context_bench.py --costs")
-        print("| density | v1 decode ns / change | v2 streams ns / change | v2 pass ns / base element "
-              f"(numba, {os.cpu_count()} cores) | "
-              "saved B / change | streams on 2 threads | break-even MB/s, GPU reader | break-even MB/s, CPU reader |")
-        print("|---|---|---|---|---|---|---|---|")
-        for r in decode_costs():
-            print(f"| {100 * r['density']:.2f} % | {r['v1_ns_per_change']:.1f} | {r['streams_ns_per_change']:.1f} | "
-                  f"{r['pass_ns_per_element']:.3f} | {r['saved_bytes_per_change']:.3f} | {r['streams_two_threads']:.2f}x | "
-                  f"{r['breakeven_mbps_gpu']:.1f} | {r['breakeven_mbps_cpu']:.1f} |", flush=True)
+        rows, (part_s, n, coder, S) = decode_costs()
+        print(f"ns per change on {os.cpu_count()} cores; B = bytes per change; 4 synthetic bf16 parts of 4096 x 4096")
+        print("| density | v1 decode | v2 streams today (format 5) | v2 streams new, 1 thread | v2 streams new, every core "
+              "| scaling | v1 B | v2 B today | v2 B new | new / today bytes |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {100 * r['density']:.2f} % | {r['v1']:.1f} | {r['old']:.1f} | {r['new1']:.2f} | {r['new']:.2f} | "
+                  f"{r['new1'] / r['new']:.2f}x | {r['b1']:.3f} | {r['b_old']:.3f} | {r['b2']:.3f} | {r['b2'] / r['b_old']:.4f} |",
+                  flush=True)
+        one, every = scan_rate()
+        print(f"fixed cost: the streams of a 64 x 64 part ({coder}, {S} blocks, {n} changes): {part_s * 1e6:.1f} us")
+        print(f"context pass: {1e9 / one:.3f} ns per base element on one core, {1e9 / every:.3f} on {os.cpu_count()}")
         return
     try:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -226,8 +251,8 @@ def main():
         have_fw = False
     print("command: python bench/context_bench.py " + " ".join(sys.argv[1:]))
     print("| lr | density | bound B | v1 B | v2 B | v2 / bound | v1 / v2 | arc_v3 B | arc_v3 / v2 | enc v1 MB/s | enc v2 MB/s "
-          "| dec v1 MB/s | dec v2 MB/s | load_file MB/s | dec v2 / load_file time |")
-    print("|" + "---|" * 15)
+          "| dec v1 MB/s | dec v2 MB/s | load_file MB/s | dec v2 / load_file time | default B | default / bound |")
+    print("|" + "---|" * 17)
     tmp = tempfile.mkdtemp()
     warm = pair_changes(*versions(a.lr[0], 8, log=lambda *x: None)[:2])
     decode_all(warm, *encode_all(warm, True))  # the numba kernels loaded from their cache, not timed
@@ -247,6 +272,8 @@ def main():
             v1, _ = encode_all(ch, False)
             t_e2 = best(lambda: encode_all(ch, True), 1)
             v2, tables = encode_all(ch, True)
+            vd, tables_d = encode_all(ch, True, codec.Readers())  # the default: GPU readers at 100 MB/s
+            bd = sum(len(e.pos) + len(e.val) for e in vd) + sum(len(t) for t in tables_d)
             t_d1 = best(lambda: decode_all(ch, v1, []))
             t_d2 = best(lambda: decode_all(ch, v2, tables))
             path = os.path.join(tmp, "changed.safetensors")
@@ -255,14 +282,14 @@ def main():
             b1 = sum(len(e.pos) + len(e.val) for e in v1)
             b2 = sum(len(e.pos) + len(e.val) for e in v2) + sum(len(t) for t in tables)
             arc = sum(fw.arc_v3_bytes(old[n], new[n]) for n, *_ in ch) if have_fw else float("nan")
-            tot += [nnz, numel, min(pooled, per_tensor), b1, b2, arc, 0, 0]
+            tot += [nnz, numel, min(pooled, per_tensor), b1, b2, arc, bd, 0]
             print(f"| {lr:g} | {100 * nnz / numel:.2f} % | {min(pooled, per_tensor) / nnz:.3f} | {b1 / nnz:.3f} | {b2 / nnz:.3f} "
                   f"| {b2 / min(pooled, per_tensor):.3f} | {b1 / b2:.2f} | {arc / nnz:.3f} | {arc / b2:.2f} "
                   f"| {mb / t_e1:.0f} | {mb / t_e2:.0f} | {mb / t_d1:.0f} | {mb / t_d2:.0f} | {mb / t_load:.0f} "
-                  f"| {t_d2 / t_load:.1f} |", flush=True)
-        n, _, bound, b1, b2, arc, _, _ = tot
+                  f"| {t_d2 / t_load:.1f} | {bd / nnz:.3f} | {bd / min(pooled, per_tensor):.3f} |", flush=True)
+        n, _, bound, b1, b2, arc, bd, _ = tot
         print(f"lr {lr:g} all pairs: v2/bound {b2 / bound:.3f}, v1/bound {b1 / bound:.3f}, v1/v2 {b1 / b2:.2f}, "
-              f"arc_v3/v2 {arc / b2:.2f}, arc_v3/v1 {arc / b1:.2f}", flush=True)
+              f"arc_v3/v2 {arc / b2:.2f}, arc_v3/v1 {arc / b1:.2f}, default/bound {bd / bound:.3f}", flush=True)
     one, every = scan_rate()
     print(f"context pass: {one / 1e9:.2f} G base elements/s on one core, {every / 1e9:.2f} G/s on {os.cpu_count()} cores")
     nnz, numel, t1, tn, tl, te = at_scale()

@@ -27,7 +27,7 @@ from .errors import BaseMismatchError, DeltaError
 from .format.manifest import ANCHOR, DELTA
 from . import settings
 from .trainer.lineage import read_head
-from .store.reader import TensorBases, load_delta, read_link
+from .store.reader import TensorBases, load_cells, load_delta, read_link
 from .store.signing import Signer, Trust, generate_key
 from .store import open_store, split_uri
 
@@ -216,24 +216,31 @@ def cmd_inspect(a) -> str:
     store, key = split_uri(a.manifest)
     link = read_link(store, key, _trust(a))
     m = link.manifest
-    rows, by_enc = [], {}
+    load_cells(store, m)  # format 7: each cut tensor's cells, so that every part's coder shows
+    rows, by_enc, coders = [], {}, {}
     changed = numel = 0
     for t in m.tensors:
         numel += t.numel
         changed += t.nnz
-        if t.nnz:
-            rows.append(t)
-            e = by_enc.setdefault(f"positions:{t.positions.coder}", [0, 0])
-            e[0] += t.nnz; e[1] += t.positions.length
-            e = by_enc.setdefault(f"values:{t.values.mode}-{t.values.coder}", [0, 0])
-            e[0] += t.nnz; e[1] += t.values.length
+        if not t.nnz:
+            continue
+        rows.append(t)
+        mix = coders.setdefault(t.name, {})
+        for p in t.chunks or [t]:  # every part: the whole tensor, or each of its cells
+            e = by_enc.setdefault(f"positions:{p.positions.coder}", [0, 0])
+            e[0] += p.nnz; e[1] += p.positions.length
+            e = by_enc.setdefault(f"values:{p.values.mode}-{p.values.coder}", [0, 0])
+            e[0] += p.nnz; e[1] += p.values.length
+            enc = f"{p.positions.coder}+{p.values.mode}-{p.values.coder}"
+            mix[enc] = mix.get(enc, 0) + 1
     dense = sum(t.numel * dtype_by_name(t.dtype).itemsize for t in m.tensors)
     if a.json:
         return json.dumps({"kind": m.kind, "model": m.model, "base_version": m.base_version, "version": m.version,
                            "signatures": link.signed, "sha256": link.sha256,
                            "tensors": len(m.tensors), "changed_tensors": len(rows), "elements": numel,
                            "changed_elements": changed, "payload_bytes": m.payload_bytes, "dense_bytes": dense,
-                           "bytes_per_changed_element": {k: v[1] / v[0] for k, v in by_enc.items()}})
+                           "bytes_per_changed_element": {k: v[1] / v[0] for k, v in by_enc.items()},
+                           "parts_by_encoding": {t: mix for t, mix in coders.items()}})
     lines = [f"{m.kind} {m.model}: version {m.base_version} -> {m.version} (anchor {m.anchor_version}); "
              f"{f'signed by {link.signed} trusted key(s)' if link.signed else 'UNSIGNED'}, sha256 {link.sha256[:16]}",
              f"fingerprint {m.base_fingerprint} -> {m.fingerprint}",
@@ -243,10 +250,12 @@ def cmd_inspect(a) -> str:
              "bytes per changed element by encoding:"]
     lines += [f"  {k:24s} {v[1] / max(v[0], 1):8.3f}  ({v[1]:,} B)" for k, v in sorted(by_enc.items())]
     lines.append(f"{'tensor':60s} {'dtype':9s} {'density':>8s} {'bytes':>10s} {'B/elem':>7s}  encoding")
-    rows.sort(key=lambda t: -t.length)
+    rows.sort(key=lambda t: -sum(p.length for p in t.chunks or [t]))
     for t in rows if a.all else rows[:20]:
-        lines.append(f"{t.name[:60]:60s} {t.dtype:9s} {100 * t.nnz / t.numel:7.3f}% {t.length:10,d} {t.length / t.nnz:7.3f}  "
-                     f"{t.positions.coder}+{t.values.mode}-{t.values.coder}")
+        size = sum(p.length for p in t.chunks or [t])
+        mix = coders[t.name]
+        lines.append(f"{t.name[:60]:60s} {t.dtype:9s} {100 * t.nnz / t.numel:7.3f}% {size:10,d} {size / t.nnz:7.3f}  "
+                     + ", ".join(enc if len(mix) == 1 and not t.chunks else f"{enc} x{n}" for enc, n in sorted(mix.items())))
     if len(rows) > 20 and not a.all:
         lines.append(f"... {len(rows) - 20} more changed tensors (--all)")
     return "\n".join(lines)

@@ -125,16 +125,16 @@ VARIABLES: tuple[Variable, ...] = (
              "seconds between two looks at `LATEST` in pull mode (each varied by +-20 %; doubled after each "
              "failure, up to 60 s)"),
     Variable("ENGINE_EXT_CONTEXT_CODER", "context_coder", _flag, True,
-             "publisher: `0` never codes a part with the context-conditioned coder (codec v2, format 5 `ctx`: ~25 % "
-             "fewer bytes on real training, each part coded given its base weights); otherwise a part is context "
+             "publisher: `0` never codes a part with the context-conditioned coder (codec v2, format 9 `ctx-rans`: "
+             "~25 % fewer bytes on real training, each part coded given its base weights); otherwise a part is context "
              "coded where it saves 10 % and pays on the readers (`ENGINE_EXT_READER_DEVICE`, `ENGINE_EXT_READER_MBPS`)"),
     Variable("ENGINE_EXT_READER_DEVICE", "reader_device", _reader_device, "gpu",
              "publisher: where the readers' weights live, `gpu` or `cpu`: a part is context coded only where it "
              "pays on them (docs/FORMAT.md, \"Who chooses the coding\")"),
     Variable("ENGINE_EXT_READER_MBPS", "reader_mbps", _non_negative_float, 100.0,
              "publisher: the store bandwidth one reader rank fetches at, MB/s: a part is context coded only where "
-             "its saved bytes take longer to fetch than its decode costs beyond v1's (measured: v2 pays below ~4-5 "
-             "MB/s); `0`: bytes first (metered or slow links: v2 wherever it saves 10 %)"),
+             "a rank gets it sooner (the longer of its fetch and its decode, against v1's); GPU readers at 100 MB/s "
+             "take v2 on big parts; `0`: bytes first (metered or slow links: v2 wherever it saves 10 %)"),
     Variable("ENGINE_EXT_INLINE_ENTRIES", "inline_entries", int, 4096,
              "publisher: a manifest listing more tensors and grid cells than this (~400 bytes each) is written as "
              "format 7, its tensor entries and cell tables in a blob (docs/FORMAT.md, \"Tables\"; format-5 and 6 "

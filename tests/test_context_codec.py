@@ -332,17 +332,20 @@ def test_publisher_choice_and_switch(tmp_path):
 
 
 def test_the_publisher_chooses_v2_where_it_pays_on_its_readers(tmp_path, monkeypatch):
-    """v2 costs every reader its streams (host, per change) and a pass over the base (per element: on
-    the host for CPU readers, on the device for GPU readers); it saves bytes. The publisher keeps a
-    part context coded where the saved bytes take longer to fetch than that decode, on the readers
-    it is told of; the deployed default (GPU readers at 100 MB/s) pays nowhere, and a publisher
+    """v2 costs every reader its streams (host, per change, plus a fixed cost per part) and a pass over the
+    base (per element: on the host for CPU readers, on the device for GPU readers); it saves bytes. A rank
+    fetches a part while it decodes the one before, so the publisher keeps a part context coded where the
+    longer of its fetch and its decode is shorter than plain coding's, on the readers it is told of: the
+    deployed default (GPU readers at 100 MB/s) takes v2 on big parts, not on small ones, and a publisher
     whose readers v2 cannot pay on spends no step tables and no pass over the base."""
-    gpu_fast, gpu_slow, cpu_slow = codec.Readers("gpu", 100), codec.Readers("gpu", 2), codec.Readers("cpu", 2)
-    changes, elements = 100_000, 10_000_000  # a 1 % part: ~27 KB saved (0.27 B per change, measured)
-    assert not gpu_fast.pays(27_000, changes, elements)  # 0.27 ms of fetch saved for ~7 ms of decode
-    assert gpu_slow.pays(27_000, changes, elements)  # 13.5 ms saved: the pass is near free on the device
-    assert not cpu_slow.pays(27_000, changes, elements)  # the host pass over 10 M elements adds 10 ms
-    assert codec.Readers("cpu", 0).pays(1, changes, elements)  # bytes first
+    gpu_fast, gpu_link, cpu_fast = codec.Readers("gpu", 100), codec.Readers("gpu", 1000), codec.Readers("cpu", 100)
+    changes, elements = 100_000, 10_000_000  # a 1 % part: 1.1 B per change plainly, 0.85 context coded (measured)
+    plain, coded = 110_000, 85_000
+    assert gpu_fast.pays(plain, coded, changes, elements)  # 0.85 ms of fetch hides its ~0.83 ms of decode: < 1.1 ms
+    assert not gpu_link.pays(plain, coded, changes, elements)  # at 1 GB/s the decode is what a rank waits for
+    assert not cpu_fast.pays(plain, coded, changes, elements)  # the host pass over 10 M elements adds 10 ms
+    assert not gpu_fast.pays(1100, 850, 1000, 100_000)  # a small part: its fixed cost outweighs its fetch
+    assert codec.Readers("cpu", 0).pays(1, 1, changes, elements)  # bytes first
     assert settings.Settings().reader_mbps == 100 and codec.Readers() == gpu_fast  # the deployed default
     with pytest.raises(ValueError, match="ENGINE_EXT_READER_DEVICE"):
         settings.Settings.from_env({"ENGINE_EXT_READER_DEVICE": "tpu"})
@@ -353,12 +356,12 @@ def test_the_publisher_chooses_v2_where_it_pays_on_its_readers(tmp_path, monkeyp
     real = codec.step_histograms  # what the publisher's step tables are made from
     monkeypatch.setattr(codec, "step_histograms", lambda changes: seen.append(list(changes)) or real(seen[-1]))
     old, new = _pair((256, 256))
-    for mbps, want in ((100.0, False), (0.05, True)):  # 100 MB/s: the deployed default; 0.05: a slow link
+    for mbps, want in ((1000.0, False), (0.05, True)):  # 1 GB/s: v2's decode would be what a rank waits for
         with settings.override(reader_device="gpu", reader_mbps=mbps):
             _publish(tmp_path / str(mbps), [{"w": old}, {"w": new}])
         m = reader.read_manifest(open_store(str(tmp_path / str(mbps))), "v00000001.json")
         assert (m.tensors[0].positions.coder == "ctx-rans") == want and bool(m.step_tables) == want
-    assert [len(c) for c in seen] == [0, 1]  # fast readers: the sample is never asked, no tables from any change
+    assert [len(c) for c in seen] == [0, 1]  # the fast link: the sample is never asked, no tables from any change
     d = reader.load_delta(str(tmp_path / "0.05" / "v00000001.json"), bases=reader.TensorBases({"w": old}))
     assert torch.equal(as_bits(apply_tensor(old, d.tensors[0])), as_bits(new))
 

@@ -119,3 +119,14 @@ def test_the_libraries_that_write_stored_bytes_are_capped(lib):
     text = (HERE.parent / "pyproject.toml").read_text()
     line = next(ln for ln in text.splitlines() if ln.strip().startswith(f'"{lib}>='))
     assert ",<" in line, line
+
+
+@pytest.mark.parametrize("which,coder", [("store", "ctx-rans"), ("store-f8", "ctx")])
+def test_inspect_shows_the_coder_of_every_part(tmp_path, which, coder, capsys):
+    """``engine-ext inspect`` reads the cell tables and names each part's coder (a cut tensor's cells each)."""
+    store = shutil.copytree(STORES[which], tmp_path / "store")
+    assert main(["inspect", str(store / "v00000002.json"), "--trust", PUB, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    mix = doc["parts_by_encoding"]["a.weight"]  # a cut tensor: its cells coded apart
+    assert mix == {f"{coder}+rel-{coder}": 1, "pco+rel-pco": 3}, mix
+    assert doc["bytes_per_changed_element"][f"positions:{coder}"] > 0

@@ -41,15 +41,16 @@ _NP_INT = {8: np.int8, 16: np.int16, 32: np.int32, 64: np.int64}
 _PCO = pcodec.ChunkConfig(delta_spec=pcodec.DeltaSpec.no_op(), mode_spec=pcodec.ModeSpec.classic())
 
 
-# What a reader pays to decode a context-coded part beyond the same part coded plainly, from
-# `python bench/context_bench.py --costs` (the 2-core host, 2026-12-01; docs/benchmarks.md):
+# What a reader pays to decode a part, from `python bench/context_bench.py --costs` (the 2-core host,
+# 2026-12-03; docs/benchmarks.md, "What a reader pays for v2"):
 V1_NS_PER_CHANGE = 2.4  # v1's whole decode (pcodec), per change
-STREAMS_NS_PER_CHANGE = 73.0  # v2's range-coded streams, on the host of every reader: one thread (it holds the GIL)
+STREAMS_NS_PER_CHANGE = 7.0  # v2's streams (format 9's rANS chunks), on one thread of the host
 PASS_NS_PER_ELEMENT = {"cpu": 1.0,  # the context pass over the base: numba, every core of a 2-core host
                        "gpu": 0.001}  # Triton on the device: ESTIMATED (two reads of a bf16 base at ~4 TB/s; no GPU lent)
-PART_NS = {"cpu": 0.3e6,  # per part: the streams' fixed costs on the host (models, headers), measured on small parts
-           "gpu": 0.6e6}  # the same, and the pass's launches and two syncs on the device: ESTIMATED
+PART_NS = {"cpu": 20e3,  # per part: the streams' fixed costs on the host (header, plan, tables), measured
+           "gpu": 120e3}  # the same, and the device's launches, copies and syncs for the part: ESTIMATED (~0.1 ms)
 MOST_SAVED_PER_CHANGE = 0.6  # bytes: the most v2 saves per change on real training (fp8 block: 0.54-0.59)
+MOST_PLAIN_PER_CHANGE = 4.0  # bytes: about the most v1 takes per change (fp32 masters; bf16 1.1-1.5)
 
 
 @dataclass(frozen=True)
@@ -75,20 +76,27 @@ class Readers:
         s = settings.current()
         return cls(s.reader_device, s.reader_mbps)
 
-    def extra_decode_s(self, changes: int, elements: int) -> float:
-        """Seconds a reader spends decoding a part of ``elements`` with ``changes`` as v2 beyond v1."""
-        return (changes * (STREAMS_NS_PER_CHANGE - V1_NS_PER_CHANGE) + elements * PASS_NS_PER_ELEMENT[self.device]
-                + PART_NS[self.device]) * 1e-9
+    def decode_s(self, changes: int, elements: int, context: bool) -> float:
+        """Seconds a reader spends decoding a part of ``elements`` with ``changes``, context coded or plainly."""
+        if not context:
+            return changes * V1_NS_PER_CHANGE * 1e-9
+        return (changes * STREAMS_NS_PER_CHANGE + elements * PASS_NS_PER_ELEMENT[self.device] + PART_NS[self.device]) * 1e-9
 
-    def pays(self, saved_bytes: float, changes: int, elements: int) -> bool:
-        """Whether ``saved_bytes`` fewer to fetch at the readers' bandwidth save more time than the
-        part's v2 decode costs beyond v1 (bytes first: always)."""
-        return self.mbps == 0 or saved_bytes / (self.mbps * 1e6) >= self.extra_decode_s(changes, elements)
+    def pays(self, plain_bytes: float, coded_bytes: float, changes: int, elements: int) -> bool:
+        """Whether a reader gets the part sooner context coded (``coded_bytes``) than plainly: a rank fetches a part
+        while it decodes the one before, so each form costs the longer of its fetch (at the readers' bandwidth)
+        and its decode, not their sum (bytes first: always)."""
+        if self.mbps == 0:
+            return True
+        bw = self.mbps * 1e6
+        return max(coded_bytes / bw, self.decode_s(changes, elements, True)) <= \
+            max(plain_bytes / bw, self.decode_s(changes, elements, False))
 
     def may_pay(self, changes: int, elements: int) -> bool:
-        """Before anything is encoded: whether v2 could pay at the most it saves per change (else the
-        publisher spends no step tables and no pass over the base on the tensor)."""
-        return self.pays(MOST_SAVED_PER_CHANGE * changes, changes, elements)
+        """Before anything is encoded: whether v2 could pay at the most it saves per change on about the most v1
+        takes (else the publisher spends no step tables and no pass over the base on the tensor)."""
+        plain = MOST_PLAIN_PER_CHANGE * changes
+        return self.pays(plain, plain - MOST_SAVED_PER_CHANGE * changes, changes, elements)
 
 
 @dataclass(frozen=True)
@@ -223,7 +231,7 @@ def encode(dtype: DType, numel: int, positions: torch.Tensor, new_bits: torch.Te
         if readers.may_pay(pos.size, numel):
             ctx = encode_context(dtype, shape, box, context, pos, old_bits, new_bits)
             plain, coded = len(best.pos) + len(best.val), None if ctx is None else len(ctx.pos) + len(ctx.val)
-            if coded is not None and coded <= (1 - CONTEXT_GAIN) * plain and readers.pays(plain - coded, pos.size, numel):
+            if coded is not None and coded <= (1 - CONTEXT_GAIN) * plain and readers.pays(plain, coded, pos.size, numel):
                 return ctx
     return best
 

@@ -12,6 +12,7 @@ from .context_models import EXACT, QMAX, count_spread, golomb_param
 
 ESCAPE_BITS = 48  # an escaped quotient's extra bits
 SLOT = rans.M - 1  # a state's slot: x & SLOT
+U = np.uint64  # hot indices as unsigned: numba then emits no negative-index wraparound (8.1 -> 5.9 ns per change)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -95,7 +96,7 @@ def encode_chunks(qs, qkey, gq, gb, glow, ss, stab, sl, slow, bounds, lanes, fre
 def _refill(data, bp, bend, acc, have):  # pragma: no cover - compiled
     """Bypass bytes into the bit reader until it holds more than 48 bits (or the section ends)."""
     while have <= 48 and bp < bend:
-        acc |= np.int64(data[bp]) << have
+        acc |= np.int64(data[U(bp)]) << have
         bp += 1
         have += 8
     return bp, acc, have
@@ -121,7 +122,7 @@ def decode_chunks(data, which, c_start, c_lanes, c_off, c_words, c_bypass, c_sta
         bp = wend
         bend = wend + c_bypass[ch]
         for l in range(L):
-            x[l] = states[c_state[ch] + l]
+            x[U(l)] = states[c_state[ch] + l]
         g = c_block[ch] * K  # the group of change s
         while gend[g] <= s:
             g += 1
@@ -143,16 +144,16 @@ def decode_chunks(data, which, c_start, c_lanes, c_off, c_words, c_bypass, c_sta
                     ge, qrow, B, size, sr = gend[g], gq[g], gB[g], gsize[g], gs[g]
                     lim = (np.int64(1) << 40) >> B
                     prev = -1
-                srow[l] = sr
-                v = x[l]
-                ent = np.int64(qtab[qrow + (v & SLOT)])
+                srow[U(l)] = sr
+                v = x[U(l)]
+                ent = np.int64(qtab[U(qrow + (v & SLOT))])
                 q = ent >> 25
                 v = (ent & 0x1FFF) * (v >> rans.PROB_BITS) + ((ent >> 13) & 0xFFF)
                 rr = min(r, last)
                 need = np.int64(v < rans.RANS_L)  # branch-free renormalisation: a 16-bit word or none
-                v = (v << (need << 4)) | ((np.int64(data[rr]) | (np.int64(data[rr + 1]) << 8)) & -need)
+                v = (v << (need << 4)) | ((np.int64(data[U(rr)]) | (np.int64(data[U(rr + 1)]) << 8)) & -need)
                 r += need << 1
-                x[l] = v
+                x[U(l)] = v
                 if q == QMAX:
                     bp, acc, have = _refill(data, bp, bend, acc, have)
                     if have < ESCAPE_BITS:
@@ -171,18 +172,18 @@ def decode_chunks(data, which, c_start, c_lanes, c_off, c_words, c_bypass, c_sta
                 have -= B
                 if prev >= size:
                     return -6
-                ranks[jj] = prev
+                ranks[U(jj)] = prev
             for l in range(m):
                 jj = j + l
-                v = x[l]
-                ent = np.int64(stab[srow[l] + (v & SLOT)])
+                v = x[U(l)]
+                ent = np.int64(stab[srow[U(l)] + (v & SLOT)])
                 sy = ent >> 25
                 v = (ent & 0x1FFF) * (v >> rans.PROB_BITS) + ((ent >> 13) & 0xFFF)
                 rr = min(r, last)
                 need = np.int64(v < rans.RANS_L)  # branch-free renormalisation: a 16-bit word or none
-                v = (v << (need << 4)) | ((np.int64(data[rr]) | (np.int64(data[rr + 1]) << 8)) & -need)
+                v = (v << (need << 4)) | ((np.int64(data[U(rr)]) | (np.int64(data[U(rr + 1)]) << 8)) & -need)
                 r += need << 1
-                x[l] = v
+                x[U(l)] = v
                 z = sy
                 if sy >= EXACT:
                     lg = sy - EXACT + 3
@@ -195,7 +196,7 @@ def decode_chunks(data, which, c_start, c_lanes, c_off, c_words, c_bypass, c_sta
                     have -= lg
                 if z == 0 or z >> itembits:
                     return -8
-                steps[jj] = (z >> 1) ^ -(z & 1)
+                steps[U(jj)] = (z >> 1) ^ -(z & 1)
             if r > wend:
                 return -1
             j += m
@@ -204,7 +205,7 @@ def decode_chunks(data, which, c_start, c_lanes, c_off, c_words, c_bypass, c_sta
         if bp != bend or acc != 0 or have >= 8:
             return -4
         for l in range(L):
-            if x[l] != rans.RANS_L:
+            if x[U(l)] != rans.RANS_L:
                 return -3
     return 0
 
