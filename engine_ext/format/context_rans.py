@@ -11,22 +11,25 @@ ordered by block, then class, then rank. Change ``j`` of (block ``b``, class ``c
 symbol ``min(q, QMAX)`` under the quotient table of key ``key[c, b]``, and its step's bin is a
 symbol under the step table the part names for class ``c`` (``B``, ``key``: :func:`gap_params`).
 
-**Chunks.** A block's changes are cut into chunks of at most ``CHUNK_CHANGES``; a chunk of ``n``
-changes codes them on ``L`` lanes (change ``j`` of the chunk on lane ``j % L``) in *rounds* of
-``L`` changes: a round's quotient symbols (lanes ``0..m-1``), then its step symbols. Its rANS words
-(one 16-bit stream, all lanes) come first, then its *bypass* section: per round, for each change
-``48`` escape bits when ``q >= QMAX`` (``q - QMAX``) and the gap's ``B`` low bits, then for each
-change its step's low bits (:func:`engine_ext.format.context_models.step_bins`), every field least
-significant bit first, the last byte padded with zeros.
+**Chunks.** The changes are cut into chunks: a block of more than ``CHUNK_CHANGES`` alone, in near-equal
+chunks; smaller blocks gathered in order until a chunk holds ``CHUNK_MIN`` (a short remainder joins the
+gathered chunk before it), so a chunk may span blocks. A chunk of ``n`` changes codes them on ``L``
+lanes (:func:`lanes_for`; change ``j`` of the chunk on lane ``j % L``) in *rounds* of ``L`` changes: a
+round's quotient symbols (lanes ``0..m-1``), then its step symbols. Its rANS words (one 16-bit stream,
+all lanes) come first, then its *bypass* section: per round, for each change ``48`` escape bits when
+``q >= QMAX`` (``q - QMAX``) and the gap's ``B`` low bits, then for each change its step's low bits
+(:func:`engine_ext.format.context_models.step_bins`), every field least significant bit first, the
+last byte padded with zeros.
 
 **Bytes** (little-endian): ``b"X3"``, u8 K, u8 block policy, u8 edges[K-1], varint populations[K],
 varint changes per class[K], u8 step table per class with changes; where the part has more than one
 block and changes, the *counts* (changes per (class, block) for every live class and every block but
-the last, zigzag deviations from their expectation Golomb coded as gaps are, one lane): varint
-words, varint bypass bytes, u32 state, the words, the bypass; then varint C and per chunk: varint
-changes, u8 lanes, varint words, varint bypass bytes, varint (rank before the chunk + 1; 0 where the
-chunk starts its (block, class)); then every chunk's u32 lane states; then every chunk's words and
-bypass, in chunk order. Nothing may follow.
+the last: the zigzag of their deviation from their expectation, Golomb-Rice coded with format 5's
+``B``: the quotient in unary, ``QMAX`` ones then 48 bits for a larger one, then the ``B`` low bits; a
+bit section padded to a byte); then varint C and per chunk varint changes, lanes, words, bypass bytes
+and (rank before the chunk + 1; 0 where the chunk starts its (block, class)), the last chunk without
+its changes and bypass bytes (what remains); then every chunk's u32 lane states; then every chunk's
+words and bypass, in chunk order. Nothing may follow.
 
 **Checks a reader makes:** every size and count bounded before use; each block's chunks hold exactly
 its changes; every lane ends at the encoder's initial state, every word and bypass byte is read and
@@ -49,7 +52,7 @@ MAGIC = b"X3"
 CHUNK_CHANGES = 16384  # a block's changes above this are cut into chunks: the unit a thread (a GPU program) takes
 CHUNK_MIN = 2048  # small blocks' changes gather into chunks of at least this many (each costs its states and entry)
 LANES = 4  # rANS lanes of a chunk (fewer in a small one): enough independent chains for a CPU core
-LANE_MIN = 512  # changes a lane needs before a chunk takes another (its final state costs 4 bytes)
+LANE_MIN = 1024  # changes a lane needs before a chunk takes another (its final state costs 4 bytes)
 QKEYS = 80  # quotient table keys (golomb_params: min(B, 4) * 16 + level, level <= 12)
 _W = 64  # table width: symbols per alphabet at most (quotients 49, steps <= 37)
 
@@ -96,29 +99,34 @@ def gap_params(k: np.ndarray, pops: np.ndarray, bl: Blocks) -> tuple[np.ndarray,
 
 
 def lanes_for(n: int) -> int:
+    """A chunk's lanes: one per ``LANE_MIN`` changes, at most ``LANES`` (writer's choice; the directory lists them)."""
     return max(1, min(LANES, n // LANE_MIN))
 
 
 def chunk_bounds(per_block: np.ndarray) -> np.ndarray:
     """Where a part's changes (block-major, ``per_block`` in each block) are cut into chunks: whole blocks
     gathered until a chunk holds ``CHUNK_MIN`` changes (its lane states and directory entry then cost
-    little), a block of more than ``CHUNK_CHANGES`` alone and cut into near-equal chunks. Encoder only."""
-    bounds, at, open_ = [0], 0, False
+    little; a short remainder joins the gathered chunk before it), a block of more than ``CHUNK_CHANGES``
+    alone and cut into near-equal chunks. Encoder only."""
+    bounds, at, open_, gathered = [0], 0, False, False  # gathered: the last chunk closed holds whole small blocks
     for n in per_block.tolist():
         if n > CHUNK_CHANGES:
             if open_:
                 bounds.append(at)
             parts = -(-n // CHUNK_CHANGES)
             bounds += (at + (np.arange(1, parts + 1) * n) // parts).tolist()
-            at, open_ = at + n, False
+            at, open_, gathered = at + n, False, False
             continue
         at += n
         open_ = open_ or n > 0
         if open_ and at - bounds[-1] >= CHUNK_MIN:
             bounds.append(at)
-            open_ = False
+            open_, gathered = False, True
     if open_:
-        bounds.append(at)
+        if gathered:
+            bounds[-1] = at
+        else:
+            bounds.append(at)
     return np.asarray(bounds, np.int64)
 
 
@@ -156,11 +164,10 @@ def encode(head: bytes, bl: Blocks, pops: np.ndarray, k: np.ndarray, ranks: np.n
     if S > 1 and live.any():
         expected = (totals[live, None] * bl.sizes[None, :-1]) // bl.numel
         dev = (k[live, :-1] - expected).reshape(-1)
-        B, key = count_params(expected)
-        qs, q, low = _golomb((dev << 1) ^ (dev >> 63), B.reshape(-1))
-        buf = np.empty(8 * qs.size + 16, np.uint8)
-        nw, nb, x = kernels.encode_counts(qs, key.reshape(-1), q, B.reshape(-1), low, freq, cum, buf)
-        out += _varint_bytes((nw, nb)) + np.uint32(x).tobytes() + buf[:2 * nw + nb].tobytes()
+        B, _ = count_params(expected)
+        zz = ((dev << 1) ^ (dev >> 63)).astype(np.int64)
+        buf = np.empty(16 * zz.size + 16 + int(((zz >> B.reshape(-1)).clip(0, QMAX) // 8).sum()), np.uint8)
+        out += buf[:kernels.encode_counts(zz, B.reshape(-1).astype(np.int64), buf)].tobytes()
     # block-major: block b, class c at first[b, c]
     per_block = k.sum(axis=0)
     first = np.zeros((S, K + 1), np.int64)
@@ -184,8 +191,9 @@ def encode(head: bytes, bl: Blocks, pops: np.ndarray, k: np.ndarray, ranks: np.n
     states = np.zeros(int(lanes.sum()), np.int64)
     used = kernels.encode_chunks(qs, key[group_c, group_b], q, gB, low, zsym, QKEYS + table_of_class[group_c], zlow_bits, zlow,
                           bounds, lanes, freq, cum, buf, nwords, nbypass, states)
-    directory = np.stack([np.diff(bounds), lanes, nwords, nbypass, prev], axis=1)
-    out += _varint_bytes([len(lanes)]) + b"".join(_varint_bytes(r) for r in directory.tolist())
+    directory = np.stack([np.diff(bounds), lanes, nwords, nbypass, prev], axis=1).tolist()
+    directory[-1] = directory[-1][1:3] + directory[-1][4:]  # the last chunk's changes and bypass size: what remains
+    out += _varint_bytes([len(lanes)]) + b"".join(_varint_bytes(r) for r in directory)
     out += states.astype("<u4").tobytes() + buf[:used].tobytes()
     return bytes(out)
 

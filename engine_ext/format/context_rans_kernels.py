@@ -211,29 +211,29 @@ def decode_chunks(data, which, c_start, c_lanes, c_off, c_words, c_bypass, c_sta
 
 
 @numba.njit(nogil=True, cache=True)
-def encode_counts(qs, qkey, gq, gb, glow, freq, cum, out):  # pragma: no cover - compiled
-    """Golomb values on one lane: the words (u16 LE) then the bypass into ``out``; (words, bypass bytes, state)."""
-    n = qs.shape[0]
-    tmp = np.empty(2 * n + 2, np.int64)
-    x = np.int64(rans.RANS_L)
-    w = 0
-    for j in range(n - 1, -1, -1):
-        x, w = _enc(x, freq[qkey[j], qs[j]], cum[qkey[j], qs[j]], tmp, w)
+def encode_counts(zz, B, out):  # pragma: no cover - compiled
+    """Golomb-Rice codes of ``zz`` with ``B`` low bits into ``out``: the quotient ``q = zz >> B`` in unary (``q``
+    one bits and a zero; ``QMAX`` ones and then ``q - QMAX`` in 48 bits where ``q >= QMAX``), then the low bits;
+    least significant bit first, the last byte padded with zeros. Returns the bytes written."""
     o = 0
-    for i in range(w - 1, -1, -1):
-        out[o] = tmp[i] & 0xFF
-        out[o + 1] = tmp[i] >> 8
-        o += 2
     acc = np.int64(0)
     have = 0
-    for j in range(n):
-        if gq[j] >= QMAX:
-            o, acc, have = _put(out, o, acc, have, gq[j] - QMAX, ESCAPE_BITS)
-        o, acc, have = _put(out, o, acc, have, glow[j], gb[j])
+    for j in range(zz.shape[0]):
+        q = zz[j] >> B[j]
+        ones = min(q, QMAX)
+        while ones > 0:
+            w = min(ones, 32)
+            o, acc, have = _put(out, o, acc, have, (np.int64(1) << w) - 1, w)
+            ones -= w
+        if q < QMAX:
+            o, acc, have = _put(out, o, acc, have, 0, 1)
+        else:
+            o, acc, have = _put(out, o, acc, have, q - QMAX, ESCAPE_BITS)
+        o, acc, have = _put(out, o, acc, have, zz[j], B[j])
     if have:
         out[o] = acc
         o += 1
-    return w, o - 2 * w, x
+    return o
 
 
 @numba.njit(nogil=True, cache=True)
@@ -282,43 +282,40 @@ def plan_part(data, at, sizes, pops, totals, ntables, want, qtab):  # pragma: no
             if stab[c] >= ntables:
                 return _failed(2, K, S)
     k = np.zeros((K, S), np.int64)
-    if S > 1 and live:
-        hdr = np.zeros(2, np.int64)
-        at = varints(data, at, 2, N, hdr)
-        if at < 0 or at + 4 + 2 * hdr[0] + hdr[1] > N:
-            return _failed(3, K, S)
-        x = np.int64(data[at]) | (np.int64(data[at + 1]) << 8) | (np.int64(data[at + 2]) << 16) | (np.int64(data[at + 3]) << 24)
-        r = at + 4
-        wend = r + 2 * hdr[0]
-        bp, bend = wend, wend + hdr[1]
-        acc = np.int64(0)
-        have = 0
-        if x < rans.RANS_L:
-            return _failed(4, K, S)
+    if S > 1 and live:  # Golomb-Rice coded deviations of the counts from their expectations (encode_counts)
+        bp, acc, have = at, np.int64(0), 0
         for c in range(K):
             if totals[c] == 0:
                 continue
-            for b in range(S - 1):  # the deviation of its count from its expectation, Golomb coded
+            for b in range(S - 1):
                 expected = totals[c] * sizes[b] // numel
-                B, key = golomb_param(1, count_spread(expected) + 1)
-                ent = np.int64(qtab[key * rans.M + (x & SLOT)])
-                q = ent >> 25
-                x = (ent & 0x1FFF) * (x >> rans.PROB_BITS) + ((ent >> 13) & 0xFFF)
-                if x < rans.RANS_L:
-                    if r >= wend:
-                        return _failed(4, K, S)
-                    x = (x << 16) | np.int64(data[r]) | (np.int64(data[r + 1]) << 8)
-                    r += 2
-                bp, acc, have = _refill(data, bp, bend, acc, have)
-                if q == QMAX:
-                    if have < ESCAPE_BITS:
-                        return _failed(4, K, S)
-                    q += acc & ((np.int64(1) << ESCAPE_BITS) - 1)
-                    acc >>= ESCAPE_BITS
-                    have -= ESCAPE_BITS
-                    bp, acc, have = _refill(data, bp, bend, acc, have)
-                if have < B or q > ((np.int64(1) << 40) >> B):
+                B, _ = golomb_param(1, count_spread(expected) + 1)
+                q = 0
+                while True:
+                    if have == 0:
+                        bp, acc, have = _refill(data, bp, N, acc, have)
+                        if have == 0:
+                            return _failed(3, K, S)
+                    bit = acc & 1
+                    acc >>= 1
+                    have -= 1
+                    if bit == 0:
+                        break
+                    q += 1
+                    if q == QMAX:
+                        bp, acc, have = _refill(data, bp, N, acc, have)
+                        if have < ESCAPE_BITS:
+                            return _failed(3, K, S)
+                        q += acc & ((np.int64(1) << ESCAPE_BITS) - 1)
+                        acc >>= ESCAPE_BITS
+                        have -= ESCAPE_BITS
+                        break
+                if q > ((np.int64(1) << 40) >> B):
                     return _failed(4, K, S)
+                if have < B:
+                    bp, acc, have = _refill(data, bp, N, acc, have)
+                    if have < B:
+                        return _failed(3, K, S)
                 zz = (q << B) | (acc & ((np.int64(1) << B) - 1))
                 acc >>= B
                 have -= B
@@ -326,9 +323,9 @@ def plan_part(data, at, sizes, pops, totals, ntables, want, qtab):  # pragma: no
                 if got < 0 or got > sizes[b]:
                     return _failed(5, K, S)
                 k[c, b] = got
-        if r != wend or bp != bend or acc != 0 or have >= 8 or x != rans.RANS_L:
+        if acc & ((np.int64(1) << (have % 8)) - 1):  # the last byte's padding (the refills read whole bytes ahead)
             return _failed(4, K, S)
-        at = bend
+        at = bp - have // 8
     per_block = np.zeros(S, np.int64)
     for c in range(K):
         rest = totals[c]
@@ -352,8 +349,12 @@ def plan_part(data, at, sizes, pops, totals, ntables, want, qtab):  # pragma: no
                                     np.zeros(C, np.int64))
     entry = np.zeros(5, np.int64)
     total_lanes, total_bytes = 0, 0
-    for ch in range(C):
-        at = varints(data, at, 5, max(N, numel + 1), entry)
+    for ch in range(C):  # the last chunk lists no changes and no bypass size: they are what remains
+        if ch < C - 1:
+            at = varints(data, at, 5, max(N, numel + 1), entry)
+        else:
+            at = varints(data, at, 3, max(N, numel + 1), entry[2:])
+            entry[0], entry[1], entry[2], entry[3] = n - c_start[ch], entry[2], entry[3], 0
         if at < 0:
             return _failed(7, K, S)
         if entry[0] < 1 or not 1 <= entry[1] <= 64 or entry[2] > N or entry[3] > N:
@@ -366,7 +367,9 @@ def plan_part(data, at, sizes, pops, totals, ntables, want, qtab):  # pragma: no
         return _failed(8, K, S)
     st = at
     at += 4 * total_lanes
-    if at + total_bytes != N:
+    if C:
+        nbypass[C - 1] = N - at - total_bytes
+    if C == 0 or nbypass[C - 1] < 0:
         return _failed(9, K, S)
     states = np.zeros(total_lanes, np.int64)
     for i in range(total_lanes):
