@@ -221,13 +221,112 @@ def decode_costs(tensors: int = 4, rows: int = 4096, cols: int = 4096, densities
     return out, (part_s, n, "ctx-rans", context_blocks.blocks(shape, None, policy).S)
 
 
+def format_bytes(pairs_per_lr: int = 3) -> list[tuple[str, int, int, int]]:
+    """Format 9's bytes against format 5's on bench/codec_configs.py's data (real AdamW steps, both learning rates:
+    the bf16 cast, the fp32 masters, their fp8 block quantisation): every changed tensor the context coder may take
+    (a block policy, ``CONTEXT_MIN`` changes), coded both ways under the version's step tables. (run, parts,
+    format-9 bytes, format-5 bytes)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import legacy_ctx
+    from engine_ext.format.quantize import fp8_block_state_dict
+
+    out = []
+    for label, convert in (("bf16", lambda v: v), ("fp32 masters", lambda v: v), ("fp8 block", fp8_block_state_dict)):
+        parts = new_b = old_b = 0
+        for lr in (1e-6, 3e-6):
+            vs = [convert(v) for v in versions(lr, 8, masters=label != "bf16", log=lambda *x: None)]
+            for old, new in list(itertools.pairwise(vs))[:pairs_per_lr]:
+                by_dtype: dict = {}
+                for name, o in old.items():
+                    dt = str(o.dtype).removeprefix("torch.")
+                    ob, nb = as_bits(o).reshape(-1), as_bits(new[name]).reshape(-1)
+                    pos = torch.nonzero(ob != nb).reshape(-1)
+                    policy = context_blocks.block_policy(name, tuple(o.shape))
+                    if context_models.supports(dt) and policy is not None and codec.CONTEXT_MIN <= pos.numel() < ob.numel():
+                        by_dtype.setdefault(dt, []).append((name, tuple(o.shape), policy, ob, pos, ob[pos], nb[pos]))
+                for dt, items in by_dtype.items():
+                    tables = context_models.step_tables(dt, np.concatenate([context_models.exponents(x[5].numpy(), dt) for x in items]),
+                                                        np.concatenate([step_between(x[5], x[6], True).numpy() for x in items]))
+                    for name, shape, policy, ob, pos, o, nb in items:
+                        args = (dt, shape, None, policy, ob.numpy(), pos.numpy(), step_between(o, nb, True).numpy(), tables)
+                        e, lg = context_codec.encode(*args), legacy_ctx.encode(*args)
+                        parts, new_b, old_b = parts + 1, new_b + len(e.pos) + len(e.val), old_b + len(lg.pos) + len(lg.val)
+        out.append((label, parts, new_b, old_b))
+    return out
+
+
+def read_costs(layers: int = 4, vocab: int = 151936, density: float = 0.042, repeat: int = 3) -> dict:
+    """A reader's whole read of one version, v2 (bytes first) against v1 on the same delta: ``reader.load_delta``
+    from a local store (fetch, verify every byte, decode) against the base held in memory, on a Qwen2-shaped
+    model (``bench/synthetic.llm_shapes``: 4 layers of Qwen2.5-0.5B and its 151,936-token vocabulary, ~200 M
+    parameters) whose small weights change more often; each read timed best of ``repeat``, alternating."""
+    from bench.synthetic import llm_shapes
+    from engine_ext import settings
+    from engine_ext.store import reader as _reader
+    from engine_ext.store.reader import TensorBases
+    load_delta = _reader.load_delta
+    from engine_ext.store.signing import Trust, generate_key
+    from engine_ext.trainer.publisher import DeltaPublisher
+
+    g = torch.Generator().manual_seed(1)
+    old, new = {}, {}
+    for name, shape in llm_shapes(layers=layers, vocab=vocab).items():
+        w = (torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g)) * 0.02).bfloat16()
+        inv = 1.0 / w.float().abs().clamp(min=1e-4)
+        hit = torch.rand(shape, generator=g) < (inv * (density / inv.mean())).clamp(max=0.9)
+        bits = as_bits(w).clone()
+        bits[hit] += torch.where(torch.rand(shape, generator=g) < 0.5, 1, -1)[hit].to(torch.int16)
+        old[name], new[name] = w, bits.view(torch.bfloat16)
+    numel = sum(t.numel() for t in old.values())
+    nnz = sum(int((as_bits(old[n]) != as_bits(new[n])).sum()) for n in old)
+    root = Path(tempfile.mkdtemp())
+    generate_key(root / "key")
+    trust = Trust.from_public_keys([str(root / "key.pub")])  # the read verifies signatures, as a server's does
+    uris = {}
+    for coder, over in (("v1", dict(context_coder=False)), ("v2", dict(reader_mbps=0.0))):
+        with settings.override(**over), DeltaPublisher(str(root / coder), anchor_every=0, model="read",
+                                                       signing_key=str(root / "key")) as pub:
+            pub.publish(old, version=0)
+            pub.publish(new, version=1)
+            pub.wait()
+        uris[coder] = str(root / coder / "v00000001.json")
+    times = {c: float("inf") for c in uris}
+    for _ in range(repeat):
+        for coder, uri in uris.items():
+            t = time.perf_counter()
+            load_delta(uri, bases=TensorBases(old), workers=os.cpu_count() or 1, trust=trust)
+            times[coder] = min(times[coder], time.perf_counter() - t)
+    return dict(numel=numel, nnz=nnz, v1_s=times["v1"], v2_s=times["v2"],
+                v1_bytes=sum(p.stat().st_size for p in (root / "v1").glob("v00000001.*.bin")),
+                v2_bytes=sum(p.stat().st_size for p in (root / "v2").glob("v00000001.*.bin")))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lr", type=float, nargs="+", default=[1e-6, 3e-6])
     ap.add_argument("--pairs", type=int, default=4)
     ap.add_argument("--costs", action="store_true", help="only the decode costs the publisher's rule uses (synthetic, ~1 min)")
+    ap.add_argument("--read", action="store_true", help="only a reader's whole read, v2 against v1 (~200 M params, ~3 min)")
+    ap.add_argument("--formats", action="store_true", help="only format 9's bytes against format 5's (codec_configs' data)")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    if a.formats:
+        print("command: python bench/context_bench.py --formats")
+        print("| versions | context-coded parts | format 9 (ctx-rans) bytes | format 5 (ctx) bytes | 9 / 5 |\n|---|---|---|---|---|")
+        for label, parts, nb, ob in format_bytes():
+            print(f"| {label} | {parts} | {nb:,} | {ob:,} | {nb / ob:.4f} |", flush=True)
+        return
+    if a.read:
+        r = read_costs()
+        print("command: python bench/context_bench.py --read")
+        print(f"Qwen2-shaped, {r['numel'] / 1e6:.0f} M params, {100 * r['nnz'] / r['numel']:.2f} % changed; load_delta from a "
+              f"local store against the base in memory, best of 3, on {os.cpu_count()} cores")
+        print("| coding | payload MB | B / change | whole read s | ns / change | v2 / v1 time | v2 / v1 bytes |")
+        print("|---|---|---|---|---|---|---|")
+        for c in ("v1", "v2"):
+            print(f"| {c} | {r[c + '_bytes'] / 1e6:.2f} | {r[c + '_bytes'] / r['nnz']:.3f} | {r[c + '_s']:.3f} | "
+                  f"{r[c + '_s'] / r['nnz'] * 1e9:.1f} | {r[c + '_s'] / r['v1_s']:.2f}x | {r[c + '_bytes'] / r['v1_bytes']:.3f} |")
+        return
     if a.costs:
         print("command: python bench/context_bench.py --costs")
         rows, (part_s, n, coder, S) = decode_costs()
