@@ -27,8 +27,8 @@ block and changes, the *counts* (changes per (class, block) for every live class
 the last: the zigzag of their deviation from their expectation, Golomb-Rice coded with format 5's
 ``B``: the quotient in unary, ``QMAX`` ones then 48 bits for a larger one, then the ``B`` low bits; a
 bit section padded to a byte); then varint C and per chunk varint changes, lanes, words, bypass bytes
-and (rank before the chunk + 1; 0 where the chunk starts its (block, class)), the last chunk without
-its changes and bypass bytes (what remains); then every chunk's u32 lane states; then every chunk's
+and (rank before the chunk + 1; 0 where the chunk starts its (block, class)), the first chunk without
+that last field (it starts a (block, class)), the last without its changes and bypass bytes (what remains); then every chunk's u32 lane states; then every chunk's
 words and bypass, in chunk order. Nothing may follow.
 
 **Checks a reader makes:** every size and count bounded before use; each block's chunks hold exactly
@@ -192,6 +192,7 @@ def encode(head: bytes, bl: Blocks, pops: np.ndarray, k: np.ndarray, ranks: np.n
     used = kernels.encode_chunks(qs, key[group_c, group_b], q, gB, low, zsym, QKEYS + table_of_class[group_c], zlow_bits, zlow,
                           bounds, lanes, freq, cum, buf, nwords, nbypass, states)
     directory = np.stack([np.diff(bounds), lanes, nwords, nbypass, prev], axis=1).tolist()
+    directory[0] = directory[0][:4]  # the first chunk begins its (block, class): no rank before it
     directory[-1] = directory[-1][1:3] + directory[-1][4:]  # the last chunk's changes and bypass size: what remains
     out += _varint_bytes([len(lanes)]) + b"".join(_varint_bytes(r) for r in directory)
     out += states.astype("<u4").tobytes() + buf[:used].tobytes()

@@ -349,12 +349,15 @@ def plan_part(data, at, sizes, pops, totals, ntables, want, qtab):  # pragma: no
                                     np.zeros(C, np.int64))
     entry = np.zeros(5, np.int64)
     total_lanes, total_bytes = 0, 0
-    for ch in range(C):  # the last chunk lists no changes and no bypass size: they are what remains
-        if ch < C - 1:
-            at = varints(data, at, 5, max(N, numel + 1), entry)
+    for ch in range(C):  # the first chunk lists no rank before it (it begins its group); the last chunk no changes
+        if ch < C - 1:    # and no bypass size (what remains)
+            at = varints(data, at, 5 - (ch == 0), max(N, numel + 1), entry)
+            if ch == 0:
+                entry[4] = 0
         else:
-            at = varints(data, at, 3, max(N, numel + 1), entry[2:])
-            entry[0], entry[1], entry[2], entry[3] = n - c_start[ch], entry[2], entry[3], 0
+            at = varints(data, at, 3 - (ch == 0), max(N, numel + 1), entry[2:])
+            entry[0], entry[1], entry[2], entry[3], entry[4] = n - c_start[ch], entry[2], entry[3], 0, \
+                0 if ch == 0 else entry[4]
         if at < 0:
             return _failed(7, K, S)
         if entry[0] < 1 or not 1 <= entry[1] <= 64 or entry[2] > N or entry[3] > N:
