@@ -16,6 +16,7 @@ on every core.
 from __future__ import annotations
 
 import argparse
+import json
 import itertools
 import os
 import sys
@@ -283,22 +284,25 @@ def read_costs(layers: int = 4, vocab: int = 151936, density: float = 0.042, rep
     generate_key(root / "key")
     trust = Trust.from_public_keys([str(root / "key.pub")])  # the read verifies signatures, as a server's does
     uris = {}
-    for coder, over in (("v1", dict(context_coder=False)), ("v2", dict(reader_mbps=0.0))):
+    for coder, over in (("v1", dict(context_coder=False)), ("v2", dict(reader_mbps=0.0)), ("default", {})):
         with settings.override(**over), DeltaPublisher(str(root / coder), anchor_every=0, model="read",
                                                        signing_key=str(root / "key")) as pub:
             pub.publish(old, version=0)
             pub.publish(new, version=1)
             pub.wait()
         uris[coder] = str(root / coder / "v00000001.json")
-    times = {c: float("inf") for c in uris}
+    times = {c: float("inf") for c in uris if c != "default"}
     for _ in range(repeat):
-        for coder, uri in uris.items():
+        for coder in times:
+            uri = uris[coder]
             t = time.perf_counter()
             load_delta(uri, bases=TensorBases(old), workers=os.cpu_count() or 1, trust=trust)
             times[coder] = min(times[coder], time.perf_counter() - t)
+    doc = json.loads((root / "default" / "v00000001.json").read_text())
+    parts = [p for t in doc["tensors"] if t["nnz"] for p in (t.get("chunks") or [t])]
     return dict(numel=numel, nnz=nnz, v1_s=times["v1"], v2_s=times["v2"],
-                v1_bytes=sum(p.stat().st_size for p in (root / "v1").glob("v00000001.*.bin")),
-                v2_bytes=sum(p.stat().st_size for p in (root / "v2").glob("v00000001.*.bin")))
+                **{f"{c}_bytes": sum(p.stat().st_size for p in (root / c).glob("v00000001.*.bin")) for c in uris},
+                default_v2_parts=sum(p["positions"]["coder"] == "ctx-rans" for p in parts), default_parts=len(parts))
 
 
 def main():
@@ -326,6 +330,8 @@ def main():
         for c in ("v1", "v2"):
             print(f"| {c} | {r[c + '_bytes'] / 1e6:.2f} | {r[c + '_bytes'] / r['nnz']:.3f} | {r[c + '_s']:.3f} | "
                   f"{r[c + '_s'] / r['nnz'] * 1e9:.1f} | {r[c + '_s'] / r['v1_s']:.2f}x | {r[c + '_bytes'] / r['v1_bytes']:.3f} |")
+        print(f"the default publisher (GPU readers at 100 MB/s): {r['default_bytes'] / 1e6:.2f} MB "
+              f"({r['default_bytes'] / r['v1_bytes']:.3f} of v1's), {r['default_v2_parts']} of {r['default_parts']} parts ctx-rans")
         return
     if a.costs:
         print("command: python bench/context_bench.py --costs")

@@ -455,6 +455,76 @@ def section_b(dev, smoke, log):
     log("The device decode returns positions and values on the device (what the fused apply reads); the host decode "
         "needs the base on the host (a GPU rank would first copy its changed weights there). `pass` is the device "
         "decode less the streams: the context pass and its launches.")
+    _rans_streams(dev, smoke, log)
+
+
+def _rans_streams(dev, smoke, log):
+    """(b), its ctx-rans streams alone: ``engine_ext.triton_kernels.rans_decode`` (one launch per part, one program
+    per chunk, the part's bytes already on the device) against the host decoder (``context_rans.decode``, numba, on
+    one thread and on every core), in ns per change, bit-exact; the host's plan of a part (header and directory)
+    timed apart, as both decoders need it."""
+    import numpy as np
+    import torch
+
+    from engine_ext.format import codec, context_blocks, context_codec, context_rans
+    from engine_ext.format.context_kernels import pool as scan_pool
+    from engine_ext.format.dtypes import BY_NAME, as_bits, step_between
+    from engine_ext.triton_kernels import rans_decode
+
+    n_t, shape, dens = (2, (96, 64), 0.05) if smoke else (8, (4096, 4096), 0.01)
+    gen = torch.Generator().manual_seed(1)
+    parts = []
+    for i in range(n_t):
+        w, new = _v2_pair(shape, dens, gen)
+        ob, nb = as_bits(w).reshape(-1), as_bits(new).reshape(-1)
+        pos = torch.nonzero(ob != nb).reshape(-1)
+        parts.append((f"model.layers.{i}.mlp.{'up' if i % 2 == 0 else 'down'}_proj.weight", ob, pos, ob[pos], nb[pos]))
+    tables = codec.step_tables_by_dtype((BY_NAME["bfloat16"], o, n) for *_, o, n in parts)["bfloat16"]
+    plans = []  # (bytes, plan, header, blocks, the bytes on the device)
+    for name, ob, pos, o, n in parts:
+        e = context_codec.encode("bfloat16", shape, None, context_blocks.block_policy(name, shape), ob.numpy(),
+                                 pos.numpy(), step_between(o, n, True).numpy(), tables)
+        data = e if isinstance(e, bytes) else e.pos  # ctx-rans: the part in one segment
+        d = np.frombuffer(data, np.uint8)
+        h, bl = context_codec.part_header("bfloat16", shape, None, data, pos.numel())
+        p = context_rans.plan(d, h.at, bl, h.pops, h.totals, np.int16, tables)
+        plans.append((d, p, h, bl, torch.from_numpy(d.copy()).to(dev)))
+    nnz = sum(p.n for _, p, *_ in plans)
+    cores = os.cpu_count() or 1
+
+    def host(workers):
+        return [context_rans.decode(d, p, workers, scan_pool()) for d, p, *_ in plans]
+
+    def device():
+        return [rans_decode.decode(t, p) for _, p, _, _, t in plans]
+
+    def plan_all():
+        for d, _, h, bl, _ in plans:
+            context_rans.plan(d, h.at, bl, h.pops, h.totals, np.int16, tables)
+
+    want, got = host(1), device()  # warm-ups (numba, Triton's compile)
+    exact = all(np.array_equal(w[0], g[0].cpu().numpy()) and np.array_equal(w[1], g[1].cpu().numpy())
+                for w, g in zip(want, got))
+    reps = 1 if smoke else 5
+    t_one, _ = timed(lambda: host(1), dev, reps)
+    t_all, _ = timed(lambda: host(cores), dev, reps)
+    t_dev, _ = timed(device, dev, reps)
+    t_plan, _ = timed(plan_all, dev, reps)
+    chunks = [len(p.which) for _, p, *_ in plans]
+    log("")
+    log(f"**ctx-rans streams alone** ({n_t} parts of {shape[0]} x {shape[1]} bf16 at {dens:.0%}): the device decoder "
+        "(`engine_ext.triton_kernels.rans_decode`: one launch per part, one program per chunk, the part's bytes "
+        f"already on the device) against the host's (`context_rans.decode`, numba: 1 thread and {cores}); plan = the "
+        "host's parse of a part's header and directory, which both need.")
+    log("")
+    log("| changes | chunks (programs) per part | lanes | host 1 thread ns / change | host all cores ns / change | "
+        "device ns / change | device ms / part | plan ns / change | bit-exact |")
+    log("|---|---|---|---|---|---|---|---|---|")
+    log(f"| {nnz:,} | {min(chunks)}-{max(chunks)} | {int(max(p.lanes.max() for _, p, *_ in plans))} | "
+        f"{t_one / nnz * 1e9:.2f} | {t_all / nnz * 1e9:.2f} | {t_dev / nnz * 1e9:.2f} | {t_dev / n_t * 1e3:.3f} | "
+        f"{t_plan / nnz * 1e9:.2f} | {exact} |")
+    if not exact:
+        raise AssertionError("the device's ctx-rans decode differs from the host's")
 
 
 def _count_d2h(fn) -> str:

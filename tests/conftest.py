@@ -54,6 +54,7 @@ def _import_kernels_for_the_interpreter():
     try:
         import engine_ext.triton_kernels.apply_kernel  # noqa: F401
         import engine_ext.triton_kernels.context_scan  # noqa: F401
+        import engine_ext.triton_kernels.rans_decode  # noqa: F401
     except ImportError:
         pass
     finally:

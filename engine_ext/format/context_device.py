@@ -5,14 +5,15 @@ reads the base of every changed part on the host (numba, ~1 ns per base element 
 so a GPU rank would first copy its whole changed weights to the host. Here the work is
 split by size instead:
 
-* on the host, the range-coded streams (:func:`~engine_ext.format.context_codec.decode_streams`:
-  the ranks and steps, O(changes), a few bytes per change);
+* the streams (O(changes), about a byte per change): format 9's ``ctx-rans`` chunks on the base's
+  device (``engine_ext.triton_kernels.rans_decode``: the host only plans the part from its header and
+  directory, O(chunks), and the part's bytes cross once), format 5's range-coded ``ctx`` streams on the
+  host (:func:`~engine_ext.format.context_codec.decode_streams`, then their ranks and steps cross);
 * on the base's device, the context pass (``engine_ext.triton_kernels.context_scan``'s
   blocked pass, Triton): ranks -> positions, reading every base element once in place;
-* what crosses host -> device: the ranks (int64) and steps (the dtype's width) of the
-  changes, the blocks' run tables (O(rows)) and a class table; device -> host: two
-  scalars per part (the rank checks, the completeness check). The positions and values
-  stay on the device, for the fused apply (:mod:`engine_ext.server.apply_fused`).
+* also crossing host -> device: the blocks' run tables (O(rows)) and a class table; device -> host:
+  a few scalars per part (the streams' checks, the rank checks, the completeness check). The
+  positions and values stay on the device, for the fused apply (:mod:`engine_ext.server.apply_fused`).
 
 The result is bit-exact with the host decoder (``tests/test_context_device.py`` holds the
 two side by side on every layout, in Triton's interpreter on the CPU).
@@ -26,8 +27,8 @@ import threading
 import numpy as np
 import torch
 
-from ..errors import IntegrityError, PartlyHeldError
-from .context_codec import CUT_BLOCK, decode_streams
+from ..errors import IntegrityError
+from .context_codec import decode_streams, held_blocks, part_header
 from .context_models import EXPONENT, INT, ITEMSIZE, class_lut
 
 _TORCH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32}
@@ -55,38 +56,44 @@ def decode(dtype_name: str, tensor_shape, box, pos_data: bytes, val_data: bytes,
     ``backend``: "triton" (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``) or "torch"
     (the pass in plain torch, any device)."""
     from ..triton_kernels.context_scan import block_positions
+    from ..triton_kernels.rans_decode import decode as rans_decode, serves as rans_serves
+    from . import context_rans
 
-    st = decode_streams(dtype_name, tensor_shape, box, pos_data, val_data, nnz, tables)
-    bl, K = st.bl, st.K
+    h, bl = part_header(dtype_name, tensor_shape, box, pos_data, nnz)
+    K = h.K
     itemsize = ITEMSIZE[dtype_name]
     shift, mask = EXPONENT[dtype_name]
-    lut = torch.from_numpy(class_lut(st.edges, dtype_name))
-    try:
-        whole = base_of(((0,) * len(bl.shape), bl.shape))
-    except PartlyHeldError:
-        whole = False
-    if whole is None:
+    lut = torch.from_numpy(class_lut(h.edges, dtype_name))
+    held = held_blocks(bl, base_of)
+    if not held:
         return torch.empty(0, dtype=torch.int64), torch.from_numpy(np.empty(0, INT[itemsize]))
-    if whole is not False:
-        bits = whole.reshape(-1)
+    want = None if -1 in held else np.fromiter(held, np.int64)
+    on = next(iter(held.values())).device
+    if h.magic == context_rans.MAGIC and backend == "triton" and rans_serves(on):  # ctx-rans: streams on the device
+        if val_data:
+            raise IntegrityError("a ctx-rans part has no values segment")
+        data = np.frombuffer(pos_data, np.uint8)
+        p = context_rans.plan(data, h.at, bl, h.pops, h.totals, INT[itemsize], tables, want)  # host: O(chunks)
+        with _one_at_a_time_if_interpreted():  # the bytes cross once; ranks and steps are born on the device
+            ranks, steps = rans_decode(torch.from_numpy(data.copy()).to(on), p)
+        all_starts = p.starts
+    else:
+        st = decode_streams(dtype_name, tensor_shape, box, pos_data, val_data, nnz, tables, want, (h, bl))
+        ranks, steps, all_starts = torch.from_numpy(st.ranks), torch.from_numpy(st.steps), st.starts
+    if -1 in held:
+        bits = held[-1].reshape(-1)
         if bits.numel() != bl.numel:
             raise IntegrityError("the base of a context-coded part has the wrong size")
         geo = (bl.rows, bl.rows, bl.row_ptr, bl.run)
-        ranks, starts, steps = st.ranks, st.starts, st.steps
+        starts = all_starts
     else:  # the held blocks, each read alone (on the device), laid end to end
         pieces, read, prow, nrows, run, keep = [], [], [], [], [], []
         at = 0
-        for b, sub in enumerate(bl.boxes):
-            try:
-                got = base_of(sub)
-            except PartlyHeldError as e:
-                raise IntegrityError(f"{e}: {CUT_BLOCK}") from None
-            if got is None:
-                continue
+        for b, got in held.items():
             got = got.reshape(-1)
             if got.numel() != bl.sizes[b]:
                 raise IntegrityError("the base of a context-coded block has the wrong size")
-            ext = tuple(t - a for a, t in zip(*sub))
+            ext = tuple(t - a for a, t in zip(*bl.boxes[b]))
             r = _runs(bl.shape, at, ext)
             read.append(r)
             prow.append(bl.rows[bl.row_ptr[b]:bl.row_ptr[b + 1]])
@@ -95,21 +102,21 @@ def decode(dtype_name: str, tensor_shape, box, pos_data: bytes, val_data: bytes,
             keep.append(b)
             pieces.append(got)
             at += got.numel()
-        if not pieces:
-            return torch.empty(0, dtype=torch.int64), torch.from_numpy(np.empty(0, INT[itemsize]))
         bits = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         keep = np.asarray(keep)
         geo = (np.concatenate(read), np.concatenate(prow), np.concatenate([[0], np.cumsum(nrows)]).astype(np.int64),
                np.asarray(run, np.int64))
-        sel = np.concatenate([np.arange(st.starts[b, 0], st.starts[b, K]) for b in keep]).astype(np.int64)
-        starts = st.starts[keep] - st.starts[keep, :1] + np.concatenate([[0], np.cumsum(st.starts[keep, K] - st.starts[keep, 0])])[:-1, None]
-        ranks, steps = st.ranks[sel], st.steps[sel]
+        spans = [(int(all_starts[b, 0]), int(all_starts[b, K])) for b in keep]  # held blocks' changes: slices
+        starts = all_starts[keep] - all_starts[keep, :1] + \
+            np.concatenate([[0], np.cumsum(all_starts[keep, K] - all_starts[keep, 0])])[:-1, None]
+        ranks, steps = (torch.cat([t[a:z] for a, z in spans]) if len(spans) > 1 else t[spans[0][0]:spans[0][1]]
+                        for t in (ranks, steps))
     if bits.dtype != _TORCH_INT[itemsize]:
         bits = bits.view(_TORCH_INT[itemsize])
     dev = bits.device
     try:
         with _one_at_a_time_if_interpreted():
-            pos, src = block_positions(bits, geo, shift, mask, lut, torch.from_numpy(ranks), starts, backend=backend)
+            pos, src = block_positions(bits, geo, shift, mask, lut, ranks, starts, backend=backend)
     except ValueError as e:
         raise IntegrityError(f"context ranks beyond their class (a wrong base, or corrupt): {e}") from None
-    return pos, torch.from_numpy(steps).to(dev)[src]
+    return pos, steps.to(dev)[src]
