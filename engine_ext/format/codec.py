@@ -41,13 +41,13 @@ _NP_INT = {8: np.int8, 16: np.int16, 32: np.int32, 64: np.int64}
 _PCO = pcodec.ChunkConfig(delta_spec=pcodec.DeltaSpec.no_op(), mode_spec=pcodec.ModeSpec.classic())
 
 
-# What a reader pays to decode a part, from `python bench/context_bench.py --costs` (the 2-core host,
-# 2026-12-03; docs/benchmarks.md, "What a reader pays for v2"):
-V1_NS_PER_CHANGE = 2.4  # v1's whole decode (pcodec), per change
+# What a reader pays to decode a part, from `python bench/context_bench.py --costs` (the 2-core AMX host,
+# 2026-12-03, one run; docs/benchmarks.md, "What a reader pays for v2"):
+V1_NS_PER_CHANGE = 5.8  # v1's whole decode (pcodec), per change, one thread
 STREAMS_NS_PER_CHANGE = 7.0  # v2's streams (format 9's rANS chunks), on one thread of the host
-PASS_NS_PER_ELEMENT = {"cpu": 1.0,  # the context pass over the base: numba, every core of a 2-core host
+PASS_NS_PER_ELEMENT = {"cpu": 0.71,  # the context pass over the base: numba, every core of a 2-core host
                        "gpu": 0.001}  # Triton on the device: ESTIMATED (two reads of a bf16 base at ~4 TB/s; no GPU lent)
-PART_NS = {"cpu": 20e3,  # per part: the streams' fixed costs on the host (header, plan, tables), measured
+PART_NS = {"cpu": 17e3,  # per part: the streams' fixed costs on the host (header, plan, tables), measured
            "gpu": 120e3}  # the same, and the device's launches, copies and syncs for the part: ESTIMATED (~0.1 ms)
 MOST_SAVED_PER_CHANGE = 0.6  # bytes: the most v2 saves per change on real training (fp8 block: 0.54-0.59)
 MOST_PLAIN_PER_CHANGE = 4.0  # bytes: about the most v1 takes per change (fp32 masters; bf16 1.1-1.5)

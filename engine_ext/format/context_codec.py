@@ -147,16 +147,6 @@ def _get_golomb(dec, m, b: np.ndarray, key: np.ndarray) -> np.ndarray:
     return (q << b) | _get_bits(dec, m, b)
 
 
-# ---------------------------------------------------------------- varints
-def _put_varints(out: bytearray, values) -> None:
-    for v in values:
-        v = int(v)
-        while v >= 0x80:
-            out.append((v & 0x7F) | 0x80)
-            v >>= 7
-        out.append(v)
-
-
 class _Reader:
     """Bounded reads from a header; any overrun is an IntegrityError."""
 
@@ -213,8 +203,8 @@ class Arranged:
     def head(self, magic: bytes, policy: int) -> bytearray:
         """The header both layouts share: magic, K, policy, edges, populations, changes per class."""
         head = bytearray(magic) + struct.pack("<BB", self.K, policy) + bytes(self.edges)
-        _put_varints(head, self.pops)
-        _put_varints(head, np.bincount(self.cls, minlength=self.K))
+        head += context_rans.varint_bytes(self.pops)
+        head += context_rans.varint_bytes(np.bincount(self.cls, minlength=self.K))
         return head
 
 

@@ -131,7 +131,8 @@ def chunk_bounds(per_block: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- encode
-def _varint_bytes(values) -> bytes:
+def varint_bytes(values) -> bytes:
+    """LEB128 of non-negative integers (the layouts' headers and directories)."""
     out = bytearray()
     for v in values:
         v = int(v)
@@ -194,7 +195,7 @@ def encode(head: bytes, bl: Blocks, pops: np.ndarray, k: np.ndarray, ranks: np.n
     directory = np.stack([np.diff(bounds), lanes, nwords, nbypass, prev], axis=1).tolist()
     directory[0] = directory[0][:4]  # the first chunk begins its (block, class): no rank before it
     directory[-1] = directory[-1][1:3] + directory[-1][4:]  # the last chunk's changes and bypass size: what remains
-    out += _varint_bytes([len(lanes)]) + b"".join(_varint_bytes(r) for r in directory)
+    out += varint_bytes([len(lanes)]) + b"".join(varint_bytes(r) for r in directory)
     out += states.astype("<u4").tobytes() + buf[:used].tobytes()
     return bytes(out)
 

@@ -173,7 +173,7 @@ def decode_chunks(data, which, c_start, c_lanes, c_off, c_words, c_bypass, c_sta
                 if prev >= size:
                     return -6
                 ranks[U(jj)] = prev
-            for l in range(m):
+            for l in range(m):  # (the quotient pass's decode step again, inline: a shared helper measured slower)
                 jj = j + l
                 v = x[U(l)]
                 ent = np.int64(stab[srow[U(l)] + (v & SLOT)])
