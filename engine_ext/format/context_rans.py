@@ -287,7 +287,8 @@ def decode_part(data: np.ndarray, at: int, bl: Blocks, pops: np.ndarray, totals:
     """(starts, ranks, steps) of a part on the host on one thread: :func:`plan` and :func:`decode` in one compiled
     call (a small part's fixed cost is mostly crossings into compiled code)."""
     n = int(totals.sum())
-    ranks, steps = np.zeros(n, np.int64), np.zeros(n, step_dtype)
+    alloc = np.empty if want is None else np.zeros  # every entry written, or the unwanted chunks' left zero
+    ranks, steps = alloc(n, np.int64), alloc(n, step_dtype)
     code, starts = kernels.decode_part(data, at, bl.sizes, pops, totals, len(tables), _wanted(bl.S, want), quotient_tables()[2],
                                 step_tables(tuple(tables))[2], 8 * steps.itemsize, ranks, steps)
     if code:
@@ -298,7 +299,8 @@ def decode_part(data: np.ndarray, at: int, bl: Blocks, pops: np.ndarray, totals:
 def decode(data: np.ndarray, p: Plan, workers: int = 1, pool=None) -> tuple[np.ndarray, np.ndarray]:
     """(ranks, steps) of a plan's chunks on the host, block-major (:attr:`Plan.starts`; other chunks' entries zero):
     chunks spread over ``workers`` threads of ``pool`` (the kernel holds no GIL)."""
-    ranks, steps = np.zeros(p.n, np.int64), np.zeros(p.n, p.step_dtype)
+    alloc = np.empty if p.which.size == p.lanes.size else np.zeros  # all chunks written, or the others' left zero
+    ranks, steps = alloc(p.n, np.int64), alloc(p.n, p.step_dtype)
     which, changes = p.which, np.diff(p.c_start)
     groups = [which] if workers <= 1 or pool is None or which.size < 2 else \
         [g for g in np.array_split(which, np.searchsorted(np.cumsum(changes[which]),
