@@ -165,6 +165,38 @@ def test_every_shard_decodes_from_its_own_base(name, shape, world, how):
     assert seen.all()
 
 
+def test_a_rank_decodes_only_the_chunks_of_its_blocks(monkeypatch):
+    """Format 9 lays a part's changes out block-major in chunks: a TP 8 rank holding one block's rows plans
+    (and decodes) only the chunks that hold that block, and gets exactly its changes."""
+    from engine_ext.format import context_rans as cr
+
+    monkeypatch.setattr(cr, "CHUNK_MIN", 64)  # small chunks: one or two blocks each
+    shape = (512, 128)
+    old, new = _pair(shape, density=0.2)
+    pos, steps, base = _changes(old, new)
+    e, tables = _encode("bfloat16", shape, base, pos, steps, 0b0001)
+    h, bl = cc.part_header("bfloat16", shape, None, e.pos, pos.size)
+    data = np.frombuffer(e.pos, np.uint8)
+    every = cr.plan(data, h.at, bl, h.pops, h.totals, np.int16, tables)
+    assert bl.S == 8 and every.which.size >= 8
+    rows = 512 // 8
+    for r in range(8):
+        mine = cr.plan(data, h.at, bl, h.pops, h.totals, np.int16, tables, want=[r])
+        assert 1 <= mine.which.size < every.which.size  # only the chunks that hold block r
+        held = ((r * rows, 0), ((r + 1) * rows, 128))
+
+        def base_of(box, held=held):
+            if box == held:
+                return cb.box_of(base, shape, box)
+            if box[1][0] <= held[0][0] or box[0][0] >= held[1][0]:
+                return None
+            raise PartlyHeldError("the box is cut by the shard")
+
+        got_pos, got_steps = cc.decode("bfloat16", shape, None, e.pos, e.val, pos.size, base_of, tables)
+        keep = (pos // 128 >= r * rows) & (pos // 128 < (r + 1) * rows)
+        assert np.array_equal(got_pos, pos[keep]) and np.array_equal(got_steps, steps[keep])
+
+
 def test_block_policies_follow_the_engines():
     p = cb.block_policy
     assert p("model.layers.3.self_attn.q_proj.weight", (64, 64)) == 0b0001
