@@ -1,4 +1,4 @@
-"""The context-conditioned coder ("ctx", format 5): changes coded given the base weights.
+"""The context-conditioned coder (codec v2: ``ctx-rans``, format 9; ``ctx``, format 5): changes coded given the base.
 
 Why: whether a float element changes in an optimizer step, and by how many steps, depends
 on its magnitude (its ULP is ``2^(exponent - mantissa bits)``), so small weights change far
@@ -27,13 +27,16 @@ plain coder (:mod:`engine_ext.format.codec`) reaches (docs/benchmarks.md, "Codec
 
 Every probability both ends use comes from integers and IEEE ``+ - * /`` only (no ``exp``,
 ``log`` or ``pow``), so publisher and ranks on different hosts build bit-identical models.
-The probabilities are :mod:`engine_ext.format.context_models`. The entropy coder is
-``constriction``'s range coder (one stream for counts and positions, one for steps).
-Decoding maps ranks to positions with one pass over each held block's base
-(:func:`scan`, numba, blocks on every core; a Triton pass in
-``engine_ext.triton_kernels.context_scan``).
+The probabilities are :mod:`engine_ext.format.context_models`. Writers write format 9
+(:func:`encode`): the symbols on the project's static interleaved rANS, block-major chunks a rank
+decodes alone (:mod:`engine_ext.format.context_rans`). Readers also read format 5, whose entropy
+coder was ``constriction``'s range coder (one stream for counts and positions, one for steps;
+its writer is kept for tests in ``tests/legacy_ctx.py``). Both share the header and the model
+(:func:`arrange`); :func:`decode_streams` reads either. Decoding maps ranks to positions with
+one pass over each held block's base (:func:`scan`, numba, blocks on every core; a Triton pass
+in ``engine_ext.triton_kernels.context_scan``).
 
-**Layout** (little-endian). Positions bytes: ``b"X2"``, u8 K, u8 edges [K-1], varint class
+**Format 5 layout** (little-endian). Positions bytes: ``b"X2"``, u8 K, u8 edges [K-1], varint class
 populations [K], varint changes per class [K], then u32 range-coder words. Values bytes:
 u8 step table per class with changes, then u32 words. Every count, size and symbol is
 bounded before use; a wrong base decodes to ranks beyond a class's population (refused)

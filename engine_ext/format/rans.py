@@ -1,4 +1,4 @@
-"""A static, table-driven, interleaved rANS coder: the stage issue 41 puts under codec v2 (not yet in any format).
+"""A static, table-driven, interleaved rANS coder: the stage under codec v2 since format 9 (``context_rans``).
 
 Specification (what another implementation must do to decode these bytes):
 
