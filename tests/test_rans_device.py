@@ -89,7 +89,9 @@ def _held(bl, shape, world, r, how):
 # ----------------------------------------------------------------------------- whole parts, every dtype
 
 
-@pytest.mark.parametrize("dtype", FLOATS)
+# CI decodes bf16 and e4m3 (the widths the engines serve); the other floats are `full` (CI time)
+@pytest.mark.parametrize("dtype", [d if d in (torch.bfloat16, torch.float8_e4m3fn) else pytest.param(d, marks=pytest.mark.full)
+                                   for d in FLOATS])
 def test_every_dtype_decodes_alike(rd, lanes, dtype):
     shape = (48, 64)
     name, pos, steps, data, tables = _part(shape, dtype, density=0.2 if dtype.itemsize == 1 else 0.05,
@@ -119,7 +121,8 @@ def _every_rank(rd, name, shape, data, nnz, tables, worlds, how):
 
 
 @pytest.mark.parametrize("name,shape,how", [("model.layers.0.mlp.gate_proj.weight", (96, 64), "rows"),
-                                            ("model.layers.0.self_attn.o_proj.weight", (64, 96), "columns")])
+                                            pytest.param("model.layers.0.self_attn.o_proj.weight", (64, 96), "columns",
+                                                         marks=pytest.mark.full)])
 def test_tp_ranks_decode_the_chunks_of_their_blocks(rd, lanes, monkeypatch, name, shape, how):
     """TP 2, 4 and 8: each rank plans only the chunks holding its blocks (small chunks here, so that a part
     has many) and decodes them exactly as the host does."""
@@ -139,7 +142,8 @@ def test_a_padded_vocabulary(rd, lanes, monkeypatch):
 
 
 @pytest.mark.parametrize("name,policy,how", [("model.layers.0.mlp.experts.gate_up_proj", 0b10011, "fused-halves"),
-                                             ("model.layers.0.mlp.experts.up_proj", 0b0011, "experts")])
+                                             pytest.param("model.layers.0.mlp.experts.up_proj", 0b0011, "experts",
+                                                          marks=pytest.mark.full)])
 def test_fused_experts(rd, lanes, monkeypatch, name, policy, how):
     monkeypatch.setattr(cr, "CHUNK_MIN", 8)  # the blocks a rank holds interleave with the others'; small chunks
     shape = (4, 64, 32)
@@ -161,7 +165,7 @@ def test_an_fp8_block_quantised_weight(rd, lanes):
 # ----------------------------------------------------------------------------- chunks, lanes, escapes, steps
 
 
-@pytest.mark.parametrize("n_lanes", [1, 2, 4, 8])
+@pytest.mark.parametrize("n_lanes", [pytest.param(n, marks=pytest.mark.full) for n in (1, 2, 4)] + [8])  # CI: 8 (4: every other test)
 def test_chunks_that_split_and_span_blocks(rd, monkeypatch, n_lanes):
     """Blocks of more than CHUNK_CHANGES cut into chunks that continue their (block, class) from ``prev``, small
     blocks gathered into chunks that span them (rounds crossing (block, class) groups), on 1-8 lanes; and the
@@ -206,7 +210,8 @@ def test_escaped_quotients(rd, monkeypatch):
     assert escapes >= 5
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float32, marks=pytest.mark.full),
+                                   pytest.param(torch.float8_e5m2, marks=pytest.mark.full)])
 def test_big_steps(rd, lanes, dtype):
     """Steps of every magnitude up to the dtype's width (the extremes included): symbols from EXACT on, with up
     to 31 low bits each."""
