@@ -92,25 +92,41 @@ _LIMIT_BITS = _const(40)  # an escaped quotient q must keep q << B <= 2^40 (cont
 _TORCH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
-@_device_fn
-def _sum(v, axis):
-    """``tl.sum`` without its dtype promotion (and, in the interpreter, without a device-function call)."""
-    return tl.reduce(v, axis, tl.standard._sum_combine)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
+if _INTERPRETED or tl is None:  # the interpreter: reductions without a device-function call each (~1 ms a call)
+    @_device_fn
+    def _sum(v, axis):
+        """``tl.sum`` without its dtype promotion (every use here sums int64 or int32)."""
+        return tl.reduce(v, axis, tl.standard._sum_combine)
 
-@_device_fn
-def _max(v, axis):
-    return tl.reduce(v, axis, tl.standard._elementwise_max)
+    @_device_fn
+    def _max(v, axis):
+        return tl.reduce(v, axis, tl.standard._elementwise_max)
 
+    @_device_fn
+    def _min(v, axis):
+        return tl.reduce(v, axis, tl.standard._elementwise_min)
 
-@_device_fn
-def _min(v, axis):
-    return tl.reduce(v, axis, tl.standard._elementwise_min)
+    @_device_fn
+    def _cumsum(v):
+        return tl.associative_scan(v, 0, tl.standard._sum_combine)
+else:  # a device: Triton's public reductions (the same results on int64 and int32, which is all this sums)
+    @_device_fn
+    def _sum(v, axis):
+        return tl.sum(v, axis)
 
+    @_device_fn
+    def _max(v, axis):
+        return tl.max(v, axis)
 
-@_device_fn
-def _cumsum(v):
-    return tl.associative_scan(v, 0, tl.standard._sum_combine)
+    @_device_fn
+    def _min(v, axis):
+        return tl.min(v, axis)
+
+    @_device_fn
+    def _cumsum(v):
+        return tl.cumsum(v, 0)
 
 
 @_device_fn
