@@ -3,10 +3,8 @@
     python bench/rans_bench.py                  # 2 M symbols of a skewed 49-symbol alphabet, ~30 s
 
 Decode ns per symbol on one core for 1, 8 and 32 lanes, on two threads (two chunks, nogil), the
-bypass section's unpack per value, the fixed cost of one decode call, positions decoded in one fused
-pass (gap classes + low bits) against v1's pcodec per change, and
-constriction's ANS stack coder with one ``Categorical`` model for the same symbols (what codec v2's
-49-symbol streams use today); bytes of each against the entropy. Best of ``--repeat``.
+fixed cost of one decode call, and constriction's ANS stack coder with one ``Categorical`` model for
+the same symbols (what format 5's 49-symbol streams used); bytes of each against the entropy. Best of ``--repeat``.
 """
 from __future__ import annotations
 
@@ -29,34 +27,6 @@ def best(fn, repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return min(times)
-
-
-def positions_rows(repeat: int, numel: int = 1 << 24, density: float = 0.03) -> None:
-    """Positions (uniform at ``density``: what an RL step's changes look like to a coder without context):
-    rANS gap classes + bypass low bits, decoded in one fused pass, against v1's pcodec gaps, ns per change."""
-    from engine_ext.format import codec
-
-    rng = np.random.default_rng(1)
-    pos = np.flatnonzero(rng.random(numel) < density)
-    n = pos.size
-    data = rans.encode_positions(pos)
-    rans.decode_positions(data, n)
-    t = best(lambda: rans.decode_positions(data, n), repeat)
-    coder, ref = codec.encode_positions(pos, numel)
-    codec.decode_positions(coder, ref, n, numel)
-    tp = best(lambda: codec.decode_positions(coder, ref, n, numel), repeat)
-    half = [pos[: n // 2], pos[n // 2:]]
-    parts = [rans.encode_positions(h) for h in half]
-    with ThreadPoolExecutor(2) as pool:
-        def both():
-            list(pool.map(lambda k: rans.decode_positions(parts[k], half[k].size), range(2)))
-        both()
-        t2 = best(both, repeat)
-    print(f"\npositions: {n} changes in {numel} elements ({density:.0%})")
-    print(f"{'coder':>34} {'decode ns/change':>16} {'bytes/change':>13}")
-    print(f"{'rans classes + bypass, 1 thread':>34} {t / n * 1e9:>16.2f} {len(data) / n:>13.3f}")
-    print(f"{'rans classes + bypass, 2 threads':>34} {t2 / n * 1e9:>16.2f}")
-    print(f"{f'v1 ({coder}), 1 thread':>34} {tp / n * 1e9:>16.2f} {len(ref) / n:>13.3f}")
 
 
 def main() -> None:
@@ -89,17 +59,10 @@ def main() -> None:
         both()
         t2 = best(both, a.repeat)
     print(f"{'rans 32 lanes, 2 threads (2 chunks)':>34} {t2 / a.n * 1e9:>14.2f}")
-    widths = rng.integers(4, 13, a.n).astype(np.uint8)  # a gap's low bits: a few to a dozen
-    values = (rng.integers(0, 1 << 12, a.n) & ((1 << widths.astype(np.int64)) - 1)).astype(np.uint32)
-    data = rans.pack_bits(values, widths)
-    rans.unpack_bits(data, widths)
-    t = best(lambda: rans.unpack_bits(data, widths), a.repeat)
-    print(f"{'bypass bits, unpack (4-12 bits each)':>34} {t / a.n * 1e9:>14.2f}")
     small = sym[:16]
     w16, s16 = rans.encode(small, freq, 8)
     t = best(lambda: [rans.decode(w16, s16, 16, freq, symbol_of, cum) for _ in range(1000)], a.repeat)
     print(f"fixed cost per call (16 symbols, tables built): {t / 1000 * 1e6:.1f} us")
-    positions_rows(a.repeat)
     try:
         import constriction
     except ImportError:
