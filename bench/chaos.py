@@ -500,7 +500,8 @@ class Soak:
             self._scan_stores()
 
     def _scan_stores(self) -> None:
-        from engine_ext.format.manifest import Latest, Manifest
+        from engine_ext.format.latest import Latest
+        from engine_ext.format.manifest import Manifest
 
         for name, site in self.stores.sites.items():
             try:

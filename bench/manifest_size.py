@@ -1,4 +1,4 @@
-"""What a manifest weighs for a model of very many tensors, inline (format 5) and in tables (format 7).
+"""What a manifest weighs for a model of very many tensors, inline (format 5) and in tables (format 10).
 
     python bench/manifest_size.py                     # a Kimi-K2-like MoE: 61 layers x 384 experts, fp8 + scales
     python bench/manifest_size.py --layers 4 --ep 16  # a slice of it, quicker
@@ -7,9 +7,9 @@ No weights are made: the manifest of one delta version is built from the model's
 every expert matrix changed (a 0.3 % step changes every cell of a 7168 x 2048 matrix), each cut
 by the publisher's default grid, with byte ranges and hashes of realistic sizes. It is then
 written as the publisher writes it (:func:`engine_ext.trainer.builder._tables_blob`), read back
-through :func:`engine_ext.format.tables.resolve` / :func:`~engine_ext.format.tables.set_cells`, and measured: the signed
-manifest, the tensor tables (every reader reads them), and the cell tables one expert-parallel
-rank reads (its experts' only).
+whole (:func:`engine_ext.format.tables.resolve`: what the driver reads, once per version) and as one
+expert-parallel rank and one tensor-parallel rank read it (the name index, the tables holding their
+tensors, the cell tables of the cells they need: :func:`rank_read`), and measured.
 """
 from __future__ import annotations
 
@@ -93,11 +93,56 @@ def delta_manifest(tensors, density: float = 0.003, bytes_per_change: float = 1.
     return m
 
 
-def measure(layers: int, experts: int, ep: int) -> dict:
+def ep_names(tensors, experts: int, ep: int, rank: int = 0) -> set[str]:
+    """What one expert-parallel rank of ``ep`` holds: its experts' tensors and every dense one."""
+    per = experts // ep
+    mine = {f".experts.{e}." for e in range(rank * per, (rank + 1) * per)}
+    return {n for n in tensors if ".experts." not in n or any(s in n for s in mine)}
+
+
+def tp_boxes(name: str, shape) -> list:
+    """What tensor-parallel rank 0 of 8 holds of a tensor (start, stop): rows of column-parallel
+    weights (experts' gate and up, the embeddings), columns of row-parallel ones (down, o_proj),
+    norms, scales of those and the router whole."""
+    if len(shape) < 2 or "norm" in name or name.endswith("mlp.gate.weight"):
+        return [((0,) * len(shape), tuple(shape))]
+    by_column = "down_proj" in name or "o_proj" in name
+    stop = (shape[0], -(-shape[1] // 8)) if by_column else (-(-shape[0] // 8), shape[1])
+    return [((0, 0), stop)]
+
+
+def rank_read(raw: bytes, bytes_of, want: dict) -> dict:
+    """One rank's metadata read of a format-10 manifest: the signed manifest, the name index, the
+    tables holding ``want`` {name: its boxes}, the cell tables of the cut tensors it needs cells of.
+    Returns the seconds, the bytes read and the data bytes it then fetches."""
+    from engine_ext.format.chunks import meets
+
+    t0 = time.perf_counter()
+    m = Manifest.from_json(raw)
+    places, found = tables_mod.lookup(m, bytes_of(m.index), want)
+    got = {i: bytes_of(m.tables[i]) for i in places}
+    tables_mod.select(m, places, got, want, found)
+    read = len(raw) + m.index.length + sum(len(b) for b in got.values())
+    data = 0
+    for t in m.tensors:
+        if not t.nnz:
+            continue
+        if t.cells is None:
+            data += t.length
+            continue
+        read += t.cells.length
+        tables_mod.set_cells(m, t, bytes_of(t.cells))
+        boxes = t.boxes()
+        data += sum(c.length for c in t.chunks if any(meets(boxes[c.cell], a, b) for a, b in want[t.name]))
+    return {"seconds": time.perf_counter() - t0, "read_bytes": read, "data_bytes": data, "tensors": len(m.tensors)}
+
+
+def measure(layers: int, experts: int, ep: int, tp: bool = True) -> dict:
     from engine_ext.trainer.builder import _tables_blob
 
     t0 = time.perf_counter()
-    m = delta_manifest(moe_tensors(layers, experts))
+    shapes = moe_tensors(layers, experts)
+    m = delta_manifest(shapes)
     built = time.perf_counter() - t0
     inline = len(m.to_json())
     with tempfile.TemporaryDirectory() as tmp:
@@ -105,33 +150,29 @@ def measure(layers: int, experts: int, ep: int) -> dict:
         wire, (_, path) = _tables_blob(m, tmp)
         written = time.perf_counter() - t0
         raw = wire.to_json()
-        tables = open(path, "rb").read()
+        blob = open(path, "rb").read()
     base = len(m.blobs)  # the tables' blob
 
     def bytes_of(ref):
         assert ref.blob == base
-        return tables[ref.offset:ref.offset + ref.length]
+        return blob[ref.offset:ref.offset + ref.length]
 
     t0 = time.perf_counter()
     r = Manifest.from_json(raw)
-    tables_mod.resolve(r, [bytes_of(ref) for ref in r.tables])
-    resolved = time.perf_counter() - t0
-    tensor_tables = sum(ref.length for ref in r.tables)
-    mine = {f".experts.{e}." for e in range(experts // ep)}  # rank 0's experts under expert parallelism
-    held = [t for t in r.tensors if t.cells is not None and (".experts." not in t.name or any(s in t.name for s in mine))]
-    rank_cells = sum(t.cells.length for t in held)
-    t0 = time.perf_counter()
-    for t in held:
-        tables_mod.set_cells(r, t, bytes_of(t.cells))
-    cells_read = time.perf_counter() - t0
+    tables_mod.resolve(r, [bytes_of(ref) for ref in r.tables], bytes_of(r.index))
+    whole = time.perf_counter() - t0
+    tensor_tables = sum(ref.length for ref in r.tables) + r.index.length
+    by_name = {n: s for n, _, s in shapes}
+    ep_rank = rank_read(raw, bytes_of, {n: [((0,) * len(by_name[n]), tuple(by_name[n]))]
+                                        for n in ep_names(by_name, experts, ep)})
+    tp_rank = rank_read(raw, bytes_of, {n: tp_boxes(n, s) for n, s in by_name.items()}) if tp else None
     return {"layers": layers, "experts": experts, "tensors": len(m.tensors),
             "cells": sum(len(t.chunks or ()) for t in m.tensors), "payload_bytes": m.payload_bytes,
-            "inline_manifest_bytes": inline, "format7_manifest_bytes": len(raw), "tensor_tables_bytes": tensor_tables,
-            "cell_tables_bytes": len(tables) - tensor_tables, "ep_rank_reads_bytes": tensor_tables + rank_cells,
-            "ep_rank_data_bytes": sum(c.length for t in held for c in t.chunks) + sum(
-                t.length for t in r.tensors if t.grid is None and t.nnz and ".experts." not in t.name),
-            "seconds": {"build": round(built, 2), "write_tables": round(written, 2), "read_tensor_tables": round(resolved, 2),
-                        "read_rank_cells": round(cells_read, 2)}}
+            "inline_manifest_bytes": inline, "manifest_bytes": len(raw), "tensor_tables_bytes": tensor_tables,
+            "cell_tables_bytes": len(blob) - tensor_tables, "ep_rank": ep_rank, "tp_rank": tp_rank,
+            "seconds": {"build": round(built, 2), "write_tables": round(written, 2),
+                        "read_whole": round(whole, 2), "ep_rank_read": round(ep_rank["seconds"], 3),
+                        "tp_rank_read": round(tp_rank["seconds"], 3) if tp else None}}
 
 
 def main() -> None:
@@ -144,15 +185,14 @@ def main() -> None:
     mb = 1 << 20
     print(f"{r['tensors']:,} tensors, {r['cells']:,} cells, a {r['payload_bytes'] / (1 << 30):.1f} GiB delta")
     print(f"| | bytes |\n|---|---:|\n| format 5 manifest (inline) | {r['inline_manifest_bytes'] / mb:.1f} MiB |")
-    print(f"| format 7 manifest | {r['format7_manifest_bytes'] / 1024:.1f} KiB |")
-    print(f"| tensor tables (every reader) | {r['tensor_tables_bytes'] / mb:.1f} MiB |")
+    print(f"| format 10 manifest (signed) | {r['manifest_bytes'] / 1024:.1f} KiB |")
+    print(f"| tensor tables and name index (all) | {r['tensor_tables_bytes'] / mb:.1f} MiB |")
     print(f"| cell tables (all) | {r['cell_tables_bytes'] / mb:.1f} MiB |")
-    print(f"| what one EP {a.ep} rank reads: tensor tables + its cell tables | {r['ep_rank_reads_bytes'] / mb:.1f} MiB |")
-    print(f"| ... against the data it fetches (its experts, the dense tensors) | {r['ep_rank_data_bytes'] / mb:.1f} MiB |")
-    print(f"| what one TP 8 rank reads: tensor tables + every cell table | {(r['tensor_tables_bytes'] + r['cell_tables_bytes']) / mb:.1f} MiB |")
-    print(f"| ... against the data it fetches (~1/8 of the delta) | {r['payload_bytes'] / 8 / mb:.1f} MiB |")
+    for what, k in ((f"one EP {a.ep} rank", "ep_rank"), ("one TP 8 rank", "tp_rank")):
+        x = r[k]
+        print(f"| {what}: metadata read / data fetched | {x['read_bytes'] / mb:.1f} MiB / {x['data_bytes'] / mb:.1f} MiB "
+              f"({100 * x['read_bytes'] / x['data_bytes']:.1f} %), {x['seconds']:.2f} s |")
     print(json.dumps(r["seconds"]))
-
 
 if __name__ == "__main__":
     main()

@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 
 from engine_ext.errors import DeltaError
 from engine_ext.format.dtypes import BY_NAME, BY_SAFETENSORS
-from engine_ext.format.manifest import ANCHOR, DELTA, FORMAT, READABLE_VERSIONS, Latest, Manifest
+from engine_ext.format.latest import Latest
+from engine_ext.format.manifest import ANCHOR, DELTA, FORMAT, READABLE_VERSIONS, Manifest
 from engine_ext.server.controller import error_answer
 from engine_ext.store.checkpoint import CheckpointDir
 

@@ -40,7 +40,8 @@ from engine_ext.format import chunks, codec, context_blocks as cb, context_codec
 from engine_ext.format import fingerprint as fpr
 from engine_ext.format.delta import apply_tensor
 from engine_ext.format.dtypes import BY_NAME, as_bits
-from engine_ext.format.manifest import ANCHOR, DELTA, MAX_MANIFEST_BYTES, Latest, Manifest
+from engine_ext.format.latest import Latest
+from engine_ext.format.manifest import ANCHOR, DELTA, MAX_MANIFEST_BYTES, Manifest
 from engine_ext.server.controller import Auth
 from engine_ext.server.http import post_answer
 from engine_ext.server.protocol import MAX_BODY_BYTES, PAUSE_MODES, RequestError, UpdateRequest

@@ -43,7 +43,8 @@ def test_regression_json_nested_past_the_recursion_limit_is_refused_as_documente
     import asyncio
 
     from engine_ext.errors import ManifestError
-    from engine_ext.format.manifest import Latest, Manifest
+    from engine_ext.format.latest import Latest
+    from engine_ext.format.manifest import Manifest
     from engine_ext.server.controller import Auth
     from engine_ext.server.http import post_answer
     from engine_ext.server.protocol import RequestError, UpdateRequest
@@ -161,7 +162,7 @@ def test_regression_latest_fields_are_checked(field, value):
     with no fingerprint or a non-numeric anchor_version was accepted (the CLI and the TRL
     integration then raised ValueError parsing it)."""
     from engine_ext.errors import ManifestError
-    from engine_ext.format.manifest import Latest
+    from engine_ext.format.latest import Latest
     from engine_ext.store.reader import read_latest
     from engine_ext.store.local import LocalStore
     from engine_ext.store.signing import Signer

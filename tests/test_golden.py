@@ -1,6 +1,7 @@
 """Owned bytes: a committed store (tests/golden/store, written by tests/golden/make_golden.py from
 fixed inputs) pins every coder and format version the publisher writes, both ways; a second one
-(tests/golden/store-f8, the same inputs as written before format 9) pins what readers must still read.
+(tests/golden/store-f8 and store-f9, the same inputs as written before formats 9 and 10) pin what
+readers must still read.
 
 * Decode: the committed bytes of both stores, read through the CLI's verified reader (its signatures
   checked against the committed test key), give back the fixed inputs bit for bit at every version.
@@ -9,8 +10,9 @@ fixed inputs) pins every coder and format version the publisher writes, both way
   next version's hashes of it).
 * Coverage: the store holds positions coders ``all``, ``pco``, ``zstd`` and ``ctx-rans``, values
   coders ``raw``, ``pco``, ``zstd`` and ``ctx-rans``, both value modes, cells, step tables and format
-  versions 5, 8 and 9; store-f8 holds format 5's ``ctx`` (range-coded streams) in format 7's tables,
-  and formats 5 and 8 (format 6, a chunked anchor without a pieces digest, was never kept).
+  versions 5 and 10; store-f9 the same in format 7's JSON tables (formats 5, 8 and 9); store-f8 holds
+  format 5's ``ctx`` (range-coded streams) in format 7's tables, and formats 5 and 8 (format 6, a
+  chunked anchor without a pieces digest, was never kept).
 
 An upgrade of pcodec, zstandard or constriction that changes what they write or read fails here
 (pyproject.toml caps them below their next minor or major version). If a format change is meant,
@@ -56,7 +58,7 @@ def manifests(store_dir: Path) -> dict[str, dict]:
     return out
 
 
-STORES = {"store": make_golden.STORE, "store-f8": make_golden.FORMAT_8}
+STORES = {"store": make_golden.STORE, "store-f9": make_golden.FORMAT_9, "store-f8": make_golden.FORMAT_8}
 
 
 @pytest.mark.parametrize("which", sorted(STORES))
@@ -87,7 +89,8 @@ def test_the_fixed_inputs_encode_to_the_committed_bytes(tmp_path):
     assert manifests(tmp_path / "store") == manifests(make_golden.STORE)
 
 
-COVERS = {"store": ({"all", "pco", "zstd", "ctx-rans"}, {"raw", "pco", "zstd", "ctx-rans"}, {5, 8, 9}),
+COVERS = {"store": ({"all", "pco", "zstd", "ctx-rans"}, {"raw", "pco", "zstd", "ctx-rans"}, {5, 10}),
+          "store-f9": ({"all", "pco", "zstd", "ctx-rans"}, {"raw", "pco", "zstd", "ctx-rans"}, {5, 8, 9}),
           "store-f8": ({"all", "pco", "zstd", "ctx"}, {"raw", "pco", "zstd", "ctx"}, {5, 7, 8})}
 
 
@@ -121,7 +124,7 @@ def test_the_libraries_that_write_stored_bytes_are_capped(lib):
     assert ",<" in line, line
 
 
-@pytest.mark.parametrize("which,coder", [("store", "ctx-rans"), ("store-f8", "ctx")])
+@pytest.mark.parametrize("which,coder", [("store", "ctx-rans"), ("store-f9", "ctx-rans"), ("store-f8", "ctx")])
 def test_inspect_shows_the_coder_of_every_part(tmp_path, which, coder, capsys):
     """``engine-ext inspect`` reads the cell tables and names each part's coder (a cut tensor's cells each)."""
     store = shutil.copytree(STORES[which], tmp_path / "store")

@@ -578,7 +578,7 @@ def test_fetched_parts_dropped_whatever_happens(world):
 
 def test_manifest_keys_are_matched_whole():
     from engine_ext.errors import ManifestError
-    from engine_ext.format.manifest import Latest
+    from engine_ext.format.latest import Latest
 
     with pytest.raises(ManifestError):
         Latest.from_json(json.dumps({"version": 1, "manifest": "v00000001.json\n", "fingerprint": "0" * 16}).encode())

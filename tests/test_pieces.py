@@ -132,7 +132,7 @@ def test_a_format7_anchor_in_cells_reads_its_cell_tables_before_checking_its_blo
     with settings.override(inline_entries=0):
         b.publish(open_store(str(tmp_path)), Signer.from_settings())
     doc = json.loads((tmp_path / "v00000000.anchor.json").read_bytes())
-    assert doc["format_version"] == 8 and doc["tensors"] == [] and [x.get("digest") for x in doc["blobs"]] == [PIECES, None]
+    assert doc["format_version"] == 10 and doc["tensors"] == [] and [x.get("digest") for x in doc["blobs"]] == [PIECES, None]
     store = open_store(str(tmp_path))
     m = read_manifest(store, "v00000000.anchor.json")
     assert next(t for t in m.tensors if t.name == "w").cells is not None  # unread until fetch_blobs needs them
@@ -167,7 +167,7 @@ def test_a_tables_blob_keeps_a_flat_digest(tmp_path):
     with settings.override(inline_entries=0), DeltaPublisher(str(tmp_path), anchor_every=0) as pub:
         pub.publish(_states()[0])
     doc = _doc(tmp_path)
-    assert doc["format_version"] == 8 and len(doc["blobs"]) == 2
+    assert doc["format_version"] == 10 and len(doc["blobs"]) == 2  # in tables (10), its data blob by pieces
     doc["blobs"][1]["digest"] = PIECES
     with pytest.raises(ManifestError, match="a blob holding tables has a flat SHA-256"):
         Manifest.from_json(json.dumps(doc).encode())

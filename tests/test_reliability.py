@@ -23,7 +23,7 @@ import torch
 from engine_ext.format import fingerprint as fpr
 from engine_ext.store import reader, route
 from engine_ext.errors import ConflictError, IntegrityError
-from engine_ext.format.manifest import LATEST_KEY
+from engine_ext.format.latest import LATEST_KEY
 from engine_ext.trainer.publisher import DeltaPublisher
 from engine_ext.store.signing import SignatureError, Trust
 from engine_ext.trainer import lineage

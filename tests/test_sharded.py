@@ -138,8 +138,8 @@ def test_world2_fsdp_publishes_per_rank_and_a_killed_rank_commits_nothing(run2):
 def test_world4_resumes_with_an_anchor_and_a_failed_part_aborts_the_version_everywhere(run2):
     """The run restarts at world 4 on the store the killed world-2 run left, with tensors LATEST
     does not hold: v5 an anchor after the burnt v4 (on every rank), v6 a delta; rank 2's store refuses its blobs of v7: v7 is aborted on every rank, and v8,
-    the retry, is an anchor. These versions are format 7 (ENGINE_EXT_INLINE_ENTRIES=0: rank 0 writes
-    the tensor and cell tables of the joined parts when it commits), read by the same readers."""
+    the retry, is an anchor. These versions are format 10 (ENGINE_EXT_INLINE_ENTRIES=0: tables and their
+    name index), read by the same readers."""
     d, _ = run2
     root, out = d / "store", d / "out4"
     out.mkdir()
@@ -154,12 +154,11 @@ def test_world4_resumes_with_an_anchor_and_a_failed_part_aborts_the_version_ever
     assert "LATEST holds None" in s[0]["resumed"]  # the extra tensors: not in LATEST, so no rank resumes with a delta
     ms = manifests(root)
     assert "v00000007.json" not in ms and "v00000007.anchor.json" not in ms
-    assert ms["v00000005.anchor.json"]["format_version"] == 8 and ms["v00000006.json"]["base_version"] == 5
+    assert ms["v00000005.anchor.json"]["format_version"] == 10 and ms["v00000006.json"]["base_version"] == 5
     v6 = ms["v00000006.json"]
-    v6_rans = any(p["positions"]["coder"] == "ctx-rans" for t in v6["tensors"] for p in (t.get("chunks") or [t]))
-    assert v6["format_version"] == (9 if v6_rans else 7) and json.loads((root / "v00000006.json").read_text())["tensors"] == []
-    assert ms["v00000008.anchor.json"]["format_version"] == 8 and "v00000008.json" not in ms  # the retry: an anchor
-    for v in (5, 8):  # each rank's anchor part a pieces digest (format 8), the tables' blob flat
+    assert v6["format_version"] == 10 and json.loads((root / "v00000006.json").read_text())["tensors"] == []
+    assert ms["v00000008.anchor.json"]["format_version"] == 10 and "v00000008.json" not in ms  # the retry: an anchor
+    for v in (5, 8):  # each rank's anchor part a pieces digest, the tables' blob flat
         blobs = json.loads((root / f"v{v:08d}.anchor.json").read_text())["blobs"]
         assert [b.get("digest") for b in blobs] == ["pieces"] * (len(blobs) - 1) + [None] and len(blobs) > 1
     assert json.loads((root / "LATEST").read_text())["signed"]["version"] == 8

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine_ext.store import reader, route
-from engine_ext.format.manifest import Latest
+from engine_ext.format.latest import Latest
 from engine_ext.trainer.publisher import DeltaPublisher
 from engine_ext.store.signing import SignatureError, Signer, Trust, generate_key
 from engine_ext.store import open_store

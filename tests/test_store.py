@@ -16,7 +16,7 @@ import pytest
 
 from engine_ext import settings
 from engine_ext.errors import ConflictError, ForbiddenSourceError, IntegrityError, NotFoundError, SourceError
-from engine_ext.format.manifest import Latest
+from engine_ext.format.latest import Latest
 from engine_ext.store import HfBucketStore, HttpStore, LocalStore, S3Store, open_store, publish_version, split_uri
 from servers import free_port
 
@@ -406,7 +406,7 @@ def test_latest_compare_and_swap_holds_against_racing_processes(tmp_path):
     script = textwrap.dedent("""
         import sys
         from engine_ext.errors import ConflictError
-        from engine_ext.format.manifest import Latest
+        from engine_ext.format.latest import Latest
         from engine_ext.store import open_store
         store, done = open_store(sys.argv[1]), 0
         for _ in range(25):
@@ -440,7 +440,7 @@ def test_publish_rejects_clashing_keys(tmp_path):
 
 KILLED_PUBLISHER = textwrap.dedent("""
     import os, signal, sys
-    from engine_ext.format.manifest import Latest
+    from engine_ext.format.latest import Latest
     from engine_ext.store import open_store, publish_version
     root, die_at = sys.argv[1], sys.argv[2]
     def dying(real):

@@ -1,15 +1,20 @@
-"""Format 7: a manifest's tensor entries and cell tables in its blobs (issue 31, item 3).
+"""Tables: a manifest's tensor entries and cell tables in its blobs (issue 31, item 3; issue 42).
 
-A publisher writes a manifest of over ``ENGINE_EXT_INLINE_ENTRIES`` tensors and cells as format 7: the
+A publisher writes a manifest of over ``ENGINE_EXT_INLINE_ENTRIES`` tensors and cells in tables: the
 signed manifest keeps its header and where its tensor tables lie; each cut tensor's cells
-lie in a cell table of their own. Here the limit is 0, so a small model takes that path:
-ranks holding part of a tensor read every tensor table but only the cell tables of what they
-hold, end bit-exact, and every table is checked (SHA-256, count, contents) before use.
+lie in a cell table of their own. Here the limit is 0, so a small model takes that path. Format 10
+(written now) keeps the tensor tables as binary records behind a name index: a rank reads the
+index and only the tables holding its tensors; format 7 (JSON tables, every reader reads them
+all) is still read. Ranks holding part of a tensor read only the cell tables of what they hold,
+end bit-exact, and every table is checked (SHA-256, count, contents) before use.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import json
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -25,7 +30,7 @@ from engine_ext.format.tables import CELL_RECORD
 from engine_ext.server.controller import Controller
 from engine_ext.server.protocol import UpdateRequest
 from engine_ext.store import open_store
-from engine_ext.store.reader import TensorBases, fetch_selected, load_cells, load_delta, read_manifest
+from engine_ext.store.reader import TensorBases, fetch_selected, load_cells, load_delta, open_held, read_manifest
 from engine_ext.store.sources import Sources
 from engine_ext.trainer.publisher import DeltaPublisher
 from fake_ranks import FakeRanks, make_rank
@@ -41,8 +46,10 @@ def _states(seed=0, steps=3):
     return noisy_versions({n: t.to(torch.bfloat16) for n, t in sd.items()}, steps, g)
 
 
-def _publish(root, states, limit: int, anchor_every: int = 0):
-    with settings.override(inline_entries=limit), \
+def _publish(root, states, limit: int, anchor_every: int = 0, binary: bool = True):
+    """Publish ``states``; ``binary=False``: format 7's JSON tensor tables (as an older publisher wrote them)."""
+    tabulate = functools.partial(tables.tabulate, binary=binary)
+    with settings.override(inline_entries=limit), mock.patch("engine_ext.trainer.builder.tabulate", tabulate), \
             DeltaPublisher(str(root), anchor_every=anchor_every, chunk_min_cell=1024) as pub:
         for sd in states:
             pub.publish(sd)
@@ -61,10 +68,11 @@ def run(tmp_path_factory):
 def test_the_manifest_holds_no_tensor_and_no_cell(run):
     states, root, inline = run
     doc = json.loads((root / "v00000002.json").read_bytes())
-    assert doc["format_version"] == 7 and doc["tensors"] == [] and len(doc["tables"]) == 1
+    assert doc["format_version"] == 10 and doc["tensors"] == [] and len(doc["tables"]) == 1
+    assert doc["index"]["count"] == 5 and doc["index"]["length"] == 5 * tables.INDEX_RECORD.itemsize
     assert json.loads((inline / "v00000002.json").read_bytes())["format_version"] == 5
     assert b"chunks" not in (root / "v00000002.json").read_bytes()
-    assert json.loads((root / "v00000000.anchor.json").read_bytes())["format_version"] == 8  # the first version (an anchor, format 8: pieces digests) too
+    assert json.loads((root / "v00000000.anchor.json").read_bytes())["format_version"] == 10  # the first version (an anchor, its data blob a pieces digest) too
     store = open_store(str(root))
     m = read_manifest(store, "v00000002.json")
     assert [t.name for t in m.tensors] == list(states[0])
@@ -113,12 +121,12 @@ def test_ranks_end_bit_exact(run, world):
 
 
 def test_anchors_and_a_rank_resume(tmp_path):
-    """An anchor in tables loads whole; an anchor in tables (format 8: its data blob a pieces digest) + delta
+    """An anchor in tables loads whole; an anchor in tables (its data blob a pieces digest) + delta
     route reaches the last version."""
     states = _states(steps=2)
     _publish(tmp_path, states, 0, anchor_every=2)
     doc = json.loads((tmp_path / "v00000002.anchor.json").read_bytes())
-    assert doc["format_version"] == 8 and doc["tensors"] == [] and [b.get("digest") for b in doc["blobs"]] == ["pieces", None]
+    assert doc["format_version"] == 10 and doc["tensors"] == [] and [b.get("digest") for b in doc["blobs"]] == ["pieces", None]
     d = load_delta(str(tmp_path / "v00000002.anchor.json"))
     assert {t.name: t.values.view(torch.int16) for t in d.tensors}.keys() == states[2].keys()
     for t in d.tensors:
@@ -153,8 +161,8 @@ def test_a_corrupt_table_is_refused_and_changes_nothing(tmp_path):
     assert ctl.state.version == 0 and all(torch.equal(b, up.module.w) for b, up in zip(before, ranks))
 
 
-def _doc(tmp_path):
-    _publish(tmp_path, _states(steps=1), 0)
+def _doc(tmp_path, binary=False):
+    _publish(tmp_path, _states(steps=1), 0, binary=binary)
     return json.loads((tmp_path / "v00000001.json").read_bytes())
 
 
@@ -170,10 +178,11 @@ def _doc(tmp_path):
     (lambda d: d.update(tables=[]), "1 to"),
     (lambda d: d.update(tensors=[{"name": "b", "dtype": "bfloat16", "shape": [64], "nnz": 0, "fingerprint": "0" * 16,
                                   "base_fingerprint": "0" * 16}]), "no tensors inline"),
-    (lambda d: d["tables"].append(dict(d["tables"][0])), "overlap"),
+    (lambda d: d["tables"].append(dict(d["tables"][0])), "overlap|name index holds 5 records"),
 ])
-def test_hostile_table_references_are_refused(tmp_path, change, match):
-    doc = _doc(tmp_path)
+@pytest.mark.parametrize("binary", [False, True], ids=["format7", "format10"])
+def test_hostile_table_references_are_refused(tmp_path, change, match, binary):
+    doc = _doc(tmp_path, binary)
     change(doc)
     with pytest.raises(ManifestError, match=match):
         Manifest.from_json(json.dumps(doc).encode())
@@ -188,7 +197,6 @@ def test_a_table_that_lies_about_its_contents_is_refused(tmp_path):
     def table(entries):
         raw = json.dumps(entries).encode()
         fresh = Manifest.from_json(json.dumps(doc).encode())
-        import hashlib
         fresh.tables[0].sha256, fresh.tables[0].length, fresh.tables[0].count = hashlib.sha256(raw).hexdigest(), len(raw), len(entries)
         fresh.blobs[-1].size = 10 ** 9
         return fresh, raw
@@ -224,9 +232,10 @@ def test_inline_manifests_keep_their_format(tmp_path):
     assert json.loads(raw)["format_version"] == 5 and b'"tables"' not in raw and b'"cells"' not in raw
 
 
-def test_a_1t_moe_manifest_is_a_few_kb():
-    """bench/manifest_size.py on two layers of a Kimi-K2-like MoE (4,618 tensors, 37,128 cells):
-    the manifest grows by a table reference per 4,096 tensors, not by tensors or cells."""
+def test_a_1t_moe_manifest_is_small_and_a_rank_reads_its_own_metadata():
+    """bench/manifest_size.py on two layers of a Kimi-K2-like MoE (4,618 tensors, 37,128 cells): the
+    manifest grows by a table reference per 64 tensors, not by tensors or cells; an expert-parallel
+    rank reads its own tables and cell tables only, a few percent of the data it fetches."""
     import importlib.util
     from pathlib import Path
 
@@ -235,8 +244,11 @@ def test_a_1t_moe_manifest_is_a_few_kb():
     spec.loader.exec_module(bench)
     r = bench.measure(layers=2, experts=384, ep=16)
     assert r["tensors"] == 4618 and r["cells"] > 36_000
-    assert r["format7_manifest_bytes"] < 4096 < 10 ** 6 < r["inline_manifest_bytes"]
-    assert r["ep_rank_reads_bytes"] - r["tensor_tables_bytes"] < 0.1 * r["cell_tables_bytes"]  # its experts' cells only
+    assert r["manifest_bytes"] < 16 << 10 < 10 ** 6 < r["inline_manifest_bytes"]
+    ep, tp, everything = r["ep_rank"], r["tp_rank"], r["tensor_tables_bytes"] + r["cell_tables_bytes"]
+    assert ep["read_bytes"] < everything / 10 and ep["read_bytes"] < 0.05 * ep["data_bytes"]
+    assert ep["tensors"] == 2 + 4 * 2 + 2 * 24 * 6  # the embeddings, the dense tensors, its 24 experts' 6 tensors
+    assert tp["tensors"] == r["tensors"] and tp["read_bytes"] <= everything + r["manifest_bytes"]
     assert r["cell_tables_bytes"] == r["cells"] * CELL_RECORD.itemsize  # 75 bytes a cell
 
 
@@ -248,7 +260,7 @@ _json = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
-    _publish(root, _states(steps=1), 0)
+    _publish(root, _states(steps=1), 0, binary=False)
     m = Manifest.from_json((root / "v00000001.json").read_bytes())
     blob = (root / m.blobs[-1].key).read_bytes()
     rows = json.loads(blob[m.tables[0].offset:m.tables[0].offset + m.tables[0].length])
@@ -263,8 +275,6 @@ def test_any_table_bytes_give_a_manifest_error_or_a_valid_manifest(small, data):
     entry replaced by any JSON value or removed, the table not a list, any field of a cell record
     set to any value its width holds, a cell table of any bytes: a clear ManifestError, never
     another exception, and never chunks taken that do not check."""
-    import hashlib
-
     raw, rows, cells = small
     rows = json.loads(json.dumps(rows))
     target = data.draw(st.sampled_from(["tensor", "cell", "cell bytes", "whole"]))
@@ -303,7 +313,7 @@ def test_any_table_bytes_give_a_manifest_error_or_a_valid_manifest(small, data):
         tables.resolve(m, [table])
     except ManifestError:
         return
-    w = m.tensors[0]
+    w = m.tensors[0]  # (format 7)
     if w.cells is None:
         return
     try:
@@ -312,3 +322,142 @@ def test_any_table_bytes_give_a_manifest_error_or_a_valid_manifest(small, data):
         assert w.chunks is None
         return
     assert sum(c.nnz for c in w.chunks) == w.nnz
+
+
+# ---- format 10: binary tensor tables behind a name index (issue 42)
+
+def _raw_of(root, m, ref):
+    return (root / m.blobs[ref.blob].key).read_bytes()[ref.offset:ref.offset + ref.length]
+
+
+@pytest.fixture(scope="module")
+def small_tables(tmp_path_factory):
+    """One delta of the 5-tensor model in format 10, two tensors per table (3 tables)."""
+    root = tmp_path_factory.mktemp("f10")
+    with mock.patch.object(tables, "PER_TABLE", 2):
+        _publish(root, _states(steps=1), 0)
+    return root
+
+
+def test_a_rank_reads_the_index_and_only_the_tables_of_its_tensors(small_tables):
+    root = small_tables
+    store, raw = open_store(str(root)), (root / "v00000001.json").read_bytes()
+    whole = read_manifest(store, "v00000001.json")
+    assert [r.count for r in whole.tables] == [2, 2, 1] and whole.format_version == 10
+    m, n = open_held(store, raw, {"experts.1.w", "not.in.this.version"})
+    assert [t.name for t in m.tensors] == ["experts.1.w"] and m.held is not None
+    assert n == m.index.length + m.tables[1].length  # the index and the one table that holds it
+    assert m.tensors[0] == next(t for t in whole.tensors if t.name == "experts.1.w")
+    with pytest.raises(ManifestError, match="own tensors only"):
+        m.require_whole()
+    m0, n0 = open_held(store, raw, {"not.in.this.version"})
+    assert m0.tensors == [] and n0 == m0.index.length
+    states = _states(steps=1)
+    part, _ = fetch_selected(store, m, {"experts.1.w": None}, bases=TensorBases(states[0]))
+    full = load_delta(str(root / "v00000001.json"), names={"experts.1.w"}, bases=TensorBases(states[0]))
+    assert torch.equal(part[0].values, full.tensors[0].values) and torch.equal(part[0].positions, full.tensors[0].positions)
+
+
+def _retabled(root, doc, edit):
+    """``doc`` with tensor table 0 and the index re-written from ``edit(entries of every table)`` ->
+    (entries per table, index bytes or None: rebuilt): their hashes match, so only their contents can lie."""
+    m = Manifest.from_json(json.dumps(doc).encode())
+    groups = [tables.read_tensor_table(r, _raw_of(root, m, r), "t") for r in m.tables]
+    groups, index = edit(groups)
+    blobs = [tables.tensor_table(g, [t.cells for t in g]) for g in groups]
+    index = index if index is not None else tables.name_index([[t.name for t in g] for g in groups])
+    for ref, raw in zip(m.tables, blobs):
+        ref.sha256, ref.length, ref.count = hashlib.sha256(raw).hexdigest(), len(raw), len(raw) and ref.count
+    m.index.sha256, m.index.length = hashlib.sha256(index).hexdigest(), len(index)
+    for ref, g in zip(m.tables, groups):
+        ref.count = len(g)
+    m.index.count = len(index) // tables.INDEX_RECORD.itemsize
+    m.blobs[-1].size = 10 ** 9
+    return m, blobs, index
+
+
+def test_binary_tables_and_an_index_that_lie_are_refused(small_tables):
+    root = small_tables
+    doc = json.loads((root / "v00000001.json").read_bytes())
+    m, blobs, index = _retabled(root, doc, lambda g: ([g[0][:1], *g[1:]], None))  # a tensor left out
+    with pytest.raises(ManifestError, match="fingerprint"):
+        tables.resolve(m, blobs, index)
+
+    def swapped(g):  # the index places two names on each other's records
+        idx = np.frombuffer(tables.name_index([[t.name for t in x] for x in g]), tables.INDEX_RECORD).copy()
+        idx["row"][[0, 1]], idx["table"][[0, 1]] = idx["row"][[1, 0]], idx["table"][[1, 0]]
+        return g, idx.tobytes()
+
+    m, blobs, index = _retabled(root, doc, swapped)
+    with pytest.raises(ManifestError, match="not the one"):
+        tables.resolve(m, blobs, index)
+    name = next(t.name for g in [tables.read_tensor_table(r, b, "t") for r, b in zip(m.tables, blobs)] for t in g
+                if tables.name_key(t.name) == int(np.frombuffer(index, tables.INDEX_RECORD)["key"][0]))
+    places, found = tables.lookup(m, index, {name})
+    with pytest.raises(ManifestError, match="places"):
+        tables.select(m, places, dict(enumerate(blobs)), {name}, found)
+    assert m.held is None and m.tensors == []
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda d: d["index"].update(count=d["index"]["count"] + 1), "name index holds"),
+    (lambda d: d.pop("index"), "needs a name index"),
+    (lambda d: d.update(format_version=9), "only format-10"),
+    (lambda d: d["index"].update(offset=d["tables"][0]["offset"]), "overlap"),
+    (lambda d: d["index"].update(sha256="0" * 63), "sha256"),
+])
+def test_hostile_index_references_are_refused(small_tables, change, match):
+    doc = json.loads((small_tables / "v00000001.json").read_bytes())
+    change(doc)
+    with pytest.raises(ManifestError, match=match):
+        Manifest.from_json(json.dumps(doc).encode())
+
+
+@hsettings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_any_binary_table_bytes_give_a_manifest_error_or_a_valid_manifest(small_tables, data):
+    """Format 10, hashes matching (a signed manifest naming hostile tables): any field of any tensor record
+    set to any value its width holds, any byte of the table changed, the table cut or any bytes: a clear
+    ManifestError from the whole read and from a rank's, never another exception; what is taken checks."""
+    root = small_tables
+    raw = (root / "v00000001.json").read_bytes()
+    m = Manifest.from_json(raw)
+    blobs = [_raw_of(root, m, r) for r in m.tables]
+    index = _raw_of(root, m, m.index)
+    i = data.draw(st.integers(0, len(blobs) - 1))
+    how = data.draw(st.sampled_from(["field", "byte", "cut", "any"]))
+    b = bytearray(blobs[i])
+    if how == "field":
+        at, n = tables.TABLE_HEAD.itemsize, m.tables[i].count
+        rec = np.frombuffer(bytes(b[at:at + n * tables.TENSOR_RECORD.itemsize]), tables.TENSOR_RECORD).copy()
+        field, j = data.draw(st.sampled_from(tables.TENSOR_RECORD.names)), data.draw(st.integers(0, n - 1))
+        if field == "sha256":
+            rec[field][j] = data.draw(st.binary(min_size=32, max_size=32))
+        else:
+            rec[field][j] = data.draw(st.integers(0, 2 ** (8 * tables.TENSOR_RECORD[field].itemsize) - 1))
+        b[at:at + n * tables.TENSOR_RECORD.itemsize] = rec.tobytes()
+    elif how == "byte":
+        b[data.draw(st.integers(0, len(b) - 1))] = data.draw(st.integers(0, 255))
+    elif how == "cut":
+        b = b[:data.draw(st.integers(0, len(b) - 1))]
+    else:
+        b = bytearray(data.draw(st.binary(max_size=600)))
+    blobs[i] = bytes(b)
+    ref = m.tables[i]
+    ref.sha256, ref.length = hashlib.sha256(blobs[i]).hexdigest(), len(blobs[i])
+    m.blobs[ref.blob].size = 10 ** 9
+    names = {"w", "experts.0.w", "experts.1.w", "b", "norm"}
+    for whole in (True, False):
+        fresh = Manifest.from_json(json.dumps(json.loads(m.to_json())).encode()) if len(blobs[i]) >= 2 else None
+        if fresh is None:
+            return
+        try:
+            if whole:
+                tables.resolve(fresh, blobs, index)
+            else:
+                places, found = tables.lookup(fresh, index, names)
+                tables.select(fresh, places, dict(enumerate(blobs)), names, found)
+        except ManifestError:
+            assert not fresh.tensors
+            continue
+        assert {t.name for t in fresh.tensors} <= names

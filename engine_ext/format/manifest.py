@@ -20,7 +20,9 @@ a *pieces* digest (``digest: "pieces"``: over the digests of its segments, cut a
 the manifest lists into it; :mod:`engine_ext.format.pieces`), so a publisher hashes an anchor's
 bytes once, not once per blob and again per tensor. Format 9 adds the coder ``ctx-rans``: the
 context model's symbols on the project's own rANS stage, block-major chunks a rank decodes alone
-(:mod:`engine_ext.format.context_rans`), all of a part's bytes in its positions segment. Versions 1 to 4 are still read, but
+(:mod:`engine_ext.format.context_rans`), all of a part's bytes in its positions segment. Format 10
+keeps tensor tables as fixed binary records behind a name *index*: a rank reads the index and only the
+tables that hold its tensors (:mod:`engine_ext.format.tables`). Versions 1 to 4 are still read, but
 not format 4's context-coded parts (an opt-in coder whose blocks did not follow the
 engines' shards).
 """
@@ -29,7 +31,7 @@ from __future__ import annotations
 import math
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from . import fingerprint as fpr
 from .dtypes import dtype_by_name
@@ -37,12 +39,13 @@ from .pieces import PIECES, cuts
 from ..errors import IntegrityError, ManifestError
 
 FORMAT = "engine-ext-delta"
-FORMAT_VERSION = 9  # the newest version this code reads and writes
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+FORMAT_VERSION = 10  # the newest version this code reads and writes
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 CHUNKED_ANCHORS = 6  # the first version whose anchors may come in cells
 TABLES = 7  # the first version whose tensor entries and cells may lie in tables in the blobs
 PIECE_DIGESTS = 8  # the first version whose blobs may carry a pieces digest (``digest: "pieces"``)
 RANS_STREAMS = 9  # the first version whose parts may be coded ``ctx-rans`` (codec v2 on rANS, block-major chunks)
+INDEXED = 10  # the first version whose tensor tables are binary records with a name index (a rank reads only its own)
 
 DELTA, ANCHOR = "delta", "anchor"
 CONTEXT_CODERS = ("ctx", "ctx-rans")  # coded given the base: format 5's range-coded streams, format 9's rANS chunks
@@ -55,10 +58,10 @@ MAX_MANIFEST_BYTES = 64 << 20
 MAX_TENSORS = 1_000_000
 MAX_NUMEL = 1 << 40
 MAX_NDIM = 8
-MAX_LATEST_BYTES = 16 << 10
 MAX_TABLES = 4096  # tensor tables per manifest
 MAX_TENSOR_TABLES_BYTES = 1 << 30  # every reader reads them all (1M tensors at ~400 bytes each: 400 MB)
 CELL_RECORD_BYTES = 75  # a chunk in a cell table (format 7: engine_ext.format.tables.CELL_RECORD)
+INDEX_RECORD_BYTES = 12  # a tensor in the name index (format 10: engine_ext.format.tables.INDEX_RECORD)
 MAX_ENTRY_BYTES = 64 << 10  # bytes per tensor entry in a tensor table (a name of 1024 characters, a grid of 256 cuts)
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
 _HEX_RE = re.compile(r"(?:[0-9a-f]{2})+")
@@ -69,8 +72,6 @@ _KEY_RE = re.compile(r"[A-Za-z0-9._-]+")  # blob keys are plain names next to th
 def manifest_key(version: int, kind: str = DELTA) -> str:
     return f"v{version:08d}.json" if kind == DELTA else f"v{version:08d}.anchor.json"
 
-
-LATEST_KEY = "LATEST"
 
 
 @dataclass
@@ -169,8 +170,10 @@ class Manifest:
     tensors: list[TensorEntry] = field(default_factory=list)
     step_tables: dict[str, list[str]] | None = None  # format 5: per dtype, the context coder's step tables (hex)
     tables: list[TableRef] | None = None  # format 7: where the tensor entries lie (``tensors`` empty until resolved)
+    index: TableRef | None = None  # format 10: the name index of the (binary) tensor tables
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
+    held = None  # not a field: the names a rank read (format 10, tables.select); ``tensors`` is then a subset
 
     @property
     def entries(self) -> int:
@@ -179,8 +182,11 @@ class Manifest:
 
     def lowest_version(self) -> int:
         """The lowest format version that describes this manifest, which writers write (a
-        format-5 reader then still reads everything but a chunked anchor): 9 with a ``ctx-rans`` part
-        (as listed inline), 8 with a pieces digest, 7 with tables, 6 for an anchor with a chunked tensor, else 5."""
+        format-5 reader then still reads everything but a chunked anchor): 10 with a name index, 9 with a
+        ``ctx-rans`` part (as listed inline), 8 with a pieces digest, 7 with tables, 6 for an anchor with a
+        chunked tensor, else 5."""
+        if self.index is not None:
+            return INDEXED
         if any(p.positions.coder == "ctx-rans" for t in self.tensors for p in [t, *(t.chunks or ())]):
             return RANS_STREAMS
         if any(b.digest == PIECES for b in self.blobs):
@@ -192,12 +198,18 @@ class Manifest:
     @property
     def resolved(self) -> bool:
         """Whether ``tensors`` holds every tensor entry (format 7: once its tensor tables are read)."""
-        return self.tables is None or bool(self.tensors)  # a tensor table holds at least one entry
+        return self.tables is None or bool(self.tensors) or self.held is not None  # a table holds an entry or more
 
     def require_resolved(self) -> None:
         if not self.resolved:
             raise ManifestError("a format-7 manifest whose tensor tables were not read "
                                 "(read it with engine_ext.store.reader.read_link / open_manifest)")
+
+    def require_whole(self) -> None:
+        """Refuse a manifest of which a rank read only its own tensors (a check over every tensor needs all)."""
+        self.require_resolved()
+        if self.held is not None:
+            raise ManifestError("this manifest was read for a rank's own tensors only; this needs every tensor")
 
     def tables_for(self, dtype: str) -> list[bytes]:
         """The step tables context-coded parts of ``dtype`` are decoded with."""
@@ -211,7 +223,7 @@ class Manifest:
         """Where blob ``blob``'s segments begin and end (:func:`engine_ext.format.pieces.cuts`): at every
         byte range listed into it (tensor entries, chunks, tables). Every cell table must be read
         first: its chunks' ranges are segment boundaries too."""
-        self.require_resolved()
+        self.require_whole()
         if any(t.cells is not None for t in self.tensors):
             raise ManifestError("a pieces digest's segments need every cell table read first (load_cells)")
         ranges = [(r.offset, r.length) for r in self.tables or () if r.blob == blob]
@@ -221,7 +233,7 @@ class Manifest:
         """The manifest's bytes; fields of formats 7 and 8 only where set (older readers refuse keys they do not know)."""
         from .json_text import dumps_indent1
 
-        return dumps_indent1(self, {Manifest: ("tables",), TensorEntry: ("cells",), Blob: ("digest",)})  # json.dumps(asdict(self), indent=1)
+        return dumps_indent1(self, {Manifest: ("tables", "index"), TensorEntry: ("cells",), Blob: ("digest",)})  # json.dumps(asdict(self), indent=1)
 
     @classmethod
     def from_json(cls, data: bytes) -> "Manifest":
@@ -237,22 +249,18 @@ class Manifest:
         _parsed(m.validate)
         return m
 
-    def _check_bytes(self, where: str, e, numel: int, dtype: str, per_blob: list) -> None:
-        """The coders, byte range and hash of a changed tensor or chunk ``e`` (``numel`` elements)."""
+    def check_coders(self, where: str, p: Segment, v: Segment, dtype: str) -> None:
+        """The rules on a part's coders and value mode alone, the same for every part that shares them
+        (a cell table's records are checked once per distinct triple: engine_ext.format.tables.read_cells)."""
         def bad(msg):
             raise ManifestError(_cut(msg))
 
-        p, v = e.positions, e.values
         if p.coder not in POSITION_CODERS or v.coder not in VALUE_CODERS:
             bad(f"{where}: unknown coder {p.coder!r}/{v.coder!r}")
-        if not (_is_int(p.length) and _is_int(v.length) and p.length >= 0 and v.length >= 0):
-            bad(f"{where}: bad segment lengths")
         if v.mode not in MODES:
             bad(f"{where}: unknown value mode {v.mode!r}")
         if self.kind == ANCHOR and (v.mode != "abs" or p.coder != "all"):
             bad(f"{where}: anchors hold every element as absolute bits")
-        if (p.coder == "all") != (e.nnz == numel) or (p.coder == "all" and p.length):
-            bad(f"{where}: positions coder 'all' iff every element changes, with no bytes")
         if p.coder == "none" or v.coder == "none":
             bad(f"{where}: changed elements need positions and values")
         if (p.coder in CONTEXT_CODERS or v.coder in CONTEXT_CODERS) and p.coder != v.coder:
@@ -262,10 +270,25 @@ class Manifest:
 
             if self.format_version < 5 or self.kind != DELTA or v.mode != "rel" or not supports(dtype):
                 bad(f"{where}: the context coder needs a format-5 delta of relative steps of a float dtype it supports")
-            if p.coder == "ctx-rans" and (self.format_version < RANS_STREAMS or v.length):
+            if p.coder == "ctx-rans" and self.format_version < RANS_STREAMS:
                 bad(f"{where}: 'ctx-rans' needs format {RANS_STREAMS}, its bytes all in the positions segment")
             if not (self.step_tables or {}).get(dtype):
                 bad(f"{where}: context-coded, but the manifest has no step tables for {dtype}")
+
+    def _check_bytes(self, where: str, e, numel: int, dtype: str, per_blob: list) -> None:
+        """The coders, byte range and hash of a changed tensor or chunk ``e`` (``numel`` elements); a cell
+        table's records get the same rules at once (engine_ext.format.tables.read_cells)."""
+        def bad(msg):
+            raise ManifestError(_cut(msg))
+
+        p, v = e.positions, e.values
+        if not (_is_int(p.length) and _is_int(v.length) and p.length >= 0 and v.length >= 0):
+            bad(f"{where}: bad segment lengths")
+        self.check_coders(where, p, v, dtype)
+        if (p.coder == "all") != (e.nnz == numel) or (p.coder == "all" and p.length):
+            bad(f"{where}: positions coder 'all' iff every element changes, with no bytes")
+        if p.coder == "ctx-rans" and v.length:
+            bad(f"{where}: 'ctx-rans' needs format {RANS_STREAMS}, its bytes all in the positions segment")
         if v.coder == "raw" and v.length != e.nnz * dtype_by_name(dtype).itemsize:
             bad(f"{where}: raw values must be nnz * itemsize bytes")
         if not _is_int(e.blob) or not 0 <= e.blob < len(self.blobs):
@@ -333,6 +356,56 @@ class Manifest:
         if overlap:
             _no_overlap(per_blob)
 
+    def check_tensor(self, t: TensorEntry, names: set, per_blob: list) -> None:
+        """One tensor entry: its name (not in ``names``, then added), dtype, shape, counts, fingerprints and
+        bytes (their ranges appended to ``per_blob``); a cut tensor's chunks, or its cell table's place."""
+        def bad(msg):
+            raise ManifestError(_cut(msg))
+
+        where = f"tensor {t.name!r}"
+        if not isinstance(t.name, str) or not t.name or len(t.name) > 1024 or t.name in names:
+            bad(f"bad or duplicate tensor name {t.name!r:.100}")
+        names.add(t.name)
+        dtype_by_name_checked(t.dtype, where)
+        if not isinstance(t.shape, list) or len(t.shape) > MAX_NDIM or not all(_is_int(s) and s >= 0 for s in t.shape):
+            bad(f"{where}: bad shape {t.shape!r}")
+        if t.numel > MAX_NUMEL:
+            bad(f"{where}: {t.numel} elements, over the {MAX_NUMEL} limit")
+        if not _is_int(t.nnz) or not 0 <= t.nnz <= t.numel:
+            bad(f"{where}: nnz {t.nnz!r} outside [0, {t.numel}]")
+        fpr.parse(t.fingerprint)
+        if self.kind == DELTA or t.base_fingerprint is not None:
+            fpr.parse(t.base_fingerprint)
+        if t.nnz == 0:
+            if t.positions.coder != "none" or t.values.coder != "none" or t.length or t.chunks or t.grid:
+                bad(f"{where}: an unchanged tensor carries no bytes")
+            if self.kind == DELTA and t.fingerprint != t.base_fingerprint:
+                bad(f"{where}: unchanged but fingerprints differ")
+            return
+        if t.chunks is None and t.grid is None and t.cells is None:
+            self._check_bytes(where, t, t.numel, t.dtype, per_blob)
+            return
+        from .chunks import valid_cuts
+
+        if self.format_version < (3 if self.kind == DELTA else CHUNKED_ANCHORS):
+            bad(f"{where}: only format-3 deltas and format-6 anchors come in chunks")
+        if self.kind == ANCHOR and t.nnz != t.numel:
+            bad(f"{where}: a chunked anchor lists every cell ({t.nnz} of {t.numel} elements)")
+        if not valid_cuts(t.grid, t.shape):
+            bad(f"{where}: a chunked tensor needs a valid grid")
+        if t.positions.coder != "none" or t.values.coder != "none" or t.blob is not None or t.sha256 is not None:
+            bad(f"{where}: a chunked tensor carries its bytes in its chunks only")
+        if t.cells is not None:  # format 7: the chunks are checked when read (set_cells)
+            if t.chunks is not None:
+                bad(f"{where}: chunks both inline and in a cell table")
+            self._check_ref(t.cells, f"{where}: cell table", CELL_RECORD_BYTES, per_blob)
+            if t.cells.length != t.cells.count * CELL_RECORD_BYTES:
+                bad(f"{where}: a cell table of {t.cells.count} records is {t.cells.count * CELL_RECORD_BYTES} bytes")
+            if not 1 <= t.cells.count <= min(math.prod(len(c) - 1 for c in t.grid), t.nnz):
+                bad(f"{where}: a cell table of {t.cells.count} cells")
+            return
+        self._check_chunks(t, where, per_blob)
+
     def validate(self) -> None:
         """Raise ManifestError unless every field is consistent and within limits (format 7 before its
         tables are read: every field but the tensors')."""
@@ -379,58 +452,29 @@ class Manifest:
                 bad(f"the tensor tables hold over {MAX_TENSORS} tensors")
             if sum(r.length for r in self.tables) > MAX_TENSOR_TABLES_BYTES:
                 bad(f"the tensor tables take over {MAX_TENSOR_TABLES_BYTES} bytes")
+            if self.index is not None:
+                if self.format_version < INDEXED:
+                    bad(f"only format-{INDEXED} manifests have a name index")
+                self._check_ref(self.index, "the name index", INDEX_RECORD_BYTES, per_blob)
+                if self.index.count != sum(r.count for r in self.tables) or \
+                        self.index.length != self.index.count * INDEX_RECORD_BYTES:
+                    bad(f"the name index holds {self.index.count} records in {self.index.length} bytes "
+                        f"for {sum(r.count for r in self.tables)} tensors")
+            elif self.format_version >= INDEXED:
+                bad(f"a format-{INDEXED} manifest with tensor tables needs a name index")
             if not self.resolved:
                 return _no_overlap(per_blob)
-            if sum(r.count for r in self.tables) != len(self.tensors):
+            if self.held is None and sum(r.count for r in self.tables) != len(self.tensors):
                 bad(f"the tensor tables hold {sum(r.count for r in self.tables)} tensors, {len(self.tensors)} read")
-        names = set()
-        tensor_fps = []
+        elif self.index is not None:
+            bad("only a manifest with tensor tables has a name index")
+        names: set = set()
         for t in self.tensors:
-            where = f"tensor {t.name!r}"
-            if not isinstance(t.name, str) or not t.name or len(t.name) > 1024 or t.name in names:
-                bad(f"bad or duplicate tensor name {t.name!r:.100}")
-            names.add(t.name)
-            dtype_by_name_checked(t.dtype, where)
-            if not isinstance(t.shape, list) or len(t.shape) > MAX_NDIM or not all(_is_int(s) and s >= 0 for s in t.shape):
-                bad(f"{where}: bad shape {t.shape!r}")
-            if t.numel > MAX_NUMEL:
-                bad(f"{where}: {t.numel} elements, over the {MAX_NUMEL} limit")
-            if not _is_int(t.nnz) or not 0 <= t.nnz <= t.numel:
-                bad(f"{where}: nnz {t.nnz!r} outside [0, {t.numel}]")
-            fpr.parse(t.fingerprint)
-            if self.kind == DELTA or t.base_fingerprint is not None:
-                fpr.parse(t.base_fingerprint)
-            tensor_fps.append((t.name, fpr.parse(t.fingerprint)))
-            if t.nnz == 0:
-                if t.positions.coder != "none" or t.values.coder != "none" or t.length or t.chunks or t.grid:
-                    bad(f"{where}: an unchanged tensor carries no bytes")
-                if self.kind == DELTA and t.fingerprint != t.base_fingerprint:
-                    bad(f"{where}: unchanged but fingerprints differ")
-                continue
-            if t.chunks is None and t.grid is None and t.cells is None:
-                self._check_bytes(where, t, t.numel, t.dtype, per_blob)
-                continue
-            from .chunks import valid_cuts
-
-            if self.format_version < (3 if self.kind == DELTA else CHUNKED_ANCHORS):
-                bad(f"{where}: only format-3 deltas and format-6 anchors come in chunks")
-            if self.kind == ANCHOR and t.nnz != t.numel:
-                bad(f"{where}: a chunked anchor lists every cell ({t.nnz} of {t.numel} elements)")
-            if not valid_cuts(t.grid, t.shape):
-                bad(f"{where}: a chunked tensor needs a valid grid")
-            if t.positions.coder != "none" or t.values.coder != "none" or t.blob is not None or t.sha256 is not None:
-                bad(f"{where}: a chunked tensor carries its bytes in its chunks only")
-            if t.cells is not None:  # format 7: the chunks are checked when read (set_cells)
-                if t.chunks is not None:
-                    bad(f"{where}: chunks both inline and in a cell table")
-                self._check_ref(t.cells, f"{where}: cell table", CELL_RECORD_BYTES, per_blob)
-                if t.cells.length != t.cells.count * CELL_RECORD_BYTES:
-                    bad(f"{where}: a cell table of {t.cells.count} records is {t.cells.count * CELL_RECORD_BYTES} bytes")
-                if not 1 <= t.cells.count <= min(math.prod(len(c) - 1 for c in t.grid), t.nnz):
-                    bad(f"{where}: a cell table of {t.cells.count} cells")
-                continue
-            self._check_chunks(t, where, per_blob)
+            self.check_tensor(t, names, per_blob)
         _no_overlap(per_blob)
+        if self.held is not None:  # a rank's own tensors: the model's fingerprints need every one (the driver's read)
+            return
+        tensor_fps = [(t.name, fpr.parse(t.fingerprint)) for t in self.tensors]
         if fpr.fmt(fpr.model_fingerprint(tensor_fps)) != self.fingerprint:
             bad("model fingerprint does not match the tensors' fingerprints")
         if self.kind == DELTA:
@@ -497,8 +541,10 @@ def _parse(d: dict) -> Manifest:
         tables = [TableRef(**_object(r)) for r in tables]
         if tensors:
             raise ManifestError("a manifest with tensor tables lists no tensors inline")
-    rest = {k: v for k, v in d.items() if k not in ("tensors", "blobs", "tables")}
-    return Manifest(blobs=blobs, tensors=tensors, tables=tables, **rest)
+    index = d.get("index")
+    index = None if index is None else TableRef(**_object(index))
+    rest = {k: v for k, v in d.items() if k not in ("tensors", "blobs", "tables", "index")}
+    return Manifest(blobs=blobs, tensors=tensors, tables=tables, index=index, **rest)
 
 
 def _parsed(parse):
@@ -533,49 +579,3 @@ def _tensor(t) -> TensorEntry:
     if t.get("cells") is not None:
         t["cells"] = TableRef(**_object(t["cells"]))
     return TensorEntry(**t)
-
-
-@dataclass
-class Latest:
-    """The LATEST pointer: the newest complete version, its manifest (key and SHA-256), the
-    newest anchor, and until when the pointer may be trusted (a signed pointer that stops
-    being refreshed goes stale: TUF's freeze protection)."""
-
-    version: int
-    manifest: str
-    fingerprint: str
-    anchor_version: int | None = None
-    sha256: str | None = None  # of the manifest's bytes
-    expires_unix: float | None = None
-
-    def signed_bytes(self) -> bytes:
-        """What the pointer's signatures cover (canonical JSON of its fields)."""
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
-
-    def to_json(self, signatures: list | None = None) -> bytes:
-        return json.dumps({"signed": asdict(self), "signatures": signatures or []}).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> tuple["Latest", list]:
-        """(pointer, signatures); a format-1 pointer (a bare object) has no signatures."""
-        if len(data) > MAX_LATEST_BYTES:
-            raise ManifestError(f"LATEST is {len(data)} bytes, over the {MAX_LATEST_BYTES} limit")
-        try:
-            d = json.loads(data)
-            if isinstance(d, dict) and "signed" in d:
-                if set(d) != {"signed", "signatures"} or not isinstance(d["signatures"], list):
-                    raise ValueError("unexpected fields")
-                lt, sigs = cls(**d["signed"]), d["signatures"]
-            else:
-                lt, sigs = cls(**d), []
-        except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as e:
-            raise ManifestError(f"bad LATEST pointer: {type(e).__name__}: {str(e)[:200]}") from None
-        if (not _is_int(lt.version) or lt.version < 0 or not isinstance(lt.manifest, str)
-                or not _KEY_RE.fullmatch(lt.manifest) or lt.manifest.startswith(".")
-                or (lt.sha256 is not None and not (isinstance(lt.sha256, str) and _SHA_RE.fullmatch(lt.sha256)))
-                or not (isinstance(lt.fingerprint, str) and _FP_RE.fullmatch(lt.fingerprint))
-                or (lt.anchor_version is not None and not (_is_int(lt.anchor_version) and 0 <= lt.anchor_version <= lt.version))
-                or (lt.expires_unix is not None and not (isinstance(lt.expires_unix, (int, float))  # NaN, inf: never stale
-                                                         and not isinstance(lt.expires_unix, bool) and math.isfinite(lt.expires_unix)))):
-            raise ManifestError("bad LATEST pointer: a field is malformed")
-        return lt, sigs

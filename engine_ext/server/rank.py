@@ -236,6 +236,10 @@ class RankUpdater:
         return {n: TensorReport(self.fps[n], self.covered[n], _numel(self.checkpoint[n][0])) for n in names}
 
     # ---- fetch (while serving)
+    def held(self) -> set[str]:
+        """The checkpoint tensors this rank holds some of: the entries it reads of a manifest (format 10)."""
+        return {n for n in self.checkpoint if n in self.host or any(p.numel for p in self.maps[n].pieces)}
+
     def selection(self, m) -> dict:
         """What of manifest ``m`` this rank needs: {changed tensor it holds: the grid cells that
         meet its boxes (a set, maybe empty: it holds the tensor but none of its changes), or
@@ -277,7 +281,7 @@ class RankUpdater:
 
     def _fetch(self, job: _Fetch, store_uri: str, route: list[dict], deadline: float) -> None:
         from ..format.delta import compose
-        from ..store.reader import fetch_selected, open_manifest
+        from ..store.reader import fetch_selected, open_held
         from ..store import open_store
 
         bases = _LiveBases(self)
@@ -286,11 +290,13 @@ class RankUpdater:
             store.deadline = deadline
             parts: dict[str, list[TensorDelta]] = {}
             links: dict[str, set[int]] = {}  # which links of the route changed each tensor
+            held = self.held()
             for i, link in enumerate(route):
                 raw = store.read(link["key"], max_bytes=link["max_bytes"])
                 if hashlib.sha256(raw).hexdigest() != link["sha256"]:
                     raise IntegrityError(f"{store.key_uri(link['key'])}: the manifest changed since the driver verified it")
-                m = open_manifest(store, raw)
+                m, n = open_held(store, raw, held)  # its own entries (format 10); the driver checked the whole
+                job.bytes += n
                 sel = self.selection(m)
                 job.names.update(sel)
                 job.fps.update({name: self.fps[name] for name in sel if name not in job.fps})

@@ -28,7 +28,7 @@ import os
 import urllib.parse
 
 from ..errors import SourceError
-from ..format.manifest import LATEST_KEY
+from ..format.latest import LATEST_KEY
 from .base import Store, _check_key
 from .versions import publish_version
 

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from ..errors import ConflictError, FetchTimeoutError, ForbiddenSourceError, IntegrityError, NotFoundError, SourceError
-from ..format.manifest import MAX_LATEST_BYTES
+from ..format.latest import MAX_LATEST_BYTES
 
 _TMP_PREFIX = ".engine-ext-tmp-"  # temp files of in-progress local writes; never listed
 

@@ -6,7 +6,7 @@ from typing import Callable
 
 from .. import settings
 from ..errors import ConflictError, ForbiddenSourceError, IntegrityError, NotFoundError, SourceError
-from ..format.manifest import MAX_LATEST_BYTES
+from ..format.latest import MAX_LATEST_BYTES
 from .base import _CONTENT_RANGE, ReadCut, Store, _check_key, _check_range, _short, _too_large
 
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from ..errors import ConflictError, ForbiddenSourceError, NotFoundError, SourceError
-from ..format.manifest import MAX_LATEST_BYTES
+from ..format.latest import MAX_LATEST_BYTES
 from .base import _TMP_PREFIX, Store, _check_key, _check_prefix, _check_range, _short, _too_large
 
 

@@ -33,7 +33,8 @@ from .. import settings
 from ..format.delta import TensorDelta, apply_tensor
 from ..format.dtypes import as_bits, dtype_by_name
 from ..errors import BaseMismatchError, IntegrityError, ManifestError, ModelMismatchError, NotFoundError
-from ..format.manifest import CONTEXT_CODERS, LATEST_KEY, MAX_LATEST_BYTES, MAX_MANIFEST_BYTES, Latest, Manifest
+from ..format.latest import LATEST_KEY, MAX_LATEST_BYTES, Latest
+from ..format.manifest import CONTEXT_CODERS, MAX_MANIFEST_BYTES, Manifest
 from .signing import MAX_SIGNATURE_BYTES, SIG_SUFFIX, SignatureError, Trust, sha256_hex
 from . import Store, split_uri
 
@@ -86,14 +87,37 @@ def read_link(store: Store, key: str, trust: Trust | None = None, max_bytes: int
 
 
 def open_manifest(store: Store, raw: bytes, workers: int = 8) -> Manifest:
-    """A manifest from its (already trusted) bytes, with every tensor entry: a format-7 manifest's
-    tensor tables are read from its blobs by range, each checked against its SHA-256 and count
-    (:func:`engine_ext.format.tables.resolve`). Cell tables are read only for the tensors fetched (:func:`load_cells`)."""
+    """A manifest from its (already trusted) bytes, with every tensor entry: a manifest's tensor
+    tables (format 7 and 10) and name index (10) are read from its blobs by range, each checked against
+    its SHA-256 and count (:func:`engine_ext.format.tables.resolve`). Cell tables are read only for the
+    tensors fetched (:func:`load_cells`)."""
     m = Manifest.from_json(raw)
     if not m.resolved:
-        got, _ = _read_ranges(store, m, [(r.blob, r.offset, r.length) for r in m.tables], workers)
-        tables.resolve(m, [bytes(got[(r.blob, r.offset)]) for r in m.tables])
+        refs = [*m.tables, *([m.index] if m.index is not None else [])]
+        got, _ = _read_ranges(store, m, [(r.blob, r.offset, r.length) for r in refs], workers)
+        index = None if m.index is None else bytes(got[(m.index.blob, m.index.offset)])
+        tables.resolve(m, [bytes(got[(r.blob, r.offset)]) for r in m.tables], index)
     return m
+
+
+def open_held(store: Store, raw: bytes, names, workers: int = 8) -> tuple[Manifest, int]:
+    """A manifest from its (already trusted) bytes with the entries of ``names`` only (a rank's own
+    tensors), and the bytes read for them: a format-10 manifest's name index, then only the tensor
+    tables that hold those names (:func:`engine_ext.format.tables.lookup`, :func:`~engine_ext.format.tables.select`).
+    The checks over every tensor (fingerprints of the whole model, the served tensor set) are the
+    driver's, which reads the whole (:func:`open_manifest`). Other formats are read whole."""
+    m = Manifest.from_json(raw)
+    if m.resolved or m.index is None:
+        if m.resolved:
+            return m, 0
+        m = open_manifest(store, raw, workers)
+        return m, sum(r.length for r in m.tables)
+    got, read = _read_ranges(store, m, [(m.index.blob, m.index.offset, m.index.length)], workers)
+    places, found = tables.lookup(m, bytes(got[(m.index.blob, m.index.offset)]), names)
+    refs = [m.tables[i] for i in places]
+    got, n = _read_ranges(store, m, [(r.blob, r.offset, r.length) for r in refs], workers)
+    tables.select(m, places, {i: bytes(got[(r.blob, r.offset)]) for i, r in zip(places, refs)}, names, found)
+    return m, read + n
 
 
 def load_cells(store: Store, m: Manifest, names=None, workers: int = 8) -> int:

@@ -8,7 +8,7 @@ from typing import Callable
 
 from .. import settings
 from ..errors import ConflictError, IntegrityError, NotFoundError, SourceError
-from ..format.manifest import MAX_LATEST_BYTES
+from ..format.latest import MAX_LATEST_BYTES
 from .base import _CONTENT_RANGE, ReadCut, Store, _check_key, _check_prefix, _check_range, _short, _too_large
 
 _S3_CLIENTS: dict[tuple, object] = {}

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Mapping
 
 from ..errors import ConflictError
-from ..format.manifest import LATEST_KEY, Latest
+from ..format.latest import LATEST_KEY, Latest
 from .base import Store
 
 MAX_CLAIM_BYTES = 256

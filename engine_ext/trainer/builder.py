@@ -45,7 +45,8 @@ from ..format.codec import ChunkedEncoded, Encoded
 from ..format.dtypes import BY_SAFETENSORS, DType
 from ..format.pieces import PIECES, cuts
 from ..format.tables import tabulate
-from ..format.manifest import (ANCHOR, DELTA, Blob, Chunk, Latest, Manifest, Segment, TensorEntry, listed_ranges,
+from ..format.latest import Latest
+from ..format.manifest import (ANCHOR, DELTA, Blob, Chunk, Manifest, Segment, TensorEntry, listed_ranges,
                                manifest_key)
 from ..store.base import _TMP_PREFIX
 from ..store.signing import Signer

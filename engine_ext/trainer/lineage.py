@@ -28,7 +28,8 @@ from ..store import reader, route
 from ..format.delta import ABS
 from ..format.dtypes import DType, apply_step, dtype_by_name
 from ..errors import IntegrityError, ModelMismatchError, NotFoundError, PartlyHeldError
-from ..format.manifest import ANCHOR, Latest, manifest_key
+from ..format.latest import Latest
+from ..format.manifest import ANCHOR, manifest_key
 from ..store.signing import Trust
 from ..store import Store
 

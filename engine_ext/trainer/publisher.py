@@ -41,7 +41,8 @@ from ..errors import ConflictError, DeltaError
 from ..format.quantize import quantizer
 from ..store.signing import Signer, Trust
 from ..format.dtypes import as_bits, dtype_of, served_dtype, to_served
-from ..format.manifest import ANCHOR, DELTA, LATEST_KEY, MAX_LATEST_BYTES, Latest, manifest_key
+from ..format.latest import LATEST_KEY, MAX_LATEST_BYTES, Latest
+from ..format.manifest import ANCHOR, DELTA, manifest_key
 from ..store import Store, open_store
 from .checkpoint_layout import to_checkpoint_layout, transformers_model
 

@@ -5,10 +5,11 @@
 Three versions of a small model whose tensors reach every coder the publisher writes: an anchor
 (``raw`` values, cut into cells: format 6), a delta of few changes per tensor (``zstd`` and
 ``pco`` gaps and values, ``all`` positions, an unchanged tensor), and a delta of many changes
-(``ctx-rans``, codec v2, with step tables: format 9) whose entries and cells sit in tables. v1's
-entries are inline (format 5); the anchor is hashed by pieces (format 8). ``store-f8`` holds the
-same inputs as this script wrote them before format 9 (``ctx`` in format 7's tables), kept as
-committed so that readers keep reading them. The signing key is committed with it (a test key, signing nothing
+(``ctx-rans``, codec v2, with step tables) whose entries and cells sit in tables (format 10: binary
+tensor tables behind a name index). v1's entries are inline (format 5); the anchor, in tables too, is
+hashed by pieces. ``store-f8`` and ``store-f9`` hold the same inputs as this script wrote them before
+format 9 (``ctx`` in format 7's tables) and before format 10 (format 7's JSON tables, formats 8 and 9),
+kept as committed so that readers keep reading them. The signing key is committed with it (a test key, signing nothing
 else). The inputs come from a seeded generator; nothing here depends on the clock.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 STORE = HERE / "store"
 FORMAT_8 = HERE / "store-f8"  # written before format 9 (format 5's ctx streams); never rewritten
+FORMAT_9 = HERE / "store-f9"  # written before format 10 (format 7's JSON tensor tables); never rewritten
 KEY = HERE / "golden.key"
 PUBLISHER = dict(model="golden", anchor_every=0, chunk_min_cell=1024, dtype=None, workers=1)
 INLINE_ENTRIES = {0: 4, 1: 4096, 2: 4}  # ENGINE_EXT_INLINE_ENTRIES per version

@@ -1,1 +1,1 @@
-{"signatures": [{"keyid": "a578660691bc67c4", "sig": "22c1d340e26eb6de9ac9ddb787321803488bb5e91b4d15d463a9058a5d41a74f6bb25805e5d17bea95ed2e15c4fe63f92a1d23c56ef74f7eb94572e5495f9908"}]}
+{"signatures": [{"keyid": "a578660691bc67c4", "sig": "a5d0fcb3867261afa41bf9dc1161376fa5db90a6bc740b6b7fff839d6d8b058eaaeb32b75bc7cbefaf41aa38eefe3cf0c8b7cfaf6171b1d277bbe91edbb55107"}]}

@@ -1,1 +1,1 @@
-{"signatures": [{"keyid": "a578660691bc67c4", "sig": "32ad6fd8133b4346fdde69c7b8721751eccce8c7d71cafcd6f85af090a772caa6a10bb0c87617561f8544ca48b181a56c00cb8ddc8cac57e18c95708f6babc0a"}]}
+{"signatures": [{"keyid": "a578660691bc67c4", "sig": "22744fd9fc3272da7eb3a7f50f38c4f17a14b367d7dc3f119a906df9ebdad7ce7c04aa7c97c3921e9060ac443a02abd35411bf1f93b74dce63c674fd8f2b630a"}]}

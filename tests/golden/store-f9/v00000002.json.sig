@@ -1,0 +1,1 @@
+{"signatures": [{"keyid": "a578660691bc67c4", "sig": "32ad6fd8133b4346fdde69c7b8721751eccce8c7d71cafcd6f85af090a772caa6a10bb0c87617561f8544ca48b181a56c00cb8ddc8cac57e18c95708f6babc0a"}]}
