@@ -48,15 +48,16 @@ def moe_tensors(layers: int, experts: int, hidden: int = 7168, inter: int = 2048
     return out
 
 
-def delta_manifest(tensors, density: float = 0.003, bytes_per_change: float = 1.2) -> Manifest:
+def delta_manifest(tensors, density: float = 0.003, bytes_per_change: float = 1.2, part: str = "") -> Manifest:
     """One delta version's manifest: every tensor changed at ``density`` (at least one element),
-    big ones cut into the default grid's cells, bytes laid out one after another in 256 MB blobs."""
+    big ones cut into the default grid's cells, bytes laid out one after another in 256 MB blobs
+    (named after ``part``: a sharded version's parts each name their own)."""
     blobs, at, entries = [], [0], []
     sha = hashlib.sha256(b"x").hexdigest()
 
     def place(n: int) -> tuple[int, int]:
         if not blobs or at[0] + n > 256 << 20:
-            blobs.append(Blob(f"v00000002.{len(blobs)}.{sha[:32]}.bin", 0, sha))
+            blobs.append(Blob(f"v00000002.{part}{len(blobs)}.{sha[:32]}.bin", 0, sha))
             at[0] = 0
         offset, at[0] = at[0], at[0] + n
         blobs[-1].size = at[0]
@@ -123,18 +124,15 @@ def rank_read(raw: bytes, bytes_of, want: dict) -> dict:
     got = {i: bytes_of(m.tables[i]) for i in places}
     tables_mod.select(m, places, got, want, found)
     read = len(raw) + m.index.length + sum(len(b) for b in got.values())
-    data = 0
-    for t in m.tensors:
-        if not t.nnz:
-            continue
-        if t.cells is None:
-            data += t.length
-            continue
-        read += t.cells.length
-        tables_mod.set_cells(m, t, bytes_of(t.cells))
+    cut = [t for t in m.tensors if t.cells is not None]
+    read += sum(t.cells.length for t in cut)
+    tables_mod.set_cells(m, [(t, bytes_of(t.cells)) for t in cut])
+    seconds = time.perf_counter() - t0
+    data = sum(t.length for t in m.tensors if t.nnz and t.grid is None)
+    for t in cut:
         boxes = t.boxes()
         data += sum(c.length for c in t.chunks if any(meets(boxes[c.cell], a, b) for a, b in want[t.name]))
-    return {"seconds": time.perf_counter() - t0, "read_bytes": read, "data_bytes": data, "tensors": len(m.tensors)}
+    return {"seconds": seconds, "read_bytes": read, "data_bytes": data, "tensors": len(m.tensors)}
 
 
 def measure(layers: int, experts: int, ep: int, tp: bool = True) -> dict:

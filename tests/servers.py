@@ -75,25 +75,36 @@ class HttpServer:
 
 
 def _etag(path_or_file) -> str:
-    """A strong ETag: the SHA-256 of the file's bytes (fine for the small objects tests replace).
-    Given an open file, of that file (its position is kept), so that an answer's ETag, length and
-    body describe one state of an object that a PUT may be replacing meanwhile."""
+    """A strong ETag: the SHA-256 of the file's bytes. Given an open file, of that file (its position is
+    kept), so that an answer's ETag, length and body describe one state of an object that a PUT may be
+    replacing meanwhile. Cached per file state (device, inode, mtime, size: a PUT replaces the inode), so
+    that range reads of a big blob (bench/k2_step.py) do not hash it whole on every request."""
+    if isinstance(path_or_file, (str, os.PathLike)):
+        with open(path_or_file, "rb") as f:
+            return _etag(f)
+    st = os.fstat(path_or_file.fileno())
+    return _etag_of(path_or_file, (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
+
+
+_ETAGS: dict = {}
+
+
+def _etag_of(f, state: tuple) -> str:
     import hashlib
 
-    if not isinstance(path_or_file, (str, os.PathLike)):
-        at = path_or_file.tell()
-        path_or_file.seek(0)
-        h = hashlib.sha256(path_or_file.read()).hexdigest()
-        path_or_file.seek(at)
-        return '"' + h[:32] + '"'
-    with open(path_or_file, "rb") as f:
-        return _etag(f)
+    if state not in _ETAGS:
+        at = f.tell()
+        f.seek(0)
+        _ETAGS[state] = '"' + hashlib.sha256(f.read()).hexdigest()[:32] + '"'
+        f.seek(at)
+    return _ETAGS[state]
 
 
 class RangeHandler(SimpleHTTPRequestHandler):
     """Static files with single-range ``Range`` support (SimpleHTTPRequestHandler has none)."""
 
     protocol_version = "HTTP/1.1"  # keep-alive, as real servers do
+    disable_nagle_algorithm = True  # TCP_NODELAY, as real servers set: else a small answer waits ~40 ms for an ACK
 
     def log_message(self, *args):  # keep test output quiet
         pass

@@ -208,8 +208,8 @@ def test_a_table_that_lies_about_its_contents_is_refused(tmp_path):
     fresh, raw = table([dict(rows[0], nnz=rows[0]["nnz"] + 1)] + rows[1:])  # one change more than its cells hold
     tables.resolve(fresh, [raw])  # a cell table is checked when it is read
     w, blob = fresh.tensors[0], (tmp_path / m.blobs[-1].key).read_bytes()
-    with pytest.raises(ManifestError, match="chunks hold"):
-        tables.set_cells(fresh, w, blob[w.cells.offset:w.cells.offset + w.cells.length])
+    with pytest.raises(ManifestError, match="another count of changes"):
+        tables.set_cells(fresh, [(w, blob[w.cells.offset:w.cells.offset + w.cells.length])])
     assert w.chunks is None and w.cells is not None  # nothing taken
     fresh, raw = table(rows)
     with pytest.raises(ManifestError, match="1 tensor tables|tables given"):
@@ -317,7 +317,7 @@ def test_any_table_bytes_give_a_manifest_error_or_a_valid_manifest(small, data):
     if w.cells is None:
         return
     try:
-        tables.set_cells(m, w, with_table(m, w.cells, cells))
+        tables.set_cells(m, [(w, with_table(m, w.cells, cells))])
     except ManifestError:
         assert w.chunks is None
         return

@@ -17,8 +17,10 @@ its SHA-256 and count before it is parsed; the entries are then checked as inlin
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
+import operator
 from typing import Callable
 
 import numpy as np
@@ -34,6 +36,8 @@ CELL_RECORD = np.dtype([("cell", "<u4"), ("nnz", "<u8"), ("blob", "<u4"), ("offs
                         ("values_coder", "u1"), ("mode", "u1"), ("sha256", "V32")])
 CELL_CODERS = ("none", "all", "raw", "pco", "zstd", "ctx", "ctx-rans")  # a coder's byte in a record: its index
 CELL_MODES = (None, "abs", "rel")
+_CODER_INDEX = {c: i for i, c in enumerate(CELL_CODERS)}
+_MODE_INDEX = {md: i for i, md in enumerate(CELL_MODES)}
 assert CELL_RECORD.itemsize == CELL_RECORD_BYTES  # what the manifest's checks count with
 
 # Format 10. A tensor table: u32 names bytes, u32 shapes bytes, ``count`` records, the names (UTF-8, in
@@ -67,7 +71,11 @@ def tabulate(m: Manifest, put: Callable[[bytes], tuple[int, int]], per_table: in
         blob, offset = put(raw)
         return TableRef(blob, offset, len(raw), hashlib.sha256(raw).hexdigest(), count)
 
-    cells = [ref(cell_table(t.chunks), len(t.chunks)) if t.chunks is not None else t.cells for t in m.tensors]
+    cut = [t.chunks for t in m.tensors if t.chunks is not None]
+    raw = cell_table([c for chunks in cut for c in chunks])  # every record at once, then each tensor's range
+    at = np.cumsum([0] + [len(c) for c in cut]).tolist()
+    refs = iter([ref(raw[a * CELL_RECORD.itemsize:b * CELL_RECORD.itemsize], b - a) for a, b in zip(at, at[1:])])
+    cells = [next(refs) if t.chunks is not None else t.cells for t in m.tensors]
     per = per_table or max(PER_TABLE, -(-len(m.tensors) // MAX_TABLES)) if binary else per_table or 4096
     starts = range(0, len(m.tensors), per)
     if binary:
@@ -276,72 +284,104 @@ def resolve(m: Manifest, tables: list[bytes], index: bytes | None = None) -> Non
         raise
 
 
-def set_cells(m: Manifest, t: TensorEntry, raw: bytes) -> None:
-    """Take a cut tensor's chunks from the bytes of its cell table, checked against the table's
-    SHA-256 and count and then as inline chunks are (:func:`read_cells`)."""
-    if t.cells is None:
-        return
-    t.chunks, t.cells = read_cells(t.cells, raw, f"tensor {t.name!r}: cell table", m, t), None
+def set_cells(m: Manifest, items: list[tuple[TensorEntry, bytes]]) -> None:
+    """Take cut tensors' chunks from the bytes of their cell tables (``items``: (tensor, bytes)), every
+    table checked against its SHA-256 and count and every record as inline chunks are
+    (:func:`read_cells`); nothing is taken unless every table checks."""
+    items = [(t, raw) for t, raw in items if t.cells is not None]
+    for (t, _), chunks in zip(items, read_cells(m, items)):
+        t.chunks, t.cells = chunks, None
 
 
 def cell_table(chunks: list[Chunk]) -> bytes:
-    """A cut tensor's chunks as its cell table: one :data:`CELL_RECORD` each, in order."""
+    """Chunks as cell table records: one :data:`CELL_RECORD` each, in order (a field at a time: a
+    Kimi-K2 version writes over a million)."""
     rec = np.zeros(len(chunks), CELL_RECORD)
-    for i, c in enumerate(chunks):
-        rec[i] = (c.cell, c.nnz, c.blob, c.offset, c.positions.length, c.values.length,
-                  CELL_CODERS.index(c.positions.coder), CELL_CODERS.index(c.values.coder),
-                  CELL_MODES.index(c.values.mode), bytes.fromhex(c.sha256))
+    n, coder, mode = len(chunks), _CODER_INDEX, _MODE_INDEX
+    for f in ("cell", "nnz", "blob", "offset"):
+        rec[f] = np.fromiter(map(operator.attrgetter(f), chunks), np.uint64, n)
+    rec["positions_length"] = np.fromiter((c.positions.length for c in chunks), np.uint64, n)
+    rec["values_length"] = np.fromiter((c.values.length for c in chunks), np.uint64, n)
+    rec["positions_coder"] = np.fromiter((coder[c.positions.coder] for c in chunks), np.uint8, n)
+    rec["values_coder"] = np.fromiter((coder[c.values.coder] for c in chunks), np.uint8, n)
+    rec["mode"] = np.fromiter((mode[c.values.mode] for c in chunks), np.uint8, n)
+    rec["sha256"] = np.frombuffer(bytes.fromhex("".join([c.sha256 for c in chunks])), "V32")
     return rec.tobytes()
 
 
-def read_cells(ref: TableRef, raw: bytes, where: str, m: Manifest, t: TensorEntry) -> list[Chunk]:
-    """The chunks of tensor ``t``'s cell table, its bytes checked against its length and SHA-256, then
-    every record by the rules inline chunks meet (Manifest._check_chunks, _check_bytes), over all
-    records at once: a rank reads ~70,000 of them per Kimi-K2 version. The coders' rules are checked once
-    per distinct (positions, values, mode) triple (Manifest.check_coders)."""
-    from .chunks import box_numel
+def read_cells(m: Manifest, items: list[tuple[TensorEntry, bytes]]) -> list[list[Chunk]]:
+    """The chunks of each tensor's cell table (``items``: (tensor, bytes)), the bytes checked against the
+    table's length and SHA-256, then every record by the rules inline chunks meet (Manifest._check_chunks,
+    _check_bytes), over all records of all tables at once: a rank reads ~70,000 of them per Kimi-K2
+    version. The coders' rules are checked once per distinct (positions, values, mode, dtype)."""
     from .dtypes import dtype_by_name
 
-    _verify(ref, raw, where)
-    if len(raw) != ref.count * CELL_RECORD.itemsize:
-        raise ManifestError(f"{where}: {len(raw)} bytes for {ref.count} records")
-    rec = np.frombuffer(raw, CELL_RECORD)
+    for t, raw in items:
+        _verify(t.cells, raw, f"tensor {t.name!r}: cell table")
+        if len(raw) != t.cells.count * CELL_RECORD.itemsize:
+            raise ManifestError(f"tensor {t.name!r}: cell table: {len(raw)} bytes for {t.cells.count} records")
+    if not items:
+        return []
+    rec = np.frombuffer(b"".join(raw for _, raw in items), CELL_RECORD)
+    counts = np.array([t.cells.count for t, _ in items], np.int64)
+    owner = np.repeat(np.arange(len(items)), counts)
+
+    def check(bad, msg: str) -> None:
+        if bad.any():
+            raise ManifestError(f"tensor {items[owner[int(np.argmax(bad))]][0].name!r}: cell table: {msg}")
+
     pc, vc, mode = rec["positions_coder"], rec["values_coder"], rec["mode"]
-    if (pc >= len(CELL_CODERS)).any() or (vc >= len(CELL_CODERS)).any() or (mode >= len(CELL_MODES)).any():
-        raise ManifestError(f"{where}: unknown coder or mode")
-    for p, v, md in {(int(a), int(b), int(c)) for a, b, c in zip(pc, vc, mode)}:
-        m.check_coders(where, Segment(CELL_CODERS[p], 0), Segment(CELL_CODERS[v], 0, CELL_MODES[md]), t.dtype)
-    numel = np.array([box_numel(b) for b in t.boxes()], np.uint64)
+    check((pc >= len(CELL_CODERS)) | (vc >= len(CELL_CODERS)) | (mode >= len(CELL_MODES)), "unknown coder or mode")
+    dtypes = sorted({t.dtype for t, _ in items})
+    dt = np.array([dtypes.index(t.dtype) for t, _ in items], np.int64)[owner]
+    for p, v, md, d in {tuple(x) for x in np.stack([pc, vc, mode, dt], 1).tolist()}:
+        m.check_coders("a cell table", Segment(CELL_CODERS[p], 0), Segment(CELL_CODERS[v], 0, CELL_MODES[md]), dtypes[d])
+    numels = [_cell_numels(tuple(t.shape), t.grid) for t, _ in items]
+    first = np.cumsum([0] + [len(x) for x in numels])[:-1]
     cell, nnz = rec["cell"].astype(np.int64), rec["nnz"]
+    check(cell >= np.array([len(x) for x in numels])[owner], "a cell that is not in the grid")
+    key = owner * (1 << 32) + cell
+    o = np.argsort(key, kind="stable")
+    twice = np.zeros(len(key), bool)
+    twice[o[1:]] = key[o[1:]] == key[o[:-1]]
+    check(twice, "a cell listed twice")
+    box = np.concatenate(numels)[first[owner] + cell]
+    check((nnz == 0) | (nnz > box), "a cell's nnz is outside [1, its elements]")
+    held = np.add.reduceat(nnz, np.cumsum(counts) - counts, dtype=np.uint64)
+    check((held != np.array([t.nnz for t, _ in items], np.uint64))[owner], "its chunks hold another count of changes than the tensor")
     plen, vlen, offset, blob = rec["positions_length"], rec["values_length"], rec["offset"], rec["blob"]
-    if (cell >= len(numel)).any() or np.unique(cell).size != len(cell):
-        raise ManifestError(f"{where}: a cell that is not in the grid, or listed twice")
-    box = numel[cell]
-    if ((nnz == 0) | (nnz > box)).any():
-        raise ManifestError(f"{where}: a cell's nnz is outside [1, its elements]")
-    if int(nnz.sum(dtype=np.uint64)) != t.nnz:
-        raise ManifestError(f"{where}: chunks hold {int(nnz.sum(dtype=np.uint64))} changes, the tensor {t.nnz}")
     every = pc == CELL_CODERS.index("all")
-    if ((every != (nnz == box)) | (every & (plen != 0))).any():
-        raise ManifestError(f"{where}: positions coder 'all' iff every element changes, with no bytes")
-    if ((pc == CELL_CODERS.index("ctx-rans")) & (vlen != 0)).any():
-        raise ManifestError(f"{where}: 'ctx-rans' keeps its bytes all in the positions segment")
-    if ((vc == CELL_CODERS.index("raw")) & (vlen != nnz * np.uint64(dtype_by_name(t.dtype).itemsize))).any():
-        raise ManifestError(f"{where}: raw values must be nnz * itemsize bytes")
-    if (blob >= len(m.blobs)).any():
-        raise ManifestError(f"{where}: bad blob index")
+    check((every != (nnz == box)) | (every & (plen != 0)), "positions coder 'all' iff every element changes, with no bytes")
+    check((pc == CELL_CODERS.index("ctx-rans")) & (vlen != 0), "'ctx-rans' keeps its bytes all in the positions segment")
+    size = np.array([dtype_by_name(d).itemsize for d in dtypes], np.uint64)[dt]
+    check((vc == CELL_CODERS.index("raw")) & (vlen != nnz * size), "raw values must be nnz * itemsize bytes")
+    check(blob >= len(m.blobs), "bad blob index")
     big = np.uint64(1 << 62)  # every term bounded first: their sum cannot wrap
     sizes = np.array([min(b.size, 1 << 62) for b in m.blobs] or [0], np.uint64)
-    if ((offset > big) | (plen > big) | (vlen > big)).any() or (offset + plen + vlen > sizes[blob]).any():
-        raise ManifestError(f"{where}: byte range beyond its blob")
-    order = np.lexsort((offset, blob))
-    ends = (offset + plen + vlen)[order]
-    if ((blob[order][1:] == blob[order][:-1]) & (offset[order][1:] < ends[:-1])).any():
-        raise ManifestError(f"{where}: two cells overlap in their blob")
+    check((offset > big) | (plen > big) | (vlen > big), "byte range beyond its blob")
+    check(offset + plen + vlen > sizes[np.minimum(blob, len(sizes) - 1)], "byte range beyond its blob")
+    order = np.lexsort((offset, blob, owner))
+    end = (offset + plen + vlen)[order]
+    same = (owner[order][1:] == owner[order][:-1]) & (blob[order][1:] == blob[order][:-1])
+    check(np.r_[False, same & (offset[order][1:] < end[:-1])][np.argsort(order)], "two cells overlap in their blob")
     cols = [rec[f].tolist() for f in ("cell", "nnz", "blob", "offset", "positions_length", "values_length",
                                       "positions_coder", "values_coder", "mode", "sha256")]
-    return [Chunk(c, n, b, o, h.hex(), Segment(CELL_CODERS[p], pl), Segment(CELL_CODERS[v], vl, CELL_MODES[md]))
-            for c, n, b, o, pl, vl, p, v, md, h in zip(*cols)]
+    chunks = [Chunk(c, n, b, o, h.hex(), Segment(CELL_CODERS[p], pl), Segment(CELL_CODERS[v], vl, CELL_MODES[md]))
+              for c, n, b, o, pl, vl, p, v, md, h in zip(*cols)]
+    at = np.cumsum(counts).tolist()
+    return [chunks[a - n:a] for a, n in zip(at, counts.tolist())]
+
+
+@functools.lru_cache(maxsize=1024)
+def _cells_of(shape: tuple, grid: tuple) -> np.ndarray:
+    from .chunks import box_numel, boxes
+
+    return np.array([box_numel(b) for b in boxes([list(c) for c in grid], shape)], np.uint64)
+
+
+def _cell_numels(shape: tuple, grid) -> np.ndarray:
+    """The elements of each cell of ``grid`` (a tensor's, already checked valid), cached per distinct grid."""
+    return _cells_of(shape, tuple(map(tuple, grid)))
 
 
 def read_table(ref: TableRef, raw: bytes, where: str) -> list:

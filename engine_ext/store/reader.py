@@ -122,13 +122,12 @@ def open_held(store: Store, raw: bytes, names, workers: int = 8) -> tuple[Manife
 
 def load_cells(store: Store, m: Manifest, names=None, workers: int = 8) -> int:
     """Read the cell tables (format 7) of the cut tensors in ``names`` (None: all) whose chunks are not
-    read yet, close ones together (:func:`engine_ext.format.tables.set_cells` checks each). Returns the bytes read."""
+    read yet, close ones together (:func:`engine_ext.format.tables.set_cells` checks them all). Returns the bytes read."""
     todo = [t for t in m.tensors if t.cells is not None and (names is None or t.name in names)]
     if not todo:
         return 0
     got, read = _read_ranges(store, m, [(t.cells.blob, t.cells.offset, t.cells.length) for t in todo], workers)
-    for t in todo:
-        tables.set_cells(m, t, bytes(got[(t.cells.blob, t.cells.offset)]))
+    tables.set_cells(m, [(t, bytes(got[(t.cells.blob, t.cells.offset)])) for t in todo])
     return read
 
 
@@ -507,9 +506,8 @@ def decode_manifest(m: Manifest, blobs: list, workers: int = 8, limit: int | Non
                     bases: Bases | None = None) -> list[TensorDelta]:
     """Decode every changed tensor from whole (verified) blobs."""
     check_decode_budget(m, limit)
-    for t in m.tensors:
-        if t.cells is not None:
-            tables.set_cells(m, t, bytes(memoryview(blobs[t.cells.blob])[t.cells.offset:t.cells.offset + t.cells.length]))
+    tables.set_cells(m, [(t, bytes(memoryview(blobs[t.cells.blob])[t.cells.offset:t.cells.offset + t.cells.length]))
+                         for t in m.tensors if t.cells is not None])
     parts = _parts(m, None)
     by_key = {(p.blob, p.offset): p for p in parts}
 
