@@ -20,14 +20,17 @@ class Rank(torch.nn.Module):
     """Holds share r of ``world`` of every tensor named in ``sharded`` (rows, or columns for the
     names in ``by_column``), all of the others. Names in ``padded`` are split as vLLM splits a
     vocabulary: rows padded to a multiple of 64 first, so the last shares hold fewer real rows
-    (their parameter keeps the padding rows, never loaded)."""
+    (their parameter keeps the padding rows, never loaded). Names in ``absent`` it does not hold at
+    all (another expert-parallel rank's experts): no parameter, its loader skips them."""
 
-    def __init__(self, r: int, sd: dict, sharded=("w",), world: int = 2, by_column=(), padded=()):
+    def __init__(self, r: int, sd: dict, sharded=("w",), world: int = 2, by_column=(), padded=(), absent=()):
         super().__init__()
         self.r, self.world, self.sharded = r, world, set(sharded)
-        self.by_column, self.padded = set(by_column), set(padded)
+        self.by_column, self.padded, self.absent = set(by_column), set(padded), set(absent)
         self.names = {}
         for i, (name, t) in enumerate(sd.items()):
+            if name in self.absent:
+                continue
             shape = list(t.shape)
             if name in self.sharded:
                 axis = 1 if name in self.by_column else 0
@@ -37,6 +40,8 @@ class Rank(torch.nn.Module):
             self.register_parameter(self.names[name], torch.nn.Parameter(torch.zeros(shape, dtype=t.dtype), requires_grad=False))
 
     def load(self, name: str, t: torch.Tensor) -> None:
+        if name in self.absent:
+            return
         p = getattr(self, self.names[name])
         with torch.no_grad():
             if name not in self.sharded:
@@ -53,8 +58,8 @@ class Rank(torch.nn.Module):
         return getattr(self, self.names[name])
 
 
-def make_rank(r: int, sd: dict, sharded=("w",), world: int = 2, by_column=(), padded=()) -> RankUpdater:
-    m = Rank(r, sd, sharded, world, by_column, padded)
+def make_rank(r: int, sd: dict, sharded=("w",), world: int = 2, by_column=(), padded=(), absent=()) -> RankUpdater:
+    m = Rank(r, sd, sharded, world, by_column, padded, absent)
     for n, t in sd.items():
         m.load(n, t)
     specs = {n: (tuple(t.shape), BY_TORCH[t.dtype]) for n, t in sd.items()}

@@ -461,3 +461,34 @@ def test_any_binary_table_bytes_give_a_manifest_error_or_a_valid_manifest(small_
             assert not fresh.tensors
             continue
         assert {t.name for t in fresh.tensors} <= names
+
+
+def test_expert_parallel_ranks_read_only_their_own_tensor_tables(tmp_path):
+    """In-process ranks (the code vLLM's and SGLang's workers run): rank 0 holds expert 0, rank 1 expert 1,
+    both hold ``w`` in halves and the small tensors. One tensor per table: each rank reads the name index
+    and the tables of its own tensors, never the other expert's; the update lands bit-exact on both."""
+    states = _states(steps=2)
+    with mock.patch.object(tables, "PER_TABLE", 1):
+        _publish(tmp_path, states, 0)
+    other = {0: "experts.1.w", 1: "experts.0.w"}
+    ranks = [make_rank(r, states[0], sharded=("w",), world=2, absent=(other[r],)) for r in range(2)]
+    seen: dict = {}
+    select = tables.select
+
+    def recording(m, places, got, names, found):
+        seen[frozenset(names)] = sorted(t.name for i in places for t in tables.read_tensor_table(m.tables[i], got[i], "t"))
+        return select(m, places, got, names, found)
+
+    ctl = Controller(FakeRanks(ranks), Sources([str(tmp_path)]), version=0)
+    asyncio.run(ctl.start())
+    with mock.patch.object(tables, "select", recording):
+        a = asyncio.run(ctl.update(UpdateRequest.parse({"url": str(tmp_path / "v00000002.json")})))
+    assert a["version"] == 2
+    for up in ranks:
+        names = set(states[0]) - {other[up.rank]}
+        assert seen[frozenset(names)] == sorted(names)  # its tables, one tensor each: not the other expert's
+        for name in names - {"w"}:
+            assert torch.equal(up.module.param(name).view(torch.int16), states[2][name].view(torch.int16)), name
+        half = up.module.param("w")
+        assert torch.equal(half.view(torch.int16), states[2]["w"][up.rank * 256:(up.rank + 1) * 256].view(torch.int16))
+    assert len(seen) == 2 and len(a["fetched_bytes"]) == 2

@@ -68,9 +68,12 @@ def test_tp2_tied_embeddings(tmp_path):
             assert r.status_code == 200, r.text
             a = r.json()
             assert a["version"] == n and a["fallback"] == []
-            tables = read_manifest(store, f"v{n:08d}.json").blobs[-1].size  # every rank may read all of them
+            m = read_manifest(store, f"v{n:08d}.json")
+            tables = m.blobs[-1].size  # the tables' blob: the name index, tensor tables and cell tables
+            entries = m.index.length + sum(r.length for r in m.tables)  # each rank holds a share of every tensor
             assert len(a["fetched_bytes"]) == 2 and max(a["fetched_bytes"]) <= 0.6 * (a["payload_bytes"] - tables) + tables, (
                 a["fetched_bytes"], tables)
+            assert min(a["fetched_bytes"]) >= entries  # counted: the index and the tables of its tensors
         at_k, st = server.outputs(), server.status()
         assert st["fingerprint"] == fp[K]
         fault.write_text("1")
