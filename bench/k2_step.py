@@ -91,19 +91,22 @@ def full_size(layers: int, experts: int, root: Path, key: str) -> dict:
         trust.verify_detached(raw, st.read("v00000002.json.sig"), st.key_uri("v00000002.json"))
         return raw
 
-    def rank_metadata(st, want):
+    def rank_metadata(st, want):  # what RankUpdater.fetch does before it fetches data (selection: its rule)
         from engine_ext.format.chunks import meets
 
         m, n = open_held(st, raw, set(want))
         sel = {}
         for t in m.tensors:
             if t.nnz:
-                sel[t.name] = None if t.grid is None else {
+                whole = any(a == (0,) * len(t.shape) and tuple(z) == tuple(t.shape) for a, z in want[t.name])
+                sel[t.name] = None if t.grid is None or whole else {
                     i for i, b in enumerate(t.boxes()) if any(meets(b, a, z) for a, z in want[t.name])}
         n += load_cells(st, m, {k for k, v in sel.items() if v is None or v})
-        data = sum(t.length for t in m.tensors if t.nnz and t.grid is None) + sum(
-            c.length for t in m.tensors if t.chunks for c in t.chunks if c.cell in sel[t.name])
-        return n + len(raw), data
+        return m, sel, n + len(raw)
+
+    def data_bytes(m, sel):
+        return sum(t.length for t in m.tensors if t.nnz and t.grid is None) + sum(
+            c.length for t in m.tensors if t.chunks for c in t.chunks if sel[t.name] is None or c.cell in sel[t.name])
 
     with serve_http(root) as srv:
         for where, st in (("local", store), ("http", open_store(f"{srv.url}/"))):
@@ -111,8 +114,9 @@ def full_size(layers: int, experts: int, root: Path, key: str) -> dict:
             m, out[f"driver_{where}_s"] = timed(lambda: open_manifest(st, raw))
             assert len(m.tensors) == len(shapes)
             for rank, want in wants.items():
-                (read, data), out[f"{rank}_metadata_{where}_s"] = timed(lambda: rank_metadata(st, want))
-                out[f"{rank}_metadata_bytes"], out[f"{rank}_data_bytes"] = read, data
+                (m, sel, read), out[f"{rank}_metadata_{where}_s"] = timed(lambda: rank_metadata(st, want))
+                out[f"{rank}_metadata_bytes"], out[f"{rank}_data_bytes"] = read, data_bytes(m, sel)
+                del m
     return out
 
 
@@ -152,6 +156,9 @@ def one_layer(experts: int, density: float, root: Path) -> dict:
     m = open_manifest(store, (root / "v00000001.json").read_bytes())
     out["changes"] = sum(t.nnz for t in m.tensors)
     out["delta_bytes"] = m.payload_bytes
+    load_cells(store, m)
+    coders = [p.positions.coder for t in m.tensors if t.nnz for p in (t.chunks or [t])]
+    out["coders"] = {c: coders.count(c) for c in sorted(set(coders))}
     rows = [n for n in base if "down_proj" not in n]
     ranks = {"ep16": make_rank(0, base, sharded=(), world=1),
              "tp8": make_rank(0, base, sharded=tuple(base), by_column=tuple(n for n in base if n not in rows), world=8)}
@@ -190,7 +197,7 @@ def _share(t: torch.Tensor, module, name: str) -> torch.Tensor:
     return t[:p.shape[0]]
 
 
-def table(full: dict, layer: dict, layers: int, experts: int, sample: int) -> list[tuple]:
+def table(full: dict, layer: dict, layers: int, experts: int, sample: int, cpu: dict | None = None) -> list[tuple]:
     """(phase, EP 16 local, EP 16 HTTP, TP 8 local, TP 8 HTTP, how, budget) in seconds; the data phases are
     one layer's sample times the layers (and the experts per sample: a TP rank holds a slice of each)."""
     x_ep, x_tp = layers * (experts // 16) / sample, layers * experts / sample
@@ -204,9 +211,11 @@ def table(full: dict, layer: dict, layers: int, experts: int, sample: int) -> li
              layer["tp8_fetch_local_s"] * x_tp, layer["tp8_fetch_http_s"] * x_tp, f"x{x_ep:g} / x{x_tp:g}", BUDGET["fetch"]),
             ("decode", *(layer["ep16_decode_s"] * x_ep,) * 2, *(layer["tp8_decode_s"] * x_tp,) * 2,
              f"x{x_ep:g} / x{x_tp:g}", BUDGET["decode"]),
+            *([("  decode, parts coded for CPU readers", *(cpu["ep16_decode_s"] * x_ep,) * 2, *(cpu["tp8_decode_s"] * x_tp,) * 2,
+                f"x{x_ep:g} / x{x_tp:g}", None)] if cpu else []),
             ("apply in place (the pause)", *(layer["ep16_apply_s"] * x_ep,) * 2, *(layer["tp8_apply_s"] * x_tp,) * 2,
              f"x{x_ep:g} / x{x_tp:g}", BUDGET["apply"])]
-    total = tuple(sum(r[i] for r in rows) for i in range(1, 5))
+    total = tuple(sum(r[i] for r in rows if r[-1] is not None) for i in range(1, 5))
     return rows + [("total: publish to serving", *total, "", GOAL_S)]
 
 
@@ -217,6 +226,8 @@ def main() -> None:
     ap.add_argument("--sample-experts", type=int, default=24, help="experts of the one layer whose data is real")
     ap.add_argument("--density", type=float, default=0.003)
     ap.add_argument("--json", help="write every figure here")
+    ap.add_argument("--no-cpu-coding", action="store_true",
+                    help="skip the second sample, coded for CPU readers (ENGINE_EXT_READER_DEVICE=cpu)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="k2-step-") as tmp:
         tmp = Path(tmp)
@@ -225,8 +236,15 @@ def main() -> None:
         (tmp / "full").mkdir()
         full = full_size(a.layers, a.experts, tmp / "full", key)
         (tmp / "layer").mkdir()
-        layer = one_layer(a.sample_experts, a.density, tmp / "layer")
-    rows = table(full, layer, a.layers, a.experts, a.sample_experts)
+        layer = one_layer(a.sample_experts, a.density, tmp / "layer")  # coded for GPU readers: the default
+        cpu = None
+        if not a.no_cpu_coding:
+            from engine_ext import settings
+
+            (tmp / "layer-cpu").mkdir()
+            with settings.override(reader_device="cpu"):
+                cpu = one_layer(a.sample_experts, a.density, tmp / "layer-cpu")
+    rows = table(full, layer, a.layers, a.experts, a.sample_experts, cpu)
     mb = 1 << 20
     print(f"{full['tensors']:,} tensors, {full['cells']:,} cells; signed manifest {full['manifest_bytes'] / 1024:.0f} KiB; "
           f"commit {full['merge_s']:.2f} s merge + {full['commit_s']:.2f} s (of which validate {full['validate_s']:.2f} s)")
@@ -235,12 +253,13 @@ def main() -> None:
         print(f"{rank}: metadata {meta / mb:.1f} MiB for {data / mb:.1f} MiB of data ({100 * meta / data:.1f} %)")
     print(f"one layer's sample ({a.sample_experts} experts): {layer['changes']:,} changes, {layer['delta_bytes'] / mb:.1f} MiB "
           f"({layer['delta_bytes'] / max(1, layer['changes']):.2f} B per change); EP 16 rank fetched "
-          f"{layer['ep16_fetch_bytes'] / mb:.1f} MiB, TP 8 rank {layer['tp8_fetch_bytes'] / mb:.1f} MiB")
+          f"{layer['ep16_fetch_bytes'] / mb:.1f} MiB, TP 8 rank {layer['tp8_fetch_bytes'] / mb:.1f} MiB; parts by coder "
+          f"{layer['coders']}" + (f"; coded for CPU readers: {cpu['delta_bytes'] / mb:.1f} MiB, {cpu['coders']}" if cpu else ""))
     print("| phase | EP 16, local | EP 16, HTTP | TP 8, local | TP 8, HTTP | how | budget s |\n|---|---:|---:|---:|---:|---|---:|")
     for name, *secs, how, budget in rows:
-        print(f"| {name} | " + " | ".join(f"{x:.2f}" for x in secs) + f" | {how} | {budget} |")
+        print(f"| {name} | " + " | ".join(f"{x:.2f}" for x in secs) + f" | {how} | {'' if budget is None else budget} |")
     if a.json:
-        Path(a.json).write_text(json.dumps({"full": full, "layer": layer, "rows": rows}, indent=1))
+        Path(a.json).write_text(json.dumps({"full": full, "layer": layer, "layer_cpu": cpu, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

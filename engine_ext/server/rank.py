@@ -259,8 +259,8 @@ class RankUpdater:
             pieces = [p for p in self.maps[t.name].pieces if p.numel]
             if not pieces:
                 continue  # another rank's tensor
-            if t.grid is None:
-                out[t.name] = None
+            if t.grid is None or any(p.start == (0,) * len(t.shape) and tuple(p.stop) == tuple(t.shape) for p in pieces):
+                out[t.name] = None  # not cut, or held whole (an expert-parallel rank's expert): every cell
                 continue
             out[t.name] = {i for i, box in enumerate(t.boxes()) if any(meets(box, p.start, p.stop) for p in pieces)}
         return out
