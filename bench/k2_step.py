@@ -22,9 +22,10 @@ every weight. The path from the trainer's last optimizer step to every rank serv
    weights of that rank's share of one layer (EP 16: its 24 experts whole; TP 8: its slices of 24
    experts, x16 for the layer's 384) are published by ``DeltaPublisher`` (anchor, then a delta of
    0.3 % +-1 ULP fp8 changes: synthetic, not training data), then fetched by range (local store
-   and HTTP on loopback), decoded, and applied in place by the rank code the engines run
-   (``RankUpdater.apply``: undo log and fingerprints; the pause). Dense tensors (attention, router,
-   norms: 0.3 % of the bytes) and the block scales are left out of the data.
+   and HTTP on loopback: the test server, ``tests/servers.py``), decoded, and applied in place by the
+   rank code the engines run (``RankUpdater.apply``: undo log and fingerprints; the pause). Dense
+   tensors (attention, router, norms: 0.3 % of the bytes) and the block scales are left out of the
+   data. Random +-1-ULP changes do not pay for the context coder: the publisher codes them v1 (pco).
 
 Each phase is printed with its share of the 5 s goal (docs/SCALE.md): figures marked ``measured``
 ran at full size; ``x61`` ones are one layer's measured cost times 61 (``x976``: x16 experts, x61 layers).
@@ -32,6 +33,8 @@ ran at full size; ``x61`` ones are one layer's measured cost times 61 (``x976``:
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
 import json
 import sys
 import tempfile
@@ -77,8 +80,10 @@ def full_size(layers: int, experts: int, root: Path, key: str) -> dict:
     parts.clear()  # their chunks: memory the reads below want
     store = open_store(str(root))
     signer = Signer([key])
-    _, out["commit_s"] = timed(lambda: commit(store, merged, signer))
+    _, out["commit_s"] = timed(functools.partial(commit, store, merged, signer))
     _, out["validate_s"] = timed(merged.validate)  # inside commit too: its share, timed apart
+    del merged  # rank 0's: the readers below are other processes
+    gc.collect()
     trust = Trust.from_public_keys([key + ".pub"])
     raw = (root / "v00000002.json").read_bytes()
     out["manifest_bytes"] = len(raw)
@@ -197,7 +202,7 @@ def _share(t: torch.Tensor, module, name: str) -> torch.Tensor:
     return t[:p.shape[0]]
 
 
-def table(full: dict, layer: dict, layers: int, experts: int, sample: int, cpu: dict | None = None) -> list[tuple]:
+def table(full: dict, layer: dict, layers: int, experts: int, sample: int) -> list[tuple]:
     """(phase, EP 16 local, EP 16 HTTP, TP 8 local, TP 8 HTTP, how, budget) in seconds; the data phases are
     one layer's sample times the layers (and the experts per sample: a TP rank holds a slice of each)."""
     x_ep, x_tp = layers * (experts // 16) / sample, layers * experts / sample
@@ -211,11 +216,9 @@ def table(full: dict, layer: dict, layers: int, experts: int, sample: int, cpu: 
              layer["tp8_fetch_local_s"] * x_tp, layer["tp8_fetch_http_s"] * x_tp, f"x{x_ep:g} / x{x_tp:g}", BUDGET["fetch"]),
             ("decode", *(layer["ep16_decode_s"] * x_ep,) * 2, *(layer["tp8_decode_s"] * x_tp,) * 2,
              f"x{x_ep:g} / x{x_tp:g}", BUDGET["decode"]),
-            *([("  decode, parts coded for CPU readers", *(cpu["ep16_decode_s"] * x_ep,) * 2, *(cpu["tp8_decode_s"] * x_tp,) * 2,
-                f"x{x_ep:g} / x{x_tp:g}", None)] if cpu else []),
             ("apply in place (the pause)", *(layer["ep16_apply_s"] * x_ep,) * 2, *(layer["tp8_apply_s"] * x_tp,) * 2,
              f"x{x_ep:g} / x{x_tp:g}", BUDGET["apply"])]
-    total = tuple(sum(r[i] for r in rows if r[-1] is not None) for i in range(1, 5))
+    total = tuple(sum(r[i] for r in rows) for i in range(1, 5))
     return rows + [("total: publish to serving", *total, "", GOAL_S)]
 
 
@@ -226,8 +229,6 @@ def main() -> None:
     ap.add_argument("--sample-experts", type=int, default=24, help="experts of the one layer whose data is real")
     ap.add_argument("--density", type=float, default=0.003)
     ap.add_argument("--json", help="write every figure here")
-    ap.add_argument("--no-cpu-coding", action="store_true",
-                    help="skip the second sample, coded for CPU readers (ENGINE_EXT_READER_DEVICE=cpu)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="k2-step-") as tmp:
         tmp = Path(tmp)
@@ -236,15 +237,8 @@ def main() -> None:
         (tmp / "full").mkdir()
         full = full_size(a.layers, a.experts, tmp / "full", key)
         (tmp / "layer").mkdir()
-        layer = one_layer(a.sample_experts, a.density, tmp / "layer")  # coded for GPU readers: the default
-        cpu = None
-        if not a.no_cpu_coding:
-            from engine_ext import settings
-
-            (tmp / "layer-cpu").mkdir()
-            with settings.override(reader_device="cpu"):
-                cpu = one_layer(a.sample_experts, a.density, tmp / "layer-cpu")
-    rows = table(full, layer, a.layers, a.experts, a.sample_experts, cpu)
+        layer = one_layer(a.sample_experts, a.density, tmp / "layer")
+    rows = table(full, layer, a.layers, a.experts, a.sample_experts)
     mb = 1 << 20
     print(f"{full['tensors']:,} tensors, {full['cells']:,} cells; signed manifest {full['manifest_bytes'] / 1024:.0f} KiB; "
           f"commit {full['merge_s']:.2f} s merge + {full['commit_s']:.2f} s (of which validate {full['validate_s']:.2f} s)")
@@ -254,12 +248,12 @@ def main() -> None:
     print(f"one layer's sample ({a.sample_experts} experts): {layer['changes']:,} changes, {layer['delta_bytes'] / mb:.1f} MiB "
           f"({layer['delta_bytes'] / max(1, layer['changes']):.2f} B per change); EP 16 rank fetched "
           f"{layer['ep16_fetch_bytes'] / mb:.1f} MiB, TP 8 rank {layer['tp8_fetch_bytes'] / mb:.1f} MiB; parts by coder "
-          f"{layer['coders']}" + (f"; coded for CPU readers: {cpu['delta_bytes'] / mb:.1f} MiB, {cpu['coders']}" if cpu else ""))
+          f"{layer['coders']}")
     print("| phase | EP 16, local | EP 16, HTTP | TP 8, local | TP 8, HTTP | how | budget s |\n|---|---:|---:|---:|---:|---|---:|")
     for name, *secs, how, budget in rows:
         print(f"| {name} | " + " | ".join(f"{x:.2f}" for x in secs) + f" | {how} | {'' if budget is None else budget} |")
     if a.json:
-        Path(a.json).write_text(json.dumps({"full": full, "layer": layer, "layer_cpu": cpu, "rows": rows}, indent=1))
+        Path(a.json).write_text(json.dumps({"full": full, "layer": layer, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

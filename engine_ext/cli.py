@@ -216,7 +216,7 @@ def cmd_inspect(a) -> str:
     store, key = split_uri(a.manifest)
     link = read_link(store, key, _trust(a))
     m = link.manifest
-    load_cells(store, m)  # format 7: each cut tensor's cells, so that every part's coder shows
+    load_cells(store, m)  # tables (format 7, 10): each cut tensor's cells, so that every part's coder shows
     rows, by_enc, coders = [], {}, {}
     changed = numel = 0
     for t in m.tensors:

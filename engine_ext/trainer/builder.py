@@ -287,7 +287,7 @@ def commit(store: Store, m: Manifest, signer: Signer | None = None, latest_ttl_s
     """Finish a manifest whose blobs are named (model fingerprints, time, the lowest format version
     that describes it), validate it, sign it and publish it with ``blobs`` (key, local file) and
     ``LATEST`` (:func:`engine_ext.store.publish_version`). A manifest of over ``inline_limit`` tensor
-    entries and chunks (default ``ENGINE_EXT_INLINE_ENTRIES``) is published as format 7, its tensor
+    entries and chunks (default ``ENGINE_EXT_INLINE_ENTRIES``) is published in tables (format 10), its tensor
     entries and cell tables in one more blob (:func:`_tables_blob`); ``m`` keeps them inline.
     Returns (URI, SHA-256 of the published manifest's bytes, LATEST)."""
     m.fingerprint = fpr.fmt(fpr.model_fingerprint((t.name, fpr.parse(t.fingerprint)) for t in m.tensors))
@@ -315,8 +315,8 @@ def commit(store: Store, m: Manifest, signer: Signer | None = None, latest_ttl_s
 
 
 def _tables_blob(m: Manifest, spool: str) -> tuple[Manifest, tuple[str, str]]:
-    """``m`` as format 7 (:func:`engine_ext.format.tables.tabulate`) and its tables' blob (key, local file), written
-    in ``spool``: the cell tables and tensor tables one after another, hashed as written."""
+    """``m`` in tables (:func:`engine_ext.format.tables.tabulate`) and its tables' blob (key, local file), written
+    in ``spool``: the cell tables, tensor tables and name index one after another, hashed as written."""
     path, digest, blob = os.path.join(spool, "tables.bin"), hashlib.sha256(), len(m.blobs)
     with open(path, "wb") as f:
         def put(raw: bytes) -> tuple[int, int]:
