@@ -26,6 +26,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import IntegrityError, ManifestError
+from .bulk import collector_paused as _collector_paused
 from .fingerprint import name_key
 from .manifest import (CELL_RECORD_BYTES, INDEX_RECORD_BYTES, Chunk, Manifest, Segment, TableRef, TensorEntry,
                        _REQUIRED, _parsed, _tensor)
@@ -241,18 +242,24 @@ def select(m: Manifest, places: dict[int, list[int]], tables: dict[int, bytes], 
     as inline ones; the manifest is then partial (``m.held``): checks over every tensor refuse it. A name
     the index placed on a record of another name is refused (the index and its tables disagree)."""
     names = frozenset(names)
+    with _collector_paused():
+        got = _select(m, places, tables, names)
+        if missed := found - {t.name for t in got}:
+            raise ManifestError(f"the name index places {sorted(missed)[:3]} on records of other names")
+        m.tensors, m.held = got, names
+        try:
+            _parsed(m.validate)
+        except ManifestError:
+            m.tensors, m.held = [], None
+            raise
+
+
+def _select(m: Manifest, places: dict[int, list[int]], tables: dict[int, bytes], names: frozenset) -> list[TensorEntry]:
     got = []
     for i, rows in places.items():
         entries = _parsed(lambda: read_tensor_table(m.tables[i], tables[i], f"tensor table {i}", rows))
         got += [t for t in entries if t.name in names]
-    if missed := found - {t.name for t in got}:
-        raise ManifestError(f"the name index places {sorted(missed)[:3]} on records of other names")
-    m.tensors, m.held = got, names
-    try:
-        _parsed(m.validate)
-    except ManifestError:
-        m.tensors, m.held = [], None
-        raise
+    return got
 
 
 def resolve(m: Manifest, tables: list[bytes], index: bytes | None = None) -> None:
@@ -263,6 +270,11 @@ def resolve(m: Manifest, tables: list[bytes], index: bytes | None = None) -> Non
         return
     if len(tables) != len(m.tables):
         raise ManifestError(f"{len(tables)} tensor tables given, the manifest lists {len(m.tables)}")
+    with _collector_paused():
+        _resolve(m, tables, index)
+
+
+def _resolve(m: Manifest, tables: list[bytes], index: bytes | None) -> None:
     tensors = []
     for i, (ref, raw) in enumerate(zip(m.tables, tables)):
         if m.index is None:
@@ -289,8 +301,10 @@ def set_cells(m: Manifest, items: list[tuple[TensorEntry, bytes]]) -> None:
     table checked against its SHA-256 and count and every record as inline chunks are
     (:func:`read_cells`); nothing is taken unless every table checks."""
     items = [(t, raw) for t, raw in items if t.cells is not None]
-    for (t, _), chunks in zip(items, read_cells(m, items)):
-        t.chunks, t.cells = chunks, None
+    with _collector_paused():
+        chunks = read_cells(m, items)
+    for (t, _), c in zip(items, chunks):
+        t.chunks, t.cells = c, None
 
 
 def cell_table(chunks: list[Chunk]) -> bytes:
@@ -401,3 +415,4 @@ def _verify(ref: TableRef, raw: bytes, where: str) -> None:
     """A table's bytes are what its reference names (length and SHA-256), before any is parsed."""
     if len(raw) != ref.length or hashlib.sha256(raw).hexdigest() != ref.sha256:
         raise IntegrityError(f"{where}: SHA-256 mismatch (corrupt table)")
+

@@ -44,6 +44,7 @@ from ..store.checkpoint import SafetensorsWriter
 from ..format.codec import ChunkedEncoded, Encoded
 from ..format.dtypes import BY_SAFETENSORS, DType
 from ..format.pieces import PIECES, cuts
+from ..format.bulk import collector_paused
 from ..format.tables import tabulate
 from ..format.latest import Latest
 from ..format.manifest import (ANCHOR, DELTA, Blob, Chunk, Manifest, Segment, TensorEntry, listed_ranges,
@@ -295,14 +296,16 @@ def commit(store: Store, m: Manifest, signer: Signer | None = None, latest_ttl_s
         m.base_fingerprint = fpr.fmt(fpr.model_fingerprint((t.name, fpr.parse(t.base_fingerprint)) for t in m.tensors))
     m.created_unix = time.time()
     m.format_version = m.lowest_version()
-    m.validate()
+    with collector_paused():
+        m.validate()
     mkey = manifest_key(m.version, m.kind)
     limit = settings.current().inline_entries if inline_limit is None else inline_limit
     in_tables = m.entries > limit
     with (tempfile.TemporaryDirectory(prefix=f"{_TMP_PREFIX}spool-", dir=store.spool_dir()) if in_tables
           else contextlib.nullcontext()) as spool:  # the tables' blob lives there until it is published
         if in_tables:
-            wire, tables = _tables_blob(m, spool)
+            with collector_paused():
+                wire, tables = _tables_blob(m, spool)
             raw, blobs = wire.to_json(), [*blobs, tables]
         else:
             raw, blobs = m.to_json(), list(blobs)
@@ -334,6 +337,7 @@ def _tables_blob(m: Manifest, spool: str) -> tuple[Manifest, tuple[str, str]]:
     return wire, (key, path)
 
 
+@collector_paused()  # a Kimi-K2 version's parts join over a million chunks
 def merge_parts(parts: list[Manifest], names: list[str]) -> Manifest:
     """One manifest from the parts of a sharded version (:meth:`VersionBuilder.upload`, in rank order):
     blobs in rank order, each tensor's pieces joined (``names``, in manifest order, must be exactly

@@ -1,0 +1,22 @@
+"""Making very many small objects at once: a Kimi-K2 version's manifest has ~140,000 tensor entries and
+over a million chunks, which readers and rank 0's commit build as dataclasses."""
+from __future__ import annotations
+
+import contextlib
+import gc
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic collector paused meanwhile. Making 10^5-10^6 small objects sets off its full
+    passes over every live object, and none of these is garbage: one rank's read of its Kimi-K2 metadata
+    took 0.61 s with the collector running, 0.28 s paused; joining 20 layers' parts 1.9 s against 0.57 s.
+    Left off where it was off (another thread's pause ends with the first to end: a slower pass, never a
+    leak)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
