@@ -118,10 +118,13 @@ def full_size(layers: int, experts: int, root: Path, key: str) -> dict:
             _, out[f"manifest_{where}_s"] = timed(lambda: manifest_and_signature(st))
             m, out[f"driver_{where}_s"] = timed(lambda: open_manifest(st, raw))
             assert len(m.tensors) == len(shapes)
+            del m  # the driver's: the ranks are other processes
+            gc.collect()
             for rank, want in wants.items():
                 (m, sel, read), out[f"{rank}_metadata_{where}_s"] = timed(lambda: rank_metadata(st, want))
                 out[f"{rank}_metadata_bytes"], out[f"{rank}_data_bytes"] = read, data_bytes(m, sel)
                 del m
+                gc.collect()
     return out
 
 

@@ -352,6 +352,13 @@ def test_a_rank_reads_the_index_and_only_the_tables_of_its_tensors(small_tables)
         m.require_whole()
     m0, n0 = open_held(store, raw, {"not.in.this.version"})
     assert m0.tensors == [] and n0 == m0.index.length
+    mw, _ = open_held(store, raw, {"w"})  # a rank holding rows of w keeps its cells' chunks, checks every record
+    load_cells(store, mw, {"w": {0, 1}})
+    w = next(t for t in whole.tensors if t.name == "w")
+    load_cells(store, whole)
+    assert [c.cell for c in mw.tensors[0].chunks] == [0, 1] and mw.tensors[0].chunks == w.chunks[:2]
+    with pytest.raises(ManifestError, match="only a rank's own manifest"):
+        tables.set_cells(whole, [], {"w": {0}})
     states = _states(steps=1)
     part, _ = fetch_selected(store, m, {"experts.1.w": None}, bases=TensorBases(states[0]))
     full = load_delta(str(root / "v00000001.json"), names={"experts.1.w"}, bases=TensorBases(states[0]))

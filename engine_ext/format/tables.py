@@ -296,13 +296,17 @@ def _resolve(m: Manifest, tables: list[bytes], index: bytes | None) -> None:
         raise
 
 
-def set_cells(m: Manifest, items: list[tuple[TensorEntry, bytes]]) -> None:
+def set_cells(m: Manifest, items: list[tuple[TensorEntry, bytes]], keep: dict | None = None) -> None:
     """Take cut tensors' chunks from the bytes of their cell tables (``items``: (tensor, bytes)), every
     table checked against its SHA-256 and count and every record as inline chunks are
-    (:func:`read_cells`); nothing is taken unless every table checks."""
+    (:func:`read_cells`); nothing is taken unless every table checks. ``keep`` {name: cells or None}, on
+    a rank's own manifest only (``m.held``): a tensor keeps the chunks of those cells, its other records
+    checked but not made (a tensor-parallel rank of 8 fetches 4 of a K2 expert's 16 cells)."""
+    if keep is not None and m.held is None:
+        raise ManifestError("only a rank's own manifest keeps some of a tensor's chunks")
     items = [(t, raw) for t, raw in items if t.cells is not None]
     with _collector_paused():
-        chunks = read_cells(m, items)
+        chunks = read_cells(m, items, None if keep is None else [keep.get(t.name) for t, _ in items])
     for (t, _), c in zip(items, chunks):
         t.chunks, t.cells = c, None
 
@@ -323,11 +327,12 @@ def cell_table(chunks: list[Chunk]) -> bytes:
     return rec.tobytes()
 
 
-def read_cells(m: Manifest, items: list[tuple[TensorEntry, bytes]]) -> list[list[Chunk]]:
+def read_cells(m: Manifest, items: list[tuple[TensorEntry, bytes]], keep: list | None = None) -> list[list[Chunk]]:
     """The chunks of each tensor's cell table (``items``: (tensor, bytes)), the bytes checked against the
     table's length and SHA-256, then every record by the rules inline chunks meet (Manifest._check_chunks,
     _check_bytes), over all records of all tables at once: a rank reads ~70,000 of them per Kimi-K2
-    version. The coders' rules are checked once per distinct (positions, values, mode, dtype)."""
+    version. The coders' rules are checked once per distinct (positions, values, mode, dtype). ``keep``:
+    per tensor, the cells whose chunks are made (None: all)."""
     from .dtypes import dtype_by_name
 
     for t, raw in items:
@@ -378,12 +383,17 @@ def read_cells(m: Manifest, items: list[tuple[TensorEntry, bytes]]) -> list[list
     end = (offset + plen + vlen)[order]
     same = (owner[order][1:] == owner[order][:-1]) & (blob[order][1:] == blob[order][:-1])
     check(np.r_[False, same & (offset[order][1:] < end[:-1])][np.argsort(order)], "two cells overlap in their blob")
-    cols = [rec[f].tolist() for f in ("cell", "nnz", "blob", "offset", "positions_length", "values_length",
-                                      "positions_coder", "values_coder", "mode", "sha256")]
+    made = np.ones(len(rec), bool)
+    if some := [i for i, cells in enumerate(keep or ()) if cells is not None]:
+        want = np.fromiter((i * (1 << 32) + c for i in some for c in keep[i]), np.int64)
+        partial = np.isin(owner, some)
+        made[partial] = np.isin(key[partial], want)
+    cols = [rec[f][made].tolist() for f in ("cell", "nnz", "blob", "offset", "positions_length", "values_length",
+                                            "positions_coder", "values_coder", "mode", "sha256")]
     chunks = [Chunk(c, n, b, o, h.hex(), Segment(CELL_CODERS[p], pl), Segment(CELL_CODERS[v], vl, CELL_MODES[md]))
               for c, n, b, o, pl, vl, p, v, md, h in zip(*cols)]
-    at = np.cumsum(counts).tolist()
-    return [chunks[a - n:a] for a, n in zip(at, counts.tolist())]
+    at = np.cumsum(np.add.reduceat(made, np.cumsum(counts) - counts, dtype=np.int64)).tolist()
+    return [chunks[a:b] for a, b in zip([0] + at, at)]
 
 
 @functools.lru_cache(maxsize=1024)

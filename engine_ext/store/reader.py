@@ -122,12 +122,15 @@ def open_held(store: Store, raw: bytes, names, workers: int = 8) -> tuple[Manife
 
 def load_cells(store: Store, m: Manifest, names=None, workers: int = 8) -> int:
     """Read the cell tables (format 7) of the cut tensors in ``names`` (None: all) whose chunks are not
-    read yet, close ones together (:func:`engine_ext.format.tables.set_cells` checks them all). Returns the bytes read."""
+    read yet, close ones together (:func:`engine_ext.format.tables.set_cells` checks them all). Returns the
+    bytes read. On a rank's own manifest (``m.held``), a :data:`Selection` keeps only the chunks of the
+    cells it selects (every record is still checked)."""
     todo = [t for t in m.tensors if t.cells is not None and (names is None or t.name in names)]
     if not todo:
         return 0
     got, read = _read_ranges(store, m, [(t.cells.blob, t.cells.offset, t.cells.length) for t in todo], workers)
-    tables.set_cells(m, [(t, bytes(got[(t.cells.blob, t.cells.offset)])) for t in todo])
+    keep = names if m.held is not None and isinstance(names, dict) else None
+    tables.set_cells(m, [(t, bytes(got[(t.cells.blob, t.cells.offset)])) for t in todo], keep)
     return read
 
 
