@@ -34,9 +34,9 @@ import torch
 
 from .. import settings
 from ..format import chunks, codec, fingerprint as fpr
+from ..format.delta import changed_bits
 from . import lineage
 from .builder import LATEST_TTL_S, VersionBuilder, sign_latest
-from ..format.delta import changed_bits
 from ..errors import ConflictError, DeltaError
 from ..format.quantize import quantizer
 from ..store.signing import Signer, Trust
@@ -234,8 +234,7 @@ class DeltaPublisher:
         self.store = open_store(store) if isinstance(store, (str, os.PathLike)) else store
         self.model, self.anchor_every, self.keep_on_cpu, self.mode = model, anchor_every, keep_on_cpu, mode
         self.workers = workers or os.cpu_count() or 1
-        self.blob_target = blob_target
-        self.chunk_min_cell = chunk_min_cell
+        self.blob_target, self.chunk_min_cell = blob_target, chunk_min_cell
         self.quantize = quantizer(quantize)
         self.dtype = served_dtype(dtype)
         if not (checkpoint_layout in ("auto", None) or isinstance(checkpoint_layout, torch.nn.Module)):
