@@ -330,7 +330,7 @@ class Manifest:
             raise ManifestError(f"{where}: missing or bad sha256")
         per_blob[ref.blob].append((ref.offset, ref.offset + ref.length, where))
 
-    def _check_chunks(self, t: TensorEntry, where: str, per_blob: list, overlap: bool = False) -> None:
+    def _check_chunks(self, t: TensorEntry, where: str, per_blob: list) -> None:
         """A chunked tensor's cells: each a cell of its grid at most once, counts that add up, bytes in range."""
         from .chunks import box_numel
 
@@ -353,8 +353,6 @@ class Manifest:
             self._check_bytes(cw, c, n, t.dtype, per_blob)
         if total != t.nnz:
             bad(f"{where}: chunks hold {total} changes, the tensor {t.nnz}")
-        if overlap:
-            _no_overlap(per_blob)
 
     def check_tensor(self, t: TensorEntry, names: set, per_blob: list) -> None:
         """One tensor entry: its name (not in ``names``, then added), dtype, shape, counts, fingerprints and

@@ -175,6 +175,8 @@ def read_tensor_table(ref: TableRef, raw: bytes, where: str, rows=None) -> list[
             or ((kind == BYTES) & ((rec["count"] != 0) | (grid != NO_GRID))).any()
             or ((kind == CELLS) & (rest | (rec["positions_coder"] != 0) | (grid == NO_GRID))).any()):
         bad("a record sets fields its kind does not use")
+    if ((kind == UNCHANGED) != (rec["nnz"] == 0)).any():
+        bad("a record's kind says unchanged where it has changes, or the other way round")
     if np.unique(rec["shape"]).size != len(shapes) or np.unique(grid[grid != NO_GRID]).size != len(grids):
         bad("it lists a shape or grid no record uses")
     ends = np.cumsum(rec["name_length"], dtype=np.int64).tolist()
