@@ -77,7 +77,7 @@ def tabulate(m: Manifest, put: Callable[[bytes], tuple[int, int]], per_table: in
     at = np.cumsum([0] + [len(c) for c in cut]).tolist()
     refs = iter([ref(raw[a * CELL_RECORD.itemsize:b * CELL_RECORD.itemsize], b - a) for a, b in zip(at, at[1:])])
     cells = [next(refs) if t.chunks is not None else t.cells for t in m.tensors]
-    per = per_table or max(PER_TABLE, -(-len(m.tensors) // MAX_TABLES)) if binary else per_table or 4096
+    per = per_table or (max(PER_TABLE, -(-len(m.tensors) // MAX_TABLES)) if binary else 4096)
     starts = range(0, len(m.tensors), per)
     if binary:
         tables = [ref(tensor_table(m.tensors[i:i + per], cells[i:i + per]), len(m.tensors[i:i + per])) for i in starts]

@@ -93,11 +93,17 @@ def open_manifest(store: Store, raw: bytes, workers: int = 8) -> Manifest:
     tensors fetched (:func:`load_cells`)."""
     m = Manifest.from_json(raw)
     if not m.resolved:
-        refs = [*m.tables, *([m.index] if m.index is not None else [])]
-        got, _ = _read_ranges(store, m, [(r.blob, r.offset, r.length) for r in refs], workers)
-        index = None if m.index is None else bytes(got[(m.index.blob, m.index.offset)])
-        tables.resolve(m, [bytes(got[(r.blob, r.offset)]) for r in m.tables], index)
+        _resolve_whole(store, m, workers)
     return m
+
+
+def _resolve_whole(store: Store, m: Manifest, workers: int) -> int:
+    """Read and check every tensor table of ``m`` and its name index; returns the bytes read."""
+    refs = [*m.tables, *([m.index] if m.index is not None else [])]
+    got, read = _read_ranges(store, m, [(r.blob, r.offset, r.length) for r in refs], workers)
+    index = None if m.index is None else bytes(got[(m.index.blob, m.index.offset)])
+    tables.resolve(m, [bytes(got[(r.blob, r.offset)]) for r in m.tables], index)
+    return read
 
 
 def open_held(store: Store, raw: bytes, names, workers: int = 8) -> tuple[Manifest, int]:
@@ -107,11 +113,10 @@ def open_held(store: Store, raw: bytes, names, workers: int = 8) -> tuple[Manife
     The checks over every tensor (fingerprints of the whole model, the served tensor set) are the
     driver's, which reads the whole (:func:`open_manifest`). Other formats are read whole."""
     m = Manifest.from_json(raw)
-    if m.resolved or m.index is None:
-        if m.resolved:
-            return m, 0
-        m = open_manifest(store, raw, workers)
-        return m, sum(r.length for r in m.tables)
+    if m.resolved:
+        return m, 0
+    if m.index is None:  # format 7: no index, every table read
+        return m, _resolve_whole(store, m, workers)
     got, read = _read_ranges(store, m, [(m.index.blob, m.index.offset, m.index.length)], workers)
     places, found = tables.lookup(m, bytes(got[(m.index.blob, m.index.offset)]), names)
     refs = [m.tables[i] for i in places]
