@@ -324,6 +324,18 @@ TINY = {
 
 TINY_MAX_PARAMS = 20_000_000
 
+# What the Hub's config.json of a family carries that the class's defaults shrunk by :data:`TINY` would not:
+# the layer pattern users serve and the state-space widths vLLM's kernels take (a head count times a head width
+# equal to the inner width). Applied over :data:`TINY` by :func:`tiny_config`.
+HUB_SHAPES: dict[str, dict] = {
+    # ibm-granite/granite-4.0-h-*: mamba2 and attention layers, MoE with a shared MLP, tied embeddings
+    "GraniteMoeHybridForCausalLM": {
+        "layer_types": ["mamba", "attention"], "mamba_n_heads": 8, "mamba_d_head": 32, "mamba_d_state": 16,
+        "mamba_n_groups": 1, "mamba_expand": 2, "mamba_d_conv": 4, "mamba_chunk_size": 256,
+        "shared_intermediate_size": 64, "tie_word_embeddings": True,
+    },
+}
+
 
 def arch_class(arch: str):
     """The transformers class named ``arch`` (vLLM's registry keys are transformers class names), or None."""
@@ -358,6 +370,9 @@ def tiny_config(arch: str):
         if k != "layer_types" and isinstance(v, list) and len(v) == default.num_hidden_layers and k not in kw:
             kw[k] = v[:kw["num_hidden_layers"]]
     kw["tie_word_embeddings"] = bool(getattr(default, "tie_word_embeddings", False))
+    kw.update(HUB_SHAPES.get(arch, {}))
+    if isinstance(kw.get("layer_types"), list):
+        kw["num_hidden_layers"] = len(kw["layer_types"])
     cfg = cfg_cls(**kw)
     with torch.device("meta"):  # what the shrunk defaults weigh, before anything is allocated
         n = sum(p.numel() for p in cls(cfg).parameters())
