@@ -94,6 +94,14 @@ class VerifyError(DeltaError):
     http_status = 500
 
 
+class AuditUnavailable(DeltaError):
+    """A cold-load audit this server does not answer: turned off (``ENGINE_EXT_COLD_AUDIT``), not built by
+    this engine's adapter, or asked while an apply is pending."""
+
+    reason = "audit_unavailable"
+    http_status = 409
+
+
 class UpdateRefused(DeltaError):
     """An update's refusal, carried where only text survives: a vLLM worker's exception reaches the
     caller of ``LLM.update_weights`` as a message, and vLLM's HTTP weight-sync client keeps only

@@ -121,6 +121,11 @@ VARIABLES: tuple[Variable, ...] = (
              "any difference. `sample`: one touched layer of each kind per update, taken in turn (about 2 % of a "
              "DeepSeek-V3 pause); `all`: every touched layer (as much again as the refresh); `off`: none (the "
              "audit `?audit=1` still checks every copy)"),
+    Variable("ENGINE_EXT_COLD_AUDIT", "cold_audit", _flag, False,
+             "`1` answers `GET ...?audit=1&cold=DIR`: every rank builds a second instance of the model from the "
+             "checkpoint directory DIR (under an allowed source) with the engine's own loader and post-processing "
+             "and compares every tensor each module holds with the served one, byte for byte (vLLM; for tests and "
+             "conformance sweeps: it doubles the model's memory for the time of the call)"),
     Variable("ENGINE_EXT_FOLLOW_INTERVAL", "follow_interval", _positive_float, 5.0,
              "seconds between two looks at `LATEST` in pull mode (each varied by +-20 %; doubled after each "
              "failure, up to 60 s)"),
@@ -164,6 +169,7 @@ class Settings:
     follow_interval: float = 5.0
     check_load: bool = True
     verify_derived: str = "sample"
+    cold_audit: bool = False
     context_coder: bool = True
     reader_device: str = "gpu"
     reader_mbps: float = 100.0

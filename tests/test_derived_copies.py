@@ -114,7 +114,7 @@ def test_packed_conv1d_weight_is_written_in_checkpoint_layout_and_packed_again()
 
     layer.weight.weight_loader = loader
     compat.cpu_gemm_module().dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
-    assert patches.conv_layers(layer) == [layer] and patches.packed_layers(layer) == {}
+    assert patches.conv_layers(layer) == [layer] and patches.packed_layers(layer) == []
     assert patches.conv_copy_stale(layer) is False
     new = (torch.randn(64, 1, 4, generator=g) * 0.1).to(torch.bfloat16)
     layer.weight.weight_loader(layer.weight, new)  # what the model's load_weights calls

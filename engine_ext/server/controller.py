@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..format import fingerprint as fpr
 from .. import metrics, settings
-from ..errors import BaseMismatchError, DeltaError
+from ..errors import AuditUnavailable, BaseMismatchError, DeltaError
 from .follow import Follower
 from .protocol import UpdateRequest
 from ..store.signing import Trust
@@ -274,6 +274,25 @@ class Controller:
                        "opaque": sum(r.derived.get("opaque", 0) for r in replies), "stale": stale[:20]}
             return {"ok": not differ and not stale, "version": self.state.version,
                     "fingerprint": fpr.fmt(fpr.model_fingerprint(live)), "differ": differ[:20], "derived": derived}
+
+    async def cold_audit(self, checkpoint: str) -> dict:
+        """Every rank's served model against a second instance it builds cold from ``checkpoint`` (a directory
+        under an allowed source), byte for byte, under the update lock: what ``GET ...?audit=1&cold=DIR``
+        answers where ``ENGINE_EXT_COLD_AUDIT=1`` (it doubles the model's memory for the time of the call)."""
+        if not settings.current().cold_audit:
+            raise AuditUnavailable("the cold-load audit is off: ENGINE_EXT_COLD_AUDIT=1 turns it on (it builds a "
+                                   "second instance of the model on every rank)")
+        self.sources.check(checkpoint)  # 403 outside the allowed sources, before anything is read
+        async with self._lock:
+            replies = check_replies(await self.ranks.call("cold_audit", checkpoint=checkpoint))
+        differ = [f"rank {r.rank}: {n}" for r in replies for n in r.cold.get("differ", ())]
+        return {"ok": all(r.cold.get("ok") for r in replies), "version": self.state.version, "checkpoint": checkpoint,
+                "compared": sum(r.cold.get("compared", 0) for r in replies),
+                "gemms": sum(r.cold.get("gemms", 0) for r in replies),
+                "handles": sum(r.cold.get("handles", 0) for r in replies), "differ": differ[:20],
+                "served_only": sorted({n for r in replies for n in r.cold.get("live_only", ())})[:20],
+                "cold_only": sorted({n for r in replies for n in r.cold.get("cold_only", ())})[:20],
+                "seconds": max((r.cold.get("seconds", 0.0) for r in replies), default=0.0)}
 
     def _served_fingerprints(self, replies) -> dict[str, int]:
         """The whole-tensor fingerprints of the served tensors from the ranks' reports (a checkpoint's

@@ -53,17 +53,24 @@ def bounded_body(request) -> Callable[[], Awaitable[bytes]]:
 
 
 async def get_answer(auth: Auth, get_controller: ControllerGetter, authorization: str | None,
-                     audit: bool = False) -> tuple[int, dict]:
+                     audit: bool = False, cold: str | None = None) -> tuple[int, dict]:
     """Status and JSON body of ``GET``: the controller's status, to authorised callers only
     (it shows fingerprints and history); 503 while the controller cannot start. With ``audit``
     (``?audit=1``) also ``audit``: the live weights re-read and checked against the served state
-    (reads the whole model on every rank; waits for an update in progress)."""
+    (reads the whole model on every rank; waits for an update in progress); with ``cold``
+    (``&cold=DIR``) also ``cold_audit``: the served model against a cold load of DIR
+    (:meth:`~engine_ext.server.controller.Controller.cold_audit`)."""
     try:
         auth.check(authorization)
         ctl = await get_controller()
         if ctl is None:
             return _UNAVAILABLE
-        return 200, await ctl.fresh_status() | ({"audit": await ctl.audit()} if audit else {})
+        body = await ctl.fresh_status()
+        if audit:
+            body["audit"] = await ctl.audit()
+            if cold:
+                body["cold_audit"] = await ctl.cold_audit(cold)
+        return 200, body
     except Exception as e:  # noqa: BLE001
         status, answer = error_answer(e)
         return (503 if status == 500 else status), answer
@@ -72,3 +79,8 @@ async def get_answer(auth: Auth, get_controller: ControllerGetter, authorization
 def wants_audit(query: dict) -> bool:
     """``?audit=1`` (or ``true``) on ``GET``."""
     return str(query.get("audit", "")).lower() in ("1", "true", "yes")
+
+
+def cold_checkpoint(query: dict) -> str | None:
+    """``&cold=DIR`` on ``GET ...?audit=1``: the checkpoint directory the cold-load audit builds from."""
+    return query.get("cold") or None

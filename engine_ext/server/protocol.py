@@ -116,6 +116,7 @@ class RankReply:
     ties: dict[str, str] = field(default_factory=dict)  # setup: parameters the engine registers under two names {second: first}
     engine: dict = field(default_factory=dict)  # setup: the engine's kernels/paths on this rank
     derived: dict = field(default_factory=dict)  # audit: {"checked", "opaque", "stale"} of the engine's derived copies
+    cold: dict = field(default_factory=dict)  # cold_audit: the served model against a cold instance (engines/vllm/cold_audit.py)
     written: int = 0  # apply: checkpoint elements written
     undo_bytes: int = 0  # apply
     seconds: dict[str, float] = field(default_factory=dict)  # setup, apply: time per step on the rank

@@ -37,7 +37,7 @@ from .. import settings
 from .maps import ApplyResult, TensorMap, Unmappable, checkpoint_view, covered_elements, local_fingerprint
 from ..format.delta import TensorDelta, apply_tensor
 from ..format.dtypes import DType
-from ..errors import BaseMismatchError, IntegrityError, UnreproducibleError, VerifyError
+from ..errors import AuditUnavailable, BaseMismatchError, IntegrityError, UnreproducibleError, VerifyError
 from .protocol import RankReply, TensorReport
 from .touched import Touched
 
@@ -51,8 +51,10 @@ Describe = Callable[[], dict]  # the engine's kernels/paths on this rank, for th
 CheckDerived = Callable[..., dict]
 # {checkpoint tensor: why} for tensors whose served form no refresh keeps in step (given the maps): refused
 FindUnreproducible = Callable[[dict], dict]
+# The served model against a cold instance built from a checkpoint directory (the cold-load audit): {"ok", ...}
+CompareCold = Callable[[str], dict]
 OPS = ("setup", "fetch", "fetched", "apply", "discard", "commit", "rollback", "status", "resync", "audit", "forget",
-       "set_label")
+       "set_label", "cold_audit")
 DECODE_BACKENDS = ("auto", "host", "device")
 MAX_FETCHES = 8  # fetches a rank holds at once (the driver's queue bound keeps it lower)
 
@@ -85,7 +87,8 @@ class RankUpdater:
     ``checkpoint``: {name: (shape, dtype)} of the served checkpoint; ``read_checkpoint``
     reads one tensor of it (the dense fallback starts from it); ``refresh`` rebuilds
     derived copies of the storages an apply wrote; ``describe`` reports the engine's paths;
-    ``check_derived`` compares every derived copy with a fresh derivation (for :meth:`audit`).
+    ``check_derived`` compares every derived copy with a fresh derivation (for :meth:`audit`);
+    ``compare_cold`` compares the served model with a cold instance built from a checkpoint (:meth:`cold_audit`).
     ``decode_backend``: where context-coded parts are decoded: "auto" where the weights
     live (on an accelerator in Triton, on the host in numba), "host" always on the host,
     "device" always through the Triton pass (on CPU weights only under ``TRITON_INTERPRET=1``:
@@ -96,12 +99,13 @@ class RankUpdater:
                  read_checkpoint: Callable[[str], torch.Tensor] | None = None, refresh: Refresh | None = None,
                  rank: int = 0, describe: Describe | None = None, decode_backend: str = "auto",
                  apply_backend: str = "auto", check_derived: CheckDerived | None = None,
-                 find_unreproducible: FindUnreproducible | None = None):
+                 find_unreproducible: FindUnreproducible | None = None, compare_cold: CompareCold | None = None):
         if decode_backend not in DECODE_BACKENDS:
             raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
         self.module, self.load, self.checkpoint = module, load, checkpoint
         self.read_checkpoint, self.refresh, self.rank, self.describe = read_checkpoint, refresh, rank, describe
         self.check_derived, self.find_unreproducible = check_derived, find_unreproducible
+        self.compare_cold = compare_cold
         self.decode_backend, self.apply_backend = decode_backend, apply_backend
         self.maps: dict[str, TensorMap | Unmappable] = {}
         self.host: dict[str, torch.Tensor] = {}  # checkpoint copies of unmappable tensors (dense fallback)
@@ -229,6 +233,16 @@ class RankUpdater:
         return RankReply(True, self.rank, pending=self._pending is not None, fingerprints={
             n: TensorReport(fp, self.covered[n], _numel(self.checkpoint[n][0])) for n, fp in live.items()},
             derived=self.check_derived() if self.check_derived is not None else {})
+
+    def cold_audit(self, checkpoint: str) -> RankReply:
+        """This rank's served model against a second instance the engine builds cold from ``checkpoint``
+        (its own loader and post-processing), every tensor each module holds byte for byte: what no check
+        through the maps can show (a wrong map, a copy no patch knows of). Nothing served changes."""
+        if self.compare_cold is None:
+            raise AuditUnavailable("this engine adapter has no cold-load audit (vLLM's has)")
+        if self._pending is not None:
+            raise AuditUnavailable("an apply is pending on this rank: audit after it is committed or rolled back")
+        return RankReply(True, self.rank, cold=self.compare_cold(checkpoint), **self.committed())
 
     def report(self, names: Iterable[str] | None = None) -> dict[str, TensorReport]:
         """This rank's view of each tensor's fingerprint, for the driver to combine."""

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 
 from ...server.controller import Auth
 from ...server.protocol import ROUTE
-from ...server.http import bounded_body, get_answer, post_answer, wants_audit
+from ...server.http import bounded_body, cold_checkpoint, get_answer, post_answer, wants_audit
 from . import compat, engine
 
 log = logging.getLogger("engine_ext")
@@ -45,7 +45,7 @@ async def post_update(request: Request) -> JSONResponse:
 
 async def get_update(request: Request) -> JSONResponse:
     status, body = await get_answer(_auth(), _controller, request.headers.get("authorization"),
-                                    wants_audit(request.query_params))
+                                    wants_audit(request.query_params), cold_checkpoint(request.query_params))
     return JSONResponse(body, status)
 
 

@@ -31,7 +31,7 @@ from fastapi.routing import APIRoute
 from ...errors import DeltaError
 from ...server import transfer_api
 from ...server.controller import Auth, Controller, Policy, error_answer, initial_version
-from ...server.http import bounded_body, get_answer, post_answer, wants_audit
+from ...server.http import bounded_body, cold_checkpoint, get_answer, post_answer, wants_audit
 from ...server.protocol import ROUTE, RankReply, RequestError
 from . import compat
 from .worker import BACKEND_NAMES, RPC_METHOD
@@ -105,7 +105,7 @@ async def post_update(request: Request) -> JSONResponse:
 
 async def get_update(request: Request) -> JSONResponse:
     status, body = await get_answer(_auth(request), _controller(request), request.headers.get("authorization"),
-                                    wants_audit(request.query_params))
+                                    wants_audit(request.query_params), cold_checkpoint(request.query_params))
     door = getattr(request.app.state, "engine_ext_native", None)
     if status == 200 and door is not None:
         body["native"] = door.status()

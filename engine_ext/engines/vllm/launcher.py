@@ -218,11 +218,14 @@ class VllmServer:
         data = body if isinstance(body, (str, bytes)) else json.dumps(body)
         return requests.post(self.url + ROUTE, data=data, headers=self._headers(headers), timeout=timeout)
 
-    def status(self, headers: dict | None = None, audit: bool = False) -> dict:
+    def status(self, headers: dict | None = None, audit: bool = False, cold: str | os.PathLike | None = None) -> dict:
         """``GET /update_weights_delta``: version, fingerprint, layout (engine paths), history; with
-        ``audit``, also ``audit`` (the live weights and the engine's derived copies re-read and checked)."""
-        r = requests.get(self.url + ROUTE, headers=self._headers(headers), params={"audit": 1} if audit else None,
-                         timeout=120 if audit else 30)
+        ``audit``, also ``audit`` (the live weights and the engine's derived copies re-read and checked); with
+        ``cold`` (a checkpoint directory; the server needs ``ENGINE_EXT_COLD_AUDIT=1``), also ``cold_audit``
+        (the served model against a cold load of it, byte for byte)."""
+        params = {"audit": 1, **({"cold": str(cold)} if cold else {})} if audit or cold else None
+        r = requests.get(self.url + ROUTE, headers=self._headers(headers), params=params,
+                         timeout=300 if cold else 120 if audit else 30)
         r.raise_for_status()
         return r.json()
 

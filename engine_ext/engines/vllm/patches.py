@@ -105,9 +105,10 @@ def keep_cpu_linear_weights() -> bool:
         return True
 
     def dispatch_keeping_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
+        loaded = layer.weight.data  # where the loader wrote (and what a module may still view: Granite's conv_weights)
         orig(layer, remove_weight=False)
         if "_cpu_unpacked_conv_weight" in layer.__dict__:
-            keep_conv_weight(layer)
+            keep_conv_weight(layer, loaded)
             return
         if layer.weight.ndim == 2:
             layer._engine_ext_packed = True  # marks layers whose served copy is derived
@@ -119,19 +120,26 @@ def keep_cpu_linear_weights() -> bool:
     return True
 
 
-def keep_conv_weight(layer: torch.nn.Module) -> None:
+def keep_conv_weight(layer: torch.nn.Module, loaded: torch.Tensor) -> None:
     """After vLLM's dispatch packed a causal-conv1d weight in place of its data (hosts with AVX-512 BF16 or
-    Arm BF16: Qwen3-Next's and Qwen3.5's Gated DeltaNet ``conv1d``): the checkpoint layout it stashed
-    (``_cpu_unpacked_conv_weight``, [dim, width]) becomes where the loader writes. The kernel reads
-    ``layer.weight`` itself, so that Parameter keeps the packed data, and its ``weight_loader`` loads into a
-    Parameter over the stash instead (with the same loader attributes); the stash is registered as a
-    non-persistent buffer, so the layout probe maps the loader's writes into it. :func:`repack_conv` packs
-    it again after a write, by vLLM's own dispatch. Before this patch the loader, and every in-place write,
-    wrote checkpoint-layout values into the packed data."""
-    stash = layer.__dict__["_cpu_unpacked_conv_weight"]
+    Arm BF16: the Gated DeltaNet ``conv1d`` of Qwen3-Next and Qwen3.5, the mamba2 ``conv1d`` of Granite 4,
+    Nemotron-H, Falcon-H1, Bamba...): ``loaded``, the storage the loader wrote ([dim, 1, width]), becomes
+    where the loader writes again. The kernel reads ``layer.weight`` itself, so that Parameter keeps the
+    packed data, and its ``weight_loader`` loads into a Parameter over ``loaded`` instead (with the same
+    loader attributes), registered as a non-persistent buffer too, so the layout probe maps the loader's
+    writes into it. :func:`repack_conv` packs it again after a write, by vLLM's own dispatch.
+
+    ``loaded`` is the storage, not vLLM's stash (``_cpu_unpacked_conv_weight``, a clone of it): other
+    readers keep viewing it. vLLM's ``MambaMixer2`` registers ``conv_weights``, a [dim, width] view of the
+    conv weight made at construction, and its CPU path reads that view, never the packed weight; with
+    the loader writing a clone, every update left the mixer computing with the weights of the start-up
+    (Granite 4's silent divergence, caught by the census as a re-laid weight still read). The stash
+    becomes a view of ``loaded`` too (the spec-decode and unsupported-layout paths read it)."""
     packed = layer.weight
-    kept = torch.nn.Parameter(stash.unsqueeze(1), requires_grad=False)  # [dim, 1, width], as loaded
+    dim, width = layer.__dict__["_cpu_unpacked_conv_weight"].shape
+    kept = torch.nn.Parameter(loaded, requires_grad=False)  # [dim, 1, width], as loaded
     kept.__dict__.update(packed.__dict__)
+    layer._cpu_unpacked_conv_weight = loaded.view(dim, width)
     loader = packed.__dict__.get("weight_loader")
     if loader is None:
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader as loader
@@ -439,13 +447,14 @@ def repack(layer: torch.nn.Module) -> None:
     cpu_gemm_module().dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
 
 
-def packed_layers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """``{weight storage data_ptr: layer}`` for every layer whose weight was packed."""
-    out = {}
+def packed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every layer whose weight was packed for the CPU GEMM. Two layers may share one weight (tied embeddings:
+    the embedding and the LM head each keep a GEMM handle of it), and each holds its own packed copy."""
+    out = []
     for mod in model.modules():
         w = getattr(mod, "weight", None)
         if getattr(mod, "_engine_ext_packed", False) and isinstance(w, torch.Tensor) and w.numel() > 0:
-            out[w.untyped_storage().data_ptr()] = mod
+            out.append(mod)
     return out
 
 

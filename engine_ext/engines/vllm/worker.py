@@ -27,8 +27,8 @@ def cpu_refresh(model: torch.nn.Module):
     from .patches import conv_layers, mla_layers, moe_layers, packed_layers, rederive_mla, repack, repack_conv, repack_experts
 
     def refresh(touched) -> None:
-        for ptr, layer in packed_layers(model).items():
-            if touched is None or ptr in touched:
+        for layer in packed_layers(model):
+            if touched is None or layer.weight.untyped_storage().data_ptr() in touched:
                 repack(layer)
         for layer in conv_layers(model):
             if touched is None or layer._engine_ext_conv.untyped_storage().data_ptr() in touched:
@@ -59,7 +59,7 @@ def cpu_derived_check(model: torch.nn.Module):
     def check(touched=None, sample: bool = False) -> dict:
         names = {id(m): n for n, m in model.named_modules()}
         kinds = [
-            [(m, linear_copy_stale) for m in packed_layers(model).values() if written(m, m.weight, touched)],
+            [(m, linear_copy_stale) for m in packed_layers(model) if written(m, m.weight, touched)],
             [(m, mla_copy_stale) for m in mla_attention_layers(model) if written(m, m.kv_b_proj.weight, touched)],
             [(m, experts_copy_stale) for m in moe_layers(model)
              if touched is None or any(written(m, getattr(m, n), touched) for n in ("w13_weight", "w2_weight"))],
@@ -126,6 +126,11 @@ def build_updater(model: torch.nn.Module, vllm_config, rank: int = 0) -> RankUpd
 
         return unreproducible(model, maps, claimed)
 
+    def compare_cold(checkpoint: str) -> dict:
+        from .cold_audit import cold_audit
+
+        return cold_audit(model, vllm_config, checkpoint)
+
     if compat.is_cpu():
         from .patches import cpu_paths
 
@@ -134,7 +139,7 @@ def build_updater(model: torch.nn.Module, vllm_config, rank: int = 0) -> RankUpd
     else:
         refresh, describe, check_derived = None, (lambda: {"platform": compat.device_type()}), None
     return RankUpdater(model, load, ckpt.specs(), ckpt.load, refresh, rank=rank, describe=describe,
-                       check_derived=check_derived, find_unreproducible=find_unreproducible)
+                       check_derived=check_derived, find_unreproducible=find_unreproducible, compare_cold=compare_cold)
 
 
 def updater_for(model: torch.nn.Module, vllm_config, rank: int = 0) -> RankUpdater:
