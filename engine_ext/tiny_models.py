@@ -30,10 +30,11 @@ from pathlib import Path
 import torch
 
 KINDS = ("qwen2", "llama", "qwen2-tied", "qwen3-moe", "qwen3-moe-fused", "qwen2-moe", "qwen3", "llama-tied", "mistral",
-         "gemma2", "phi3", "deepseek-v2", "qwen2.5-vl", "gpt-oss", "qwen3-next")
-MOE_KINDS = ("qwen3-moe", "qwen3-moe-fused", "qwen2-moe", "deepseek-v2", "gpt-oss", "qwen3-next")
+         "gemma2", "phi3", "deepseek-v2", "qwen2.5-vl", "gpt-oss", "qwen3-next", "granite-4-hybrid")
+MOE_KINDS = ("qwen3-moe", "qwen3-moe-fused", "qwen2-moe", "deepseek-v2", "gpt-oss", "qwen3-next", "granite-4-hybrid")
 # Kinds built by :func:`tiny_config` from the class's own defaults (any vLLM architecture name is a kind too)
-ARCH_KINDS = {"gpt-oss": "GptOssForCausalLM", "qwen3-next": "Qwen3NextForCausalLM"}
+ARCH_KINDS = {"gpt-oss": "GptOssForCausalLM", "qwen3-next": "Qwen3NextForCausalLM",
+              "granite-4-hybrid": "GraniteMoeHybridForCausalLM"}
 VLM_KINDS = ("qwen2.5-vl",)
 # The vision special tokens of a tiny VLM are words of its tokenizer (ids 4.. in this order, before any others).
 VISION_WORDS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")

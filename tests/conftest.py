@@ -41,6 +41,22 @@ def _secure_by_default_for_the_whole_run():
 _secure_by_default_for_the_whole_run()
 
 
+def _hide_amx_for_the_whole_run():
+    """``ENGINE_EXT_TEST_HIDE_AMX=1`` in the run's environment: the whole suite runs as on an AVX-512 host
+    without AMX (vLLM 0.32 CPU's oneDNN GEMM, ``vec`` attention, CPUMLAImpl, the MoE prepack's ISA), in this
+    process (its in-process vLLM ops) and in every process it starts (tests/server_hooks on their path)."""
+    if os.environ.get("ENGINE_EXT_TEST_HIDE_AMX") != "1":
+        return
+    hooks = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server_hooks")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [hooks, os.environ.get("PYTHONPATH")] if p)
+    import torch.cpu
+
+    torch.cpu._is_amx_tile_supported = lambda: False
+
+
+_hide_amx_for_the_whole_run()
+
+
 def _import_kernels_for_the_interpreter():
     """Decorate our Triton kernels in interpreter mode before any test module imports vLLM.
 

@@ -46,6 +46,7 @@ VOCAB = 1024
 class Trajectory:
     kind: str
     final: Path  # the served checkpoint: the last version, trainer names, bf16
+    first: Path | None = None  # the first version (v0) in the same layout: the cold-load audit's reference at v0
     stores: dict[str, Path] = field(default_factory=dict)  # "path/dtype" -> store root
     fingerprint: str = ""  # the last version's model fingerprint (every store's)
     frozen: tuple[str, ...] = ()  # tensors that never move (a VLM's vision tower)
@@ -73,7 +74,8 @@ def step(model: torch.nn.Module, gen: torch.Generator, frozen=(), lr: float = 1e
 def trajectory(kind: str, root: Path, *, paths=TRAINER_PATHS + ("checkpoint",), dtypes=("fp32",), tied_copy: bool = False,
                layout: str = "hub", seed: int = 1) -> Trajectory:
     """Publish the trajectory of ``kind`` through every path (and trainer dtype) into ``root``/store-*;
-    write the final served checkpoint to ``root``/final, in the Hub's layout (``save_pretrained``,
+    write the final served checkpoint to ``root``/final (and the first version to ``root``/first, the cold-load
+    audit's reference at v0), in the Hub's layout (``save_pretrained``,
     what users serve; ``tied_copy``: the tied ``lm_head.weight`` stored too) or the trainer's
     (:func:`engine_ext.tiny_models.save_trainer_layout`). Asserts that every trainer path publishes
     the same versions, and the checkpoint path too where the two layouts name the same tensors."""
@@ -85,10 +87,12 @@ def trajectory(kind: str, root: Path, *, paths=TRAINER_PATHS + ("checkpoint",), 
         if v:
             step(model, gen, frozen)
         states.append({n: t.detach().clone() for n, t in model.state_dict().items()})
-    model.load_state_dict(states[-1])
-    final = (save_hub_layout(root / "final", model, kind, tied_copy) if layout == "hub"
-             else save_trainer_layout(root / "final", model, kind=kind, tied_copy=tied_copy))
-    out = Trajectory(kind, final, frozen=frozen)
+    saved = []
+    for name, state in (("first", states[0]), ("final", states[-1])):
+        model.load_state_dict(state)
+        saved.append(save_hub_layout(root / name, model, kind, tied_copy) if layout == "hub"
+                     else save_trainer_layout(root / name, model, kind=kind, tied_copy=tied_copy))
+    out = Trajectory(kind, saved[1], first=saved[0], frozen=frozen)
     fps = {}
     if "checkpoint" in paths:
         fps["checkpoint/fp32"] = publish_checkpoints(kind, model, states, root, out)

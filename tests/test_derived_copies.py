@@ -126,6 +126,101 @@ def test_packed_conv1d_weight_is_written_in_checkpoint_layout_and_packed_again()
     assert torch.equal(layer._cpu_unpacked_conv_weight, new.view(64, 4))  # vLLM's stash: the spec-decode path's weight
 
 
+class _Mixer(torch.nn.Module):
+    """vLLM's ``MambaMixer2`` in small: its ``conv1d`` ([dim, 1, 4] bf16, loaded by a weight loader) and the
+    ``conv_weights`` buffer it registers at construction, a [dim, 4] view of that weight, which its CPU
+    path reads (Granite 4, Nemotron-H, Falcon-H1, Bamba, Zamba2)."""
+
+    def __init__(self, dim=64, seed=8):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.conv1d = torch.nn.Module()
+        self.conv1d.weight = torch.nn.Parameter((torch.randn(dim, 1, 4, generator=g) * 0.1).to(torch.bfloat16),
+                                                requires_grad=False)
+        self.conv1d.weight.weight_loader = lambda param, w: param.data.copy_(w)
+        self.register_buffer("conv_weights", self.conv1d.weight.view(dim, 4), persistent=False)
+
+    def load(self, name: str, t: torch.Tensor) -> None:
+        param = self.conv1d.weight
+        param.weight_loader(param, t)
+
+
+def _census_of_mixer(dispatch) -> tuple[_Mixer, dict]:
+    from engine_ext.engines.vllm.census import claimed
+    from engine_ext.server import census
+    from engine_ext.server.layout import probe_layout
+
+    mixer = _Mixer()
+    census.take(mixer, lambda: dispatch(mixer.conv1d))
+    maps = probe_layout(mixer, mixer.load, [("conv1d.weight", (64, 1, 4), "bfloat16")])
+    return mixer, census.unreproducible(mixer, maps, claimed)
+
+
+@pytest.mark.skipif(not _conv_op_packs(), reason="vLLM packs causal-conv1d weights only on AVX-512 BF16 (or Arm BF16) hosts")
+def test_a_view_of_the_packed_conv_weight_follows_every_write():
+    """Granite 4's silent divergence: vLLM packs the conv1d weight in place of its data, and the mixer keeps
+    reading its ``conv_weights`` view of the storage the loader wrote at start-up. The patch keeps the loader
+    writing that very storage (the census names nothing, and the view follows a write); with the fix
+    reverted (the loader writing vLLM's stash, a clone), the census names the tensor and its reader."""
+    assert patches.keep_cpu_linear_weights()
+    dispatch = compat.cpu_gemm_module().dispatch_cpu_unquantized_gemm
+    mixer, found = _census_of_mixer(lambda conv: dispatch(conv, remove_weight=True))
+    assert found == {}
+    new = (torch.randn(64, 1, 4, generator=torch.Generator().manual_seed(9)) * 0.1).to(torch.bfloat16)
+    mixer.load("conv1d.weight", new)
+    assert torch.equal(mixer.conv_weights, new.view(64, 4)) and patches.conv_copy_stale(mixer.conv1d) is True
+
+    def reverted(conv):  # the patch before the fix: vLLM's dispatch, then the loader redirected into its stash
+        dispatch.original(conv, remove_weight=False)
+        patches.keep_conv_weight(conv, conv.__dict__["_cpu_unpacked_conv_weight"].unsqueeze(1))
+
+    mixer, found = _census_of_mixer(reverted)
+    assert list(found) == ["conv1d.weight"] and "conv_weights" in found["conv1d.weight"], found
+
+
+def test_experts_left_to_the_engine_are_refused():
+    """GPT-OSS's old divergence: MoE experts whose packing is left to the engine (the keep-weights patch not
+    applied) are packed in place of the parameters the loader writes, so an update would write the
+    checkpoint's layout into the packed copies. Refused at start-up, before any update: the maps write
+    storages post-processing computed, which the load check reads back as differing from the checkpoint
+    (``mismatched``); where the loader cannot be mapped (the dense fallback), the census names them."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    from engine_ext.server import census
+    from engine_ext.server.layout import probe_layout
+
+    cls = compat.cpu_moe_experts_class()
+    process = getattr(cls.process_weights_after_loading, "original", cls.process_weights_after_loading)
+    experts = cls.__new__(cls)
+    experts.__dict__.update(moe_config=SimpleNamespace(intermediate_size_per_partition=32, activation=MoEActivation.SILU),
+                            _use_zentorch=False, isa=cls.isa if isinstance(getattr(cls, "isa", None), str) else "vec")
+    from engine_ext.format.dtypes import BY_TORCH
+    from engine_ext.server.rank import RankUpdater
+
+    layer = _Experts()
+    del layer._engine_ext_moe
+    loaded = {n: getattr(layer, n).data.clone() for n in ("w13_weight", "w2_weight")}
+    census.take(layer, lambda: process(experts, layer))
+    assert all(getattr(layer, n).data_ptr() != t.data_ptr() for n, t in loaded.items())  # packed in their place
+
+    def load(name, t):
+        getattr(layer, name).data.copy_(t.view(getattr(layer, name).shape))
+
+    up = RankUpdater(layer, load, {n: (tuple(t.shape), BY_TORCH[t.dtype]) for n, t in loaded.items()},
+                     read_checkpoint=loaded.__getitem__, find_unreproducible=lambda maps: census.unreproducible(layer, maps))
+    reply = up.setup()
+    assert sorted(set(reply.mismatched) | set(reply.unreproducible)) == ["w13_weight", "w2_weight"], reply
+
+    def load_through_a_copy(name, t):  # a loader the probe cannot follow: the dense fallback reloads through it
+        getattr(layer, name).data.copy_((t.float() * 1).to(t.dtype).view(getattr(layer, name).shape))
+
+    specs = [(n, tuple(t.shape), "bfloat16") for n, t in loaded.items()]
+    found = census.unreproducible(layer, probe_layout(layer, load_through_a_copy, specs))
+    assert sorted(found) == ["w13_weight", "w2_weight"], found
+
+
 class _KvBProj(torch.nn.Module):
     def __init__(self, heads, nope, v, latent):
         super().__init__()
@@ -188,16 +283,20 @@ def _linear(n=32, k=64) -> torch.nn.Module:
 
 
 def test_linear_copy_on_this_host():
-    """The sgl path (AMX hosts) serves a packed tensor: stale after a write, fresh after the re-pack. The
-    oneDNN handle (other AVX-512 hosts) and the torch path (AVX2) have no tensor to compare: None."""
+    """A small linear layer on whichever GEMM path this host takes: the sgl path (AMX hosts) serves a packed
+    tensor, stale after a write and fresh after the re-pack; oneDNN (other AVX-512 hosts) serves an opaque
+    handle, compared by what it computes, fresh after the re-pack (whether a write alone makes it stale is
+    the next test's); the torch path (AVX2) reads the weight itself: nothing derived, None."""
     layer = _linear()
     assert layer.weight.numel() > 0  # kept by the patch
-    if patches.gemm_path(layer) != "sgl":
+    path = patches.gemm_path(layer)
+    if path == "torch":
         assert patches.linear_copy_stale(layer) is None
         return
-    assert patches.linear_copy_stale(layer) is False
+    assert path in ("sgl", "onednn") and patches.linear_copy_stale(layer) is False
     _write_one(layer.weight.data)
-    assert patches.linear_copy_stale(layer) is True
+    if path == "sgl":
+        assert patches.linear_copy_stale(layer) is True
     patches.repack(layer)
     assert patches.linear_copy_stale(layer) is False
 
