@@ -7,7 +7,10 @@ published through the README's ``DeltaPublisher(...).publish(model)`` (3 version
 two deltas). A vLLM CPU server with the plugin starts cold on the last version (the reference),
 is taken back to v0 (``rollback``) and forward through both deltas, and must then serve the
 cold start's fingerprint and greedy outputs (tokens, logprobs, top-k) bit for bit, with no stale
-derived copy (``?audit=1``). Each architecture ends in one row:
+derived copy (``?audit=1``). At v0 and at the end, the server also compares every tensor each module
+holds with a cold load of that version, byte for byte (the cold-load audit,
+engine_ext/engines/vllm/cold_audit.py): state the updates never reach would still hold the start-up's
+version at v0, where no output comparison looks. Each architecture ends in one row:
 
 * ``pass``: bit-equal to the cold start after the chain;
 * ``refused``: an update was refused with a clear reason and changed nothing (the reason is shown);
@@ -148,7 +151,8 @@ def run_arch(arch: str, work: Path) -> Row:
     if isinstance(traj, Row):
         return traj
     try:
-        server = VllmServer(traj.final, sources=str(work), log=work / "server.log", startup_s=240)
+        server = VllmServer(traj.final, sources=str(work), log=work / "server.log", startup_s=240,
+                            env={"ENGINE_EXT_COLD_AUDIT": "1"})
     except Exception as e:  # noqa: BLE001
         return Row(arch, "cannot serve", root_cause(work / "server.log", e), time.perf_counter() - t0)
     try:
@@ -183,14 +187,21 @@ def run_arch(arch: str, work: Path) -> Row:
                                time.perf_counter() - t0)
                 return Row(arch, "refused", _short(f"v{v}: {r.status_code} {body.get('error', body)}", 240),
                            time.perf_counter() - t0)
-        final = server.status(audit=True)
+            if v == 0:  # every tensor each module holds against a cold load of v0: state no update reaches shows here
+                at_v0 = server.status(cold=traj.first)["cold_audit"]
+                if not at_v0["ok"]:
+                    return Row(arch, "DIVERGED", "at v0, differs from a cold load: " + _short(", ".join(at_v0["differ"]), 200),
+                               time.perf_counter() - t0)
+        final = server.status(audit=True, cold=traj.final)
         same = final["fingerprint"] == status["fingerprint"] and outputs() == cold
-        audit = final.get("audit") or {}
-        if not same or not audit.get("ok", False):
-            why = "outputs differ from a cold start" if not same else f"audit: {_short(json.dumps(audit), 200)}"
+        audit, cold_audit = final.get("audit") or {}, final.get("cold_audit") or {}
+        if not same or not audit.get("ok", False) or not cold_audit.get("ok", False):
+            why = ("outputs differ from a cold start" if not same else f"audit: {_short(json.dumps(audit), 200)}"
+                   if not audit.get("ok", False) else "differs from a cold load: " + _short(", ".join(cold_audit["differ"]), 200))
             return Row(arch, "DIVERGED", why + (f" ({', '.join(notes)})" if notes else ""), time.perf_counter() - t0)
         derived = audit.get("derived") or {}
-        detail = (f"derived copies checked {derived.get('checked', 0)}, opaque {derived.get('opaque', 0)}; sampled check "
+        detail = (f"derived copies checked {derived.get('checked', 0)}, opaque {derived.get('opaque', 0)}; cold-load audit "
+                  f"{cold_audit['compared'] + at_v0['compared']} tensors, {cold_audit['gemms']} GEMMs; sampled check "
                   f"{sum(c for c, _ in pause):.1f} of {sum(p for _, p in pause):.0f} ms paused")
         return Row(arch, "pass", detail + (f"; {', '.join(notes)}" if notes else "") + weak, time.perf_counter() - t0)
     finally:
