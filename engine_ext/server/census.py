@@ -134,7 +134,8 @@ def module_state(module: torch.nn.Module, tensors: dict | None = None) -> dict[s
                 if t is not None:
                     _walk(t, n, out, 0, seen, tensors)
         elif isinstance(v, _SCALARS):
-            out[k] = ("value", k, v)  # a scale kept as a Python number (vLLM's ``_k_scale_float``)
+            if not k.startswith("_engine_ext_"):  # (our patches' marks are not the engine's state)
+                out[k] = ("value", k, v)  # a scale kept as a Python number (vLLM's ``_k_scale_float``)
         else:
             _walk(v, k, out, 0, seen, tensors)
     return out
