@@ -349,3 +349,22 @@ def test_the_audit_names_the_stale_layers():
     patches.repack_experts(model.more)
     patches.repack(model.proj)
     assert check()["stale"] == []
+
+
+@pytest.mark.skipif(not AMX or __import__("os").environ.get("ENGINE_EXT_TEST_HIDE_AMX") == "1",
+                    reason="this host's paths are the ones above (no AMX, or AMX hidden already)")
+def test_the_paths_of_hosts_without_amx_here():
+    """On an AMX host, this module again with AMX hidden from vLLM (tests/server_hooks), in a process of its
+    own: the oneDNN GEMM, CPUMLAImpl's views and the MoE prepack's other ISA, as on an AVX-512 host without
+    AMX, so every host's CI runs the derived copies of both kinds of host."""
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, ENGINE_EXT_TEST_HIDE_AMX="1",
+               PYTHONPATH=os.pathsep.join(p for p in [os.path.join(tests, "server_hooks"), os.environ.get("PYTHONPATH")] if p))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not hosts_without_amx"],
+                       env=env, cwd=os.path.dirname(tests), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]

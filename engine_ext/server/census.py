@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -215,10 +216,12 @@ class _TrackOps(TorchDispatchMode):
     def __init__(self, prov: Provenance):
         super().__init__()
         self.prov = prov
+        self.ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.ops += 1
         if func.__name__.split(".")[0] in _METADATA_ONLY:
             return out
         with torch._C.DisableTorchFunction():
@@ -329,6 +332,9 @@ class Census:
     items: dict[str, list[Item]] = field(default_factory=dict)
     relaid: dict[int, str] = field(default_factory=dict)  # a re-bound or dropped parameter's old storage -> its module
     modules: int = 0
+    ops: int = 0  # torch ops post-processing ran (each followed by the tracker)
+    seconds: float = 0.0  # post-processing under the tracker, and the walks
+    process_seconds: float = 0.0  # of which post-processing itself (with the tracker's bookkeeping per op)
 
     @property
     def derived(self) -> dict[str, dict[str, Key]]:
@@ -344,6 +350,7 @@ class Census:
 def take(model: torch.nn.Module, process: Callable[[], object]) -> None:
     """Run the engine's post-processing (``process()``) on ``model`` under the provenance tracker and
     record what it derived from the loaded weights (:class:`Census`, kept on the model)."""
+    t0 = time.perf_counter()
     modules = dict(model.named_modules())
     before = {name: module_state(m) for name, m in modules.items()}
     held = {name: _direct_storages(m) for name, m in modules.items()}  # parameters and buffers, before
@@ -357,14 +364,17 @@ def take(model: torch.nn.Module, process: Callable[[], object]) -> None:
                 owner.setdefault(ptr, name)
     prov = Provenance(weights)
     old_keys = {key for state in before.values() for key in state.values()}
-    with _scoped_steps(model, prov), _track_triton(prov), _TrackEscapes(prov), _TrackOps(prov):
+    ops = _TrackOps(prov)
+    t1 = time.perf_counter()
+    with _scoped_steps(model, prov), _track_triton(prov), _TrackEscapes(prov), ops:
         process()
+    t2 = time.perf_counter()
     del weights
     modules = dict(model.named_modules())
     now = {name: _direct_storages(m) for name, m in modules.items()}
     still_held = {ptr for storages in now.values() for ptr in storages.values()}
     params_now = {_storage_ptr(p) for m in modules.values() for p in m._parameters.values() if p is not None}
-    census = Census(modules=len(modules))
+    census = Census(modules=len(modules), ops=ops.ops, process_seconds=t2 - t1)
     for name, storages in held.items():
         params = modules[name]._parameters if name in modules else {}
         for n, ptr in storages.items():
@@ -402,6 +412,9 @@ def take(model: torch.nn.Module, process: Callable[[], object]) -> None:
                 items.append(Item(path, key, frozenset(srcs)))
         if items:
             census.items[name] = items
+    census.seconds = time.perf_counter() - t0
+    log.info("engine_ext: post-processing census: %d modules, %d ops followed, %.3f s (post-processing %.3f s)",
+             census.modules, census.ops, census.seconds, census.process_seconds)
     model.__dict__[CENSUS_ATTR] = census
 
 
