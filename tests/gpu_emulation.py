@@ -114,11 +114,12 @@ def deep_gemm_sm90(e8m0: bool = True) -> Iterator[None]:
 
 @contextlib.contextmanager
 def flashinfer_permute_indices() -> Iterator[None]:
-    """FlashInfer's two row-permutation helpers that vLLM's TRT-LLM bf16 MoE conversion imports
-    (``flashinfer.fused_moe.core._maybe_get_cached_w3_w1_permute_indices`` and ``get_w2_permute_indices_with_cache``),
-    as a module of their own in ``sys.modules`` while the call runs: both answer a fixed permutation of the rows (the
-    real ones answer FlashInfer's epilogue-tile permutation, also of rows; which permutation does not change what
-    the census and the load check see)."""
+    """FlashInfer's row-permutation helpers that vLLM's TRT-LLM MoE conversions import
+    (``flashinfer.fused_moe.core._maybe_get_cached_w3_w1_permute_indices`` and ``get_w2_permute_indices_with_cache``
+    for bf16, ``flashinfer.utils.get_shuffle_matrix_a_row_indices`` for block fp8), as modules of their own in
+    ``sys.modules`` while the call runs: each answers a fixed permutation of the rows (the real ones answer
+    FlashInfer's epilogue-tile permutation, also of rows; which permutation does not change what the census and
+    the load check see)."""
     import sys
     import types
 
@@ -128,8 +129,10 @@ def flashinfer_permute_indices() -> Iterator[None]:
     core = types.ModuleType("flashinfer.fused_moe.core")
     core._maybe_get_cached_w3_w1_permute_indices = rows
     core.get_w2_permute_indices_with_cache = rows
+    utils = types.ModuleType("flashinfer.utils")
+    utils.get_shuffle_matrix_a_row_indices = lambda t, epilogue_tile_m, **kw: torch.arange(t.shape[0]).flip(0)
     stubs = {"flashinfer": types.ModuleType("flashinfer"), "flashinfer.fused_moe": types.ModuleType("flashinfer.fused_moe"),
-             "flashinfer.fused_moe.core": core}
+             "flashinfer.fused_moe.core": core, "flashinfer.utils": utils}
     present = {name: sys.modules.get(name) for name in stubs}
     assert all(m is None for m in present.values()), "a real flashinfer is importable here: use it"
     sys.modules.update(stubs)
