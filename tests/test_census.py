@@ -115,8 +115,9 @@ def test_the_census_names_exactly_the_unclaimed_copies_of_checkpoint_weights():
     model, maps = _toy()
     derived = model.__dict__["_engine_ext_census"].derived  # computed from parameters or buffers
     assert set(derived) == {"proj", "packed", "quant", "mixer", "conv", "attn"}  # not rope: computed from nothing
-    assert census.unclaimed(model, maps, claimed) == {"conv": ["weight"], "mixer": ["conv_weights"], "proj": ["w_t"],
-                                                      "quant": ["w_np"]}
+    # conv: the packed weight, and the stash the loader writes (a copy of another parameter's loaded storage)
+    assert census.unclaimed(model, maps, claimed) == {"conv": ["kept", "weight"], "mixer": ["conv_weights"],
+                                                      "proj": ["w_t"], "quant": ["w_np"]}
     assert "cpu_linear.<packed>" in census.unclaimed(model, maps)["packed"]  # the patch's claim is what spares it
     found = census.unreproducible(model, maps, claimed)
     assert sorted(found) == ["conv.weight", "proj.weight", "quant.weight"]
@@ -181,6 +182,6 @@ def test_an_update_reaching_an_unclaimed_copy_is_refused_and_changes_nothing(tmp
     before = bits([up])
     with pytest.raises(UnreproducibleError, match="proj.weight") as e:
         asyncio.run(ctl.update(UpdateRequest(url=str(tmp_path / "store" / "v00000001.json"))))
-    assert e.value.http_status == 409 and "conv holds 'weight', computed from it" in str(e.value)
+    assert e.value.http_status == 409 and "conv holds 'kept', computed from it" in str(e.value)
     assert same_bits(before, bits([up])) and ctl.status()["version"] == 0
     assert json.dumps(ctl.status()["layout"]["unreproducible"])  # plain data for the status answer

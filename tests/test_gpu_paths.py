@@ -154,8 +154,8 @@ def test_fp8_block_dense_deep_gemm_requantises_in_place_and_is_refused():
     DeepGEMM's SM90 ``transform_sf_into_required_layout`` (returns fp32 scales as they are; gpu_emulation.deep_gemm_sm90).
 
     The live weight and scales no longer equal the checkpoint: the load check names both (``mismatched``), and
-    updates writing them are refused. The census sees the in-place write too (``derived``), but leaves storages the
-    maps write to the load check."""
+    updates writing them are refused. The census refuses both too: post-processing computed each from the other,
+    in the storages the maps write (it does not wait for a byte to change: the UE8M0 checkpoint below)."""
     layer = _fp8_linear(DeepGemmFp8BlockScaledMMKernel)
     ckpt = checkpoint_of(layer)
     with deep_gemm_sm90():
@@ -164,7 +164,7 @@ def test_fp8_block_dense_deep_gemm_requantises_in_place_and_is_refused():
     assert torch.equal(torch.exp2(torch.log2(layer.weight_scale_inv.data).round()), layer.weight_scale_inv.data)
     out = outcome(layer, ckpt)
     assert out.derived == {"": ["weight", "weight_scale_inv"]}
-    assert set(out.mismatched) == {"weight", "weight_scale_inv"} and out.unreproducible == {}
+    assert set(out.mismatched) == set(out.unreproducible) == {"weight", "weight_scale_inv"}
 
 
 def _cold(weight: torch.Tensor, scale: torch.Tensor) -> torch.nn.Module:
@@ -189,35 +189,23 @@ def _ue8m0_layer_and_update():
     return layer, ckpt, new_w, new_s
 
 
-def test_a_ue8m0_checkpoint_passes_the_load_check_and_an_update_then_differs_from_a_cold_start():
-    """Today's behaviour on the path above with a checkpoint whose scales are already UE8M0 (DeepSeek-V3.1 style):
-    the in-place requantisation leaves every byte as loaded, so the load check passes, and the census, which leaves
-    storages the maps write to the load check, names nothing: updates are accepted. An update whose scales are not
-    powers of two is then served as written, while a cold start would requantise it (see the xfail below)."""
+def test_a_ue8m0_checkpoint_on_deep_gemm_is_refused():
+    """The path above with a checkpoint whose scales are already UE8M0 (DeepSeek-V3.1 style): the in-place
+    requantisation leaves every byte as loaded, so the load check passes; yet an update whose scales are not powers
+    of two, written in place, would be served as written while a cold start requantises it. The census refuses the
+    weight and its scales at start-up: post-processing computed each from the other in the storages the maps write.
+    (Before issue 50's closing change the census left every storage the maps write to the load check, and this
+    checkpoint's updates were accepted.)"""
     layer, ckpt, new_w, new_s = _ue8m0_layer_and_update()
     out = outcome(layer, ckpt)
-    assert out.derived == {"": ["weight", "weight_scale_inv"]}  # the census saw the in-place write
-    assert out.refused == set()  # ... and nothing refuses it
-    with torch.no_grad():  # what the maps write for an update (identity maps: the parameters themselves)
+    assert out.derived == {"": ["weight", "weight_scale_inv"]} and out.mismatched == ()
+    assert set(out.unreproducible) == {"weight", "weight_scale_inv"}
+    with torch.no_grad():  # what an accepted update would have written (identity maps: the parameters themselves)
         layer.weight.data.copy_(new_w)
         layer.weight_scale_inv.data.copy_(new_s)
     cold = _cold(new_w, new_s)
-    assert not torch.equal(layer.weight_scale_inv.data, cold.weight_scale_inv.data)
+    assert not torch.equal(layer.weight_scale_inv.data, cold.weight_scale_inv.data)  # why it must be refused
     assert not torch.equal(layer.weight.data.view(torch.uint8), cold.weight.data.view(torch.uint8))
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "census gap: engine_ext/server/census.py::_stale skips every item whose storage the maps write "
-    "('if ptr in mapped: continue'), trusting the load check; vLLM's requant_weight_ue8m0_inplace "
-    "(model_executor/layers/quantization/utils/fp8_utils.py, called from deepgemm_post_process_fp8_weight_block) "
-    "writes the loaded weight and scales in place as a function of each other, and on a UE8M0 checkpoint that write "
-    "is the identity, so the load check passes too. The census records the write (Item sources {weight, scale}); "
-    "it would need to refuse a mapped storage whose item has sources other than the storage itself"))
-def test_a_ue8m0_checkpoint_on_deep_gemm_is_refused():
-    """What start-up should decide for the layer above: its weight and scales are rewritten by post-processing as a
-    function of each other, so an update that writes them in place cannot be shown to match a cold start."""
-    layer, ckpt, _, _ = _ue8m0_layer_and_update()
-    assert {"weight", "weight_scale_inv"} <= outcome(layer, ckpt).refused
 
 
 # ---------------------------------------------------------------------------- MoE
@@ -339,8 +327,9 @@ def test_fp8_block_moe_on_each_cuda_backend(backend):
     if backend == "FLASHINFER_TRTLLM":
         assert set(out.unreproducible) == set(out.fallback) == {"w13_weight", "w2_weight"}
         assert "computed from it" in out.unreproducible["w13_weight"]
-    else:
-        assert set(out.mismatched) == FP8_MOE[backend] and out.unreproducible == {}, out
+    else:  # the load check names what changed a byte; the census what was computed from other weights (DeepGEMM)
+        assert set(out.mismatched) == FP8_MOE[backend], out
+        assert set(out.unreproducible) == (FP8_MOE[backend] if backend == "DEEPGEMM" else set()), out
 
 
 # ---------------------------------------------------------------------------- MLA
@@ -428,17 +417,11 @@ def test_gpt_oss_attention_sinks_on_flashinfer_are_named_and_refused():
     assert out.derived == {"attn": ["impl.sinks"]} and set(out.unreproducible) == {"sinks"}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "census gap: engine_ext/server/census.py::_walk neither walks nor records an object whose class is defined outside "
-    "vllm/torch/engine_ext/sglang and has a __dict__ (it returns without an entry). vLLM's GPT-OSS Triton path "
-    "(fused_moe/oracle/mxfp4.py::convert_gpt_oss_weight_to_mxfp4_moe_kernel_format, TRITON_BACKENDS) keeps the "
-    "swizzled experts in triton_kernels' Tensor/Storage dataclasses (layer.w13_weight) and the swizzled scales in "
-    "PrecisionConfig (quant_method.w13_precision_config). In vLLM 0.32 it deletes the parameters too, so the loader "
-    "fails loudly; a copy kept beside a live parameter would pass unseen. The census would need to walk such objects "
-    "(dataclasses at least) or record them as opaque handles made from the module's weights"))
 def test_a_copy_held_in_a_third_party_object_is_named():
     """triton_kernels' holder in small: a dataclass of module ``triton_kernels.tensor`` (as OpenAI's kernels define
-    ``Storage``) holding a swizzled copy of a weight, set by a post-processing step beside the live parameter."""
+    ``Storage``) holding a swizzled copy of a weight, set by a post-processing step beside the live parameter. The
+    census walks any holder (before issue 50's closing change only the engines' own classes, so vLLM's GPT-OSS
+    Triton path kept its swizzled experts out of its sight)."""
     from dataclasses import dataclass
 
     @dataclass

@@ -61,6 +61,9 @@ CENSUS_ATTR = "_engine_ext_census"
 _MAX_DEPTH = 4  # module -> quant method -> experts -> their dict: deep enough for vLLM 0.32's holders
 _SKIP_TYPES = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device, type)
 _SCALARS = (int, float, bool)
+# Objects of these packages hold no model state (locks, executors, sockets, loggers): not walked into
+_NOT_HOLDERS = {"logging", "threading", "concurrent", "asyncio", "multiprocessing", "socket", "ssl", "queue", "zmq",
+                "ray", "weakref", "_thread", "subprocess", "selectors", "tokenizers", "transformers"}
 
 Key = tuple  # ("tensor", device type, storage data_ptr) | ("opaque", type name, id) | ("value", path, value)
 _NOT_STATE = ("_engine_ext_updater", CENSUS_ATTR)  # our own bookkeeping on the model, made after post-processing
@@ -111,13 +114,15 @@ def _walk(obj, path: str, out: dict, depth: int, seen: set, tensors: dict | None
             except ValueError:  # an empty cell
                 pass
         return
-    if callable(obj) or _is_config(obj):
+    if callable(obj) or _is_config(obj) or type(obj).__module__.split(".")[0] in _NOT_HOLDERS:
         return
     attrs = getattr(obj, "__dict__", None)
-    if isinstance(attrs, dict):
-        if type(obj).__module__.startswith(("vllm", "torch", "engine_ext", "sglang")) or not attrs:
-            for k, v in list(attrs.items()):
-                _walk(v, f"{path}.{k}", out, depth + 1, seen, tensors)
+    if not isinstance(attrs, dict):
+        slots = [s for cls in type(obj).__mro__ for s in getattr(cls, "__slots__", ()) if isinstance(s, str)]
+        attrs = {s: getattr(obj, s) for s in slots if s != "__weakref__" and hasattr(obj, s)} if slots else None
+    if isinstance(attrs, dict):  # any holder, the engines' and third parties' (triton_kernels' dataclasses) alike
+        for k, v in list(attrs.items())[:256]:
+            _walk(v, f"{path}.{k}", out, depth + 1, seen, tensors)
         return
     out[path] = ("opaque", type(obj).__name__, id(obj))  # a C++ handle (oneDNN's) or another object we cannot read
 
@@ -228,17 +233,17 @@ class _TrackOps(TorchDispatchMode):
             srcs = self.prov.ops(args, kwargs)
             if not srcs:
                 return out
+            written = [leaf for i, arg in enumerate(func._schema.arguments)
+                       if arg.alias_info is not None and arg.alias_info.is_write
+                       for leaf in tree_leaves(args[i] if i < len(args) else kwargs.get(arg.name))
+                       if isinstance(leaf, torch.Tensor)]
             for leaf in tree_leaves(out):
                 if isinstance(leaf, torch.Tensor):
                     self.prov.add(leaf, srcs)
                 elif leaf is not None:  # a number or handle computed from the weights: out of our sight
                     self.prov.escape(srcs)
-            for i, arg in enumerate(func._schema.arguments):
-                if arg.alias_info is not None and arg.alias_info.is_write:
-                    value = args[i] if i < len(args) else kwargs.get(arg.name)
-                    for leaf in tree_leaves(value):
-                        if isinstance(leaf, torch.Tensor):
-                            self.prov.add(leaf, srcs)
+            for t in written:
+                self.prov.add(t, srcs)
         return out
 
 
@@ -258,8 +263,10 @@ class _TrackEscapes(TorchFunctionMode):
 
 @contextlib.contextmanager
 def _track_triton(prov: Provenance) -> Iterator[None]:
-    """A Triton launch reads and writes its tensor arguments out of the dispatcher's sight: each of them
-    takes the sources of all (only where Triton is already imported: post-processing that uses it has)."""
+    """A Triton launch reads and writes its tensor arguments out of the dispatcher's sight: each argument that
+    is not itself a loaded weight (an output made for it) takes the sources of all; a weight passed to a
+    kernel is taken as read (a kernel rewriting a weight in place is the load check's to see). Only where
+    Triton is already imported (post-processing that uses it has)."""
     jit = sys.modules.get("triton.runtime.jit")
     cls = getattr(jit, "JITFunction", None)
     if cls is None:
@@ -272,7 +279,9 @@ def _track_triton(prov: Provenance) -> Iterator[None]:
             tensors = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
             srcs = frozenset().union(*(prov.sources(t) for t in tensors))
             for t in tensors:
-                prov.add(t, srcs)
+                ptr = _storage_ptr(t)
+                if ptr is not None and ptr not in prov.sources_of(ptr):
+                    prov.add(t, srcs)
         return orig(self, *args, **kwargs)
 
     cls.run = run
@@ -331,6 +340,7 @@ class Census:
 
     items: dict[str, list[Item]] = field(default_factory=dict)
     relaid: dict[int, str] = field(default_factory=dict)  # a re-bound or dropped parameter's old storage -> its module
+    relaid_params: dict[int, tuple[str, str]] = field(default_factory=dict)  # ... -> (its module, its name)
     modules: int = 0
     ops: int = 0  # torch ops post-processing ran (each followed by the tracker)
     seconds: float = 0.0  # post-processing under the tracker, and the walks
@@ -382,6 +392,7 @@ def take(model: torch.nn.Module, process: Callable[[], object]) -> None:
                 # the loader wrote here, and post-processing moved the parameter away (a buffer or an attribute
                 # that still views this storage reads what the loader wrote at start-up, nothing since)
                 census.relaid[ptr] = name
+                census.relaid_params[ptr] = (name, n)
     escaped: dict[str, Sources] = {}
     for scope, srcs in prov.escapes:
         for name in [scope] if scope is not None else {owner[p] for p in srcs if p in owner}:
@@ -404,8 +415,8 @@ def take(model: torch.nn.Module, process: Callable[[], object]) -> None:
                 continue
             else:
                 srcs = frozenset()
-            if new:
-                srcs |= escaped.get(name, frozenset())
+            if new and not srcs:  # made out of the tracker's sight: after an escape, from what escaped
+                srcs = escaped.get(name, frozenset())
                 if key[0] == "opaque":  # a handle the tracker cannot see into: made from what the module holds
                     srcs |= frozenset(held.get(name, {}).values())
             if srcs or new:
@@ -469,7 +480,16 @@ def _stale(model: torch.nn.Module, maps: dict, claimed: Claims | None):
                 out.append((name, it, set(reloaded[ptr])))
                 continue
             if ptr in mapped:
-                continue  # written by the updates themselves (checked through the maps at start-up)
+                # Written by the updates themselves, and checked through the maps at start-up, unless post-processing
+                # computed it from other weights (DeepGEMM's UE8M0 requantisation of a weight and its scales from
+                # each other): the load check sees that only where it changed a byte of the checkpoint loaded, and
+                # an update would write what a cold start transforms. (A copy of its own old storage, a cast such as
+                # the sgl path's float32 bias, is the maps' to follow.)
+                others = {s for s in it.sources - {ptr} if census.relaid_params.get(s) != (name, it.path)}
+                if others:
+                    hit = set(mapped[ptr]) | {n for s in others for n in dests.get(s, ())}
+                    out.append((name, it, hit))
+                continue
             hit: set[str] = set()
             for src in it.sources:
                 hit |= dests.get(src, set())
