@@ -54,7 +54,6 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 log = logging.getLogger("engine_ext")
 CENSUS_ATTR = "_engine_ext_census"
@@ -211,8 +210,18 @@ class Provenance:
             self._scope.pop()
 
     def ops(self, args, kwargs) -> Sources:
-        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        return frozenset().union(*(self.sources(t) for t in leaves))
+        return frozenset().union(*(self.sources(t) for t in _tensors_in(args, kwargs)))
+
+
+def _tensors_in(args, kwargs=None) -> list[torch.Tensor]:
+    """The tensors among an op's arguments (aten takes tensors, and lists or tuples of them)."""
+    out = []
+    for a in (*args, *(kwargs or {}).values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(x for x in a if isinstance(x, torch.Tensor))
+    return out
 
 
 class _TrackOps(TorchDispatchMode):
@@ -222,6 +231,15 @@ class _TrackOps(TorchDispatchMode):
         super().__init__()
         self.prov = prov
         self.ops = 0
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """Not wrapped in ``torch._disable_dynamo`` (torch 2.13 wraps every mode's ``__torch_dispatch__`` so): the
+        wrapper swaps CPython's frame evaluator twice per op, which made every op of post-processing cost about
+        0.75 ms (15 µs without it; ``python bench/census_cost.py --ops``). The handler is plain bookkeeping that
+        Dynamo has no reason to trace, and a ``torch.compile``d function post-processing calls under the tracker
+        still runs (DeepGEMM's ``per_block_cast_to_fp8``: ``tests/test_gpu_paths.py``)."""
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -233,13 +251,15 @@ class _TrackOps(TorchDispatchMode):
             srcs = self.prov.ops(args, kwargs)
             if not srcs:
                 return out
-            written = [leaf for i, arg in enumerate(func._schema.arguments)
-                       if arg.alias_info is not None and arg.alias_info.is_write
-                       for leaf in tree_leaves(args[i] if i < len(args) else kwargs.get(arg.name))
-                       if isinstance(leaf, torch.Tensor)]
-            for leaf in tree_leaves(out):
+            written = _tensors_in([args[i] if i < len(args) else kwargs.get(arg.name)
+                                   for i, arg in enumerate(func._schema.arguments)
+                                   if arg.alias_info is not None and arg.alias_info.is_write])
+            for leaf in out if isinstance(out, (list, tuple)) else (out,):
                 if isinstance(leaf, torch.Tensor):
                     self.prov.add(leaf, srcs)
+                elif isinstance(leaf, (list, tuple)):
+                    for t in _tensors_in(leaf):
+                        self.prov.add(t, srcs)
                 elif leaf is not None:  # a number or handle computed from the weights: out of our sight
                     self.prov.escape(srcs)
             for t in written:
