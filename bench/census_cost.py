@@ -2,6 +2,7 @@
 
     python bench/census_cost.py                      # Qwen2-1.5B-shaped linear layers (28 layers, 196 GEMMs)
     python bench/census_cost.py --layers 4 --hidden 896 --intermediate 4864   # smaller
+    python bench/census_cost.py --ops                # the tracker's cost per op (small ops, as a requantisation runs)
 
 Builds the linear layers of a Qwen2-shaped model (q/k/v packed, o, gate/up packed, down; bf16,
 random), then runs vLLM's own CPU post-processing on them (``dispatch_cpu_unquantized_gemm`` under the
@@ -34,6 +35,29 @@ def build(layers: int, hidden: int, intermediate: int, kv: int) -> torch.nn.Modu
     return model
 
 
+def per_op(n: int = 2000) -> None:
+    """One small op (a [128, 256] fp32 scale, as a block requantisation runs ~40 of per matrix) alone and under the
+    tracker (its dispatch and function modes), interleaved, best of 5."""
+    from engine_ext.server.census import Provenance, _TrackEscapes, _TrackOps
+
+    t = torch.randn(128, 256)
+    prov = Provenance({t.untyped_storage().data_ptr(): t})
+
+    def loop() -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            t.mul(2.0)
+        return (time.perf_counter() - start) / n
+
+    plain, tracked = [], []
+    for _ in range(5):
+        plain.append(loop())
+        with _TrackEscapes(prov), _TrackOps(prov):
+            tracked.append(loop())
+    p, q = min(plain), min(tracked)
+    print(f"one small op: {p * 1e6:.1f} us alone, {q * 1e6:.1f} us under the tracker (+{(q - p) * 1e6:.1f} us per op)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=28)
@@ -41,7 +65,11 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=8960)
     ap.add_argument("--kv", type=int, default=256, help="KV width (heads x head dim)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--ops", action="store_true", help="time small ops alone and under the tracker's two modes")
     args = ap.parse_args()
+    if args.ops:
+        per_op()
+        return
 
     from engine_ext.engines.vllm import compat, patches
     from engine_ext.server import census
