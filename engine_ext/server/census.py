@@ -37,8 +37,8 @@ tracker cannot see into (a C++ handle) that post-processing made in a module hol
 counts as computed from them (it cannot be shown otherwise).
 
 Cost: one walk over the modules' attributes before and after (no tensor data is read), and the
-tracker's bookkeeping per torch operation of post-processing (a few microseconds each; the model's
-bytes are not read again). The bytes of the claimed copies are checked by the audit (vLLM's
+tracker's bookkeeping per torch operation of post-processing (about 13 µs each on the project's host,
+``python bench/census_cost.py --ops``; the model's bytes are not read again; docs/GPU.md has the rest). The bytes of the claimed copies are checked by the audit (vLLM's
 ``?audit=1`` and ``ENGINE_EXT_VERIFY_DERIVED``: :func:`engine_ext.engines.vllm.worker.cpu_derived_check`).
 """
 from __future__ import annotations
