@@ -178,6 +178,39 @@ def test_a_view_of_the_packed_conv_weight_follows_every_write():
     assert list(found) == ["conv1d.weight"] and "conv_weights" in found["conv1d.weight"], found
 
 
+@pytest.mark.skipif(not _conv_op_packs(), reason="vLLM packs causal-conv1d weights only on AVX-512 BF16 (or Arm BF16) hosts")
+def test_a_merged_conv_weight_keeps_its_class_and_its_loader():
+    """Falcon-H1's and Zamba2's mamba2 ``conv1d`` is a merged column layer: its weight is one of vLLM's parameter
+    classes (``BasevLLMParameter``: the loader behind a property) and its loader takes a shard id (x, B and C
+    written as three row ranges). The kept weight the patch makes is of the same class, and the loader that
+    writes it is the layer's own, shard ids and all (issue 50's sweep found every update of these models
+    failing: the patch looked the loader up in the parameter's ``__dict__``, found none, and fell back to
+    ``default_weight_loader``, which takes no shard id)."""
+    from vllm.model_executor.parameter import BasevLLMParameter
+
+    assert patches.keep_cpu_linear_weights()
+    dispatch = compat.cpu_gemm_module().dispatch_cpu_unquantized_gemm
+    rows = (32, 16, 16)  # x, B, C
+    layer = torch.nn.Module()
+    data = (torch.randn(sum(rows), 1, 4, generator=torch.Generator().manual_seed(11)) * 0.1).to(torch.bfloat16)
+    weight = BasevLLMParameter.__new__(BasevLLMParameter, data=data)
+
+    def merged_loader(param, loaded, shard_id):
+        start = sum(rows[:shard_id])
+        param.data[start:start + rows[shard_id]].copy_(loaded)
+
+    weight._weight_loader = merged_loader
+    layer.weight = weight
+    dispatch(layer, remove_weight=True)
+    assert type(layer._engine_ext_conv) is BasevLLMParameter
+    new = (torch.randn(16, 1, 4, generator=torch.Generator().manual_seed(12)) * 0.1).to(torch.bfloat16)
+    layer.weight.weight_loader(layer.weight, new, 1)  # what MergedColumnParallelLinear.load_weights calls
+    assert torch.equal(layer._engine_ext_conv.data[32:48], new) and torch.equal(layer._engine_ext_conv.data[:32], data[:32])
+    assert patches.conv_copy_stale(layer) is True
+    patches.repack_conv(layer)
+    assert patches.conv_copy_stale(layer) is False
+
+
 def test_experts_left_to_the_engine_are_refused():
     """GPT-OSS's old divergence: MoE experts whose packing is left to the engine (the keep-weights patch not
     applied) are packed in place of the parameters the loader writes, so an update would write the

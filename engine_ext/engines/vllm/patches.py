@@ -137,10 +137,12 @@ def keep_conv_weight(layer: torch.nn.Module, loaded: torch.Tensor) -> None:
     becomes a view of ``loaded`` too (the spec-decode and unsupported-layout paths read it)."""
     packed = layer.weight
     dim, width = layer.__dict__["_cpu_unpacked_conv_weight"].shape
-    kept = torch.nn.Parameter(loaded, requires_grad=False)  # [dim, 1, width], as loaded
+    # The parameter's own class and attributes (vLLM's BasevLLMParameter keeps its loader behind a property, and a
+    # merged column layer's loader calls the parameter's methods with a shard id: Falcon-H1's, Zamba2's conv1d)
+    kept = torch.Tensor._make_subclass(type(packed), loaded, False)  # [dim, 1, width], as loaded
     kept.__dict__.update(packed.__dict__)
     layer._cpu_unpacked_conv_weight = loaded.view(dim, width)
-    loader = packed.__dict__.get("weight_loader")
+    loader = getattr(packed, "weight_loader", None)
     if loader is None:
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader as loader
 
