@@ -94,6 +94,14 @@ class VerifyError(DeltaError):
     http_status = 500
 
 
+class RollbackError(DeltaError):
+    """A rank could not restore every tensor of a failed apply (the engine's loader raised on the old value): the
+    served bits of those tensors are unknown until a resync or a reload."""
+
+    reason = "rollback"
+    http_status = 500
+
+
 class AuditUnavailable(DeltaError):
     """A cold-load audit this server does not answer: turned off (``ENGINE_EXT_COLD_AUDIT``), not built by
     this engine's adapter, or asked while an apply is pending."""

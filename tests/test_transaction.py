@@ -473,3 +473,68 @@ def test_a_stale_derived_copy_after_the_apply_rolls_every_rank_back(world):
     with settings.override(verify_derived="off"):
         assert run(ctl.update(parse_request({"url": str(store / "v00000001.json")})))["version"] == 1
     assert asked == [True]
+
+
+def test_a_fallback_tensor_whose_loader_cannot_reload_it_is_refused_at_start_up(world):
+    """A tensor the probe cannot map because the engine's loader raises (GPT-OSS's experts on vLLM's Triton MoE
+    path, whose parameters post-processing deletes) would fail every update in the middle of its apply, after
+    other tensors were written: start-up tries the dense fallback's own reload (the value it loaded) and, where
+    the loader raises again, refuses updates writing it (409 ``unreproducible``), naming the loader's error. A
+    fallback tensor whose loader reloads it is served as usual."""
+    from engine_ext.errors import UnreproducibleError
+    from engine_ext.server.rank import RankUpdater
+
+    store, versions = world
+    up = make_rank(0, versions[0], world=1)
+
+    def load(name, t):
+        if name == "b":
+            raise KeyError("model.layers.0.mlp.experts.w13_weight")  # vLLM's params_dict[name], the parameter gone
+        up.load(name, t)
+
+    rank = RankUpdater(up.module, load, up.checkpoint, read_checkpoint=lambda n: versions[0][n])
+    ctl = Controller(FakeRanks([rank]), Sources([str(store)]))
+    run(ctl.start())
+    layout = ctl.status()["layout"]
+    assert layout["fallback"] == ["b"] and list(layout["unreproducible"]) == ["b"], layout
+    assert "KeyError" in layout["unreproducible"]["b"] and "cannot reload" in layout["unreproducible"]["b"]
+    before = bits([rank])
+    with pytest.raises(UnreproducibleError, match=r"\['b'\]"):
+        run(ctl.update(parse_request({"url": str(store / "v00000001.json")})))
+    assert same_bits(before, bits([rank])) and "fetch" not in ctl.ranks.calls
+
+
+def test_a_rollback_whose_reload_fails_restores_everything_else_and_says_so(world):
+    """The rollback of a failed apply reloads each dense-fallback tensor's old value through the engine's loader.
+    Where that reload raises, it goes on: the in-place tensors' bits and the rank's fingerprints come back, the
+    refresh runs, and the rollback then fails naming the tensors whose served bits it could not restore."""
+    from engine_ext.errors import RollbackError
+    from engine_ext.format.delta import ABS, TensorDelta
+    from engine_ext.format.dtypes import BY_TORCH
+    from engine_ext.server.rank import RankUpdater
+
+    store, versions = world
+    up = make_rank(0, versions[0], world=1)
+    fail = {"on": False}
+
+    def load(name, t):
+        if fail["on"] and name == "b":
+            raise TypeError("default_weight_loader() takes 2 positional arguments but 3 were given")
+        if name == "b":
+            up.module.b.copy_(t.float().to(torch.bfloat16))  # a loader the probe cannot follow (computed)
+        else:
+            up.load(name, t)
+
+    rank = RankUpdater(up.module, load, up.checkpoint, read_checkpoint=lambda n: versions[0][n])
+    rank.setup()
+    assert "b" in rank.host and not rank.unreproducible
+    fps, before = dict(rank.fps), bits([rank])
+    parts = [TensorDelta("w", BY_TORCH[torch.bfloat16], (8, 16), ABS, torch.tensor([5]), torch.tensor([7], dtype=torch.int16)),
+             TensorDelta("b", BY_TORCH[torch.bfloat16], (16,), ABS, torch.tensor([3]), torch.tensor([1], dtype=torch.int16))]
+    rank.apply(parts)
+    assert not same_bits(before, bits([rank]))
+    fail["on"] = True
+    with pytest.raises(RollbackError, match=r"could not reload 1 tensor\(s\).*'b'"):
+        rank.rollback()
+    assert rank.fps == fps and torch.equal(rank.host["b"], versions[0]["b"])
+    assert torch.equal(up.module.w.view(torch.int16), versions[0]["w"].view(torch.int16))  # the in-place part restored

@@ -37,7 +37,8 @@ from .. import settings
 from .maps import ApplyResult, TensorMap, Unmappable, checkpoint_view, covered_elements, local_fingerprint
 from ..format.delta import TensorDelta, apply_tensor
 from ..format.dtypes import DType
-from ..errors import AuditUnavailable, BaseMismatchError, IntegrityError, UnreproducibleError, VerifyError
+from ..errors import (AuditUnavailable, BaseMismatchError, IntegrityError, RollbackError, UnreproducibleError,
+                      VerifyError)
 from .protocol import RankReply, TensorReport
 from .touched import Touched
 
@@ -153,12 +154,30 @@ class RankUpdater:
                     log.error("engine_ext: rank %s: %d tensor(s) reach copies the engine derived after loading that no "
                               "refresh keeps in step; updates writing them will be refused (409 unreproducible): %s",
                               self.rank, len(self.unreproducible), dict(list(self.unreproducible.items())[:4]))
+            self.unreproducible.update(self._unreloadable())
             self.setup_s = time.perf_counter() - t
         return RankReply(True, self.rank, fingerprints=self.report(), fallback=tuple(sorted(self.host)),
                          converted=tuple(self.converted()), mismatched=self.mismatched,
                          unreproducible=dict(self.unreproducible), engine=self.describe() if self.describe else {},
                          tensors={n: (tuple(s), d.name) for n, (s, d) in self.checkpoint.items()},
                          tied=dict(self.tied), ties=dict(self.ties), seconds={"setup": self.setup_s}, **self.committed())
+
+    def _unreloadable(self) -> dict[str, str]:
+        """{tensor: why} for the dense-fallback tensors whose loader raised when probed, and raises again when asked
+        to reload the value it loaded at start-up (what the fallback does at every version): an update writing
+        them would fail in the middle of its apply (GPT-OSS's experts on vLLM's Triton MoE path, whose parameters
+        post-processing deletes), so it is refused at start-up instead. A loader that reloads it is left alone."""
+        out = {}
+        for name, m in self.maps.items():
+            if isinstance(m, Unmappable) and name in self.host and m.reason.startswith("loader raised"):
+                try:
+                    self.load(name, self.host[name])
+                except Exception as e:  # noqa: BLE001 - the verdict
+                    out[name] = f"the engine's loader cannot reload it ({type(e).__name__}: {str(e)[:200]})"
+        if out:
+            log.error("engine_ext: rank %s: %d dense-fallback tensor(s) cannot be reloaded through the engine's loader; "
+                      "updates writing them will be refused (409 unreproducible): %s", self.rank, len(out), sorted(out)[:8])
+        return out
 
     def _leave_out_tied(self) -> None:
         """A checkpoint tensor that the engine holds as a second name of a parameter registered
@@ -429,11 +448,18 @@ class RankUpdater:
             return RankReply(True, self.rank)
         if p.result.undo is not None and not p.result.undo.done:
             p.result.undo.rollback()
-        for name, old in p.old_host.items():
-            self.load(name, old)
+        failed = {}
+        for name, old in p.old_host.items():  # every tensor is tried: one loader's failure does not stop the rest
+            try:
+                self.load(name, old)
+            except Exception as e:  # noqa: BLE001 - reported below, after the bookkeeping is restored
+                failed[name] = f"{type(e).__name__}: {e}"
             self.host[name] = old
         self.fps.update(p.old_fps)
         self._refresh(p.touched)
+        if failed:
+            raise RollbackError(f"rank {self.rank}: the rollback could not reload {len(failed)} tensor(s) through the "
+                              f"engine's loader, whose served bits may be the failed update's: {dict(list(failed.items())[:4])}")
         return RankReply(True, self.rank)
 
     def status(self) -> RankReply:
