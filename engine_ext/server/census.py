@@ -66,7 +66,7 @@ _NOT_HOLDERS = {"logging", "threading", "concurrent", "asyncio", "multiprocessin
 
 Key = tuple  # ("tensor", device type, storage data_ptr) | ("opaque", type name, id) | ("value", path, value)
 _NOT_STATE = ("_engine_ext_updater", CENSUS_ATTR)  # our own bookkeeping on the model, made after post-processing
-Sources = frozenset  # of storage data_ptrs of the loaded weights (before post-processing)
+Sources = frozenset  # of source tokens: one per storage of a loaded weight (a parameter or buffer before post-processing)
 
 
 def _is_config(obj) -> bool:
@@ -171,16 +171,33 @@ _ESCAPES = {"numpy", "tolist", "__array__", "__dlpack__"}
 class Provenance:
     """Which loaded weights each storage's bytes were computed from, while post-processing runs.
 
-    ``sources(t)``: the source storages (data_ptrs) of ``t``'s bytes; ``escapes``: (scope module, sources)
-    of bytes that left torch in a module's post-processing step. Storages are followed by weak reference:
-    a freed temporary's address, taken again by a later allocation, does not pass its sources on."""
+    Each source storage gets a token (not its address: a storage post-processing frees gives its address to
+    the next allocation, a new parameter's perhaps). ``sources(t)``: the tokens of the weights ``t``'s bytes
+    were computed from; ``escapes``: (scope module, tokens) of bytes that left torch in a module's
+    post-processing step. Storages are followed by weak reference: a freed temporary's address, taken again
+    by a later allocation, does not pass its sources on."""
 
     def __init__(self, weights: dict[int, torch.Tensor]):
         self._of: dict[int, tuple[StorageWeakRef, Sources]] = {}
+        self.token_of: dict[int, int] = {}  # source storage's address (before) -> its token
+        self.refs: list[StorageWeakRef] = []  # token -> its storage
+        self.addresses: list[int] = []  # token -> its address (valid while the storage lives)
         for ptr, t in weights.items():
-            self._of[ptr] = (StorageWeakRef(t.untyped_storage()), frozenset({ptr}))
+            ref = StorageWeakRef(t.untyped_storage())
+            self.token_of[ptr] = len(self.refs)
+            self._of[ptr] = (ref, frozenset({len(self.refs)}))
+            self.refs.append(ref)
+            self.addresses.append(ptr)
         self.escapes: list[tuple[str | None, Sources]] = []
         self._scope: list[str | None] = []
+
+    def alive(self, token: int) -> bool:
+        return not self.refs[token].expired()
+
+    def own(self, ptr: int) -> int | None:
+        """The token of the source storage at ``ptr``, where that storage still lives (else another holds the address)."""
+        token = self.token_of.get(ptr)
+        return token if token is not None and self.alive(token) else None
 
     def sources(self, t: torch.Tensor) -> Sources:
         ptr = _storage_ptr(t)
@@ -300,7 +317,7 @@ def _track_triton(prov: Provenance) -> Iterator[None]:
             srcs = frozenset().union(*(prov.sources(t) for t in tensors))
             for t in tensors:
                 ptr = _storage_ptr(t)
-                if ptr is not None and ptr not in prov.sources_of(ptr):
+                if ptr is not None and prov.own(ptr) is None:
                     prov.add(t, srcs)
         return orig(self, *args, **kwargs)
 
@@ -359,8 +376,9 @@ class Census:
     """{module name: [Item]} of what post-processing made, and the weights' storages it re-laid."""
 
     items: dict[str, list[Item]] = field(default_factory=dict)
-    relaid: dict[int, str] = field(default_factory=dict)  # a re-bound or dropped parameter's old storage -> its module
-    relaid_params: dict[int, tuple[str, str]] = field(default_factory=dict)  # ... -> (its module, its name)
+    relaid: dict[int, tuple[str, str]] = field(default_factory=dict)  # a re-bound or dropped parameter's old storage
+    #                                                                   (its token) -> (its module, its name)
+    addresses: dict[int, int] = field(default_factory=dict)  # token -> address, for the sources that still live
     modules: int = 0
     ops: int = 0  # torch ops post-processing ran (each followed by the tracker)
     seconds: float = 0.0  # post-processing under the tracker, and the walks
@@ -393,6 +411,7 @@ def take(model: torch.nn.Module, process: Callable[[], object]) -> None:
                 weights.setdefault(ptr, t)
                 owner.setdefault(ptr, name)
     prov = Provenance(weights)
+    owner_of = {prov.token_of[ptr]: name for ptr, name in owner.items()}
     old_keys = {key for state in before.values() for key in state.values()}
     ops = _TrackOps(prov)
     t1 = time.perf_counter()
@@ -404,18 +423,22 @@ def take(model: torch.nn.Module, process: Callable[[], object]) -> None:
     now = {name: _direct_storages(m) for name, m in modules.items()}
     still_held = {ptr for storages in now.values() for ptr in storages.values()}
     params_now = {_storage_ptr(p) for m in modules.values() for p in m._parameters.values() if p is not None}
-    census = Census(modules=len(modules), ops=ops.ops, process_seconds=t2 - t1)
+    census = Census(modules=len(modules), ops=ops.ops, process_seconds=t2 - t1,
+                    addresses={tok: ptr for tok, ptr in enumerate(prov.addresses) if prov.alive(tok)})
     for name, storages in held.items():
         params = modules[name]._parameters if name in modules else {}
         for n, ptr in storages.items():
-            if n in params and now.get(name, {}).get(n) != ptr and ptr not in params_now:
-                # the loader wrote here, and post-processing moved the parameter away (a buffer or an attribute
-                # that still views this storage reads what the loader wrote at start-up, nothing since)
-                census.relaid[ptr] = name
-                census.relaid_params[ptr] = (name, n)
+            token = prov.token_of[ptr]
+            if n not in params:
+                continue
+            if prov.alive(token) and (now.get(name, {}).get(n) == ptr or ptr in params_now):
+                continue  # still this parameter, or another's (the same storage: it lives at that address)
+            # the loader wrote here, and post-processing moved the parameter away (a buffer or an attribute that
+            # still views this storage reads what the loader wrote at start-up, nothing since)
+            census.relaid[token] = (name, n)
     escaped: dict[str, Sources] = {}
     for scope, srcs in prov.escapes:
-        for name in [scope] if scope is not None else {owner[p] for p in srcs if p in owner}:
+        for name in [scope] if scope is not None else {owner_of[s] for s in srcs if s in owner_of}:
             escaped[name] = escaped.get(name, frozenset()) | srcs
     for name, m in modules.items():
         items = []
@@ -427,9 +450,10 @@ def take(model: torch.nn.Module, process: Callable[[], object]) -> None:
             if key[0] == "tensor":
                 ptr = key[2]
                 srcs = prov.sources_of(ptr)
-                if ptr in census.relaid:
-                    srcs |= {ptr}
-                elif ptr in still_held and not new and srcs <= {ptr}:
+                own = prov.own(ptr)
+                if own is not None and own in census.relaid:
+                    srcs |= {own}
+                elif ptr in still_held and not new and srcs <= {own}:
                     continue  # a parameter or buffer as loaded (or a view of one): the maps' business, not a copy
             elif not new:
                 continue
@@ -438,7 +462,7 @@ def take(model: torch.nn.Module, process: Callable[[], object]) -> None:
             if new and not srcs:  # made out of the tracker's sight: after an escape, from what escaped
                 srcs = escaped.get(name, frozenset())
                 if key[0] == "opaque":  # a handle the tracker cannot see into: made from what the module holds
-                    srcs |= frozenset(held.get(name, {}).values())
+                    srcs |= frozenset(prov.token_of[ptr] for ptr in held.get(name, {}).values())
             if srcs or new:
                 items.append(Item(path, key, frozenset(srcs)))
         if items:
@@ -490,13 +514,15 @@ def _stale(model: torch.nn.Module, maps: dict, claimed: Claims | None):
         keys |= claimed(mod)
     by_module = {name: set(_direct_storages(m).values()) for name, m in model.named_modules()}
     dests = {ptr: mapped.get(ptr, set()) | reloaded.get(ptr, set()) for ptr in {*mapped, *reloaded}}
+    token_at = {at: tok for tok, at in census.addresses.items()}  # a living source storage's token by its address
     out = []
     for name, items in census.items.items():
         for it in items:
             if it.key in keys:
                 continue  # refreshed by the adapter
             ptr = it.key[2] if it.key[0] == "tensor" else None
-            if ptr in reloaded and it.sources - {ptr}:
+            own = token_at.get(ptr)
+            if ptr in reloaded and it.sources - {own}:
                 out.append((name, it, set(reloaded[ptr])))
                 continue
             if ptr in mapped:
@@ -505,16 +531,16 @@ def _stale(model: torch.nn.Module, maps: dict, claimed: Claims | None):
                 # each other): the load check sees that only where it changed a byte of the checkpoint loaded, and
                 # an update would write what a cold start transforms. (A copy of its own old storage, a cast such as
                 # the sgl path's float32 bias, is the maps' to follow.)
-                others = {s for s in it.sources - {ptr} if census.relaid_params.get(s) != (name, it.path)}
+                others = {s for s in it.sources - {own} if census.relaid.get(s) != (name, it.path)}
                 if others:
-                    hit = set(mapped[ptr]) | {n for s in others for n in dests.get(s, ())}
+                    hit = set(mapped[ptr]) | {n for s in others for n in dests.get(census.addresses.get(s), ())}
                     out.append((name, it, hit))
                 continue
             hit: set[str] = set()
             for src in it.sources:
-                hit |= dests.get(src, set())
+                hit |= dests.get(census.addresses.get(src), set())
                 if src in census.relaid:  # the loader's old storage: whatever the maps now write in that module
-                    hit |= {n for ptr in by_module.get(census.relaid[src], ()) for n in dests.get(ptr, ())}
+                    hit |= {n for at in by_module.get(census.relaid[src][0], ()) for n in dests.get(at, ())}
             if hit:
                 out.append((name, it, hit))
     return out
