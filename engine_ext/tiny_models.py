@@ -335,6 +335,90 @@ HUB_SHAPES: dict[str, dict] = {
         "mamba_n_groups": 1, "mamba_expand": 2, "mamba_d_conv": 4, "mamba_chunk_size": 256,
         "shared_intermediate_size": 64, "tie_word_embeddings": True,
     },
+    # nvidia/Nemotron-H-8B-Base-8K, NVIDIA-Nemotron-Nano-9B-v2: mamba2 ("M"), squared-ReLU MLP ("-") and attention
+    # ("*") blocks, no MoE ("E" is Nemotron 3's: vLLM CPU's fused MoE refuses its ungated relu2, is_act_and_mul=False);
+    # no rope. Heads x head dim = expand x hidden (128 x 64 = 2 x 4096), 8 groups of 16 heads, state 128, conv 4,
+    # attention head dim hidden / heads, untied; mamba_ssm_cache_dtype "float32" (the class default, as the Hub's)
+    "NemotronHForCausalLM": {
+        "layer_types": ["linear_attention", "mlp", "full_attention", "mlp"],  # layers_block_type "M-*-"
+        "mamba_num_heads": 4, "mamba_head_dim": 64, "n_groups": 2, "ssm_state_size": 128, "conv_kernel": 4,
+        "expand": 2, "chunk_size": 128, "use_conv_bias": True, "use_bias": False, "mamba_hidden_act": "silu",
+        "mlp_hidden_act": "relu2", "head_dim": 32, "tie_word_embeddings": False,
+    },
+    # tiiuae/Falcon-H1-0.5B-Base: every layer runs attention and mamba2 side by side (no layer pattern); the inner
+    # width is mamba_d_ssm = 1.5 x hidden (24 heads x 64), one group, state 128, conv 4; muP multipliers (these are
+    # the 0.5B's), rope theta 1e11, untied
+    "FalconH1ForCausalLM": {
+        "mamba_d_ssm": 192, "mamba_n_heads": 3, "mamba_d_head": 64, "mamba_n_groups": 1, "mamba_d_state": 128,
+        "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 128, "mamba_conv_bias": True,
+        "mamba_proj_bias": False, "mamba_rms_norm": False, "mamba_norm_before_gate": False,
+        "embedding_multiplier": 5.656854249492381, "lm_head_multiplier": 0.0390625, "key_multiplier": 0.39062499999999994,
+        "attention_in_multiplier": 1.0, "attention_out_multiplier": 0.9375, "ssm_in_multiplier": 1.25,
+        "ssm_out_multiplier": 0.23570226039551587, "mlp_multipliers": [0.8838834764831844, 0.5859375],
+        "ssm_multipliers": [0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 100000000000.0}, "tie_word_embeddings": False,
+    },
+    # ai21labs/Jamba-v0.1, AI21-Jamba-Mini-1.5: mamba (v1) layers with attention every 8th from offset 4 and MoE every
+    # 2nd from offset 1 (16 experts, top 2); state 16, conv 4, expand 2, dt rank hidden / 16; no rope; untied. Here
+    # period 4, offset 2 over 4 layers: mamba+MLP, mamba+MoE, attention+MLP, mamba+MoE
+    "JambaForCausalLM": {
+        "num_hidden_layers": 4, "attn_layer_period": 4, "attn_layer_offset": 2, "expert_layer_period": 2,
+        "expert_layer_offset": 1, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 8,
+        "mamba_conv_bias": True, "mamba_proj_bias": False, "tie_word_embeddings": False,
+    },
+    # ibm-ai-platform/Bamba-9B: mamba2 layers with attention at attn_layer_indices [9, 18, 27]; 128 heads x 64 =
+    # 2 x 4096, one group, state 128, conv 4; half-rotary attention; untied
+    "BambaForCausalLM": {
+        "num_hidden_layers": 2, "attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 64, "mamba_n_groups": 1,
+        "mamba_d_state": 128, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256, "tie_word_embeddings": False,
+    },
+    # Zyphra/Zamba2-2.7B/-7B: mamba2 layers and "hybrid" layers that run one of num_mem_blocks (2) shared attention+MLP
+    # blocks in turn (A, B, A, ...: one module each, held once in the checkpoint) on the hidden state concatenated
+    # with the embeddings (attention width 2 x hidden, head dim 2 x hidden / heads, as many KV heads as heads),
+    # per-layer LoRA adapters on the shared MLP, rope in the shared attention (use_mem_rope); mamba head dim 64,
+    # 2 groups, state 64, conv 4; tied
+    "Zamba2ForCausalLM": {
+        "layers_block_type": ["mamba", "hybrid"] * 3, "num_mem_blocks": 2, "head_dim": 64,  # blocks A, B, A
+        "layer_types": ["mamba", "hybrid"] * 3,  # (its alias: both, or hybrid_layer_ids comes out empty)
+        "num_key_value_heads": 4, "n_mamba_heads": 4, "mamba_ngroups": 2, "mamba_d_state": 64, "mamba_d_conv": 4,
+        "mamba_expand": 2, "chunk_size": 256, "use_shared_attention_adapter": False, "adapter_rank": 16,
+        "use_mem_rope": True, "tie_word_embeddings": True,
+    },
+    # LiquidAI/LFM2-1.2B: gated short-conv layers (conv_L_cache 3, no bias) and attention layers (conv, conv,
+    # attention, ... as the Hub's layer_types begin); the config.json also carries block_dim, conv_dim and the feed-
+    # forward sizing (block_ff_dim 12288 -> 2/3 rounded to a multiple of 256), which vLLM reads; tied
+    "Lfm2ForCausalLM": {
+        "layer_types": ["conv", "conv", "full_attention"], "conv_L_cache": 3, "conv_bias": False,
+        "block_dim": 128, "conv_dim": 128, "conv_dim_out": 128, "intermediate_size": 384, "block_ff_dim": 384,
+        "block_auto_adjust_ff_dim": True, "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256,
+        "tie_word_embeddings": True,
+    },
+    # LiquidAI/LFM2-8B-A1B: the same conv/attention layers, the first num_dense_layers (2) dense, MoE after (32
+    # experts, top 4, sigmoid routing with an expert bias, normalized); tied
+    "Lfm2MoeForCausalLM": {
+        "layer_types": ["conv", "conv", "full_attention", "conv"], "num_dense_layers": 2, "conv_L_cache": 3,
+        "conv_bias": False, "use_expert_bias": True, "norm_topk_prob": True, "routed_scaling_factor": 1.0,
+        "tie_word_embeddings": True,
+    },
+    # Qwen/Qwen3.5-0.8B's text model: 3 Gated DeltaNet layers per full-attention layer (gated output, q/k norms,
+    # partial rotary 0.25, interleaved mrope); attention heads x head dim = 2 x hidden; linear heads 128 wide
+    # (vLLM's CPU GDN kernel takes no other), conv 4; tied
+    "Qwen3_5ForCausalLM": {
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"], "head_dim": 64,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                            "mrope_section": [3, 3, 2], "mrope_interleaved": True},  # the Hub's [11, 11, 10] of 64 / 2
+    },
+    # Qwen/Qwen3.5-35B-A3B's text model: the same layers, MoE in every layer (256 experts, top 8, and a gated shared
+    # expert); untied
+    "Qwen3_5MoeForCausalLM": {
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"], "head_dim": 64,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                            "mrope_section": [3, 3, 2], "mrope_interleaved": True},
+    },
 }
 
 
@@ -363,6 +447,10 @@ def tiny_config(arch: str):
         raise ValueError(f"{arch}: a composite config ({sorted(default.sub_configs)}): no generic tiny form")
     kw = {k: v for k, v in TINY.items() if hasattr(default, k)}
     types = getattr(default, "layer_types", None)
+    field = getattr(cfg_cls, "attribute_map", {}).get("layer_types", "layer_types")
+    derived = getattr(cfg_cls, field, None)
+    if isinstance(derived, property) and derived.fset is None:  # computed from other fields (Jamba's attn_layer_period,
+        types = None                                          # Bamba's attn_layer_indices): HUB_SHAPES sets those
     if isinstance(types, list) and types:
         distinct = list(dict.fromkeys(types))
         kw["layer_types"] = distinct if len(distinct) > 1 else distinct * 2
