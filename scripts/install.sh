@@ -96,7 +96,8 @@ cpu_torch_args() {
   if "${PYTHON:-python3}" -m pip install --dry-run --ignore-installed --no-deps --quiet "torch==$cpu_torch" >/dev/null 2>&1; then
     return 0
   fi
-  torch_index=(--extra-index-url "${ENGINE_EXT_TORCH_INDEX-https://download.pytorch.org/whl/cpu}")
+  local index=${ENGINE_EXT_TORCH_INDEX-https://download.pytorch.org/whl/cpu}
+  if [ -n "$index" ]; then torch_index=(--extra-index-url "$index"); fi
 }
 
 if [ "$mode" = dry-run ]; then
@@ -119,6 +120,7 @@ if [ "$mode" = dry-run ]; then
     case "${words[0]}" in
       pip)
         echo "step $n: pip install --dry-run ${words[*]:1} ${torch_index[*]}"
+        rm -f "$out/step$n.json"
         "$dry" -m pip install --dry-run --ignore-installed --disable-pip-version-check --quiet \
           --report "$out/step$n.json" "${words[@]:1}" "${torch_index[@]}" 2>&1 | grep -v "^WARNING: Location" || true
         [ -s "$out/step$n.json" ] || { echo "step $n did not resolve" >&2; exit 1; } ;;

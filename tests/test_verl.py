@@ -1,6 +1,6 @@
 """verl 0.9.1 in the loop: engine_ext as verl's checkpoint engine, on a real vLLM CPU server.
 
-* The README's config lines, composed by Hydra into verl's own ``ppo_trainer`` config, name a backend
+* docs/VERL.md's config lines, composed by Hydra into verl's own ``ppo_trainer`` config, name a backend
   that verl's registry finds after ``import_external_libs`` and a manager class that verl's loader
   finds; bad options are refused with a clear error.
 * A sync from v0 to v2 into verl's own vLLM rollout: verl's ``vLLMReplica.init_standalone()`` starts
