@@ -5,7 +5,9 @@
 * A virtualenv named explicitly (``--venv``) that holds a GPU build of torch is refused a CPU profile (which
   would replace its torch and remove its torchvision), a CPU build a GPU profile: exit 3, a line saying why,
   nothing touched. The GPU torch here is a stand-in (a ``torch`` package holding only ``version.py`` as a
-  CUDA build writes it): a real one is 2-3 GB to download, and the scripts read only that file.
+  CUDA build writes it): a real one is 2-3 GB to download, and the scripts read only that file. The
+  scripts' reading of it was checked once against a real torch 2.11.0+cu130 on an H200 machine (its
+  ``version.py`` has ``cuda: Optional[str] = '13.0'`` and ``hip: Optional[str] = None``, as here).
 * requirements/verl.txt is verl 0.9.1's own requirement list less its transformers pin (docs/VERL.md).
 
 The resolution of every profile runs in scripts/profiles_check.sh (CI's "profiles" suite: pip needs the network).
