@@ -32,6 +32,19 @@ from .store.signing import Signer, Trust, generate_key
 from .store import open_store, split_uri
 
 
+# Optional packages a command imports, and the extra of pyproject.toml that installs each (tests/test_cli.py
+# holds this to pyproject.toml): a command that needs one says which extra to install.
+EXTRA_OF = {"matplotlib": "report", "boto3": "s3", "huggingface_hub": "hf"}
+
+
+def _needs(module: str) -> None:
+    """Raise the ModuleNotFoundError :func:`main` turns into 'pip install "engine-ext[X]"' when ``module`` is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ModuleNotFoundError(f"No module named {module!r}", name=module)
+
+
 def _bar(items, desc, total=None):
     return tqdm(items, desc=desc, total=total, unit="tensor", file=sys.stderr, disable=None, leave=False)
 
@@ -297,6 +310,7 @@ def cmd_push(a) -> str:
 
 
 def cmd_report(a) -> str:
+    _needs("matplotlib")  # before the chain is replayed, not after: the page's plots are drawn with it
     from . import report
 
     store = open_store(a.store)
@@ -436,6 +450,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"engine-ext {a.cmd}: interrupted", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as e:  # an optional package: name the extra that installs it
+        if a.debug:
+            import traceback
+
+            traceback.print_exc()
+        top = (e.name or "").split(".")[0]
+        hint = f'pip install "engine-ext[{EXTRA_OF[top]}]"' if top in EXTRA_OF else f"pip install {top}"
+        print(f"engine-ext {a.cmd}: error: this command needs the package {top!r}, which is not installed: {hint}",
+              file=sys.stderr)
+        return 1
     except Exception as e:  # noqa: BLE001 - one line for the user; the traceback with --debug
         if a.debug:
             import traceback

@@ -142,9 +142,9 @@ VARIABLES: tuple[Variable, ...] = (
              "take v2 on big parts; `0`: bytes first (metered or slow links: v2 wherever it saves 10 %)"),
     Variable("ENGINE_EXT_INLINE_ENTRIES", "inline_entries", int, 4096,
              "publisher: a manifest listing more tensors and grid cells than this (~400 bytes each) is written as "
-             "format 7, its tensor entries and cell tables in a blob (docs/FORMAT.md, \"Tables\"; format-5 and 6 "
-             "readers refuse it); smaller ones inline, as format 5 or 6 (an anchor: format 8 either way, its blobs "
-             "carrying pieces digests); `0`: always tables"),
+             "format 10, its tensor entries and cell tables in a blob (docs/FORMAT.md, \"Tables\" and \"Indexed "
+             "tensor tables\"; readers of format 9 and older refuse it); smaller ones inline, as format 5 or 6 (9 "
+             "with a `ctx-rans` part; an anchor: format 8, its blobs carrying pieces digests); `0`: always tables"),
 )
 
 

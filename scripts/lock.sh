@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 python3 -m venv "$tmp/venv"
-ENGINE_EXT_LOCK_REFRESH=1 VIRTUAL_ENV="$tmp/venv" SGLANG_VENV="$tmp/venv-sglang" bash scripts/install.sh test
+ENGINE_EXT_LOCK_REFRESH=1 ENGINE_EXT_VENV="$tmp/venv" SGLANG_VENV="$tmp/venv-sglang" bash scripts/install.sh --profile test
 uv="$tmp/venv/bin/uv"
 "$uv" pip freeze --python "$tmp/venv/bin/python" | grep -v -E "^-e |^engine-ext" > requirements/main.lock
 "$uv" pip freeze --python "$tmp/venv-sglang/bin/python" | grep -v -E "^(pip|setuptools)==" > requirements/sglang.lock

@@ -10,7 +10,8 @@
 # The core check (a fresh venv, mostly downloads) runs beside the main suite.
 #
 # Suites: core (scripts/core_check.sh: `pip install .` alone in a fresh venv, the signed CLI
-# round trip, the wheel's contents), main (vLLM CPU, stores, codec, kernels; on 2 pytest-xdist
+# round trip, every command's --help, the wheel's contents), profiles (scripts/profiles_check.sh: every
+# install profile resolves from a fresh venv, pip --dry-run, niced), main (vLLM CPU, stores, codec, kernels; on 2 pytest-xdist
 # workers, modules that share a server kept on one), sglang (in SGLang's own venv). Ends
 # with one line per suite (counts and exit status); a failing test's output includes the
 # tails of the engine server logs of its module (tests/conftest.py). Other arguments go to pytest.
@@ -40,13 +41,14 @@ suite() {  # suite NAME COMMAND...: run one suite, remember its counts line
 record() {  # record NAME RC T0: the suite's counts line from its log
   local name=$1 rc=$2 t0=$3
   local counts
-  counts=$(grep -E "^=*[ ]*[0-9]+ (passed|failed|skipped|error|deselected)|^=*[ ]*no tests ran|^core check passed" "$logs/$name.log" | tail -n 1 | tr -d '=' | sed 's/^ *//;s/ *$//')
+  counts=$(grep -E "^=*[ ]*[0-9]+ (passed|failed|skipped|error|deselected)|^=*[ ]*no tests ran|^(core|profiles) check passed" "$logs/$name.log" | tail -n 1 | tr -d '=' | sed 's/^ *//;s/ *$//')
   summary+=("suite $name: ${counts:-no summary line} (exit $rc, $((SECONDS - t0)) s)")
   [ "$rc" -eq 0 ] || status=1
 }
 
 pytest_args=(-q -p no:cacheprovider -rfEs)
 core_pid=""
+profiles_pid=""
 if [ "$quick" -eq 1 ]; then
   select=(-m "not engine")
   workers=()
@@ -60,6 +62,11 @@ else
   core_t0=$SECONDS
   bash scripts/core_check.sh > "$logs/core.log" 2>&1 &
   core_pid=$!
+  # the resolutions are mostly waiting on the network; niced, they take the cores only when the main suite leaves them idle
+  echo "=== suite profiles (beside the main suite): bash scripts/profiles_check.sh > $logs/profiles.log"
+  profiles_t0=$SECONDS
+  nice -n 10 bash scripts/profiles_check.sh > "$logs/profiles.log" 2>&1 &
+  profiles_pid=$!
 fi
 # Main suite (vLLM CPU, stores, codec, kernels); SGLang's modules run in SGLang's own venv below.
 suite main "$PY" -m pytest "${pytest_args[@]}" "${workers[@]}" "${select[@]}" tests --ignore-glob='tests/test_sglang_*' "${args[@]}"
@@ -69,6 +76,13 @@ if [ -n "$core_pid" ]; then
   echo "=== suite core: its log"
   cat "$logs/core.log"
   record core "$core_rc" "$core_t0"
+fi
+if [ -n "$profiles_pid" ]; then
+  wait "$profiles_pid"
+  profiles_rc=$?
+  echo "=== suite profiles: its log"
+  grep -v -E "^(ERROR: Ignored|WARNING: Location)" "$logs/profiles.log"
+  record profiles "$profiles_rc" "$profiles_t0"
 fi
 if [ -x "$SGLANG_VENV/bin/python" ] && ls tests/test_sglang_*.py >/dev/null 2>&1; then
   sg_select=(-m "sglang and not full")

@@ -1,6 +1,6 @@
 """The floor plan holds: what each room of engine_ext may import, read from the code itself.
 
-Rooms (docs: README "Layout"): ``format`` (the byte format, no I/O) < ``store`` (backends,
+Rooms (docs: docs/DEVELOPMENT.md, "Layout"): ``format`` (the byte format, no I/O) < ``store`` (backends,
 signing, verified reads) < ``trainer`` and ``server`` (the two sides, which never import
 each other) < ``engines`` (the adapters, reached only through their entry points). Every
 import of every module is read with ``ast`` (function-level ones too), and so are the

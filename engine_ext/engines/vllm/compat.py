@@ -101,6 +101,8 @@ TOUCHPOINTS = (
     Touchpoint("vllm.engine.protocol", "EngineClient.collective_rpc", ("method", "args", "kwargs"), "reaches every worker"),
     Touchpoint("vllm.engine.protocol", "EngineClient.pause_generation", ("mode", "clear_cache"), ""),
     Touchpoint("vllm.engine.protocol", "EngineClient.resume_generation", (), ""),
+    Touchpoint("vllm.v1.engine.async_llm", "AsyncLLM.pause_generation", ("mode", "clear_cache"),
+               "wrapped to take verl 0.9.1's wait_for_inflight_requests as before (accept_deprecated_pause_keyword)"),
     Touchpoint("vllm.engine.protocol", "EngineClient.reset_prefix_cache", (), ""),
     Touchpoint("vllm.engine.protocol", "EngineClient.update_weight_version", ("new_version",), ""),
     # Ray executor: which environment variables reach the Ray workers
@@ -259,6 +261,35 @@ def wrap_offline_finish_weight_update(after) -> None:
     finish_weight_update._engine_ext = True
     finish_weight_update.__doc__ = original.__doc__
     RLOfflineMixin.finish_weight_update = finish_weight_update
+
+
+def accept_deprecated_pause_keyword() -> bool:
+    """Have ``AsyncLLM.pause_generation`` take ``wait_for_inflight_requests`` again, as vLLM did while it was
+    deprecated (``True`` means ``mode="wait"``; ``False``, the default mode, ``"abort"``). Idempotent; True
+    when the wrapper is installed, False where vLLM still takes the keyword.
+
+    verl 0.9.1's rollout server (``vLLMHttpServer.abort_all_requests``: every weight sync of its managers, and
+    the fully async trainer's pause) calls ``pause_generation(wait_for_inflight_requests=False, clear_cache=...)``,
+    written for the vLLM its ``[vllm]`` extra pins (0.24). vLLM 0.32 dropped the keyword, so that call raises
+    ``TypeError`` and verl's sync fails before engine_ext is asked anything (tests/test_verl.py runs it)."""
+    import inspect
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    original = AsyncLLM.pause_generation
+    params = inspect.signature(original).parameters
+    if getattr(original, "_engine_ext", False) or "wait_for_inflight_requests" in params or "mode" not in params:
+        return False
+
+    async def pause_generation(self, *, wait_for_inflight_requests: bool | None = None, **kwargs) -> None:
+        if wait_for_inflight_requests:
+            kwargs["mode"] = "wait"
+        return await original(self, **kwargs)
+
+    pause_generation._engine_ext = True
+    pause_generation.__doc__ = original.__doc__
+    AsyncLLM.pause_generation = pause_generation
+    return True
 
 
 def is_cpu() -> bool:

