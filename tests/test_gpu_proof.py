@@ -27,5 +27,6 @@ def test_gpu_proof_cpu_smoke(tmp_path):
     assert "All hold: **True**" in e
     if "vLLM is not importable" not in e:
         assert "| bf16 MoE, TRITON (vLLM's choice) | `w13_weight` | in place, equals a cold start |" in e
-        assert e.count("refused (load check)") == 6 and e.count("DIVERGES from a cold start") == 2  # the UE8M0 gap
+        # no row diverges: the UE8M0 checkpoint's requantisation is refused by the census since issue 50 closed the gap
+        assert e.count("refused (load check)") == 6 and e.count("DIVERGES from a cold start") == 0
     assert not list(tmp_path.glob(".section_*"))

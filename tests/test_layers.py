@@ -5,11 +5,14 @@ signing, verified reads) < ``trainer`` and ``server`` (the two sides, which neve
 each other) < ``engines`` (the adapters, reached only through their entry points). Every
 import of every module is read with ``ast`` (function-level ones too), and so are the
 lazy registries (``engine_ext.PUBLIC``, ``engine_ext.store.BACKENDS``), which name modules
-as strings. Also: no module over 600 lines, at most 12 modules directly in ``engine_ext/``.
+as strings. Also: at most 12 modules directly in ``engine_ext/``, and a warning (not a failure) for a
+module over 600 lines: a file is cut along its seams when it has them, never squeezed to meet a number
+(docs/DEVELOPMENT.md, "Style").
 """
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 import pytest
@@ -85,7 +88,8 @@ def test_rooms_stay_small(rule):
     mods = modules()
     if rule == "size":
         big = {m: n for m, p in mods.items() if (n := len(p.read_text().splitlines())) > 600}
-        assert not big, f"modules over 600 lines: {big}"
+        if big:  # a prompt to look for a seam, not a limit to golf to
+            warnings.warn(f"modules over 600 lines (cut along a seam where there is one): {big}", stacklevel=1)
     else:
         top = sorted(p.name for p in ROOT.glob("*.py"))
         assert len(top) <= 12, f"{len(top)} modules directly in engine_ext/: {top}"
