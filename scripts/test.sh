@@ -57,7 +57,9 @@ else
   [ "$full" -eq 1 ] && select=()
   # loadfile: every module on one worker, so a module's shared (module-scoped) servers start once and its
   # tests run in order (xdist_group marks are not honoured under pytest 9.2: xdist 3.8 renames nodes it no longer can)
-  workers=(-n 2 --dist loadfile --no-loadscope-reorder)  # modules in collection order: engine modules first (conftest)
+  # ENGINE_EXT_TEST_WORKERS (default 2): the suite's modules spend much of their time waiting (servers starting,
+  # stores and fleets answering, soaks and deadlines), so a 2-core host can run more workers than cores
+  workers=(-n "${ENGINE_EXT_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)  # engine modules first (conftest)
   echo "=== suite core (beside the main suite): bash scripts/core_check.sh > $logs/core.log"
   core_t0=$SECONDS
   bash scripts/core_check.sh > "$logs/core.log" 2>&1 &
@@ -68,7 +70,22 @@ else
   nice -n 10 bash scripts/profiles_check.sh > "$logs/profiles.log" 2>&1 &
   profiles_pid=$!
 fi
-# Main suite (vLLM CPU, stores, codec, kernels); SGLang's modules run in SGLang's own venv below.
+# SGLang's modules, in SGLang's own venv, beside the main suite (ENGINE_EXT_TEST_SGLANG_BESIDE=0: after it)
+sglang_pid=""
+sg_cmd=()
+if [ -x "$SGLANG_VENV/bin/python" ] && ls tests/test_sglang_*.py >/dev/null 2>&1; then
+  sg_select=(-m "sglang and not full")
+  [ "$full" -eq 1 ] && sg_select=(-m "sglang")
+  [ "$quick" -eq 1 ] && sg_select=(-m "sglang and not engine")
+  sg_cmd=("$SGLANG_VENV/bin/python" -m pytest "${pytest_args[@]}" tests/test_sglang_*.py "${sg_select[@]}" "${args[@]}")
+  if [ "$quick" -eq 0 ] && [ "${ENGINE_EXT_TEST_SGLANG_BESIDE:-1}" = 1 ]; then
+    echo "=== suite sglang (beside the main suite): ${sg_cmd[*]} > $logs/sglang.log"
+    sglang_t0=$SECONDS
+    "${sg_cmd[@]}" > "$logs/sglang.log" 2>&1 &
+    sglang_pid=$!
+  fi
+fi
+# Main suite (vLLM CPU, stores, codec, kernels)
 suite main "$PY" -m pytest "${pytest_args[@]}" "${workers[@]}" "${select[@]}" tests --ignore-glob='tests/test_sglang_*' "${args[@]}"
 if [ -n "$core_pid" ]; then
   wait "$core_pid"
@@ -84,11 +101,14 @@ if [ -n "$profiles_pid" ]; then
   grep -v -E "^(ERROR: Ignored|WARNING: Location)" "$logs/profiles.log"
   record profiles "$profiles_rc" "$profiles_t0"
 fi
-if [ -x "$SGLANG_VENV/bin/python" ] && ls tests/test_sglang_*.py >/dev/null 2>&1; then
-  sg_select=(-m "sglang and not full")
-  [ "$full" -eq 1 ] && sg_select=(-m "sglang")
-  [ "$quick" -eq 1 ] && sg_select=(-m "sglang and not engine")
-  suite sglang "$SGLANG_VENV/bin/python" -m pytest "${pytest_args[@]}" tests/test_sglang_*.py "${sg_select[@]}" "${args[@]}"
+if [ -n "$sglang_pid" ]; then
+  wait "$sglang_pid"
+  sglang_rc=$?
+  echo "=== suite sglang: its log"
+  cat "$logs/sglang.log"
+  record sglang "$sglang_rc" "$sglang_t0"
+elif [ "${#sg_cmd[@]}" -gt 0 ]; then
+  suite sglang "${sg_cmd[@]}"
 else
   summary+=("suite sglang: not run: no SGLang venv at $SGLANG_VENV (.ci/setup-sglang.sh)")
   status=1
