@@ -8,6 +8,18 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # `import servers` from any test module
 
+
+def _test_this_checkout():
+    """The suite tests the checkout it sits in, also from a git worktree of a repo whose venv has an
+    editable install of another checkout: this root goes first on ``sys.path`` and on the ``PYTHONPATH``
+    every server the tests start inherits (their plugin entry point imports ``engine_ext`` by name)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, root)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH")] if p)
+
+
+_test_this_checkout()
+
 import server_report  # noqa: E402
 from servers import serve_http, serve_s3  # noqa: E402
 
