@@ -121,7 +121,10 @@ if [ "$mode" = dry-run ]; then
       pip)
         echo "step $n: pip install --dry-run ${words[*]:1} ${torch_index[*]}"
         rm -f "$out/step$n.json"
-        "$dry" -m pip install --dry-run --ignore-installed --disable-pip-version-check --quiet \
+        # fast-deps: pip reads each wheel's metadata by range requests instead of downloading it whole where
+        # the index serves no separate metadata file: a GPU profile's resolution reads ~90 MB instead of ~8 GB
+        # (its CUDA wheels), at a third of the CPU time, to the same versions
+        "$dry" -m pip install --dry-run --ignore-installed --disable-pip-version-check --quiet --use-feature=fast-deps \
           --report "$out/step$n.json" "${words[@]:1}" "${torch_index[@]}" 2>&1 | grep -v "^WARNING: Location" || true
         [ -s "$out/step$n.json" ] || { echo "step $n did not resolve" >&2; exit 1; } ;;
       *) echo "step $n: ${words[*]} (not resolved: no pip resolution)" ;;

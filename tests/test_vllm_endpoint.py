@@ -69,7 +69,7 @@ def world(tmp_path_factory, http_server):
     copy_store(root / "run", http_server.root / "stores" / "run")
     http_server.redirects["/stores/run/v00000003.json"] = "/elsewhere/v00000003.json"  # off the store
     server = Server(model, sources=f"{root},s3://bucket/allowed,{http_server.url}/stores", base_version=0,
-                    log=tmp / "server.log", warmup=False)
+                    log=tmp / "server.log", warmup=False, worker_process=True)  # vLLM CPU's default shape
     try:
         yield {"tmp": tmp, "model": model, "root": root, "final": final, "server": server, "http": http_server.url}
     finally:

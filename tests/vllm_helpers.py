@@ -10,6 +10,7 @@ the warm-up keeps the suite safe on such hosts even if it could not, and
 """
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import sys
@@ -25,20 +26,28 @@ from engine_ext.engines.vllm.launcher import ServerDied, VllmServer, cpu_flags, 
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [9, 9, 9, 9, 9, 9], [999, 17, 450, 3, 77]]
 # tests/server_hooks on a server's PYTHONPATH: test-only faults and switches (its docstring), set by ENGINE_EXT_TEST_* variables
 HOOKS = {"PYTHONPATH": os.pathsep.join(p for p in [str(Path(__file__).parent / "server_hooks"), os.environ.get("PYTHONPATH")] if p)}
+_SERVERS = itertools.count()  # default log names
 WARMUP_PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]  # > 4 tokens: oneDNN asks for AMX permission on the way
 
 
 class Server(VllmServer):
     """A test server: logs noted for failure reports, CPU paths noted for the run summary."""
 
-    def __init__(self, model, *, warmup: bool = True, log=None, fallback: tuple[str, ...] = (), **kw):
+    def __init__(self, model, *, warmup: bool = True, log=None, fallback: tuple[str, ...] = (),
+                 worker_process: bool = False, **kw):
         if kw.get("tp", 1) == 1:  # under pytest-xdist, each worker's servers compute on a core of their own
             worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-            kw["env"] = {"VLLM_CPU_OMP_THREADS_BIND": str(worker % (os.cpu_count() or 1)), **(kw.get("env") or {})}
-        port = free_port()
-        log = log or f"/tmp/engine_ext_vllm_{port}.log"
+            env = {"VLLM_CPU_OMP_THREADS_BIND": str(worker % (os.cpu_count() or 1))}
+            if not worker_process:
+                # The engine core runs its one worker itself (vLLM's UniProcExecutor, the shape vLLM takes on one
+                # GPU): the API server <-> engine core seam stays, one process start fewer (~12 of a start's ~31
+                # CPU-s on 2 cores). vLLM CPU's own default, a worker process of its own (``worker_process=True``),
+                # is test_vllm_endpoint's (its main server), test_vllm_api_servers' and the chaos soak's.
+                env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            kw["env"] = {**env, **(kw.get("env") or {})}
+        log = log or f"/tmp/engine_ext_vllm_{os.getpid()}_{next(_SERVERS)}.log"
         server_report.note_log(log)  # before the start: a server that fails to start shows its log too
-        super().__init__(model, log=log, port=port, **kw)
+        super().__init__(model, log=log, **kw)
         try:
             layout = self.status().get("layout") or {}
             engine = (layout.get("engine") or [{}])[0]

@@ -109,17 +109,28 @@ class VllmServer:
         full_env.update(env or {})
         # ``vllm serve`` (vLLM's CLI) where the args need it: only it runs several API-server processes
         entry = ["-c", SERVE, "serve"] if "--api-server-count" in args else ["-m", "vllm.entrypoints.openai.api_server"]
-        cmd = [sys.executable, *entry, "--model", self.model, "--dtype", "bfloat16",
-               "--max-model-len", "256", "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port),
-               "--tensor-parallel-size", str(tp), "--max-num-seqs", "16", *args]
         self.log_path = Path(log or f"/tmp/engine_ext_vllm_{self.port}.log")
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            self._wait(startup_s)
-        except BaseException:
-            self.stop()
-            raise
+        # A port this process picked can be taken by another before the server binds it (free_port closes it
+        # first): the start is tried again on another port, up to twice. A port the caller named is not changed.
+        for attempt in range(3 if port is None else 1):
+            cmd = [sys.executable, *entry, "--model", self.model, "--dtype", "bfloat16",
+                   "--max-model-len", "256", "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port),
+                   "--tensor-parallel-size", str(tp), "--max-num-seqs", "16", *args]
+            self._log = open(self.log_path, "w")
+            self.proc = subprocess.Popen(cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+            try:
+                self._wait(startup_s)
+                return
+            except ServerDied:
+                self.stop()
+                if attempt == 2 or port is not None or "Address already in use" not in self.tail():
+                    raise
+            except BaseException:
+                self.stop()
+                raise
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
 
     # ---- life cycle
     def _wait(self, timeout: float) -> None:
