@@ -122,13 +122,11 @@ class VllmServer:
             try:
                 self._wait(startup_s)
                 return
-            except ServerDied:
+            except BaseException as e:
                 self.stop()
-                if attempt == 2 or port is not None or "Address already in use" not in self.tail():
+                retry = port is None and attempt < 2 and isinstance(e, ServerDied)
+                if not (retry and "Address already in use" in self.tail()):
                     raise
-            except BaseException:
-                self.stop()
-                raise
             self.port = free_port()
             self.url = f"http://127.0.0.1:{self.port}"
 
