@@ -89,7 +89,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="engine_ext_spin_") as tmp:
         model = make_model(Path(tmp) / "model", "qwen2")
-        print(f"| shape | server CPU-s | wall s | cores busy | requests | median latency (ms) |\n|---|---:|---:|---:|---:|---:|")
+        print("| shape | server CPU-s | wall s | cores busy | requests | median latency (ms) |\n|---|---:|---:|---:|---:|---:|")
         for name in args.shapes.split(","):
             tp, env = SHAPES[name]
             r = measure(model, tp, env, args.seconds, args.gap, Path(tmp) / f"{name}.log")

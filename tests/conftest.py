@@ -53,14 +53,20 @@ def _secure_by_default_for_the_whole_run():
 _secure_by_default_for_the_whole_run()
 
 
+def _hooks_on_every_path() -> None:
+    """tests/server_hooks first on ``PYTHONPATH`` (once), so every process the run starts loads them."""
+    hooks = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server_hooks")
+    if hooks not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [hooks, os.environ.get("PYTHONPATH")] if p)
+
+
 def _hide_amx_for_the_whole_run():
     """``ENGINE_EXT_TEST_HIDE_AMX=1`` in the run's environment: the whole suite runs as on an AVX-512 host
     without AMX (vLLM 0.32 CPU's oneDNN GEMM, ``vec`` attention, CPUMLAImpl, the MoE prepack's ISA), in this
     process (its in-process vLLM ops) and in every process it starts (tests/server_hooks on their path)."""
     if os.environ.get("ENGINE_EXT_TEST_HIDE_AMX") != "1":
         return
-    hooks = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server_hooks")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [hooks, os.environ.get("PYTHONPATH")] if p)
+    _hooks_on_every_path()
     import torch.cpu
 
     torch.cpu._is_amx_tile_supported = lambda: False
@@ -72,16 +78,14 @@ _hide_amx_for_the_whole_run()
 def _quiet_vllm_queues_for_the_whole_run():
     """Every vLLM server the suite starts (its own, the chaos soak's, verl's replicas under Ray) gets
     ``ENGINE_EXT_TEST_QUIET_SPIN=1`` (tests/server_hooks): vLLM's shared-memory queue readers sleep
-    0.5 ms between looks while busy instead of spinning on ``sched_yield()``. A TP 2 server under a
-    request every 0.4 s takes 59.5 CPU-s in 30 s spinning and 5.0 quiet; on a 2-core CI host the
-    spinning readers take the cores from the processes they wait for. What the servers compute is
-    unchanged. ``ENGINE_EXT_TEST_QUIET_SPIN=0`` runs vLLM's own spin."""
+    0.5 ms between looks while busy instead of spinning on ``sched_yield()``: on a 2-core CI host the
+    spinning readers take the cores from the processes they wait for (``python bench/queue_spin.py``;
+    figures in docs/vllm.md). What the servers compute is unchanged. ``ENGINE_EXT_TEST_QUIET_SPIN=0``
+    runs vLLM's own spin."""
     if os.environ.get("ENGINE_EXT_TEST_QUIET_SPIN") == "0":
         return
     os.environ["ENGINE_EXT_TEST_QUIET_SPIN"] = "1"
-    hooks = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server_hooks")
-    if hooks not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [hooks, os.environ.get("PYTHONPATH")] if p)
+    _hooks_on_every_path()
 
 
 _quiet_vllm_queues_for_the_whole_run()

@@ -15,11 +15,10 @@ A test puts this directory on a server's ``PYTHONPATH`` and sets, in the server'
 - ``ENGINE_EXT_TEST_QUIET_SPIN=1``: a reader of vLLM's shared-memory message queues (a worker
   waiting for the engine core's next step, the engine core waiting for a worker's reply) that
   is in its busy window (``SpinCondition``: the second after each read) sleeps 0.5 ms before it
-  looks again instead of ``sched_yield()``. Spinning, a worker process takes a whole core while
-  requests come less than a second apart (31 CPU-s in 30 s of a request every 0.4 s, against
-  3 with the worker in the engine core), and a TP 2 server three such readers: on a 2-core CI
-  host they take the cores from the processes they wait for. What is computed is unchanged; each
-  message may wait up to 0.5 ms longer.
+  looks again instead of ``sched_yield()``. Spinning, a worker process holds a whole core while
+  requests come less than a second apart (``python bench/queue_spin.py``, figures in
+  docs/vllm.md): on a 2-core CI host the readers take the cores from the processes they wait
+  for. What is computed is unchanged; each message may wait up to 0.5 ms longer.
 """
 
 import importlib.abc
