@@ -32,8 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .format.dtypes import dtype_by_name, step_between, as_bits
-from .format.manifest import ANCHOR
+from .fleet import Fleet
+from .format.dtypes import as_bits, dtype_by_name, step_between
+from .format.manifest import ANCHOR, Chunk, TensorEntry
 from .store.base import Store
 from .store.reader import TensorBases, decode_manifest, fetch_blobs, load_cells, read_link
 from .store.signing import Trust
@@ -112,7 +113,8 @@ def manifest_keys(store: Store) -> list[str]:
 
 def collect(store: Store, trust: Trust, bound: bool = True) -> list[VersionRow]:
     """The rows of every version in ``store``, each manifest verified by ``trust``."""
-    rows, bases = [], None
+    rows: list[VersionRow] = []
+    bases: TensorBases | None = None  # the weights each delta applies to, known from the first anchor on
     for key in manifest_keys(store):
         link = read_link(store, key, trust)
         m = link.manifest
@@ -122,18 +124,21 @@ def collect(store: Store, trust: Trust, bound: bool = True) -> list[VersionRow]:
         per_group: dict[str, list[int]] = {}
         for t in m.tensors:
             n = math.prod(t.shape)
-            numel, changed = numel + n, changed + t.nnz
+            numel += n
+            changed += t.nnz
             dense += n * dtype_by_name(t.dtype).itemsize
             g = per_group.setdefault(group_of(t.name), [0, 0])
-            g[0], g[1] = g[0] + t.nnz, g[1] + n
-            for part in (t.chunks or [t]):
+            g[0] += t.nnz
+            g[1] += n
+            parts: list[TensorEntry] | list[Chunk] = t.chunks or [t]  # a cut tensor's cells, or the whole tensor
+            for part in parts:
                 if part.positions.coder != "none":
                     coders[part.positions.coder] += 1
         row = VersionRow(m.version, m.kind, numel, changed, m.payload_bytes, dense, dict(coders),
                          {g: c / max(n, 1) for g, (c, n) in sorted(per_group.items())}, link.signed)
         if bound and (m.kind == ANCHOR or bases is not None):
             tensors = decode_manifest(m, fetch_blobs(store, m), bases=bases)
-            if m.kind == ANCHOR:
+            if m.kind == ANCHOR or bases is None:
                 bases = TensorBases({})
             else:
                 row.bound_bytes = _bound_bytes(tensors, bases)
@@ -164,8 +169,6 @@ def _bound_bytes(tensors, bases: TensorBases) -> float:
 
 def replicas(urls: list[str], token: str | None, newest: int | None) -> list[ReplicaRow]:
     """Each replica's served version, lag and last update time (its ``GET /update_weights_delta``)."""
-    from .fleet import Fleet
-
     fleet = Fleet(urls, token, retries=0)
     out = []
     for url in fleet.urls:
@@ -182,38 +185,51 @@ def replicas(urls: list[str], token: str | None, newest: int | None) -> list[Rep
 # -- the page ---------------------------------------------------------------------------------
 
 
+def _or_nan(x: float | None) -> float:
+    """A missing figure as a gap in a plotted line."""
+    return np.nan if x is None else x
+
+
+def _label(ax, ylabel: str) -> None:
+    """A per-version plot's axes: versions as whole numbers on x, ``ylabel`` on y, its legend and a light grid."""
+    from matplotlib.ticker import MaxNLocator  # matplotlib: the optional [report] extra
+
+    ax.set_xlabel("version")
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _png(fig) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # the optional [report] extra
 
     plt.close(fig)
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def _plots(rows: list[VersionRow]) -> dict[str, str]:
-    import matplotlib
+    import matplotlib  # the optional [report] extra
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     deltas = [r for r in rows if r.kind != ANCHOR]
     out = {}
     fig, ax = plt.subplots(figsize=(8, 3.2))
     ax.semilogy([r.version for r in rows], [r.stored_bytes for r in rows], "o-", label="stored")
     ax.semilogy([r.version for r in rows], [r.dense_bytes for r in rows], "--", label="dense model")
-    ax.set_xlabel("version"), ax.set_ylabel("bytes"), ax.legend(), ax.grid(alpha=.3)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    _label(ax, "bytes")
     out["bytes"] = _png(fig)
     if deltas:
         fig, ax = plt.subplots(figsize=(8, 3.2))
-        ax.plot([r.version for r in deltas], [r.bytes_per_change for r in deltas], "o-", label="stored bytes per change")
+        ax.plot([r.version for r in deltas], [_or_nan(r.bytes_per_change) for r in deltas], "o-", label="stored bytes per change")
         if any(r.bound_per_change is not None for r in deltas):
-            ax.plot([r.version for r in deltas], [r.bound_per_change or np.nan for r in deltas], "s--",
+            ax.plot([r.version for r in deltas], [_or_nan(r.bound_per_change) for r in deltas], "s--",
                     label="first-order bound")
-        ax.set_xlabel("version"), ax.set_ylabel("bytes per change"), ax.legend(), ax.grid(alpha=.3)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        _label(ax, "bytes per change")
         out["per_change"] = _png(fig)
         groups = sorted({g for r in deltas for g in r.groups})
         grid = np.array([[r.groups.get(g, np.nan) * 100 for r in deltas] for g in groups])
@@ -221,7 +237,8 @@ def _plots(rows: list[VersionRow]) -> dict[str, str]:
         im = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
         ax.set_xticks(range(len(deltas)), [str(r.version) for r in deltas])
         ax.set_yticks(range(len(groups)), groups)
-        ax.set_xlabel("version"), fig.colorbar(im, ax=ax, label="% of elements changed")
+        ax.set_xlabel("version")
+        fig.colorbar(im, ax=ax, label="% of elements changed")
         out["heatmap"] = _png(fig)
     return out
 

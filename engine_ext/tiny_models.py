@@ -25,9 +25,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import sys
+from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
+
+from .format.quantize import quantization_config, quantizer
+from .trainer.publisher import clean_state_dict
 
 KINDS = ("qwen2", "llama", "qwen2-tied", "qwen3-moe", "qwen3-moe-fused", "qwen2-moe", "qwen3", "llama-tied", "mistral",
          "gemma2", "phi3", "deepseek-v2", "qwen2.5-vl", "gpt-oss", "qwen3-next", "granite-4-hybrid")
@@ -41,9 +50,9 @@ VISION_WORDS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_
 
 
 def _config(kind: str, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, moe_intermediate: int | None = None):
-    import transformers
+    import transformers  # the optional [demo] extra
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=hidden * 2,
@@ -114,7 +123,7 @@ def _config(kind: str, vocab: int, hidden: int, layers: int, heads: int, kv_head
 
 def model_class(kind: str):
     """The transformers class of ``kind`` (what a trainer holds)."""
-    import transformers
+    import transformers  # the optional [demo] extra
 
     if kind in ARCH_KINDS or kind[:1].isupper():
         return arch_class(ARCH_KINDS.get(kind, kind))
@@ -134,7 +143,7 @@ def word_ids(words: list[str] | tuple[str, ...]) -> dict[str, int]:
 def write_tokenizer(path: str | os.PathLike, vocab: int, words: list[str] | tuple[str, ...] = ()) -> None:
     """A WordLevel tokenizer: ``words`` take ids 4, 5, ... (readable samples), every other id ``i``
     is the token ``t{i}`` (ids 0-3 are pad/bos/eos/unk)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, models, pre_tokenizers  # the optional [demo] extra
     from transformers import PreTrainedTokenizerFast
 
     if len(set(words)) != len(words) or 4 + len(words) > vocab:
@@ -209,10 +218,6 @@ def save_trainer_layout(path: str | os.PathLike, model, state: dict | None = Non
     fused experts and a VLM's ``model.language_model.`` names in memory; ``save_pretrained``
     writes the Hub's per-expert and ``model.`` names instead). ``tied_copy``: also store the tied
     ``lm_head.weight`` beside the embedding, as some checkpoints do."""
-    from safetensors.torch import save_file
-
-    from .trainer.publisher import clean_state_dict
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     sd = clean_state_dict(model if state is None else state)
@@ -228,7 +233,7 @@ def save_trainer_layout(path: str | os.PathLike, model, state: dict | None = Non
 def finish_dir(path: Path, kind: str, vocab: int, words) -> None:
     """Tokenizer (a VLM's vision tokens first, and its image processor) and both dtype keys of config.json."""
     if kind in VLM_KINDS:
-        from transformers import Qwen2VLImageProcessor
+        from transformers import Qwen2VLImageProcessor  # the optional [demo] extra
 
         words = VISION_WORDS + tuple(words)
         Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=2).save_pretrained(str(path))
@@ -243,8 +248,6 @@ def finish_dir(path: Path, kind: str, vocab: int, words) -> None:
 
 def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The checkpoint tensors of a model dir (all ``*.safetensors`` files), by name."""
-    from safetensors.torch import load_file
-
     out: dict[str, torch.Tensor] = {}
     for f in sorted(Path(path).glob("*.safetensors")):
         out.update(load_file(str(f)))
@@ -257,17 +260,12 @@ def save_state_dict(path: str | os.PathLike, state: dict[str, torch.Tensor], lik
 
     ``quantize="fp8-block"``: write the fp8 checkpoint of ``state`` (master weights) instead,
     with its ``quantization_config`` (:mod:`engine_ext.format.quantize`)."""
-    import shutil
-
-    from safetensors.torch import save_file
-
     path, like = Path(path), Path(like)
     path.mkdir(parents=True, exist_ok=True)
     for f in like.iterdir() if path.resolve() != like.resolve() else ():
         if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
             shutil.copy(f, path / f.name)
     if quantize is not None:
-        from .format.quantize import quantization_config, quantizer
 
         cfg_path = path / "config.json"
         cfg = json.loads(cfg_path.read_text())
@@ -281,9 +279,8 @@ def save_state_dict(path: str | os.PathLike, state: dict[str, torch.Tensor], lik
 def fuse_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-expert tensors ``...mlp.experts.N.{gate,up,down}_proj.weight`` -> the fused
     ``...mlp.experts.gate_up_proj`` [E, 2*I, H] (gate rows first) and ``...mlp.experts.down_proj`` [E, H, I]."""
-    import re
-
-    out, groups = {}, {}
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}  # experts prefix -> expert id -> gate/up/down
     for name, t in sd.items():
         m = re.fullmatch(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", name)
         if m is None:
@@ -328,7 +325,7 @@ TINY_MAX_PARAMS = 20_000_000
 # What the Hub's config.json of a family carries that the class's defaults shrunk by :data:`TINY` would not:
 # the layer pattern users serve and the state-space widths vLLM's kernels take (a head count times a head width
 # equal to the inner width). Applied over :data:`TINY` by :func:`tiny_config`.
-HUB_SHAPES: dict[str, dict] = {
+HUB_SHAPES: dict[str, dict[str, Any]] = {
     # ibm-granite/granite-4.0-h-*: mamba2 and attention layers, MoE with a shared MLP, tied embeddings
     "GraniteMoeHybridForCausalLM": {
         "layer_types": ["mamba", "attention"], "mamba_n_heads": 8, "mamba_d_head": 32, "mamba_d_state": 16,
@@ -424,7 +421,7 @@ HUB_SHAPES: dict[str, dict] = {
 
 def arch_class(arch: str):
     """The transformers class named ``arch`` (vLLM's registry keys are transformers class names), or None."""
-    import transformers
+    import transformers  # the optional [demo] extra
 
     names = {n.replace("_", "").lower(): n for n in dir(transformers) if n.endswith(("ForCausalLM", "ForConditionalGeneration"))}
     name = arch if arch in dir(transformers) else names.get(arch.replace("_", "").lower())  # vLLM's Ernie4_5_ForCausalLM
@@ -440,12 +437,12 @@ def tiny_config(arch: str):
     attention), in the order they first appear. Raises ValueError where the class has no plain config."""
     cls = arch_class(arch)
     if cls is None:
-        raise ValueError(f"transformers {__import__('transformers').__version__} has no class {arch}")
+        raise ValueError(f"transformers {version('transformers')} has no class {arch}")
     cfg_cls = cls.config_class
     default = cfg_cls()
     if getattr(default, "sub_configs", None) and any(k in default.sub_configs for k in ("text_config", "vision_config")):
         raise ValueError(f"{arch}: a composite config ({sorted(default.sub_configs)}): no generic tiny form")
-    kw = {k: v for k, v in TINY.items() if hasattr(default, k)}
+    kw: dict[str, Any] = {k: v for k, v in TINY.items() if hasattr(default, k)}
     types = getattr(default, "layer_types", None)
     field = getattr(cfg_cls, "attribute_map", {}).get("layer_types", "layer_types")
     derived = getattr(cfg_cls, field, None)
@@ -471,7 +468,5 @@ def tiny_config(arch: str):
 
 
 if __name__ == "__main__":
-    import sys
-
     out = make_model(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "qwen2")
     print(out, sorted((k, tuple(v.shape)) for k, v in load_state_dict(out).items())[:3])
