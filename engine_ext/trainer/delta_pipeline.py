@@ -19,15 +19,16 @@ started early (:meth:`DeltaEncoder.start`, while the trainer diffs the next tens
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from ..format import chunks, codec
 from ..format.dtypes import DType
 from .builder import VersionBuilder
+
 
 @dataclass
 class ContextBase:

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from ..errors import ConflictError
 from ..format.latest import LATEST_KEY, MAX_LATEST_BYTES, Latest

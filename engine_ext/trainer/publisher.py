@@ -31,7 +31,8 @@ import torch
 
 from .. import settings
 from ..errors import DeltaError
-from ..format import chunks, codec, fingerprint as fpr
+from ..format import chunks, codec
+from ..format import fingerprint as fpr
 from ..format.delta import changed_bits
 from ..format.dtypes import served_dtype, to_served
 from ..format.manifest import ANCHOR, DELTA, manifest_key

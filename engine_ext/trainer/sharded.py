@@ -40,7 +40,8 @@ from datetime import timedelta
 import torch
 
 from ..errors import ConflictError, DeltaError
-from ..format import codec, fingerprint as fpr
+from ..format import codec
+from ..format import fingerprint as fpr
 from ..format.dtypes import dtype_by_name, served_as
 from ..format.manifest import ANCHOR, DELTA, manifest_key
 from . import lineage

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..errors import ConflictError
 from .kept_bits import KeptBitsReaders
@@ -85,7 +85,7 @@ class UploadWorker:
                     return
                 if self._error is None:  # behind a failure, a version is skipped: its base was not published
                     self._build(job)
-            except BaseException as e:  # surfaced by publish()/wait()
+            except BaseException as e:  # noqa: BLE001 - kept, and raised on the training thread by publish()/wait()
                 self._error = e
             finally:
                 holds = 0 if job is None else job.holds
