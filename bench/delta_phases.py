@@ -52,7 +52,7 @@ def instrument() -> None:
     """Wrap the phases of a delta publish (module attributes looked up at call time)."""
     from engine_ext.format import cell_kernels, codec, chunks, manifest
     from engine_ext.store import local, signing
-    from engine_ext.trainer import builder, publisher
+    from engine_ext.trainer import builder, delta_pipeline, publisher
 
     P = publisher.DeltaPublisher
     for label, owner, name in [
@@ -62,7 +62,7 @@ def instrument() -> None:
         ("train:   fingerprint update", publisher.fpr, "update_fingerprint"),
         ("train:   context_policy", codec, "context_policy"),
         ("bg: _build (all)", P, "_build"),
-        ("bg:   _write_delta (all)", P, "_write_delta"),
+        ("bg:   DeltaEncoder.write (all)", delta_pipeline.DeltaEncoder, "write"),
         ("bg:     context_pays (pool)", codec, "context_pays"),
         ("bg:     step_histograms", codec, "step_histograms"),
         ("bg:     encode_tensor (pool)", codec, "encode_tensor"),

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from .format import codec
 from .format import fingerprint as fpr
 from .trainer.builder import VersionBuilder
+from .trainer.delta_pipeline import ContextBase, DeltaEncoder, TensorChange
 from .store.checkpoint import INDEX_NAME, CheckpointDir, SafetensorsWriter
 from .format.delta import apply_tensor, changed_bits
 from .format.dtypes import as_bits, dtype_by_name, served_as, served_dtype, to_served
@@ -91,6 +92,24 @@ def _loader(ck: CheckpointDir, dtype):
     return lambda name: to_served(ck.load(name), dtype)
 
 
+def _tensor_change(name: str, load_old, load_new, dtype) -> TensorChange:
+    """One tensor's changes from OLD to NEW (``dtype``: as served). Whether the context coder pays is
+    asked while OLD's tensor is in memory: uniform changes then cost no step table and no second read
+    of it; where it pays, the encode reads OLD's tensor again as the coder's base."""
+    o, n = load_old(name), load_new(name)
+    if o.shape != n.shape or o.dtype != n.dtype:
+        raise DeltaError(f"{name}: {tuple(o.shape)}/{o.dtype} in old, {tuple(n.shape)}/{n.dtype} in new")
+    old_bits = as_bits(o).reshape(-1)
+    pos, old_at, new_at = changed_bits(old_bits, as_bits(n).reshape(-1))
+    context = None
+    if settings.current().context_coder:
+        policy = codec.context_policy(name, dtype, n.shape, pos.numel())
+        if policy is not None and codec.context_pays(dtype, old_bits, old_at):
+            context = ContextBase(policy, lambda: as_bits(load_old(name)).reshape(-1), known_to_pay=True)
+    return TensorChange(name, dtype, tuple(n.shape), pos, old_at, new_at, fpr.tensor_fingerprint(o),
+                        fpr.tensor_fingerprint(n), context)
+
+
 def cmd_diff(a) -> str:
     old, new = _checkpoint("diff", a.old), _checkpoint("diff", a.new)
     dtype = served_dtype(a.dtype)
@@ -100,29 +119,11 @@ def cmd_diff(a) -> str:
                          f"only in new {sorted(set(new.tensors) - set(old.tensors))[:5]}")
     store = open_store(a.out)
     b = VersionBuilder(DELTA, a.model or Path(a.new).name, 0, spool_in=store)
-    old_fps, changes = {}, []
-    for name in _bar(new.names(), "diff"):  # the changes first: the version's step tables come from all of them
-        o, n = load_old(name), load_new(name)
-        if o.shape != n.shape or o.dtype != n.dtype:
-            raise DeltaError(f"{name}: {tuple(o.shape)}/{o.dtype} in old, {tuple(n.shape)}/{n.dtype} in new")
-        pos, old_at, new_at = changed_bits(as_bits(o).reshape(-1), as_bits(n).reshape(-1))
-        fo, fn = fpr.tensor_fingerprint(o), fpr.tensor_fingerprint(n)
-        old_fps[name] = fo
-        dt = served_as(new.tensors[name].dtype, dtype)
-        policy = codec.context_policy(name, dt, n.shape, pos.numel()) if settings.current().context_coder else None
-        if policy is not None and not codec.context_pays(dt, as_bits(o).reshape(-1), old_at):
-            policy = None  # uniform changes: no step table, no second read of the tensor
-        changes.append((name, dt, tuple(n.shape), pos, old_at, new_at, fo, fn, policy))
-    tables = codec.step_tables_by_dtype((c[1], c[4], c[5]) for c in changes if c[8] is not None)
-    for name, dt, shape, pos, old_at, new_at, fo, fn, policy in changes:
-        if pos.numel() == 0:
-            b.add_unchanged(name, dt, shape, fn)
-            continue
-        context = None if policy is None else codec.Context(as_bits(load_old(name)).reshape(-1), policy, tables[dt.name])
-        e = codec.encode_tensor(dt, shape, pos, new_at, old_at, a.mode, context=context)
-        b.add_encoded(name, dt, shape, pos.numel(), e, fo, fn)
-        if codec.uses_context(e):
-            b.add_step_tables(dt.name, tables[dt.name])
+    # the changes first: the version's step tables come from all of them
+    changes = [_tensor_change(name, load_old, load_new, served_as(new.tensors[name].dtype, dtype))
+               for name in _bar(new.names(), "diff")]
+    DeltaEncoder(a.mode).write(b, changes)
+    old_fps = {c.name: c.base_fp for c in changes}
     signer = _signer(a)
     trust = _trust(a, signer)
     head = read_head(store, trust)

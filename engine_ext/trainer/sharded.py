@@ -4,9 +4,10 @@ One :class:`ShardedPublisher` per trainer rank (FSDP2 ``fully_shard``, pipeline 
 parallel, or a mix: :mod:`engine_ext.trainer.shards`). Each keeps the bits of its own
 rows only (``model / world`` in the served dtype), diffs them on their own device and
 encodes in the background, like :class:`~engine_ext.trainer.publisher.DeltaPublisher`,
-whose snapshot, diff, encode and anchor code it runs; what differs is that a tensor
-several ranks hold is cut at their row boundaries (every cell inside one rank's rows:
-docs/FORMAT.md, "Sharded versions"), and how a version is committed:
+whose snapshot, diff, encode and anchor code it runs on what the rank holds (its
+:class:`~engine_ext.trainer.holdings.RankRows`: a tensor several ranks hold is cut at their row
+boundaries, every cell inside one rank's rows: docs/FORMAT.md, "Sharded versions"); what differs
+is how a version is committed:
 
 1. every rank tells the others what it will publish of the version (an anchor, a delta
    on which base): a part is published only where all ranks have it, on a committed base;
@@ -39,14 +40,17 @@ from datetime import timedelta
 import torch
 
 from ..errors import ConflictError, DeltaError
+from ..format import codec
 from ..format import fingerprint as fpr
-from ..format.dtypes import as_bits, dtype_by_name, served_as, to_served
+from ..format.dtypes import dtype_by_name, served_as
 from ..format.manifest import ANCHOR, DELTA, manifest_key
 from . import lineage
-from .builder import Rows, commit, merge_parts
-from .publisher import DeltaPublisher, _Change, _Job, log
+from .builder import commit, merge_parts
 from .checkpoint_layout import checkpoint_names, transformers_model
+from .holdings import RankRows
+from .publisher import DeltaPublisher, log
 from .shards import Placement, agree, held_tensors, in_checkpoint_layout, rows
+from .upload_worker import UploadJob
 
 SHARDED = "sharded"
 
@@ -80,22 +84,26 @@ class ShardedPublisher(DeltaPublisher):
 
         if kwargs.get("quantize") is not None:
             raise ValueError("quantize is not supported by the sharded publisher (fp8 blocks span the ranks' rows)")
-        self.group, self._own_group = None, group is None
-        self.rank, self.world = 0, 1
+        self.group = None
+        self._own_group = group is None
+        self.rank = 0
+        self.world = 1
         if dist.is_available() and dist.is_initialized():
-            self.group = group if group is not None else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-            self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+            if group is None:
+                group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            self.group = group
+            self.rank = dist.get_rank(self.group)
+            self.world = dist.get_world_size(self.group)
         self.layout: dict[str, Placement] | None = None  # agreed at the first publish
-        self._views: list | None = None
-        self._starts: dict[str, int] = {}  # first row of each tensor this rank publishes
+        self._views: list | None = None  # every rank's view of what it holds (Held.describe), at the first publish
         self._committed: set[int] = set()  # versions with a committed manifest (the same on every rank)
         self.committed_fingerprint: int | None = None  # the model fingerprint of the last version committed
         self.aborted: dict[int, str] = {}  # version -> why it was not committed
         self._needs_anchor = False
         self._broken: GroupFailed | None = None
         super().__init__(store, model, **kwargs)
-        head = self._broadcast((self.head, self.next_version))  # every rank continues from rank 0's view
-        self.head, self.next_version = head
+        # every rank continues from rank 0's view of the store
+        self.head, self.next_version = self._broadcast((self.head, self.next_version))
 
     # -- trainer-facing -------------------------------------------------------
     def publish(self, model_or_state_dict, version: int | None = None) -> str:
@@ -103,20 +111,24 @@ class ShardedPublisher(DeltaPublisher):
         version's manifest will have (committed only if every rank's part is written)."""
         if self._broken is not None:
             raise RuntimeError(f"publishing failed: {self._broken}") from self._broken
-        self._raise_pending()
+        self._uploads.raise_pending()
         in_memory = held_tensors(model_or_state_dict)
-        model = self.checkpoint_layout if self.checkpoint_layout != "auto" else transformers_model(model_or_state_dict)
+        model = self.checkpoint_layout
+        if model == "auto":
+            model = transformers_model(model_or_state_dict)
         held = in_checkpoint_layout(in_memory, model)
         if self.layout is None:
             self._agree_layout(held)  # a collective on the training thread: no job is queued yet
-            missing = {c for h in in_memory.values() for c in checkpoint_names(model, h.name, h.shape, h.tensor.dtype)
-                       } - set(self.layout)
+            published = set()
+            for h in in_memory.values():
+                published.update(checkpoint_names(model, h.name, h.shape, h.tensor.dtype))
+            missing = published - set(self.layout)
             if missing:
                 raise ValueError(f"{len(missing)} checkpoint tensor(s) of what this rank holds are published by no "
                                  f"rank: {sorted(missing)[:5]} (the ranks' rows do not cover the model)")
         sd = self._owned(held)
         self.last_numel = sum(t.numel() for t in sd.values())  # what this rank publishes (in the served dtype)
-        self.last_nbytes = sum(t.numel() * self._describe(n, t)[0].itemsize for n, t in sd.items())
+        self.last_nbytes = sum(t.numel() * self._holding.describe(n, t).dtype.itemsize for n, t in sd.items())
         version = self.next_version if version is None else version
         if self.version is not None and version <= self.version:
             raise ValueError(f"version {version} must be above the last published {self.version}")
@@ -126,11 +138,11 @@ class ShardedPublisher(DeltaPublisher):
             self._resume_from_rows(sd, version)  # a collective: every rank rebuilds its rows of LATEST, or none does
         first = self.version is None
         if not first:
-            self._kept_free.wait()  # an anchor may still be being written from the kept bits
-            self._raise_pending()
+            self._kept.wait_free()  # an anchor may still be being written from the kept bits
+            self._uploads.raise_pending()
             first = not self._fps  # the first anchor was never written, nor were its fingerprints computed
-        forced = self._needs_anchor or self._restart_chain  # a version failed (aborted, or raised here)
-        self._restart_chain = False
+        forced = self._needs_anchor or self._uploads.restart_chain  # a version failed (aborted, or raised here)
+        self._uploads.restart_chain = False
         anchor = first or forced or bool(self.anchor_every and version % self.anchor_every == 0)
         delta = None
         if first:
@@ -140,15 +152,17 @@ class ShardedPublisher(DeltaPublisher):
             delta = self._snapshot_delta(sd, version)  # the kept bits and fingerprints move to this version
             if forced:  # the last version was not committed: this one is an anchor, its delta has no base
                 for _ in range(delta.holds):
-                    self._release_kept()
+                    self._kept.release()
                 delta = None
+        a = None
         if anchor:
             self.anchor_version = version
-        a = self._snapshot_anchor(sd, version, first) if anchor else None
-        job = _Job(SHARDED, version, self.version, self.anchor_version, (a, delta),
-                   (a.holds if a else 0) + (delta.holds if delta else 0))
-        self.version, self.next_version = version, version + 1
-        self._queue.put(job)  # blocks when uploads fall behind: backpressure
+            a = self._snapshot_anchor(sd, version, first)
+        holds = (a.holds if a else 0) + (delta.holds if delta else 0)
+        job = UploadJob(SHARDED, version, self.version, self.anchor_version, (a, delta), holds)
+        self.version = version
+        self.next_version = version + 1
+        self._uploads.put(job)  # blocks when uploads fall behind: backpressure
         return self.store.key_uri(manifest_key(version, DELTA if delta is not None else ANCHOR))
 
     def _resume_from_rows(self, sd: dict, version: int) -> None:
@@ -158,11 +172,15 @@ class ShardedPublisher(DeltaPublisher):
         fingerprints, summed, must give every tensor's fingerprint in LATEST's manifest; then the
         first version is a delta against LATEST on every rank. Otherwise (a rank could not, or
         ``resume='anchor'``) it is an anchor on every rank. Records which in :attr:`resumed`."""
-        latest, mine, why = self.head.latest, None, None
+        latest = self.head.latest
+        mine = None  # this rank's partial fingerprints of LATEST's rows, or why it could not rebuild them
+        why = None  # why the first version is an anchor
         if self.resume != "anchor":
             try:
-                spans = {n: lineage.Span(self.layout[n].shape, self._describe(n, t)[0], self._starts[n],
-                                         self._starts[n] + rows(t.shape)) for n, t in sd.items()}
+                spans = {}
+                for n, t in sd.items():
+                    d = self._holding.describe(n, t)
+                    spans[n] = lineage.Span(d.shape, d.dtype, d.first_row, d.first_row + rows(t.shape))
                 rebuilt = lineage.rebuild_rows(self.store, latest, self.trust, spans)
                 mine = rebuilt.fingerprints
             except DeltaError as e:
@@ -184,13 +202,15 @@ class ShardedPublisher(DeltaPublisher):
         if why is not None:
             if self.resume == "delta":
                 raise ValueError(f"cannot resume {self.store.uri} with a delta against v{latest.version}: {why}")
-            self.resumed = lineage.Resumed(latest.version, version, "anchor", why if self.resume == "anchor" else
-                                           f"LATEST's weights cannot serve as the base: {why}")
+            if self.resume != "anchor":
+                why = f"LATEST's weights cannot serve as the base: {why}"
+            self.resumed = lineage.Resumed(latest.version, version, "anchor", why)
             return
         for n, t in sd.items():  # the kept bits: the rows' raw bits in the served dtype, where _remember keeps them
             self._prev[n] = rebuilt.bits[n].to("cpu" if self.keep_on_cpu else t.device)
         self._fps = dict(rebuilt.fingerprints)
-        self.version, self.anchor_version = latest.version, rebuilt.target.manifest.anchor_version
+        self.version = latest.version
+        self.anchor_version = rebuilt.target.manifest.anchor_version
         self._manifest_shas[latest.version] = list(rebuilt.manifests)
         self._committed = {latest.version}
         self.committed_fingerprint = fpr.parse(rebuilt.target.manifest.fingerprint)
@@ -212,8 +232,11 @@ class ShardedPublisher(DeltaPublisher):
 
     # -- what this rank holds and publishes ----------------------------------------
     def _agree_layout(self, held: dict) -> None:
+        """Agree with the other ranks who publishes which rows (a collective), and hold those rows."""
         self._views = self._all_gather([h.describe() for h in held.values()], "the first publish")
         self.layout = agree(self._views)
+        starts = {name: h.start for name, h in held.items() if self.layout[name].owned(self.rank, h.start)}
+        self._holding = RankRows(self.layout, starts, self.dtype, self.chunk_min_cell)
 
     def _owned(self, held: dict) -> dict[str, torch.Tensor]:
         """The tensors (local rows) this rank publishes; the same tensors, rows and dtypes every version."""
@@ -221,12 +244,7 @@ class ShardedPublisher(DeltaPublisher):
         if view != self._views[self.rank]:
             raise ValueError("the tensors this rank holds changed since the first version (names, shapes, rows or "
                              "dtypes): a new layout needs a new publisher")
-        out = {}
-        for name, h in held.items():
-            if self.layout[name].owned(self.rank, h.start):
-                out[name] = h.tensor
-                self._starts[name] = h.start
-        return out
+        return {name: h.tensor for name, h in held.items() if self.layout[name].owned(self.rank, h.start)}
 
     @property
     def model_nbytes(self) -> int:
@@ -234,33 +252,18 @@ class ShardedPublisher(DeltaPublisher):
         return sum(math.prod(p.shape) * served_as(dtype_by_name(p.dtype), self.dtype).itemsize
                    for p in (self.layout or {}).values())
 
-    def _describe(self, name: str, t: torch.Tensor) -> tuple:
-        p = self.layout[name]
-        return served_as(dtype_by_name(p.dtype), self.dtype), p.shape, self._starts[name]
-
-    def _bits(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        return as_bits(to_served(t.detach(), self.dtype)).reshape(-1)
-
-    def _cuts(self, c: _Change):
-        p = self.layout[c.name]
-        return p.grid(self.chunk_min_cell, anchor=False) if p.split else None
-
-    def _anchor_info(self, name: str, t: torch.Tensor) -> tuple:
-        p = self.layout[name]
-        rows = Rows(p.shape, self._starts[name], tuple(p.grid(self.chunk_min_cell, anchor=True)[0])) if p.split else None
-        return name, _dtype(t.dtype), tuple(t.shape), rows
-
     # -- background: one job per version, the same collectives on every rank -------------
-    def _build(self, job: _Job) -> None:
+    def _build(self, job: UploadJob) -> None:
         if self._broken is not None:
             raise self._broken
         try:
             self._commit_version(job)
         except GroupFailed as e:
-            self._broken, self._needs_anchor = e, True
+            self._broken = e
+            self._needs_anchor = True
             raise
 
-    def _commit_version(self, job: _Job) -> None:
+    def _commit_version(self, job: UploadJob) -> None:
         anchor, delta = job.payload
         views = self._all_gather((job.version, anchor is not None, None if delta is None else delta.base_version),
                                  f"v{job.version}")
@@ -279,12 +282,12 @@ class ShardedPublisher(DeltaPublisher):
                 self._abort(job.version, f"a delta on a base that was not committed (v{sorted(bases, key=str)[0]}) "
                                          "or not on every rank")
 
-    def _anchor_part(self, anchor: _Job):
+    def _anchor_part(self, anchor: UploadJob):
         b = self._builder(anchor, part=self._part_no())
         self._write_anchor(b, anchor)
         return b.upload(self.store)
 
-    def _delta_part(self, delta: _Job):
+    def _delta_part(self, delta: UploadJob):
         agreed = []
 
         def tables(histograms: dict) -> dict:
@@ -293,7 +296,7 @@ class ShardedPublisher(DeltaPublisher):
 
         try:
             b = self._builder(delta, part=self._part_no())
-            self._write_delta(b, delta.payload, tables)
+            self._encoder.write(b, delta.payload, tables)
             return b.upload(self.store)
         except GroupFailed:
             raise
@@ -309,7 +312,7 @@ class ShardedPublisher(DeltaPublisher):
         for h in self._all_gather(histograms, f"v{version}'s step tables"):
             for dtype, counts in (h or {}).items():
                 total[dtype] = counts if dtype not in total else total[dtype] + counts
-        return self._step_tables(total)
+        return codec.step_tables_from(total)
 
     def _part(self, version: int, kind: str, write) -> None:
         """Write this rank's part (``write()``: its manifest part, or an exception), hand it to rank 0,
@@ -343,9 +346,9 @@ class ShardedPublisher(DeltaPublisher):
             return False, "; ".join(failed)[:2000], None, False
         try:
             m = merge_parts(parts, list(self.layout))
-            with self._latest_lock:
+            with self._heartbeat.moving_latest():
                 _, sha, latest = commit(self.store, m, self.signer, self.latest_ttl_s)
-                self._latest = latest
+                self._heartbeat.wrote(latest)
             self._published(version, sha)
             return True, "", fpr.parse(m.fingerprint), False
         except Exception as e:  # noqa: BLE001 - nothing (or, past the manifest, a stale LATEST) was written
@@ -404,12 +407,6 @@ class ShardedPublisher(DeltaPublisher):
         self._collective(what, lambda: dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0),
                                                                   group=self.group))
         return box[0]
-
-
-def _dtype(torch_dtype: torch.dtype):
-    from ..format.dtypes import BY_TORCH
-
-    return BY_TORCH[torch_dtype]
 
 
 __all__ = ["ShardedPublisher", "GroupFailed"]

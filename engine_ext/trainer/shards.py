@@ -25,6 +25,7 @@ import torch
 from ..format import chunks
 from ..format.dtypes import dtype_of
 from .checkpoint_layout import rows_in_checkpoint_layout
+from .state_dict import clean_state_dict
 
 MAX_PARTS = 256  # parts along one dimension of a grid (docs/FORMAT.md)
 
@@ -52,8 +53,6 @@ def rows(shape) -> int:
 def held_tensors(model_or_state_dict) -> dict[str, Held]:
     """This rank's part of every tensor of a module (its parameters, as vLLM's ``ModuleSource``
     names them) or state dict, wrapper prefixes removed; no collective, no copy."""
-    from .publisher import clean_state_dict
-
     if isinstance(model_or_state_dict, torch.nn.Module):
         model_or_state_dict = dict(model_or_state_dict.named_parameters())
     out = {}
