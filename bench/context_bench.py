@@ -31,7 +31,9 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.codec_bench import entropy_bits  # noqa: E402
 from bench.train_data import versions  # noqa: E402
-from engine_ext.format import codec, context_blocks, context_codec, context_kernels, context_models  # noqa: E402
+from engine_ext.format import codec  # noqa: E402
+from engine_ext.format.context import blocks as context_blocks, codec as context_codec  # noqa: E402
+from engine_ext.format.context import models as context_models, scan_kernels as context_kernels  # noqa: E402
 from engine_ext.format.dtypes import BY_NAME, as_bits, step_between  # noqa: E402
 from engine_ext.format.manifest import CONTEXT_CODERS  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The static interleaved rANS stage (engine_ext/format/rans.py) against constriction's categorical coder, side by side.
+"""The static interleaved rANS stage (engine_ext/format/context/rans.py) against constriction's categorical coder, side by side.
 
     python bench/rans_bench.py                  # 2 M symbols of a skewed 49-symbol alphabet, ~30 s
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_ext.format import rans  # noqa: E402
+from engine_ext.format.context import rans  # noqa: E402
 
 
 def best(fn, repeat: int) -> float:

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine_ext.format import codec, context_blocks as cb, context_codec as cc, context_kernels as ck, context_models as cm
+from engine_ext.format import codec
+from engine_ext.format.context import blocks as cb, codec as cc, models as cm, scan_kernels as ck
 from engine_ext.store import open_store, reader
 from engine_ext import settings
 from engine_ext.format.delta import apply_tensor
@@ -168,7 +169,7 @@ def test_every_shard_decodes_from_its_own_base(name, shape, world, how):
 def test_a_rank_decodes_only_the_chunks_of_its_blocks(monkeypatch):
     """Format 9 lays a part's changes out block-major in chunks: a TP 8 rank holding one block's rows plans
     (and decodes) only the chunks that hold that block, and gets exactly its changes."""
-    from engine_ext.format import context_rans as cr
+    from engine_ext.format.context import rans_stage as cr
 
     monkeypatch.setattr(cr, "CHUNK_MIN", 64)  # small chunks: one or two blocks each
     shape = (512, 128)

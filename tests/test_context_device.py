@@ -1,4 +1,4 @@
-"""Decoding context-coded parts where the base lives (engine_ext.format.context_device): the
+"""Decoding context-coded parts where the base lives (engine_ext.triton_kernels.context_decode): the
 Triton pass, run by Triton's interpreter on CPU tensors, against the host decoder (numba), bit
 for bit: every float dtype, whole parts and every shard of every layout the engines produce
 (TP 2/4/8, padded vocabularies, fused experts), hostile input, and ranks that take a chained
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from engine_ext.errors import IntegrityError, PartlyHeldError
-from engine_ext.format import context_blocks as cb, context_codec as cc, context_device as cdev
-from engine_ext.format import context_kernels as ck, context_models as cm
+from engine_ext.format.context import blocks as cb, codec as cc, models as cm, scan_kernels as ck
 from engine_ext.format.dtypes import as_bits
+from engine_ext.triton_kernels import context_decode as cdev
 from test_context_codec import FLOATS, _assert_ranks_hold, _changes, _encode, _layouts, _name, _pair, _publish, _shard
 
 pytestmark = pytest.mark.usefixtures("ctx_interp")

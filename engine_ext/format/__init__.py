@@ -8,7 +8,7 @@ import importlib
 
 
 @functools.cache
-def kernels(module: str):
+def kernel_module(module: str):
     """``engine_ext.format.<module>``, a module of numba kernels, imported (and its kernels loaded
     from numba's cache or compiled) on first use only, or None where numba is missing: the torch
     reference paths serve."""

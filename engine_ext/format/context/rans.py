@@ -1,4 +1,4 @@
-"""A static, table-driven, interleaved rANS coder: the stage under codec v2 since format 9 (``context_rans``).
+"""A static, table-driven, interleaved rANS coder: the stage under codec v2 since format 9 (:mod:`.rans_stage`).
 
 Specification (what another implementation must do to decode these bytes):
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ..errors import IntegrityError
+from ...errors import IntegrityError
 
 PROB_BITS = 12
 M = 1 << PROB_BITS

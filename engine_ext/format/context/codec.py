@@ -27,9 +27,9 @@ plain coder (:mod:`engine_ext.format.codec`) reaches (docs/benchmarks.md, "Codec
 
 Every probability both ends use comes from integers and IEEE ``+ - * /`` only (no ``exp``,
 ``log`` or ``pow``), so publisher and ranks on different hosts build bit-identical models.
-The probabilities are :mod:`engine_ext.format.context_models`. Writers write format 9
+The probabilities are :mod:`engine_ext.format.context.models`. Writers write format 9
 (:func:`encode`): the symbols on the project's static interleaved rANS, block-major chunks a rank
-decodes alone (:mod:`engine_ext.format.context_rans`). Readers also read format 5, whose entropy
+decodes alone (:mod:`engine_ext.format.context.rans_stage`). Readers also read format 5, whose entropy
 coder was ``constriction``'s range coder (one stream for counts and positions, one for steps;
 its writer is kept for tests in ``tests/legacy_ctx.py``). Both share the header and the model
 (:func:`arrange`); :func:`decode_streams` reads either. Decoding maps ranks to positions with
@@ -49,16 +49,17 @@ import os
 import struct
 from dataclasses import dataclass
 
+import constriction
 import numpy as np
 import torch
 
-from ..errors import IntegrityError, PartlyHeldError
-from .context_blocks import MAX_POLICY, Blocks, Box, blocks
-from . import context_rans, context_rans_kernels
-from .context_kernels import exponent_histogram, pool as scan_pool, ranks as block_ranks, scan
-from .context_models import (EXACT, EXPONENT, INT, ITEMSIZE, QMAX, UINT, alphabet, best_table, class_key, class_lut,
+from ...errors import IntegrityError, PartlyHeldError
+from . import rans_stage, rans_stage_kernels
+from .blocks import MAX_POLICY, Blocks, Box, blocks
+from .models import (EXACT, EXPONENT, INT, ITEMSIZE, QMAX, UINT, alphabet, best_table, class_key, class_lut,
                              count_params, exponents, quotient_probs, step_bins, supports,
-                             table_weights, unzigzag, zigzag)
+                     table_weights, unzigzag, zigzag)
+from .scan_kernels import exponent_histogram, pool as scan_pool, ranks as block_ranks, scan
 
 MAGIC = b"X2"
 MAX_CLASSES = 16
@@ -121,12 +122,6 @@ def pays(dtype_name: str, base_sample: np.ndarray, changed_old: np.ndarray, nume
 
 
 # ---------------------------------------------------------------- Golomb codes
-def _models():
-    import constriction
-
-    return constriction.stream.model, constriction.stream.queue
-
-
 def _get_bits(dec, m, widths: np.ndarray) -> np.ndarray:
     out = np.zeros(widths.size, dtype=np.int64)
     for shift in (0, 16, 32):
@@ -165,7 +160,7 @@ class _Reader:
 
     def varints(self, n: int, limit: int) -> np.ndarray:
         out = np.zeros(n, np.int64)
-        at = context_rans_kernels.varints(np.frombuffer(self.data, np.uint8), self.at, n, limit, out)
+        at = rans_stage_kernels.varints(np.frombuffer(self.data, np.uint8), self.at, n, limit, out)
         if at < 0:
             raise IntegrityError(f"context header: truncated, or a count over its bound {limit}")
         self.at = at
@@ -206,8 +201,8 @@ class Arranged:
     def head(self, magic: bytes, policy: int) -> bytearray:
         """The header both layouts share: magic, K, policy, edges, populations, changes per class."""
         head = bytearray(magic) + struct.pack("<BB", self.K, policy) + bytes(self.edges)
-        head += context_rans.varint_bytes(self.pops)
-        head += context_rans.varint_bytes(np.bincount(self.cls, minlength=self.K))
+        head += rans_stage.varint_bytes(self.pops)
+        head += rans_stage.varint_bytes(np.bincount(self.cls, minlength=self.K))
         return head
 
 
@@ -236,7 +231,7 @@ def arrange(dtype_name: str, tensor_shape, box: Box | None, policy: int, base_bi
 
 def encode(dtype_name: str, tensor_shape, box: Box | None, policy: int, base_bits: np.ndarray,
            positions: np.ndarray, steps: np.ndarray, tables: list[bytes]) -> Encoded:
-    """The ``ctx-rans`` bytes (format 9, :mod:`engine_ext.format.context_rans`) of one part's changes (``box``
+    """The ``ctx-rans`` bytes (format 9, :mod:`engine_ext.format.context.rans_stage`) of one part's changes (``box``
     of the tensor, None: all of it; its blocks cut by ``policy``): ``positions`` (sorted part-local row-major
     indices), ``steps`` (nonzero ordered-space steps there), given the part's ``base_bits`` (flat) and the
     version's step ``tables`` for this dtype."""
@@ -252,7 +247,7 @@ def encode(dtype_name: str, tensor_shape, box: Box | None, policy: int, base_bit
     table_of_class = np.full(K, -1, np.int64)
     for c in np.flatnonzero(k.sum(axis=1)):
         table_of_class[c] = best_table(np.bincount(sym[cls == c], minlength=alphabet(dtype_name)), tables)
-    return Encoded(context_rans.encode(bytes(a.head(context_rans.MAGIC, policy)), a.bl, a.pops, k, a.rank[order], sym,
+    return Encoded(rans_stage.encode(bytes(a.head(rans_stage.MAGIC, policy)), a.bl, a.pops, k, a.rank[order], sym,
                                        lg, z & ((np.int64(1) << lg) - 1), table_of_class, tables))
 
 
@@ -278,7 +273,7 @@ def parse_positions_header(data: bytes, nnz: int, numel: int, dtype_name: str) -
         raise IntegrityError(f"context coder does not support {dtype_name}")
     r = _Reader(data)
     magic = r.take(2)
-    if magic not in (MAGIC, context_rans.MAGIC):
+    if magic not in (MAGIC, rans_stage.MAGIC):
         raise IntegrityError("not a context-coded segment (format 5 or 9)")
     K, policy = r.take(2)
     if not 1 <= K <= MAX_CLASSES or policy > MAX_POLICY:
@@ -313,7 +308,7 @@ def decode_ranks(h: Header, bl: Blocks, dec, m) -> tuple[np.ndarray, np.ndarray]
     k[:, -1] = h.totals - k[:, :-1].sum(axis=1)
     if (k[:, -1] < 0).any() or (k[:, -1] > bl.sizes[-1]).any() or (k.sum(axis=0) > bl.sizes).any():
         raise IntegrityError("context counts: more changes than elements in a block")
-    b, key = (x.reshape(-1) for x in context_rans.gap_params(k, h.pops, bl))
+    b, key = (x.reshape(-1) for x in rans_stage.gap_params(k, h.pops, bl))
     flat = k.reshape(-1)
     group = np.repeat(np.arange(K * S), flat)
     g = _get_golomb(dec, m, b[group], key[group])
@@ -387,18 +382,18 @@ def decode_streams(dtype_name: str, tensor_shape, box: Box | None, pos_data: byt
     :func:`part_header` where the caller has it."""
     h, bl = head or part_header(dtype_name, tensor_shape, box, pos_data, nnz)
     itemsize = ITEMSIZE[dtype_name]
-    if h.magic == context_rans.MAGIC:
+    if h.magic == rans_stage.MAGIC:
         if val_data:
             raise IntegrityError("a ctx-rans part has no values segment")
         data = np.frombuffer(pos_data, np.uint8)
         workers = _CORES
         if nnz < PARALLEL_CHANGES or workers == 1:
-            starts, ranks, steps = context_rans.decode_part(data, h.at, bl, h.pops, h.totals, INT[itemsize], tables, want)
+            starts, ranks, steps = rans_stage.decode_part(data, h.at, bl, h.pops, h.totals, INT[itemsize], tables, want)
             return Streams(bl, h.edges, ranks, starts, steps)
-        p = context_rans.plan(data, h.at, bl, h.pops, h.totals, INT[itemsize], tables, want)
-        ranks, steps = context_rans.decode(data, p, workers, scan_pool())
+        p = rans_stage.plan(data, h.at, bl, h.pops, h.totals, INT[itemsize], tables, want)
+        ranks, steps = rans_stage.decode(data, p, workers, scan_pool())
         return Streams(bl, h.edges, ranks, p.starts, steps)
-    m, queue = _models()
+    m, queue = constriction.stream.model, constriction.stream.queue  # format 5: constriction's range coder
     try:  # the range decoder refuses some invalid words with its own exceptions
         k, ranks = decode_ranks(h, bl, queue.RangeDecoder(_Reader(pos_data[h.at:]).words()), m)
         steps = decode_steps(val_data, h.totals, tables, dtype_name, queue.RangeDecoder, m)
@@ -444,7 +439,7 @@ def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_
     (part-local coordinates), None when the caller holds none of it, or raises
     :class:`PartlyHeldError` when it holds only some: then each block is asked for alone, and
     only those held are decoded. The context pass runs here on the host (numba); a base on an
-    accelerator is decoded there by :func:`engine_ext.format.context_device.decode`."""
+    accelerator is decoded there by :func:`engine_ext.triton_kernels.context_decode.decode`."""
     h, bl = part_header(dtype_name, tensor_shape, box, pos_data, nnz)
     itemsize = ITEMSIZE[dtype_name]
     shift, mask, lut = class_key(h.edges, dtype_name, bl.numel)

@@ -1,6 +1,6 @@
 """The blocks a context-coded part is cut into, where tensor parallelism cuts its tensor.
 
-Why: the context coder (:mod:`engine_ext.format.context_codec`) numbers a part's changes
+Why: the context coder (:mod:`engine_ext.format.context.codec`) numbers a part's changes
 by their rank among the part's elements of the same class, which a rank can only count
 over elements it holds. Cutting the part into *blocks* (ranks restart in each) at every
 place an engine's shard may end lets each rank decode the blocks it holds from its own
