@@ -90,7 +90,7 @@ def scan_rate(n: int = 1 << 26) -> tuple[float, float]:
     shape = (1 << 13, n >> 13)
     base = torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 0.02).bfloat16()
     u = as_bits(base).numpy().view(np.uint16)
-    bl = context_blocks.blocks(shape, None, 0b0011)
+    bl = context_blocks.part_blocks(shape, None, 0b0011)
     shift, mask, lut = context_models.class_key(list(range(110, 125)), "bfloat16", n)
     K = 16
     ranks, starts = [], np.zeros((bl.S, K + 1), np.int64)
@@ -221,7 +221,7 @@ def decode_costs(tensors: int = 4, rows: int = 4096, cols: int = 4096, densities
     one = lambda: context_codec.decode_streams("bfloat16", shape, None, e.pos, e.val, n, tables)  # noqa: E731
     one()
     part_s = best(lambda: [one() for _ in range(1000)], 5) / 1000
-    return out, (part_s, n, "ctx-rans", context_blocks.blocks(shape, None, policy).S)
+    return out, (part_s, n, "ctx-rans", context_blocks.part_blocks(shape, None, policy).S)
 
 
 def format_bytes(pairs_per_lr: int = 3) -> list[tuple[str, int, int, int]]:

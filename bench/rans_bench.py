@@ -42,7 +42,7 @@ def main() -> None:
     q = counts[counts > 0] / counts.sum()
     entropy = -(counts[counts > 0] * np.log2(q)).sum() / 8
     freq = rans.normalize(counts)
-    cum, symbol_of = rans.tables(freq)
+    cum, symbol_of = rans.coding_tables(freq)
     print(f"{a.n} symbols, {a.k}-symbol alphabet, entropy {entropy / a.n * 8:.3f} bits/symbol")
     print(f"{'coder':>34} {'decode ns/sym':>14} {'bytes/entropy':>14}")
     for lanes in (1, 8, 32):

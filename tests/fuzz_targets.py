@@ -699,7 +699,7 @@ def check_v2_streams(case: V2Case) -> None:
     if case.held == "wrong":
         base = base.copy()
         base[::7] ^= base.dtype.type(1 << (8 * base.itemsize - 2))  # other exponents: ranks land elsewhere
-    policy_blocks = cb.blocks(shape, box, p["e"].pos[3] if len(p["e"].pos) > 3 else 0)
+    policy_blocks = cb.part_blocks(shape, box, p["e"].pos[3] if len(p["e"].pos) > 3 else 0)
     held_blocks = {b for b in range(policy_blocks.S) if case.blocks_mask >> (b % 16) & 1}
 
     def base_of(sub):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import constriction
 import numpy as np
 
-from engine_ext.format.context.codec import MAGIC, Encoded, arrange
+from engine_ext.format.context.codec import RANGE_MAGIC, CodedPart, arrange
 from engine_ext.format.context.models import (EXACT, ITEMSIZE, QMAX, alphabet, best_table, count_params, quotient_probs,
                                               step_bins, table_weights, zigzag)
 from engine_ext.format.context.rans_stage import gap_params
@@ -38,7 +38,7 @@ def _put_golomb(enc, m, g: np.ndarray, b: np.ndarray, key: np.ndarray) -> None:
 
 
 def encode(dtype_name: str, tensor_shape, box, policy: int, base_bits: np.ndarray, positions: np.ndarray,
-           steps: np.ndarray, tables: list[bytes]) -> Encoded:
+           steps: np.ndarray, tables: list[bytes]) -> CodedPart:
     """One part in format 5's layout (positions bytes, values bytes)."""
     m, queue = constriction.stream.model, constriction.stream.queue
     a = arrange(dtype_name, tensor_shape, box, policy, base_bits, positions)
@@ -60,7 +60,7 @@ def encode(dtype_name: str, tensor_shape, box, policy: int, base_bits: np.ndarra
     gaps = np.where(first, rank, rank - np.roll(rank, 1) - 1)
     b, key = (x.reshape(-1) for x in gap_params(k, a.pops, bl))
     _put_golomb(enc, m, gaps, b[group], key[group])
-    pos_bytes = bytes(a.head(MAGIC, policy)) + enc.get_compressed().astype("<u4").tobytes()
+    pos_bytes = bytes(a.head(RANGE_MAGIC, policy)) + enc.get_compressed().astype("<u4").tobytes()
     z = zigzag(steps[order], ITEMSIZE[dtype_name])
     sym, low = step_bins(z)
     vhead = bytearray()
@@ -72,4 +72,4 @@ def encode(dtype_name: str, tensor_shape, box, policy: int, base_bits: np.ndarra
         venc.encode(s.astype(np.int32), m.Categorical(table_weights(tables[t]), perfect=False))
     big = sym >= EXACT
     _put_bits(venc, m, z[big] & ((1 << low[big]) - 1), low[big])
-    return Encoded(pos_bytes, bytes(vhead) + venc.get_compressed().astype("<u4").tobytes())
+    return CodedPart(pos_bytes, bytes(vhead) + venc.get_compressed().astype("<u4").tobytes())

@@ -71,7 +71,7 @@ def test_round_trip_exact(dtype, shape, policy):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_big_parts_look_classes_up_by_the_top_bits(dtype):
     shape = (1024, 1024)
-    assert cb.blocks(shape, None, 0b0011).numel >= cm.WIDE_MIN
+    assert cb.part_blocks(shape, None, 0b0011).numel >= cm.WIDE_MIN
     old, new = _pair(shape, dtype, density=0.005)
     pos, steps, base = _changes(old, new)
     e, tables = _encode(_name(dtype), shape, base, pos, steps, 0b0011)
@@ -240,7 +240,7 @@ def test_the_context_pass_matches_its_definition():
     shape = (48, 40)
     old, _ = _pair(shape, seed=3)
     u = as_bits(old).reshape(-1).numpy().view(np.uint16)
-    bl = cb.blocks(shape, None, 0b1011)
+    bl = cb.part_blocks(shape, None, 0b1011)
     lut = cm.class_lut([118, 120, 122], "bfloat16")
     rng = np.random.default_rng(0)
     ranks, starts = [], np.zeros((bl.S, 5), np.int64)

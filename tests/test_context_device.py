@@ -75,7 +75,7 @@ def test_the_blocked_pass_equals_the_host_scan(ctx_interp, dtype, shape, policy,
     edges = sorted({int(e) for e in present[1::max(1, present.size // 5)][:6]} - {0})
     lut = cm.class_lut(edges, name)
     K = len(edges) + 1
-    bl = cb.blocks(shape, None, policy)
+    bl = cb.part_blocks(shape, None, policy)
     ranks, starts = _random_ranks(u, shift, mask, lut, bl, K, frac, np.random.default_rng(0))
     want_pos, want_src = ck.scan(u, shift, mask, lut, bl, ranks, starts)
     order = np.argsort(want_pos, kind="stable")
@@ -91,7 +91,7 @@ def test_the_blocked_pass_refuses_bad_ranks(ctx_interp):
     old, _ = _pair(shape)
     u = as_bits(old).reshape(-1).numpy().view(np.uint16)
     lut = cm.class_lut([118, 121], "bfloat16")
-    bl = cb.blocks(shape, None, 0b0001)
+    bl = cb.part_blocks(shape, None, 0b0001)
     ranks, starts = _random_ranks(u, 7, 0xFF, lut, bl, 3, 0.05, np.random.default_rng(1))
     geo = (bl.rows, bl.rows, bl.row_ptr, bl.run)
     bits, tlut = as_bits(old).reshape(-1), torch.from_numpy(lut)

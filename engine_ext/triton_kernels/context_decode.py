@@ -54,7 +54,7 @@ def _runs(shape, off: int, ext) -> np.ndarray:
 
 
 def decode(dtype_name: str, tensor_shape, box, pos_data: bytes, val_data: bytes, nnz: int, base_of,
-           tables: list[bytes], backend: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+           step_tables: list[bytes], backend: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted part-local positions int64, steps) of the changes in the blocks the caller holds,
     on the base's device: :func:`engine_ext.format.context.codec.decode` with ``base_of(box)``
     giving the flat raw bits of a box as a torch tensor on its device (None: none of it held;
@@ -76,12 +76,12 @@ def decode(dtype_name: str, tensor_shape, box, pos_data: bytes, val_data: bytes,
         if val_data:
             raise IntegrityError("a ctx-rans part has no values segment")
         data = np.frombuffer(pos_data, np.uint8)
-        p = rans_stage.plan(data, h.at, bl, h.pops, h.totals, INT[itemsize], tables, want)  # host: O(chunks)
+        p = rans_stage.plan(data, h.at, bl, h.pops, h.totals, INT[itemsize], step_tables, want)  # host: O(chunks)
         with _one_at_a_time_if_interpreted():  # the bytes cross once; ranks and steps are born on the device
             ranks, steps = rans_decode.decode(torch.from_numpy(data.copy()).to(on), p)
         all_starts = p.starts
     else:
-        st = decode_streams(dtype_name, tensor_shape, box, pos_data, val_data, nnz, tables, want, (h, bl))
+        st = decode_streams(dtype_name, tensor_shape, box, pos_data, val_data, nnz, step_tables, want, (h, bl))
         ranks, steps, all_starts = torch.from_numpy(st.ranks), torch.from_numpy(st.steps), st.starts
     if -1 in held:
         bits = held[-1].reshape(-1)

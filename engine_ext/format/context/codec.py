@@ -55,13 +55,13 @@ import torch
 
 from ...errors import IntegrityError, PartlyHeldError
 from . import rans_stage, rans_stage_kernels
-from .blocks import MAX_POLICY, Blocks, Box, blocks
-from .models import (EXACT, EXPONENT, INT, ITEMSIZE, QMAX, UINT, alphabet, best_table, class_key, class_lut,
-                             count_params, exponents, quotient_probs, step_bins, supports,
-                     table_weights, unzigzag, zigzag)
+from ..chunks import Box
+from .blocks import MAX_POLICY, Blocks, part_blocks
+from .models import (EXACT, EXPONENT, INT, ITEMSIZE, QMAX, UINT, alphabet, best_table, class_key, class_lut, count_params,
+                     exponents, quotient_probs, step_bins, supports, table_weights, unzigzag, zigzag)
 from .scan_kernels import exponent_histogram, pool as scan_pool, ranks as block_ranks, scan
 
-MAGIC = b"X2"
+RANGE_MAGIC = b"X2"
 MAX_CLASSES = 16
 CLASS_COST_BITS = 40  # header bits one more class costs (edge, population, count, table, block counts)
 
@@ -175,7 +175,7 @@ class _Reader:
 
 # ---------------------------------------------------------------- encode
 @dataclass
-class Encoded:
+class CodedPart:
     """A context-coded part's segments: ``ctx-rans`` keeps all its bytes in ``pos`` (``val`` empty)."""
 
     pos: bytes
@@ -211,7 +211,7 @@ def arrange(dtype_name: str, tensor_shape, box: Box | None, policy: int, base_bi
     """Classes, blocks and ranks of a part's changes (``positions``: sorted part-local row-major indices),
     given the part's ``base_bits`` (flat)."""
     shift, mask = EXPONENT[dtype_name]
-    bl = blocks(tensor_shape, box, policy)
+    bl = part_blocks(tensor_shape, box, policy)
     u = np.ascontiguousarray(base_bits).view(UINT[ITEMSIZE[dtype_name]]).reshape(-1)
     pos = positions.astype(np.int64)
     exp_at = ((u[pos] >> shift) & mask).astype(np.int64)
@@ -230,11 +230,11 @@ def arrange(dtype_name: str, tensor_shape, box: Box | None, policy: int, base_bi
 
 
 def encode(dtype_name: str, tensor_shape, box: Box | None, policy: int, base_bits: np.ndarray,
-           positions: np.ndarray, steps: np.ndarray, tables: list[bytes]) -> Encoded:
+           positions: np.ndarray, steps: np.ndarray, step_tables: list[bytes]) -> CodedPart:
     """The ``ctx-rans`` bytes (format 9, :mod:`engine_ext.format.context.rans_stage`) of one part's changes (``box``
     of the tensor, None: all of it; its blocks cut by ``policy``): ``positions`` (sorted part-local row-major
     indices), ``steps`` (nonzero ordered-space steps there), given the part's ``base_bits`` (flat) and the
-    version's step ``tables`` for this dtype."""
+    version's ``step_tables`` for this dtype."""
     if (steps == 0).any():
         raise ValueError("a context-coded step is never zero")
     a = arrange(dtype_name, tensor_shape, box, policy, base_bits, positions)
@@ -246,9 +246,9 @@ def encode(dtype_name: str, tensor_shape, box: Box | None, policy: int, base_bit
     cls = a.cls[order]
     table_of_class = np.full(K, -1, np.int64)
     for c in np.flatnonzero(k.sum(axis=1)):
-        table_of_class[c] = best_table(np.bincount(sym[cls == c], minlength=alphabet(dtype_name)), tables)
-    return Encoded(rans_stage.encode(bytes(a.head(rans_stage.MAGIC, policy)), a.bl, a.pops, k, a.rank[order], sym,
-                                       lg, z & ((np.int64(1) << lg) - 1), table_of_class, tables))
+        table_of_class[c] = best_table(np.bincount(sym[cls == c], minlength=alphabet(dtype_name)), step_tables)
+    return CodedPart(rans_stage.encode(bytes(a.head(rans_stage.MAGIC, policy)), a.bl, a.pops, k, a.rank[order], sym,
+                                       lg, z & ((np.int64(1) << lg) - 1), table_of_class, step_tables))
 
 
 # ---------------------------------------------------------------- decode
@@ -273,7 +273,7 @@ def parse_positions_header(data: bytes, nnz: int, numel: int, dtype_name: str) -
         raise IntegrityError(f"context coder does not support {dtype_name}")
     r = _Reader(data)
     magic = r.take(2)
-    if magic not in (MAGIC, rans_stage.MAGIC):
+    if magic not in (RANGE_MAGIC, rans_stage.MAGIC):
         raise IntegrityError("not a context-coded segment (format 5 or 9)")
     K, policy = r.take(2)
     if not 1 <= K <= MAX_CLASSES or policy > MAX_POLICY:
@@ -324,16 +324,16 @@ def decode_ranks(h: Header, bl: Blocks, dec, m) -> tuple[np.ndarray, np.ndarray]
     return k, ranks
 
 
-def decode_steps(data: bytes, totals: np.ndarray, tables: list[bytes], dtype_name: str, dec_factory, m) -> np.ndarray:
+def decode_steps(data: bytes, totals: np.ndarray, step_tables: list[bytes], dtype_name: str, dec_factory, m) -> np.ndarray:
     """The steps in (class, block, rank) order."""
     r = _Reader(data)
     live = np.flatnonzero(totals)
     choice = list(r.take(live.size))
-    if any(t >= len(tables) for t in choice):
-        raise IntegrityError(f"context steps: a step table beyond the version's {len(tables)}")
+    if any(t >= len(step_tables) for t in choice):
+        raise IntegrityError(f"context steps: a step table beyond the version's {len(step_tables)}")
     dec = dec_factory(r.words())
     itemsize = ITEMSIZE[dtype_name]
-    sym = np.concatenate([dec.decode(m.Categorical(table_weights(tables[t]), perfect=False), int(totals[c]))
+    sym = np.concatenate([dec.decode(m.Categorical(table_weights(step_tables[t]), perfect=False), int(totals[c]))
                           for c, t in zip(live, choice)] or [np.empty(0, np.int32)]).astype(np.int64)
     if sym.size and sym.max() >= alphabet(dtype_name):
         raise IntegrityError("context steps: a symbol beyond the alphabet")
@@ -368,7 +368,7 @@ def part_header(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes,
     full = tuple(int(x) for x in tensor_shape) or (1,)
     numel = math.prod(b - a for a, b in zip(*box)) if box else math.prod(full)
     h = parse_positions_header(pos_data, nnz, numel, dtype_name)
-    return h, blocks(full, box, h.policy)
+    return h, part_blocks(full, box, h.policy)
 
 
 PARALLEL_CHANGES = 1 << 15  # parts with this many changes decode their chunks on every core
@@ -376,7 +376,7 @@ _CORES = os.cpu_count() or 1
 
 
 def decode_streams(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_data: bytes, nnz: int,
-                   tables: list[bytes], want=None, head: tuple[Header, Blocks] | None = None) -> Streams:
+                   step_tables: list[bytes], want=None, head: tuple[Header, Blocks] | None = None) -> Streams:
     """The entropy-coded streams of a part, decoded without its base (small: O(changes)): of the blocks in
     ``want`` only (default all; format 9 decodes no others, format 5 decodes all), ``head`` its
     :func:`part_header` where the caller has it."""
@@ -388,15 +388,15 @@ def decode_streams(dtype_name: str, tensor_shape, box: Box | None, pos_data: byt
         data = np.frombuffer(pos_data, np.uint8)
         workers = _CORES
         if nnz < PARALLEL_CHANGES or workers == 1:
-            starts, ranks, steps = rans_stage.decode_part(data, h.at, bl, h.pops, h.totals, INT[itemsize], tables, want)
+            starts, ranks, steps = rans_stage.decode_part(data, h.at, bl, h.pops, h.totals, INT[itemsize], step_tables, want)
             return Streams(bl, h.edges, ranks, starts, steps)
-        p = rans_stage.plan(data, h.at, bl, h.pops, h.totals, INT[itemsize], tables, want)
+        p = rans_stage.plan(data, h.at, bl, h.pops, h.totals, INT[itemsize], step_tables, want)
         ranks, steps = rans_stage.decode(data, p, workers, scan_pool())
         return Streams(bl, h.edges, ranks, p.starts, steps)
     m, queue = constriction.stream.model, constriction.stream.queue  # format 5: constriction's range coder
     try:  # the range decoder refuses some invalid words with its own exceptions
         k, ranks = decode_ranks(h, bl, queue.RangeDecoder(_Reader(pos_data[h.at:]).words()), m)
-        steps = decode_steps(val_data, h.totals, tables, dtype_name, queue.RangeDecoder, m)
+        steps = decode_steps(val_data, h.totals, step_tables, dtype_name, queue.RangeDecoder, m)
     except (AssertionError, ValueError, RuntimeError, OverflowError) as e:
         raise IntegrityError(f"corrupt context stream ({type(e).__name__}: {e})") from None
     K, S = h.K, bl.S
@@ -432,7 +432,7 @@ def held_blocks(bl: Blocks, base_of) -> dict | None:
 
 
 def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_data: bytes, nnz: int,
-           base_of, tables: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+           base_of, step_tables: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
     """(sorted part-local positions, steps) of the changes in the blocks the caller holds.
 
     ``base_of(box)`` gives the flat raw bits (numpy, row-major) of a box of the part's base
@@ -447,7 +447,7 @@ def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_
     held = held_blocks(bl, base_of)
     if not held:
         return empty
-    st = decode_streams(dtype_name, tensor_shape, box, pos_data, val_data, nnz, tables,
+    st = decode_streams(dtype_name, tensor_shape, box, pos_data, val_data, nnz, step_tables,
                         None if -1 in held else np.fromiter(held, np.int64), (h, bl))
     starts, ranks_b, steps = st.starts, st.ranks, st.steps
     if -1 in held:
@@ -464,7 +464,7 @@ def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_
             u = np.ascontiguousarray(bits).view(UINT[itemsize]).reshape(-1)
             if u.size != bl.sizes[b]:
                 raise IntegrityError("the base of a context-coded block has the wrong size")
-            one = blocks(ext, None, 0)  # the block alone, as a part of one block
+            one = part_blocks(ext, None, 0)  # the block alone, as a part of one block
             sb = starts[b:b + 1] - starts[b, 0]
             p, src = scan(u, shift, mask, lut, one, ranks_b[starts[b, 0]:starts[b, -1]], sb)
             coords = np.unravel_index(p, ext)

@@ -78,16 +78,16 @@ def _rows(weights_list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 @functools.lru_cache(maxsize=1)
-def quotient_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def rans_quotient_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The quotient laws of every key as rANS tables: counts ``max(1, floor(p * 2^30))`` of
     :func:`quotient_probs` (IEEE ``+ - * /`` only, then integer normalisation): alike on every host."""
     return _rows([np.maximum(1, np.floor(quotient_probs(k) * float(1 << 30))).astype(np.int64) for k in range(QKEYS)])
 
 
 @functools.lru_cache(maxsize=32)
-def step_tables(tables: tuple[bytes, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def rans_step_tables(step_tables: tuple[bytes, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A version's step tables (one-byte codes) as rANS tables: their exact integer weights, normalized."""
-    return _rows([table_weights(t).astype(np.int64) for t in tables])
+    return _rows([table_weights(t).astype(np.int64) for t in step_tables])
 
 
 def gap_params(k: np.ndarray, pops: np.ndarray, bl: Blocks) -> tuple[np.ndarray, np.ndarray]:
@@ -150,7 +150,7 @@ def _golomb(g: np.ndarray, B: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
 
 
 def encode(head: bytes, bl: Blocks, pops: np.ndarray, k: np.ndarray, ranks: np.ndarray, zsym: np.ndarray,
-           zlow_bits: np.ndarray, zlow: np.ndarray, table_of_class: np.ndarray, tables: list[bytes]) -> bytes:
+           zlow_bits: np.ndarray, zlow: np.ndarray, table_of_class: np.ndarray, step_tables: list[bytes]) -> bytes:
     """A part's bytes after ``head`` (magic, K, policy, edges, populations, totals): ``k`` [K, S] changes per
     (class, block); ``ranks`` and the step bins (``zsym``, ``zlow_bits``, ``zlow``) in block, class, rank
     order; ``table_of_class`` the step table of each class (-1: no changes)."""
@@ -159,8 +159,8 @@ def encode(head: bytes, bl: Blocks, pops: np.ndarray, k: np.ndarray, ranks: np.n
     live = totals > 0
     out = bytearray(head)
     out += bytes(table_of_class[live].astype(np.uint8))
-    qf, qc, _ = quotient_tables()
-    sf, sc, _ = step_tables(tuple(tables))  # (the decoder's are built from the same normalized frequencies)
+    qf, qc, _ = rans_quotient_tables()
+    sf, sc, _ = rans_step_tables(tuple(step_tables))  # (the decoder's are built from the same normalized frequencies)
     freq, cum = np.concatenate([qf, sf]), np.concatenate([qc, sc])
     if S > 1 and live.any():
         expected = (totals[live, None] * bl.sizes[None, :-1]) // bl.numel
@@ -255,11 +255,11 @@ _PLAN_ERRORS = {1: "truncated step tables", 2: "a step table beyond the version'
                 11: "a chunk does not continue its (block, class) where the previous ended"}
 
 
-def _error(code: int, tables: int = 0) -> str:
+def _error(code: int, n_step_tables: int = 0) -> str:
     """The message of a plan's (positive) or a chunk's (negative) error code."""
     if code < 0:
         return f"ctx-rans: corrupt chunk (code {code})"
-    return f"ctx-rans: {_PLAN_ERRORS[code]}" + (f" {tables}" if code == 2 else "")
+    return f"ctx-rans: {_PLAN_ERRORS[code]}" + (f" {n_step_tables}" if code == 2 else "")
 
 
 def _wanted(S: int, want) -> np.ndarray:
@@ -271,30 +271,30 @@ def _wanted(S: int, want) -> np.ndarray:
 
 
 def plan(data: np.ndarray, at: int, bl: Blocks, pops: np.ndarray, totals: np.ndarray, step_dtype,
-         tables: list[bytes], want=None) -> Plan:
+         step_tables: list[bytes], want=None) -> Plan:
     """The :class:`Plan` of a part whose header ended at ``data[at]`` (uint8): the chunks of the blocks in ``want``
     (default all). One compiled pass over the header's rest and the directory (a reader plans every part)."""
     code, stab, k, c_start, lanes, offs, nwords, nbypass, c_state, prev, c_block, states, which, starts, gend, gq, gB, \
-        gsize, gs = rans_stage_kernels.plan_part(data, at, bl.sizes, pops, totals, len(tables), _wanted(bl.S, want),
-                                                 quotient_tables()[2])
+        gsize, gs = rans_stage_kernels.plan_part(data, at, bl.sizes, pops, totals, len(step_tables), _wanted(bl.S, want),
+                                                 rans_quotient_tables()[2])
     if code:
-        raise IntegrityError(_error(int(code), len(tables)))
+        raise IntegrityError(_error(int(code), len(step_tables)))
     return Plan(starts, which, c_start, lanes, offs, nwords, nbypass, c_state, prev, c_block, states, pops.size, gend, gq,
-                gB, gsize, gs, quotient_tables()[2], step_tables(tuple(tables))[2], np.dtype(step_dtype))
+                gB, gsize, gs, rans_quotient_tables()[2], rans_step_tables(tuple(step_tables))[2], np.dtype(step_dtype))
 
 
 def decode_part(data: np.ndarray, at: int, bl: Blocks, pops: np.ndarray, totals: np.ndarray, step_dtype,
-                tables: list[bytes], want=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                step_tables: list[bytes], want=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(starts, ranks, steps) of a part on the host on one thread: :func:`plan` and :func:`decode` in one compiled
     call (a small part's fixed cost is mostly crossings into compiled code)."""
     n = int(totals.sum())
     alloc = np.empty if want is None else np.zeros  # every entry written, or the unwanted chunks' left zero
     ranks, steps = alloc(n, np.int64), alloc(n, step_dtype)
-    code, starts = rans_stage_kernels.decode_part(data, at, bl.sizes, pops, totals, len(tables), _wanted(bl.S, want),
-                                                  quotient_tables()[2], step_tables(tuple(tables))[2], 8 * steps.itemsize,
+    code, starts = rans_stage_kernels.decode_part(data, at, bl.sizes, pops, totals, len(step_tables), _wanted(bl.S, want),
+                                                  rans_quotient_tables()[2], rans_step_tables(tuple(step_tables))[2], 8 * steps.itemsize,
                                                   ranks, steps)
     if code:
-        raise IntegrityError(_error(int(code), len(tables)))
+        raise IntegrityError(_error(int(code), len(step_tables)))
     return starts, ranks, steps
 
 
@@ -320,5 +320,5 @@ def decode(data: np.ndarray, p: Plan, workers: int = 1, pool=None) -> tuple[np.n
     return ranks, steps
 
 
-__all__ = ["CHUNK_CHANGES", "LANES", "MAGIC", "Plan", "decode", "encode", "gap_params", "plan", "quotient_tables",
-           "step_tables"]
+__all__ = ["CHUNK_CHANGES", "LANES", "MAGIC", "Plan", "decode", "encode", "gap_params", "plan", "rans_quotient_tables",
+           "rans_step_tables"]
