@@ -291,8 +291,8 @@ def decode_part(data: np.ndarray, at: int, bl: Blocks, pops: np.ndarray, totals:
     alloc = np.empty if want is None else np.zeros  # every entry written, or the unwanted chunks' left zero
     ranks, steps = alloc(n, np.int64), alloc(n, step_dtype)
     code, starts = rans_stage_kernels.decode_part(data, at, bl.sizes, pops, totals, len(step_tables), _wanted(bl.S, want),
-                                                  rans_quotient_tables()[2], rans_step_tables(tuple(step_tables))[2], 8 * steps.itemsize,
-                                                  ranks, steps)
+                                                  rans_quotient_tables()[2], rans_step_tables(tuple(step_tables))[2],
+                                                  8 * steps.itemsize, ranks, steps)
     if code:
         raise IntegrityError(_error(int(code), len(step_tables)))
     return starts, ranks, steps
