@@ -31,7 +31,9 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.codec_bench import entropy_bits  # noqa: E402
 from bench.train_data import versions  # noqa: E402
-from engine_ext.format import codec, context_blocks, context_codec, context_kernels, context_models  # noqa: E402
+from engine_ext.format import codec  # noqa: E402
+from engine_ext.format.context import blocks as context_blocks, codec as context_codec  # noqa: E402
+from engine_ext.format.context import models as context_models, scan_kernels as context_kernels  # noqa: E402
 from engine_ext.format.dtypes import BY_NAME, as_bits, step_between  # noqa: E402
 from engine_ext.format.manifest import CONTEXT_CODERS  # noqa: E402
 
@@ -88,7 +90,7 @@ def scan_rate(n: int = 1 << 26) -> tuple[float, float]:
     shape = (1 << 13, n >> 13)
     base = torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 0.02).bfloat16()
     u = as_bits(base).numpy().view(np.uint16)
-    bl = context_blocks.blocks(shape, None, 0b0011)
+    bl = context_blocks.part_blocks(shape, None, 0b0011)
     shift, mask, lut = context_models.class_key(list(range(110, 125)), "bfloat16", n)
     K = 16
     ranks, starts = [], np.zeros((bl.S, K + 1), np.int64)
@@ -219,7 +221,7 @@ def decode_costs(tensors: int = 4, rows: int = 4096, cols: int = 4096, densities
     one = lambda: context_codec.decode_streams("bfloat16", shape, None, e.pos, e.val, n, tables)  # noqa: E731
     one()
     part_s = best(lambda: [one() for _ in range(1000)], 5) / 1000
-    return out, (part_s, n, "ctx-rans", context_blocks.blocks(shape, None, policy).S)
+    return out, (part_s, n, "ctx-rans", context_blocks.part_blocks(shape, None, policy).S)
 
 
 def format_bytes(pairs_per_lr: int = 3) -> list[tuple[str, int, int, int]]:

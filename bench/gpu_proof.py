@@ -12,7 +12,7 @@ and the report is rewritten after each section, so it exists whatever happens:
     against the floors: the bytes an apply must move at the device's copy bandwidth, and a
     sector floor (every scattered element costs a 32-byte sector read and written); undo and
     fingerprints on, the rollback timed too (helpers of ``bench/gpu_kernels.py``);
-(b) codec v2 decoded where the base lives (``engine_ext.format.context_device``: the streams on
+(b) codec v2 decoded where the base lives (``engine_ext.triton_kernels.context_decode``: the streams on
     the host, the context pass in Triton on the device): ns per base element and per changed
     element, against the host decoder (numba) and against ``safetensors`` ``load_file`` of the
     same tensors to the device; bit-exact with the host decoder, and the device-to-host copies
@@ -370,7 +370,9 @@ def section_b(dev, smoke, log):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from engine_ext.format import codec, context_blocks, context_codec, context_device
+    from engine_ext.format import codec
+    from engine_ext.format.context import blocks as context_blocks, codec as context_codec
+    from engine_ext.triton_kernels import context_decode
     from engine_ext.format.dtypes import BY_NAME, as_bits
 
     environment(dev, log)
@@ -379,7 +381,7 @@ def section_b(dev, smoke, log):
     names = [f"model.layers.{i}.mlp.{'up' if i % 2 == 0 else 'down'}_proj.weight" for i in range(n_t)]
     log(f"{n_t} bf16 tensors of {shape[0]} x {shape[1]} (up_proj and down_proj names: blocks cut for TP 2-8 along "
         "rows and columns), changes following the magnitudes as in training. Host = "
-        f"`context_codec.decode` (numba, {os.cpu_count()} cores); device = `context_device.decode` (streams on the "
+        f"`context_codec.decode` (numba, {os.cpu_count()} cores); device = `context_decode.decode` (streams on the "
         "host, the pass in Triton on the device, the base read in place); streams = the host part alone; load = "
         "`safetensors.torch.load_file` of the same tensors to the device from the page cache.")
     log("")
@@ -422,7 +424,7 @@ def section_b(dev, smoke, log):
             out = []
             for e, b, (pos, _, _) in zip(encs, on_dev, changes):
                 view = b.view(shape)
-                out.append(context_device.decode("bfloat16", shape, None, e.pos, e.val, pos.numel(),
+                out.append(context_decode.decode("bfloat16", shape, None, e.pos, e.val, pos.numel(),
                                                  lambda box, view=view: view[tuple(slice(a, z) for a, z in zip(*box))],
                                                  tables))
             return out
@@ -469,14 +471,15 @@ def section_b(dev, smoke, log):
 
 def _rans_streams(dev, smoke, log):
     """(b), its ctx-rans streams alone: ``engine_ext.triton_kernels.rans_decode`` (one launch per part, one program
-    per chunk, the part's bytes already on the device) against the host decoder (``context_rans.decode``, numba, on
+    per chunk, the part's bytes already on the device) against the host decoder (``rans_stage.decode``, numba, on
     one thread and on every core), in ns per change, bit-exact; the host's plan of a part (header and directory)
     timed apart, as both decoders need it."""
     import numpy as np
     import torch
 
-    from engine_ext.format import codec, context_blocks, context_codec, context_rans
-    from engine_ext.format.context_kernels import pool as scan_pool
+    from engine_ext.format import codec
+    from engine_ext.format.context import blocks as context_blocks, codec as context_codec, rans_stage
+    from engine_ext.format.context.scan_kernels import pool as scan_pool
     from engine_ext.format.dtypes import BY_NAME, as_bits, step_between
     from engine_ext.triton_kernels import rans_decode
 
@@ -496,20 +499,20 @@ def _rans_streams(dev, smoke, log):
         data = e if isinstance(e, bytes) else e.pos  # ctx-rans: the part in one segment
         d = np.frombuffer(data, np.uint8)
         h, bl = context_codec.part_header("bfloat16", shape, None, data, pos.numel())
-        p = context_rans.plan(d, h.at, bl, h.pops, h.totals, np.int16, tables)
+        p = rans_stage.plan(d, h.at, bl, h.pops, h.totals, np.int16, tables)
         plans.append((d, p, h, bl, torch.from_numpy(d.copy()).to(dev)))
     nnz = sum(p.n for _, p, *_ in plans)
     cores = os.cpu_count() or 1
 
     def host(workers):
-        return [context_rans.decode(d, p, workers, scan_pool()) for d, p, *_ in plans]
+        return [rans_stage.decode(d, p, workers, scan_pool()) for d, p, *_ in plans]
 
     def device():
         return [rans_decode.decode(t, p) for _, p, _, _, t in plans]
 
     def plan_all():
         for d, _, h, bl, _ in plans:
-            context_rans.plan(d, h.at, bl, h.pops, h.totals, np.int16, tables)
+            rans_stage.plan(d, h.at, bl, h.pops, h.totals, np.int16, tables)
 
     want, got = host(1), device()  # warm-ups (numba, Triton's compile)
     exact = all(np.array_equal(w[0], g[0].cpu().numpy()) and np.array_equal(w[1], g[1].cpu().numpy())
@@ -523,7 +526,7 @@ def _rans_streams(dev, smoke, log):
     log("")
     log(f"**ctx-rans streams alone** ({n_t} parts of {shape[0]} x {shape[1]} bf16 at {dens:.0%}): the device decoder "
         "(`engine_ext.triton_kernels.rans_decode`: one launch per part, one program per chunk, the part's bytes "
-        f"already on the device) against the host's (`context_rans.decode`, numba: 1 thread and {cores}); plan = the "
+        f"already on the device) against the host's (`rans_stage.decode`, numba: 1 thread and {cores}); plan = the "
         "host's parse of a part's header and directory, which both need.")
     log("")
     log("| changes | chunks (programs) per part | lanes | host 1 thread ns / change | host all cores ns / change | "
@@ -604,7 +607,7 @@ def section_c(dev, smoke, log):
 
     from engine_ext import settings
     from engine_ext.errors import DeltaError
-    from engine_ext.format import context_device
+    from engine_ext.triton_kernels import context_decode
     from engine_ext.format.dtypes import BY_TORCH, as_bits
     from engine_ext.server import apply_fused
     from engine_ext.server.controller import Controller
@@ -697,7 +700,7 @@ def section_c(dev, smoke, log):
         ctl = Controller(ranks, Sources([store]), version=0)
         asyncio.run(ctl.start())
         calls = {"decode": 0, "fused": 0}
-        real_decode, real_fused = context_device.decode, apply_fused.apply_fused
+        real_decode, real_fused = context_decode.decode, apply_fused.apply_fused
 
         def count_decode(*a, **k):
             calls["decode"] += 1
@@ -707,7 +710,7 @@ def section_c(dev, smoke, log):
             calls["fused"] += 1
             return real_fused(*a, **k)
 
-        context_device.decode, apply_fused.apply_fused = count_decode, count_fused
+        context_decode.decode, apply_fused.apply_fused = count_decode, count_fused
 
         def check(v):
             out = replay()
@@ -745,9 +748,9 @@ def section_c(dev, smoke, log):
             log(f"| update to v{v} (fingerprints verified) | {a['version']} | {ctx_parts[v - 1][0]} / {ctx_parts[v - 1][1]} | "
                 f"{a['pause_ms']:.1f} | {calls['decode'] - before['decode']} | {calls['fused'] - before['fused']} | {same} | "
                 f"{diff:.3g} | {exact} | {still} |")
-        context_device.decode, apply_fused.apply_fused = real_decode, real_fused
+        context_decode.decode, apply_fused.apply_fused = real_decode, real_fused
     log("")
-    log(f"All hold: **{ok}**. Device decodes: context-coded parts decoded by `context_device.decode` (the pass where "
+    log(f"All hold: **{ok}**. Device decodes: context-coded parts decoded by `context_decode.decode` (the pass where "
         "the weights live); fused applies: calls of `apply_fused` (the Triton executor).")
     if not ok:
         raise AssertionError("a replay, a weight or a storage check failed (table above)")

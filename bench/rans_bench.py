@@ -1,4 +1,4 @@
-"""The static interleaved rANS stage (engine_ext/format/rans.py) against constriction's categorical coder, side by side.
+"""The static interleaved rANS stage (engine_ext/format/context/rans.py) against constriction's categorical coder, side by side.
 
     python bench/rans_bench.py                  # 2 M symbols of a skewed 49-symbol alphabet, ~30 s
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_ext.format import rans  # noqa: E402
+from engine_ext.format.context import rans  # noqa: E402
 
 
 def best(fn, repeat: int) -> float:
@@ -42,7 +42,7 @@ def main() -> None:
     q = counts[counts > 0] / counts.sum()
     entropy = -(counts[counts > 0] * np.log2(q)).sum() / 8
     freq = rans.normalize(counts)
-    cum, symbol_of = rans.tables(freq)
+    cum, symbol_of = rans.coding_tables(freq)
     print(f"{a.n} symbols, {a.k}-symbol alphabet, entropy {entropy / a.n * 8:.3f} bits/symbol")
     print(f"{'coder':>34} {'decode ns/sym':>14} {'bytes/entropy':>14}")
     for lanes in (1, 8, 32):

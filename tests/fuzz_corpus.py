@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from engine_ext import settings
-from engine_ext.format import context_blocks as cb, context_codec as cc, context_models as cm
+from engine_ext.format.context import blocks as cb, codec as cc, models as cm
 from engine_ext.format.dtypes import as_bits, step_between
 from engine_ext.format.manifest import Manifest
 from engine_ext.store import reader

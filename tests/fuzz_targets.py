@@ -36,7 +36,8 @@ from hypothesis import strategies as st
 
 from engine_ext.errors import (BaseMismatchError, IntegrityError, ManifestError, ModelMismatchError, NotFoundError,
                                PartlyHeldError, SourceError)
-from engine_ext.format import chunks, codec, context_blocks as cb, context_codec as cc, context_models as cm
+from engine_ext.format import chunks, codec
+from engine_ext.format.context import blocks as cb, codec as cc, models as cm
 from engine_ext.format import fingerprint as fpr
 from engine_ext.format.delta import apply_tensor
 from engine_ext.format.dtypes import BY_NAME, as_bits
@@ -641,7 +642,7 @@ def _expected_coder(case: StreamCase) -> bool:
     return case.coder in (("pco", "zstd", "all") if case.kind == "positions" else ("pco", "zstd", "raw"))
 
 
-# ---- v2 streams: context_codec.decode ------------------------------------------------------------
+# ---- v2 streams: context.codec.decode ------------------------------------------------------------
 
 
 @dataclass
@@ -688,7 +689,7 @@ def _v2_streams_inputs(draw):
     return V2Case(i, pos, val, nnz, tables, held, draw(st.integers(0, 2**16)), pristine)
 
 
-@target("v2_streams", "context_codec.decode (positions header, ranks, steps, the pass over the base; "
+@target("v2_streams", "context.codec.decode (positions header, ranks, steps, the pass over the base; "
         "a rank holding all, some or none of the blocks)", examples=500)
 def check_v2_streams(case: V2Case) -> None:
     p = v2_pool()[case.i]
@@ -698,7 +699,7 @@ def check_v2_streams(case: V2Case) -> None:
     if case.held == "wrong":
         base = base.copy()
         base[::7] ^= base.dtype.type(1 << (8 * base.itemsize - 2))  # other exponents: ranks land elsewhere
-    policy_blocks = cb.blocks(shape, box, p["e"].pos[3] if len(p["e"].pos) > 3 else 0)
+    policy_blocks = cb.part_blocks(shape, box, p["e"].pos[3] if len(p["e"].pos) > 3 else 0)
     held_blocks = {b for b in range(policy_blocks.S) if case.blocks_mask >> (b % 16) & 1}
 
     def base_of(sub):
@@ -774,7 +775,7 @@ def _v2_header_inputs(draw):
     return dtype, head, nnz, numel
 
 
-@target("v2_header", "context_codec.parse_positions_header (classes, edges, populations, counts)", examples=500)
+@target("v2_header", "context.codec.parse_positions_header (classes, edges, populations, counts)", examples=500)
 def check_v2_header(case) -> None:
     dtype, head, nnz, numel = case
     h, exc = judge(lambda: cc.parse_positions_header(head, nnz, numel, dtype), (IntegrityError,), 0.5, 4 << 20, "v2 header")

@@ -1,18 +1,19 @@
 """Format 5's context coder writer (``ctx``, range-coded streams: the ``X2`` layout), kept for tests only.
 
 Writers write ``ctx-rans`` (format 9) since issue 41; readers still read ``ctx`` parts
-(:func:`engine_ext.format.context_codec.decode_streams`). This is the writer those parts came from, so
+(:func:`engine_ext.format.context.codec.decode_streams`). This is the writer those parts came from, so
 that tests can make any ``ctx`` part they need (every shard layout, every dtype, hostile variants) and
 check that today's reader decodes it. ``tests/golden/store-f8`` holds parts it wrote, committed.
 """
 from __future__ import annotations
 
+import constriction
 import numpy as np
 
-from engine_ext.format.context_codec import MAGIC, Encoded, arrange, _models
-from engine_ext.format.context_models import (EXACT, ITEMSIZE, QMAX, alphabet, best_table, count_params, quotient_probs,
+from engine_ext.format.context.codec import RANGE_MAGIC, CodedPart, arrange
+from engine_ext.format.context.models import (EXACT, ITEMSIZE, QMAX, alphabet, best_table, count_params, quotient_probs,
                                               step_bins, table_weights, zigzag)
-from engine_ext.format.context_rans import gap_params
+from engine_ext.format.context.rans_stage import gap_params
 
 
 def _put_bits(enc, m, values: np.ndarray, widths: np.ndarray) -> None:
@@ -37,9 +38,9 @@ def _put_golomb(enc, m, g: np.ndarray, b: np.ndarray, key: np.ndarray) -> None:
 
 
 def encode(dtype_name: str, tensor_shape, box, policy: int, base_bits: np.ndarray, positions: np.ndarray,
-           steps: np.ndarray, tables: list[bytes]) -> Encoded:
+           steps: np.ndarray, tables: list[bytes]) -> CodedPart:
     """One part in format 5's layout (positions bytes, values bytes)."""
-    m, queue = _models()
+    m, queue = constriction.stream.model, constriction.stream.queue
     a = arrange(dtype_name, tensor_shape, box, policy, base_bits, positions)
     bl, K, S = a.bl, a.K, a.bl.S
     order = np.lexsort((a.rank, a.blk, a.cls))  # class, block, rank
@@ -59,7 +60,7 @@ def encode(dtype_name: str, tensor_shape, box, policy: int, base_bits: np.ndarra
     gaps = np.where(first, rank, rank - np.roll(rank, 1) - 1)
     b, key = (x.reshape(-1) for x in gap_params(k, a.pops, bl))
     _put_golomb(enc, m, gaps, b[group], key[group])
-    pos_bytes = bytes(a.head(MAGIC, policy)) + enc.get_compressed().astype("<u4").tobytes()
+    pos_bytes = bytes(a.head(RANGE_MAGIC, policy)) + enc.get_compressed().astype("<u4").tobytes()
     z = zigzag(steps[order], ITEMSIZE[dtype_name])
     sym, low = step_bins(z)
     vhead = bytearray()
@@ -71,4 +72,4 @@ def encode(dtype_name: str, tensor_shape, box, policy: int, base_bits: np.ndarra
         venc.encode(s.astype(np.int32), m.Categorical(table_weights(tables[t]), perfect=False))
     big = sym >= EXACT
     _put_bits(venc, m, z[big] & ((1 << low[big]) - 1), low[big])
-    return Encoded(pos_bytes, bytes(vhead) + venc.get_compressed().astype("<u4").tobytes())
+    return CodedPart(pos_bytes, bytes(vhead) + venc.get_compressed().astype("<u4").tobytes())

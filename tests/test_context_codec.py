@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine_ext.format import codec, context_blocks as cb, context_codec as cc, context_kernels as ck, context_models as cm
+from engine_ext.format import codec
+from engine_ext.format.context import blocks as cb, codec as cc, models as cm, scan_kernels as ck
 from engine_ext.store import open_store, reader
 from engine_ext import settings
 from engine_ext.format.delta import apply_tensor
@@ -70,7 +71,7 @@ def test_round_trip_exact(dtype, shape, policy):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_big_parts_look_classes_up_by_the_top_bits(dtype):
     shape = (1024, 1024)
-    assert cb.blocks(shape, None, 0b0011).numel >= cm.WIDE_MIN
+    assert cb.part_blocks(shape, None, 0b0011).numel >= cm.WIDE_MIN
     old, new = _pair(shape, dtype, density=0.005)
     pos, steps, base = _changes(old, new)
     e, tables = _encode(_name(dtype), shape, base, pos, steps, 0b0011)
@@ -168,7 +169,7 @@ def test_every_shard_decodes_from_its_own_base(name, shape, world, how):
 def test_a_rank_decodes_only_the_chunks_of_its_blocks(monkeypatch):
     """Format 9 lays a part's changes out block-major in chunks: a TP 8 rank holding one block's rows plans
     (and decodes) only the chunks that hold that block, and gets exactly its changes."""
-    from engine_ext.format import context_rans as cr
+    from engine_ext.format.context import rans_stage as cr
 
     monkeypatch.setattr(cr, "CHUNK_MIN", 64)  # small chunks: one or two blocks each
     shape = (512, 128)
@@ -239,7 +240,7 @@ def test_the_context_pass_matches_its_definition():
     shape = (48, 40)
     old, _ = _pair(shape, seed=3)
     u = as_bits(old).reshape(-1).numpy().view(np.uint16)
-    bl = cb.blocks(shape, None, 0b1011)
+    bl = cb.part_blocks(shape, None, 0b1011)
     lut = cm.class_lut([118, 120, 122], "bfloat16")
     rng = np.random.default_rng(0)
     ranks, starts = [], np.zeros((bl.S, 5), np.int64)

@@ -1,4 +1,4 @@
-"""Decoding context-coded parts where the base lives (engine_ext.format.context_device): the
+"""Decoding context-coded parts where the base lives (engine_ext.triton_kernels.context_decode): the
 Triton pass, run by Triton's interpreter on CPU tensors, against the host decoder (numba), bit
 for bit: every float dtype, whole parts and every shard of every layout the engines produce
 (TP 2/4/8, padded vocabularies, fused experts), hostile input, and ranks that take a chained
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from engine_ext.errors import IntegrityError, PartlyHeldError
-from engine_ext.format import context_blocks as cb, context_codec as cc, context_device as cdev
-from engine_ext.format import context_kernels as ck, context_models as cm
+from engine_ext.format.context import blocks as cb, codec as cc, models as cm, scan_kernels as ck
 from engine_ext.format.dtypes import as_bits
+from engine_ext.triton_kernels import context_decode as cdev
 from test_context_codec import FLOATS, _assert_ranks_hold, _changes, _encode, _layouts, _name, _pair, _publish, _shard
 
 pytestmark = pytest.mark.usefixtures("ctx_interp")
@@ -75,7 +75,7 @@ def test_the_blocked_pass_equals_the_host_scan(ctx_interp, dtype, shape, policy,
     edges = sorted({int(e) for e in present[1::max(1, present.size // 5)][:6]} - {0})
     lut = cm.class_lut(edges, name)
     K = len(edges) + 1
-    bl = cb.blocks(shape, None, policy)
+    bl = cb.part_blocks(shape, None, policy)
     ranks, starts = _random_ranks(u, shift, mask, lut, bl, K, frac, np.random.default_rng(0))
     want_pos, want_src = ck.scan(u, shift, mask, lut, bl, ranks, starts)
     order = np.argsort(want_pos, kind="stable")
@@ -91,7 +91,7 @@ def test_the_blocked_pass_refuses_bad_ranks(ctx_interp):
     old, _ = _pair(shape)
     u = as_bits(old).reshape(-1).numpy().view(np.uint16)
     lut = cm.class_lut([118, 121], "bfloat16")
-    bl = cb.blocks(shape, None, 0b0001)
+    bl = cb.part_blocks(shape, None, 0b0001)
     ranks, starts = _random_ranks(u, 7, 0xFF, lut, bl, 3, 0.05, np.random.default_rng(1))
     geo = (bl.rows, bl.rows, bl.row_ptr, bl.run)
     bits, tlut = as_bits(old).reshape(-1), torch.from_numpy(lut)

@@ -2,12 +2,12 @@
 
 Rooms (docs: docs/DEVELOPMENT.md, "Layout"): ``format`` (the byte format, no I/O) < ``store`` (backends,
 signing, verified reads) < ``trainer`` and ``server`` (the two sides, which never import
-each other) < ``engines`` (the adapters, reached only through their entry points). Every
-import of every module is read with ``ast`` (function-level ones too), and so are the
-lazy registries (``engine_ext.PUBLIC``, ``engine_ext.store.BACKENDS``), which name modules
-as strings. Also: at most 12 modules directly in ``engine_ext/``, and a warning (not a failure) for a
-module over 600 lines: a file is cut along its seams when it has them, never squeezed to meet a number
-(docs/DEVELOPMENT.md, "Style").
+each other) < ``engines`` (the adapters, reached only through their entry points); ``kernels``
+(``engine_ext.triton_kernels``, the device kernels) read the format's layouts, so the format never imports
+them. Every import of every module is read with ``ast`` (function-level ones too), and so are the lazy
+registries (``engine_ext.PUBLIC``, ``engine_ext.store.BACKENDS``), which name modules as strings. Also: at
+most 12 modules directly in ``engine_ext/``, and a warning (not a failure) for a module over 600 lines: a
+file is cut along its seams when it has them, never squeezed to meet a number (docs/DEVELOPMENT.md, "Style").
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1] / "engine_ext"
 BASE = {"engine_ext.settings", "engine_ext.errors", "engine_ext.metrics"}
 # room -> rooms it must never import (besides itself, anything else is allowed)
 NEVER = {
-    "format": {"store", "trainer", "server", "engines", "face"},
+    "format": {"kernels", "store", "trainer", "server", "engines", "face"},  # the device kernels sit above the format
     "store": {"trainer", "server", "engines", "face"},
     "trainer": {"server", "engines", "face"},
     "server": {"trainer", "engines", "face"},

@@ -1,4 +1,4 @@
-"""The static interleaved rANS coder (engine_ext/format/rans.py): round trips at every lane count and
+"""The static interleaved rANS coder (engine_ext/format/context/rans.py): round trips at every lane count and
 alphabet, integer-only normalisation that every host computes alike, and readers that refuse a short,
 long or altered stream (a lane must end at the encoder's initial state)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from engine_ext.errors import IntegrityError
-from engine_ext.format import rans
+from engine_ext.format.context import rans
 
 
 def skewed(rng, k: int, n: int) -> np.ndarray:

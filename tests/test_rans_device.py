@@ -1,9 +1,9 @@
 """The ctx-rans streams decoded on a device (``engine_ext.triton_kernels.rans_decode``), run by Triton's
-interpreter on CPU tensors, against the host decoder (``context_rans.decode``, numba), bit for bit: every float
+interpreter on CPU tensors, against the host decoder (``rans_stage.decode``, numba), bit for bit: every float
 dtype, the chunks of the blocks each rank of a TP layout holds (rows, columns, a padded vocabulary, fused
 experts, an fp8 block-quantised shape), chunks that split and span blocks on 1, 2, 4 and 8 lanes, escaped
 quotients and steps of every width; corrupt bytes refused with the host's own error; and
-``context_device.decode`` of ctx-rans parts equal to ``context_codec.decode``, its streams decoded on the device.
+``context_decode.decode`` of ctx-rans parts equal to ``context.codec.decode``, its streams decoded on the device.
 
 The interpreter runs a few ms per round of lanes: parts here hold hundreds of changes, on up to 4 lanes (the
 encoder's ``LANE_MIN`` lowered so that small chunks take several)."""
@@ -15,10 +15,10 @@ import torch
 
 from conftest import _interpreted
 from engine_ext.errors import IntegrityError, PartlyHeldError
-from engine_ext.format import context_blocks as cb, context_codec as cc, context_device as cdev, context_models as cm
-from engine_ext.format import context_rans as cr
-from engine_ext.format.context_models import EXACT, INT, ITEMSIZE, QMAX
+from engine_ext.format.context import blocks as cb, codec as cc, models as cm, rans_stage as cr
+from engine_ext.format.context.models import EXACT, INT, ITEMSIZE, QMAX
 from engine_ext.format.dtypes import as_bits
+from engine_ext.triton_kernels import context_decode as cdev
 from test_context_codec import FLOATS, _changes, _name, _pair, _shard
 
 
@@ -315,12 +315,12 @@ def test_directory_claims_the_kernel_checks(rd, monkeypatch):
     assert host == "ctx-rans: corrupt chunk (code -6)" and dev == host
 
 
-# ----------------------------------------------------------------------------- context_device.decode
+# ----------------------------------------------------------------------------- context_decode.decode
 
 
 def test_context_device_decodes_ctx_rans_streams_on_the_device(rd, ctx_interp, lanes, monkeypatch):
-    """``context_device.decode`` of a ctx-rans part (whole, and one TP-2 rank's blocks) equals the host decoder
-    (``context_codec.decode``): its streams decoded by the kernel (the host stream decoder never called; on the
+    """``context_decode.decode`` of a ctx-rans part (whole, and one TP-2 rank's blocks) equals the host decoder
+    (``context.codec.decode``): its streams decoded by the kernel (the host stream decoder never called; on the
     CPU only where ``CPU_TOO`` says so), the context pass on the device; the torch backend keeps the host
     streams."""
     monkeypatch.setattr(cr, "CHUNK_MIN", 64)

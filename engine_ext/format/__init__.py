@@ -1,6 +1,7 @@
-"""The byte format both sides share (spec: docs/FORMAT.md): the manifest, the codecs, dtypes
-and their ordered steps, fingerprints, decoded deltas, grid cells, the fp8-block recipe.
-Pure data and math: nothing here reads or writes a store, and nothing here imports one."""
+"""The byte format both sides share (spec: docs/FORMAT.md): the manifest, the codecs (v1 in
+:mod:`.codec`, v2 in the package :mod:`.context`), dtypes and their ordered steps, fingerprints,
+decoded deltas, grid cells, the fp8-block recipe. Pure data and math: nothing here reads or writes
+a store, and nothing here imports one, nor the device kernels above it (``engine_ext.triton_kernels``)."""
 from __future__ import annotations
 
 import functools
@@ -8,7 +9,7 @@ import importlib
 
 
 @functools.cache
-def kernels(module: str):
+def kernel_module(module: str):
     """``engine_ext.format.<module>``, a module of numba kernels, imported (and its kernels loaded
     from numba's cache or compiled) on first use only, or None where numba is missing: the torch
     reference paths serve."""

@@ -8,7 +8,7 @@ first-order entropy, faster than zstd decodes its larger output (see
 docs/benchmarks.md). ``zstd`` (with byte planes split for values) is kept for tiny
 segments where pco's header dominates. Given a :class:`Context` (the tensor's base bits,
 block policy and the version's step tables), the context-conditioned coder
-(:mod:`engine_ext.format.context_codec`) is tried too and kept when it saves at least
+(:mod:`engine_ext.format.context`) is tried too and kept when it saves at least
 ``CONTEXT_GAIN`` and pays on the version's :class:`Readers` (its saved bytes take longer to
 fetch than its decode takes beyond v1's). Decoding never allocates more than the
 manifest-declared count, which the caller bounds before fetching.
@@ -22,9 +22,10 @@ import pcodec
 import torch
 import zstandard
 
-from . import chunks, context_models, kernels
+from . import chunks, context as codec_v2, kernel_module
 from .dtypes import DType, step_between
 from .manifest import CONTEXT_CODERS
+from .. import settings
 from ..errors import IntegrityError
 
 ZSTD_LEVEL = 3
@@ -57,7 +58,7 @@ MOST_PLAIN_PER_CHANGE = 4.0  # bytes: about the most v1 takes per change (fp32 m
 class Readers:
     """Who decodes the versions a publisher writes, as it is told (``ENGINE_EXT_READER_DEVICE``,
     ``ENGINE_EXT_READER_MBPS``): where the readers' weights live (``gpu``: the context pass runs
-    there, :mod:`engine_ext.format.context_device`; ``cpu``: on the host) and the store bandwidth
+    there, :mod:`engine_ext.triton_kernels.context_decode`; ``cpu``: on the host) and the store bandwidth
     one reader rank fetches at, in MB/s. Every reader decodes every part it holds and no reader
     chooses a coding, so the publisher chooses for all: a part is context coded only where it
     pays on them (:meth:`pays`). ``mbps`` 0: bytes first (metered or slow links)."""
@@ -71,8 +72,6 @@ class Readers:
 
     @classmethod
     def from_settings(cls) -> "Readers":
-        from .. import settings
-
         s = settings.current()
         return cls(s.reader_device, s.reader_mbps)
 
@@ -104,7 +103,7 @@ class Context:
     """What the context coder needs besides a tensor's changes: its bits (flat, any device),
     the base's or the new version's (the changed elements are put back from the old bits
     part by part, so a publisher hands its kept bits without copying the model), its block
-    policy (:func:`engine_ext.format.context_blocks.block_policy`), the version's step
+    policy (:func:`engine_ext.format.context.blocks.block_policy`), the version's step
     tables for its dtype, and its readers (None: :meth:`Readers.from_settings`). ``base`` may
     hold only rows ``origin`` onwards of the tensor (what one rank of a sharded trainer
     holds): then only parts inside those rows are coded."""
@@ -238,11 +237,9 @@ def encode(dtype: DType, numel: int, positions: torch.Tensor, new_bits: torch.Te
 
 def context_policy(name: str, dtype: DType, shape, nnz: int) -> int | None:
     """The block policy a changed tensor is context coded under, or None where the coder is not tried."""
-    from .context_blocks import block_policy
-
-    if not context_models.supports(dtype.name) or nnz < CONTEXT_MIN:
+    if not codec_v2.supports(dtype.name) or nnz < CONTEXT_MIN:
         return None
-    return block_policy(name, shape)
+    return codec_v2.block_policy(name, shape)
 
 
 def step_tables_by_dtype(changes) -> dict[str, list[bytes]]:
@@ -252,20 +249,20 @@ def step_tables_by_dtype(changes) -> dict[str, list[bytes]]:
 
 
 def step_histograms(changes) -> dict[str, np.ndarray]:
-    """Per dtype, the step histogram (:func:`context_models.step_histogram`) of ``(dtype, old bits,
+    """Per dtype, the step histogram (:func:`engine_ext.format.context.models.step_histogram`) of ``(dtype, old bits,
     new bits)`` at the changes: what the step tables depend on, summable over a sharded trainer's ranks."""
     out: dict[str, np.ndarray] = {}
     for dtype, old_bits, new_bits in changes:
         old_bits = old_bits.detach().cpu()
         steps = step_between(old_bits, new_bits.detach().cpu(), dtype.is_float).numpy()
-        h = context_models.step_histogram(dtype.name, context_models.exponents(old_bits.numpy(), dtype.name), steps)
+        h = codec_v2.step_histogram(dtype.name, codec_v2.exponents(old_bits.numpy(), dtype.name), steps)
         out[dtype.name] = h if dtype.name not in out else out[dtype.name] + h
     return out
 
 
 def step_tables_from(histograms: dict[str, np.ndarray]) -> dict[str, list[bytes]]:
     """The step tables per dtype of (summed) :func:`step_histograms`."""
-    return {dt: context_models.tables_from_histogram(dt, h) for dt, h in sorted(histograms.items())}
+    return {dt: codec_v2.tables_from_histogram(dt, h) for dt, h in sorted(histograms.items())}
 
 
 def context_pays(dtype: DType, base: torch.Tensor, old_bits: torch.Tensor, readers: Readers | None = None) -> bool:
@@ -274,20 +271,16 @@ def context_pays(dtype: DType, base: torch.Tensor, old_bits: torch.Tensor, reade
     bits are ``old_bits``), and whether it could pay on the ``readers`` (default: the
     settings'). Asked before a tensor gets a :class:`Context`, so uniform changes, or readers
     on whom v2 cannot pay, cost neither step tables nor a pass over the whole base."""
-    from . import context_codec
-
     readers = readers or Readers.from_settings()
-    return context_models.supports(dtype.name) and readers.may_pay(old_bits.numel(), base.numel()) and context_codec.pays(
-        dtype.name, context_codec.sample(base.detach().reshape(-1)), old_bits.detach().cpu().numpy(), base.numel(),
+    return codec_v2.supports(dtype.name) and readers.may_pay(old_bits.numel(), base.numel()) and codec_v2.pays(
+        dtype.name, codec_v2.sample(base.detach().reshape(-1)), old_bits.detach().cpu().numpy(), base.numel(),
         CONTEXT_GAIN)
 
 
 def encode_context(dtype: DType, shape, box, context: Context, pos: np.ndarray, old_bits: torch.Tensor,
                    new_bits: torch.Tensor) -> Encoded | None:
     """The context-coded form of a part's changes, or None where the coder does not apply."""
-    from . import context_codec
-
-    if not context_models.supports(dtype.name) or not context.tables:
+    if not codec_v2.supports(dtype.name) or not context.tables:
         return None
     shape = tuple(shape)
     base = context.base.detach().reshape((-1, *shape[1:]) if shape else ())
@@ -302,7 +295,7 @@ def encode_context(dtype: DType, shape, box, context: Context, pos: np.ndarray, 
     old_bits = old_bits.detach().cpu()
     base[torch.from_numpy(pos)] = old_bits  # the base, whichever version's bits the context holds
     steps = step_between(old_bits, new_bits.detach().cpu(), dtype.is_float).numpy()
-    e = context_codec.encode(dtype.name, shape, box, context.policy, base.numpy(), pos, steps, context.tables)
+    e = codec_v2.encode(dtype.name, shape, box, context.policy, base.numpy(), pos, steps, context.tables)
     return Encoded("ctx-rans", e.pos, "rel", "ctx-rans", e.val)
 
 
@@ -365,7 +358,7 @@ def _plain_cells(dtype: DType, shape, cuts, cells, kernels, pos: np.ndarray, new
 
 
 def _cell_kernels():
-    return kernels("cell_kernels")
+    return kernel_module("cell_kernels")
 
 
 def uses_context(e: "Encoded | ChunkedEncoded") -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import fingerprint as fpr, kernels
+from . import fingerprint as fpr, kernel_module
 from .dtypes import DType, apply_step, as_bits, dtype_of, step_between
 
 ABS = "abs"
@@ -66,7 +66,7 @@ def changed_bits(old_bits: torch.Tensor, new_bits: torch.Tensor,
 
 
 def _diff_kernels():
-    return kernels("diff_kernels")
+    return kernel_module("diff_kernels")
 
 
 def diff_tensor(name: str, old: torch.Tensor | None, new: torch.Tensor, mode: str = REL) -> TensorDelta:

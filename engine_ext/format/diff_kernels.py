@@ -28,7 +28,7 @@ import numba
 import numpy as np
 from numba.cpython.unsafe.numbers import trailing_zeros
 
-BLOCK = 1 << 16  # elements a range's output makes room for at a time (its largest over-allocation: 12 bytes each)
+OUTPUT_BLOCK = 1 << 16  # elements a range's output makes room for at a time (its largest over-allocation: 12 bytes each)
 MIN_RANGE = 1 << 20  # fewest elements a core takes on its own (below, starting a thread costs more than it saves)
 _THREADS = max(1, os.cpu_count() or 1)
 _POOL = ThreadPoolExecutor(_THREADS, thread_name_prefix="engine-ext-diff")
@@ -79,7 +79,7 @@ def _take(old, new, lo, hi, pos, old_at, new_at, m, update):
     return m
 
 
-def changed(old: np.ndarray, new: np.ndarray, update: bool = False, block: int = BLOCK,
+def changed(old: np.ndarray, new: np.ndarray, update: bool = False, block: int = OUTPUT_BLOCK,
             threads: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(positions, old bits, new bits) where ``old`` and ``new`` (1-D, same dtype) differ; with
     ``update``, ``old`` takes the new bits there."""

@@ -29,7 +29,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import torch
 
-from . import kernels
+from . import kernel_module
 from .dtypes import as_bits
 
 MASK64 = (1 << 64) - 1
@@ -172,7 +172,7 @@ def _chunks(n: int) -> int:
 
 
 def _kernels():
-    return kernels("fingerprint_kernels")
+    return kernel_module("fingerprint_kernels")
 
 
 def model_fingerprint(tensor_fps: Mapping[str, int] | Iterable[tuple[str, int]]) -> int:

@@ -7,7 +7,7 @@ format 3) that a rank fetches on its own (:mod:`engine_ext.format.chunks`). Pars
 everything a hostile manifest could abuse (sizes, counts, offsets, names, boxes) before
 any blob is fetched. Signatures over the raw bytes are checked before parsing
 (:mod:`engine_ext.store.signing`). Format 5 carries the context-conditioned coder (``ctx``,
-:mod:`engine_ext.format.context_codec`): a changed tensor or cell coded given its base weights,
+:mod:`engine_ext.format.context.codec`): a changed tensor or cell coded given its base weights,
 its steps under the version's shared ``step_tables``. Format 6 lets an anchor's tensor
 come in cells too (a sharded trainer's ranks each write the rows they hold); writers
 write the lowest version that describes a manifest (:meth:`Manifest.lowest_version`), so
@@ -20,7 +20,7 @@ a *pieces* digest (``digest: "pieces"``: over the digests of its segments, cut a
 the manifest lists into it; :mod:`engine_ext.format.pieces`), so a publisher hashes an anchor's
 bytes once, not once per blob and again per tensor. Format 9 adds the coder ``ctx-rans``: the
 context model's symbols on the project's own rANS stage, block-major chunks a rank decodes alone
-(:mod:`engine_ext.format.context_rans`), all of a part's bytes in its positions segment. Format 10
+(:mod:`engine_ext.format.context.rans_stage`), all of a part's bytes in its positions segment. Format 10
 keeps tensor tables as fixed binary records behind a name *index*: a rank reads the index and only the
 tables that hold its tensors (:mod:`engine_ext.format.tables`). Versions 1 to 4 are still read, but
 not format 4's context-coded parts (an opt-in coder whose blocks did not follow the
@@ -33,8 +33,9 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from . import fingerprint as fpr
+from . import chunks, context as codec_v2, fingerprint as fpr
 from .dtypes import dtype_by_name
+from .json_text import dumps_indent1
 from .pieces import PIECES, cuts
 from ..errors import IntegrityError, ManifestError
 
@@ -58,7 +59,7 @@ MAX_MANIFEST_BYTES = 64 << 20
 MAX_TENSORS = 1_000_000
 MAX_NUMEL = 1 << 40
 MAX_NDIM = 8
-MAX_TABLES = 4096  # tensor tables per manifest
+MAX_TENSOR_TABLES = 4096  # tensor tables per manifest
 MAX_TENSOR_TABLES_BYTES = 1 << 30  # every reader reads them all (1M tensors at ~400 bytes each: 400 MB)
 CELL_RECORD_BYTES = 75  # a chunk in a cell table (format 7: engine_ext.format.tables.CELL_RECORD)
 INDEX_RECORD_BYTES = 12  # a tensor in the name index (format 10: engine_ext.format.tables.INDEX_RECORD)
@@ -139,9 +140,7 @@ class TensorEntry:
 
     def boxes(self) -> list:
         """The cells of ``grid`` as (start, stop) boxes, in cell order."""
-        from .chunks import boxes
-
-        return boxes(self.grid, self.shape)
+        return chunks.boxes(self.grid, self.shape)
 
     @property
     def numel(self) -> int:
@@ -152,7 +151,7 @@ class TensorEntry:
         return self.positions.length + self.values.length
 
 
-_REQUIRED = ("name", "dtype", "shape", "nnz", "fingerprint")  # the fields of a tensor entry without a default
+REQUIRED_TENSOR_FIELDS = ("name", "dtype", "shape", "nnz", "fingerprint")  # the fields of a tensor entry without a default
 
 
 @dataclass
@@ -231,8 +230,6 @@ class Manifest:
 
     def to_json(self) -> bytes:
         """The manifest's bytes; fields of formats 7 and 8 only where set (older readers refuse keys they do not know)."""
-        from .json_text import dumps_indent1
-
         return dumps_indent1(self, {Manifest: ("tables", "index"), TensorEntry: ("cells",), Blob: ("digest",)})  # json.dumps(asdict(self), indent=1)
 
     @classmethod
@@ -245,8 +242,8 @@ class Manifest:
             d = json.loads(data)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
             raise ManifestError(f"manifest is not valid JSON: {str(e)[:200]}") from None
-        m = _parsed(lambda: _parse(d))
-        _parsed(m.validate)
+        m = parse_checked(lambda: _parse(d))
+        parse_checked(m.validate)
         return m
 
     def check_coders(self, where: str, p: Segment, v: Segment, dtype: str) -> None:
@@ -266,9 +263,7 @@ class Manifest:
         if (p.coder in CONTEXT_CODERS or v.coder in CONTEXT_CODERS) and p.coder != v.coder:
             bad(f"{where}: context-coded positions and values come together, under one coder")
         if p.coder in CONTEXT_CODERS:
-            from .context_models import supports
-
-            if self.format_version < 5 or self.kind != DELTA or v.mode != "rel" or not supports(dtype):
+            if self.format_version < 5 or self.kind != DELTA or v.mode != "rel" or not codec_v2.supports(dtype):
                 bad(f"{where}: the context coder needs a format-5 delta of relative steps of a float dtype it supports")
             if p.coder == "ctx-rans" and self.format_version < RANS_STREAMS:
                 bad(f"{where}: 'ctx-rans' needs format {RANS_STREAMS}, its bytes all in the positions segment")
@@ -300,19 +295,17 @@ class Manifest:
         per_blob[e.blob].append((e.offset, e.offset + e.length, where))
 
     def _check_step_tables(self) -> None:
-        from .context_models import MAX_TABLES, alphabet, supports
-
         t = self.step_tables
         if self.format_version < 5 or self.kind != DELTA or not isinstance(t, dict) or len(t) > 8:
             raise ManifestError("step_tables: only a format-5 delta carries them, as a dict per dtype")
         for dtype, tables in t.items():
-            if not isinstance(dtype, str) or not supports(dtype) or not isinstance(tables, list) \
-                    or not 1 <= len(tables) <= MAX_TABLES:
+            if not isinstance(dtype, str) or not codec_v2.supports(dtype) or not isinstance(tables, list) \
+                    or not 1 <= len(tables) <= codec_v2.MAX_STEP_TABLES:
                 raise ManifestError(f"step_tables: bad entry for {str(dtype)[:40]!r}")
             for h in tables:
-                if not isinstance(h, str) or len(h) != 2 * alphabet(dtype) or not _HEX_RE.fullmatch(h) \
+                if not isinstance(h, str) or len(h) != 2 * codec_v2.alphabet(dtype) or not _HEX_RE.fullmatch(h) \
                         or 0 in bytes.fromhex(h):
-                    raise ManifestError(f"step_tables: a {dtype} table is not {alphabet(dtype)} nonzero hex bytes")
+                    raise ManifestError(f"step_tables: a {dtype} table is not {codec_v2.alphabet(dtype)} nonzero hex bytes")
 
     def _check_ref(self, ref, where: str, per_entry: int, per_blob: list) -> None:
         """A table's place (format 7): a blob's byte range, a SHA-256, a count, bounded per entry."""
@@ -332,8 +325,6 @@ class Manifest:
 
     def _check_chunks(self, t: TensorEntry, where: str, per_blob: list) -> None:
         """A chunked tensor's cells: each a cell of its grid at most once, counts that add up, bytes in range."""
-        from .chunks import box_numel
-
         def bad(msg):
             raise ManifestError(_cut(msg))
 
@@ -346,7 +337,7 @@ class Manifest:
             if not _is_int(c.cell) or not 0 <= c.cell < len(cells) or c.cell in seen:
                 bad(f"{cw}: no such cell, or listed twice")
             seen.add(c.cell)
-            n = box_numel(cells[c.cell])
+            n = chunks.box_numel(cells[c.cell])
             if not _is_int(c.nnz) or not 0 < c.nnz <= n:
                 bad(f"{cw}: nnz {c.nnz!r} outside [1, {n}]")
             total += c.nnz
@@ -383,13 +374,11 @@ class Manifest:
         if t.chunks is None and t.grid is None and t.cells is None:
             self._check_bytes(where, t, t.numel, t.dtype, per_blob)
             return
-        from .chunks import valid_cuts
-
         if self.format_version < (3 if self.kind == DELTA else CHUNKED_ANCHORS):
             bad(f"{where}: only format-3 deltas and format-6 anchors come in chunks")
         if self.kind == ANCHOR and t.nnz != t.numel:
             bad(f"{where}: a chunked anchor lists every cell ({t.nnz} of {t.numel} elements)")
-        if not valid_cuts(t.grid, t.shape):
+        if not chunks.valid_cuts(t.grid, t.shape):
             bad(f"{where}: a chunked tensor needs a valid grid")
         if t.positions.coder != "none" or t.values.coder != "none" or t.blob is not None or t.sha256 is not None:
             bad(f"{where}: a chunked tensor carries its bytes in its chunks only")
@@ -442,8 +431,8 @@ class Manifest:
                 bad(f"blob {b.key!r}: digest {b.digest!r:.40} (only {PIECES!r}, from format {PIECE_DIGESTS})")
         per_blob = [[] for _ in self.blobs]
         if self.tables is not None:
-            if not isinstance(self.tables, list) or not 1 <= len(self.tables) <= MAX_TABLES:
-                bad(f"tables: a list of 1 to {MAX_TABLES} tensor tables")
+            if not isinstance(self.tables, list) or not 1 <= len(self.tables) <= MAX_TENSOR_TABLES:
+                bad(f"tables: a list of 1 to {MAX_TENSOR_TABLES} tensor tables")
             for i, ref in enumerate(self.tables):
                 self._check_ref(ref, f"tensor table {i}", MAX_ENTRY_BYTES, per_blob)
             if sum(r.count for r in self.tables) > MAX_TENSORS:
@@ -528,14 +517,14 @@ def _parse(d: dict) -> Manifest:
     if "format" not in d or "format_version" not in d:  # not assumed to be this reader's own
         raise ManifestError("manifest names no format and format_version")
     _check_format(d["format"], d["format_version"])  # before its fields: a newer format's are unknown here
-    tensors = [_tensor(t) for t in d["tensors"]]
+    tensors = [tensor_from_json(t) for t in d["tensors"]]
     blobs = [Blob(**b) for b in d.get("blobs", [])]
     if any("digest" in b and b["digest"] is None for b in d.get("blobs", [])):
         raise ManifestError("a blob's digest is \"pieces\" or absent, never null")
     tables = d.get("tables")
     if tables is not None:
-        if not isinstance(tables, list) or len(tables) > MAX_TABLES:
-            raise ManifestError(f"tables: not a list of at most {MAX_TABLES}")
+        if not isinstance(tables, list) or len(tables) > MAX_TENSOR_TABLES:
+            raise ManifestError(f"tables: not a list of at most {MAX_TENSOR_TABLES}")
         tables = [TableRef(**_object(r)) for r in tables]
         if tensors:
             raise ManifestError("a manifest with tensor tables lists no tensors inline")
@@ -545,7 +534,7 @@ def _parse(d: dict) -> Manifest:
     return Manifest(blobs=blobs, tensors=tensors, tables=tables, index=index, **rest)
 
 
-def _parsed(parse):
+def parse_checked(parse):
     """``parse()``, whose malformed input (a missing or unknown field, a wrong type) is a ManifestError."""
     try:
         return parse()
@@ -566,7 +555,7 @@ def _chunk(c) -> Chunk:
     return Chunk(**dict(c, positions=Segment(**c["positions"]), values=Segment(**c["values"])))
 
 
-def _tensor(t) -> TensorEntry:
+def tensor_from_json(t) -> TensorEntry:
     t = dict(_object(t))
     t["positions"] = Segment(**t.get("positions", {"coder": "none", "length": 0}))
     t["values"] = Segment(**t.get("values", {"coder": "none", "length": 0}))

@@ -28,8 +28,10 @@ import numpy as np
 from ..errors import IntegrityError, ManifestError
 from .bulk import collector_paused as _collector_paused
 from .fingerprint import name_key
-from .manifest import (CELL_RECORD_BYTES, INDEX_RECORD_BYTES, Chunk, Manifest, Segment, TableRef, TensorEntry,
-                       _REQUIRED, _parsed, _tensor)
+from .chunks import box_numel, boxes
+from .dtypes import dtype_by_name
+from .manifest import (CELL_RECORD_BYTES, INDEX_RECORD_BYTES, MAX_TENSOR_TABLES, REQUIRED_TENSOR_FIELDS, Chunk, Manifest,
+                       Segment, TableRef, TensorEntry, parse_checked, tensor_from_json)
 
 # A cell table's record (format 7): one chunk in 75 bytes, little-endian (JSON would take ~220).
 CELL_RECORD = np.dtype([("cell", "<u4"), ("nnz", "<u8"), ("blob", "<u4"), ("offset", "<u8"),
@@ -63,11 +65,9 @@ def tabulate(m: Manifest, put: Callable[[bytes], tuple[int, int]], per_table: in
              binary: bool = True) -> Manifest:
     """A (finished, validated) manifest in tables: every cut tensor's chunks in a cell table, then the
     tensor entries in tables of ``per_table`` (default: :data:`PER_TABLE`, more where the tables would
-    exceed MAX_TABLES) and their name index (format 10; ``binary=False``: JSON tables, format 7, no
+    exceed MAX_TENSOR_TABLES) and their name index (format 10; ``binary=False``: JSON tables, format 7, no
     index, kept for tests of old readers), each handed to ``put(bytes) -> (blob, offset)`` (which
     appends it to a blob the returned manifest lists). ``m`` is unchanged."""
-    from .manifest import MAX_TABLES
-
     def ref(raw: bytes, count: int) -> TableRef:
         blob, offset = put(raw)
         return TableRef(blob, offset, len(raw), hashlib.sha256(raw).hexdigest(), count)
@@ -77,7 +77,7 @@ def tabulate(m: Manifest, put: Callable[[bytes], tuple[int, int]], per_table: in
     at = np.cumsum([0] + [len(c) for c in cut]).tolist()
     refs = iter([ref(raw[a * CELL_RECORD.itemsize:b * CELL_RECORD.itemsize], b - a) for a, b in zip(at, at[1:])])
     cells = [next(refs) if t.chunks is not None else t.cells for t in m.tensors]
-    per = per_table or (max(PER_TABLE, -(-len(m.tensors) // MAX_TABLES)) if binary else 4096)
+    per = per_table or (max(PER_TABLE, -(-len(m.tensors) // MAX_TENSOR_TABLES)) if binary else 4096)
     starts = range(0, len(m.tensors), per)
     if binary:
         tables = [ref(tensor_table(m.tensors[i:i + per], cells[i:i + per]), len(m.tensors[i:i + per])) for i in starts]
@@ -100,7 +100,7 @@ def _json_row(t: TensorEntry, cells: TableRef | None) -> dict:
     if cells is not None:
         r["chunks"], r["cells"] = None, vars(cells)
     default = row(TensorEntry("", "", [], 0, ""))
-    return {k: v for k, v in r.items() if k in _REQUIRED or v != default[k]}
+    return {k: v for k, v in r.items() if k in REQUIRED_TENSOR_FIELDS or v != default[k]}
 
 
 def tensor_table(tensors: list[TensorEntry], cells: list[TableRef | None]) -> bytes:
@@ -250,7 +250,7 @@ def select(m: Manifest, places: dict[int, list[int]], tables: dict[int, bytes], 
             raise ManifestError(f"the name index places {sorted(missed)[:3]} on records of other names")
         m.tensors, m.held = got, names
         try:
-            _parsed(m.validate)
+            parse_checked(m.validate)
         except ManifestError:
             m.tensors, m.held = [], None
             raise
@@ -259,7 +259,7 @@ def select(m: Manifest, places: dict[int, list[int]], tables: dict[int, bytes], 
 def _select(m: Manifest, places: dict[int, list[int]], tables: dict[int, bytes], names: frozenset) -> list[TensorEntry]:
     got = []
     for i, rows in places.items():
-        entries = _parsed(lambda: read_tensor_table(m.tables[i], tables[i], f"tensor table {i}", rows))
+        entries = parse_checked(lambda: read_tensor_table(m.tables[i], tables[i], f"tensor table {i}", rows))
         got += [t for t in entries if t.name in names]
     return got
 
@@ -280,9 +280,9 @@ def _resolve(m: Manifest, tables: list[bytes], index: bytes | None) -> None:
     tensors = []
     for i, (ref, raw) in enumerate(zip(m.tables, tables)):
         if m.index is None:
-            tensors += _parsed(lambda: [_tensor(t) for t in read_table(ref, raw, f"tensor table {i}")])
+            tensors += parse_checked(lambda: [tensor_from_json(t) for t in read_table(ref, raw, f"tensor table {i}")])
         else:
-            tensors += _parsed(lambda: read_tensor_table(ref, raw, f"tensor table {i}"))
+            tensors += parse_checked(lambda: read_tensor_table(ref, raw, f"tensor table {i}"))
     if m.index is not None:
         if index is None:
             raise ManifestError("a format-10 manifest's name index was not given")
@@ -292,7 +292,7 @@ def _resolve(m: Manifest, tables: list[bytes], index: bytes | None) -> None:
             raise ManifestError("the name index is not the one its tensor tables give")
     m.tensors = tensors
     try:
-        _parsed(m.validate)
+        parse_checked(m.validate)
     except ManifestError:
         m.tensors = []
         raise
@@ -335,8 +335,6 @@ def read_cells(m: Manifest, items: list[tuple[TensorEntry, bytes]], keep: list |
     _check_bytes), over all records of all tables at once: a rank reads ~70,000 of them per Kimi-K2
     version. The coders' rules are checked once per distinct (positions, values, mode, dtype). ``keep``:
     per tensor, the cells whose chunks are made (None: all)."""
-    from .dtypes import dtype_by_name
-
     for t, raw in items:
         _verify(t.cells, raw, f"tensor {t.name!r}: cell table")
         if len(raw) != t.cells.count * CELL_RECORD.itemsize:
@@ -400,8 +398,6 @@ def read_cells(m: Manifest, items: list[tuple[TensorEntry, bytes]], keep: list |
 
 @functools.lru_cache(maxsize=1024)
 def _cells_of(shape: tuple, grid: tuple) -> np.ndarray:
-    from .chunks import box_numel, boxes
-
     return np.array([box_numel(b) for b in boxes([list(c) for c in grid], shape)], np.uint64)
 
 

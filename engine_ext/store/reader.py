@@ -26,7 +26,7 @@ import torch
 
 import numpy as np
 
-from ..format import chunks, codec, context_codec, tables
+from ..format import chunks, codec, context as codec_v2, tables
 from ..format.pieces import PIECES, pieces_sha256
 from ..format import fingerprint as fpr
 from .. import settings
@@ -322,7 +322,7 @@ def _read_ranges(store: Store, m: Manifest, ranges: list[tuple[int, int, int]], 
 
 
 class Bases:
-    """The base weights context-coded parts (:mod:`engine_ext.format.context_codec`) are decoded
+    """The base weights context-coded parts (:mod:`engine_ext.format.context`) are decoded
     against: a decoder reads the base of each part it decodes, after checking the tensor's
     base fingerprint where it can (a wrong base decodes to garbage)."""
 
@@ -332,7 +332,7 @@ class Bases:
 
     def context_device(self, name: str) -> torch.device | None:
         """Where the context pass over ``name``'s base runs: None on the host (numba, from
-        :meth:`bits`); a torch device: there (:mod:`engine_ext.format.context_device`, Triton),
+        :meth:`bits`); a torch device: there (:mod:`engine_ext.triton_kernels.context_decode`, Triton),
         from :meth:`tensor_bits`, with no copy of the base to the host. The decoded positions
         and values of such a tensor are on that device."""
         return None
@@ -401,11 +401,11 @@ def _decode_context(p: _Part, data: memoryview, bases: Bases | None) -> tuple[to
     n = e.positions.length
     args = (t.dtype, tuple(t.shape), box, bytes(data[:n]), bytes(data[n:]), e.nnz, base_of, list(p.tables))
     if device is None:
-        pos, vals = (torch.from_numpy(a) for a in context_codec.decode(*args))
+        pos, vals = (torch.from_numpy(a) for a in codec_v2.decode(*args))
     else:
-        from ..format import context_device
+        from ..triton_kernels import context_decode  # Triton: loaded only where a base lives on a device
 
-        pos, vals = context_device.decode(*args)
+        pos, vals = context_decode.decode(*args)
     if box is not None:
         pos = chunks.to_global(pos, t.shape, box)
     return pos, vals

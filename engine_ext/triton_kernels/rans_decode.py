@@ -1,9 +1,9 @@
 """The ``ctx-rans`` streams (format 9) decoded on a device: one Triton program per chunk, its lanes a vector.
 
-:func:`decode` is the entry point, the device twin of :func:`engine_ext.format.context_rans.decode`: the numba
-kernel behind that (``context_rans_kernels.decode_chunks``) is the reference semantics and the plain reference
+:func:`decode` is the entry point, the device twin of :func:`engine_ext.format.context.rans_stage.decode`: the numba
+kernel behind that (``rans_stage_kernels.decode_chunks``) is the reference semantics and the plain reference
 of this module (``tests/test_rans_device.py`` holds the two side by side, bit for bit, this one in Triton's
-interpreter on CPU tensors). The host parses a part's header and directory (:func:`engine_ext.format.context_rans.plan`,
+interpreter on CPU tensors). The host parses a part's header and directory (:func:`engine_ext.format.context.rans_stage.plan`,
 O(chunks)); what crosses host -> device is the part's bytes and the plan's small arrays (the tables once per
 device); device -> host one sync of two scalars. Chunks are decoded in one launch, a program each.
 
@@ -36,7 +36,7 @@ the chunk's stored u32. Per round, with ``act_l = l < m``:
 ``2^40 >> B`` or a rank past its block; -8 a zero step or one wider than the dtype; -1 words read past the
 chunk's after a round; after the last round -2 words left, -4 bypass bits left (a whole byte, or nonzero
 padding), -3 a lane not back at ``2^16``. Then, with torch on the device, the continuation check
-(:meth:`engine_ext.format.context_rans.Plan.check_continuations`). Any: :class:`IntegrityError` (the host's
+(:meth:`engine_ext.format.context.rans_stage.Plan.check_continuations`). Any: :class:`IntegrityError` (the host's
 message; where several chunks fail, the lowest code, as the host's threads report).
 
 **Parallelism** is the part's: ``chunks x lanes`` rANS chains (a 4096 x 4096 part at 1 % has 10-20 chunks of up
@@ -51,8 +51,8 @@ import numpy as np
 import torch
 
 from ..errors import IntegrityError
-from ..format import rans
-from ..format.context_models import EXACT, QMAX
+from ..format.context import rans
+from ..format.context.models import EXACT, QMAX
 
 try:
     import triton
@@ -85,9 +85,9 @@ _PROB_BITS = _const(rans.PROB_BITS)
 _SLOT = _const(rans.M - 1)
 _QMAX = _const(QMAX)
 _EXACT = _const(EXACT)
-_ESCAPE = _const(48)  # context_rans_kernels.ESCAPE_BITS
+_ESCAPE = _const(48)  # rans_stage_kernels.ESCAPE_BITS
 _ESCAPE_MASK = _const((1 << 48) - 1)
-_LIMIT_BITS = _const(40)  # an escaped quotient q must keep q << B <= 2^40 (context_rans: ``lim``)
+_LIMIT_BITS = _const(40)  # an escaped quotient q must keep q << B <= 2^40 (rans_stage: ``lim``)
 
 _TORCH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
@@ -302,14 +302,14 @@ def _on_device(arr: np.ndarray, dev: torch.device) -> torch.Tensor:
     return t
 
 
-CPU_TOO = False  # tests: context_device decodes here for a base on the CPU too (in Triton's interpreter)
+CPU_TOO = False  # tests: context_decode decodes here for a base on the CPU too (in Triton's interpreter)
 
 
 def serves(device: torch.device) -> bool:
-    """Whether ``engine_ext.format.context_device`` decodes a part's ctx-rans streams here for a base on
+    """Whether ``engine_ext.triton_kernels.context_decode`` decodes a part's ctx-rans streams here for a base on
     ``device``: on an accelerator. On the CPU the host's decoder is the device's own (numba, a few ns per change;
     Triton's interpreter takes ~1 ms per change), unless :data:`CPU_TOO` (what tests set to hold this kernel
-    against the host's through ``context_device``)."""
+    against the host's through ``context_decode``)."""
     return torch.device(device).type != "cpu" or CPU_TOO
 
 
@@ -321,7 +321,7 @@ def _lanes_width(lanes: np.ndarray) -> int:
 def decode(data: torch.Tensor, plan) -> tuple[torch.Tensor, torch.Tensor]:
     """(ranks int64, steps) of ``plan.which``'s chunks on ``data``'s device (``data``: the part's bytes, uint8, the
     plan's offsets index it), block-major (:attr:`Plan.starts`; other chunks' entries zero): what
-    :func:`engine_ext.format.context_rans.decode` gives, bit for bit, or :class:`IntegrityError` where it refuses.
+    :func:`engine_ext.format.context.rans_stage.decode` gives, bit for bit, or :class:`IntegrityError` where it refuses.
     One launch, one sync."""
     if data.dtype != torch.uint8 or data.dim() != 1:
         raise TypeError(f"data must be 1-D uint8, got {data.dtype} {tuple(data.shape)}")

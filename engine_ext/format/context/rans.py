@@ -1,4 +1,4 @@
-"""A static, table-driven, interleaved rANS coder: the stage under codec v2 since format 9 (``context_rans``).
+"""A static, table-driven, interleaved rANS coder: the stage under codec v2 since format 9 (:mod:`.rans_stage`).
 
 Specification (what another implementation must do to decode these bytes):
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ..errors import IntegrityError
+from ...errors import IntegrityError
 
 PROB_BITS = 12
 M = 1 << PROB_BITS
@@ -69,7 +69,7 @@ def normalize(counts, prob_bits: int = PROB_BITS) -> np.ndarray:
     return freq.astype(np.uint32)
 
 
-def tables(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def coding_tables(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(cum, symbol_of): the cumulative frequencies and the ``M``-slot decode table of a normalized alphabet."""
     freq = np.asarray(freq, dtype=np.uint32)
     if int(freq.sum()) != M:
@@ -138,7 +138,7 @@ def encode(symbols: np.ndarray, freq: np.ndarray, lanes: int = 32) -> tuple[np.n
     if not 1 <= lanes <= MAX_LANES:
         raise ValueError(f"lanes must be 1..{MAX_LANES}, got {lanes}")
     freq = np.asarray(freq, np.uint32)
-    cum, _ = tables(freq)
+    cum, _ = coding_tables(freq)
     symbols = np.ascontiguousarray(symbols, dtype=np.int64)
     if symbols.size and (symbols.min() < 0 or symbols.max() >= freq.size):
         raise ValueError("a symbol outside the alphabet")
@@ -154,7 +154,7 @@ def decode(words: np.ndarray, states: np.ndarray, n: int, freq: np.ndarray,
     not end at the encoder's initial state. ``symbol_of``/``cum``: tables built once per alphabet (else here)."""
     freq = np.asarray(freq, np.uint32)
     if cum is None or symbol_of is None:
-        cum, symbol_of = tables(freq)
+        cum, symbol_of = coding_tables(freq)
     states = np.ascontiguousarray(states, dtype=np.uint32)
     if not 1 <= states.size <= MAX_LANES or (n > 0 and (states < RANS_L).any()):
         raise IntegrityError(f"rANS: {states.size} lane states, or a state below {RANS_L}")
@@ -167,4 +167,4 @@ def decode(words: np.ndarray, states: np.ndarray, n: int, freq: np.ndarray,
     return out
 
 
-__all__ = ["M", "PROB_BITS", "RANS_L", "decode", "encode", "normalize", "tables"]
+__all__ = ["M", "PROB_BITS", "RANS_L", "decode", "encode", "coding_tables", "normalize"]

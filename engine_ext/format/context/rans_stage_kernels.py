@@ -1,4 +1,4 @@
-"""The compiled loops of the ``ctx-rans`` layout (:mod:`engine_ext.format.context_rans` states it): the chunk
+"""The compiled loops of the ``ctx-rans`` layout (:mod:`engine_ext.format.context.rans_stage` states it): the chunk
 encoder, the reader's plan of a part (header rest, counts, directory; every size checked), and the chunk
 decoder, one table load and one multiply-add per symbol. ``nogil``: a reader spreads chunks over its cores.
 """
@@ -8,7 +8,7 @@ import numba
 import numpy as np
 
 from . import rans
-from .context_models import EXACT, QMAX, count_spread, golomb_param
+from .models import EXACT, QMAX, count_spread, golomb_param
 
 ESCAPE_BITS = 48  # an escaped quotient's extra bits
 SLOT = rans.M - 1  # a state's slot: x & SLOT

@@ -1,6 +1,6 @@
 """The probability models of the context coder, which publisher and ranks both build.
 
-:mod:`engine_ext.format.context_codec` lays out the streams; this module says what each
+:mod:`engine_ext.format.context.codec` lays out the streams; this module says what each
 symbol means and with which probabilities it is coded: the exponent field of each float
 dtype and the classes over it, the step symbols, the version's shared step tables, and
 the Golomb laws of gaps and counts. Every probability a decoder uses is built from
@@ -15,8 +15,8 @@ import functools
 import numba
 import numpy as np
 
-MAX_TABLES = 64  # step tables per dtype in a manifest
-TABLE_MIN = 512  # changes behind one step table (rarer exponents share their neighbours')
+MAX_STEP_TABLES = 64  # step tables per dtype in a manifest
+STEP_TABLE_MIN = 512  # changes behind one step table (rarer exponents share their neighbours')
 QMAX = 48  # Golomb quotients >= QMAX escape to 48 raw bits
 EXACT = 8  # zigzag steps below this are symbols of their own; above, one symbol per power of two
 
@@ -103,8 +103,8 @@ def table_codes(hist: np.ndarray) -> bytes:
 
 def step_tables(dtype_name: str, exps: np.ndarray, steps: np.ndarray) -> list[bytes]:
     """A version's step tables for one dtype, from the exponents and steps of all its changes:
-    one per exponent with ``TABLE_MIN`` changes or more (rarer ones join their neighbours),
-    at most ``MAX_TABLES``. Every symbol gets a nonzero weight. Encoder only."""
+    one per exponent with ``STEP_TABLE_MIN`` changes or more (rarer ones join their neighbours),
+    at most ``MAX_STEP_TABLES``. Every symbol gets a nonzero weight. Encoder only."""
     return tables_from_histogram(dtype_name, step_histogram(dtype_name, exps, steps))
 
 
@@ -122,7 +122,7 @@ def tables_from_histogram(dtype_name: str, by_exp: np.ndarray) -> list[bytes]:
     A = alphabet(dtype_name)
     n_exp = EXPONENT[dtype_name][1] + 1
     by_exp = np.asarray(by_exp, dtype=np.int64).reshape(n_exp, A)
-    need = max(TABLE_MIN, -(-int(by_exp.sum()) // MAX_TABLES))
+    need = max(STEP_TABLE_MIN, -(-int(by_exp.sum()) // MAX_STEP_TABLES))
     tables, acc = [], np.zeros(A, dtype=np.int64)
     for e in range(n_exp):
         acc += by_exp[e]
@@ -134,7 +134,7 @@ def tables_from_histogram(dtype_name: str, by_exp: np.ndarray) -> list[bytes]:
             tables[-1] = tables[-1] + acc
         else:
             tables.append(acc)
-    return [table_codes(t) for t in tables[:MAX_TABLES]]
+    return [table_codes(t) for t in tables[:MAX_STEP_TABLES]]
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,6 +1,6 @@
 """The context coder's passes over a part's base, in numba: one load and one store per element.
 
-:mod:`engine_ext.format.context_codec` states the model. Encoding needs each change's rank
+:mod:`engine_ext.format.context.codec` states the model. Encoding needs each change's rank
 among its (block, class) elements (:func:`ranks`); decoding the inverse, the elements of
 listed ranks (:func:`scan`): per class a countdown to the next listed rank. Both read
 every element of the part once; :func:`scan` spreads blocks over the cores (nogil kernels on
@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numba
 import numpy as np
 
-from ..errors import IntegrityError
+from ...errors import IntegrityError
 
 PARALLEL_MIN = 1 << 20  # parts this big scan their blocks on every core
 

@@ -2,10 +2,10 @@
 
 Why: format 5's range-coded streams (``ctx``) cost 73 ns per change to decode, on one thread, and
 every rank decoded a whole part's streams. The model is static (nothing adapts), so a table-driven
-interleaved rANS (:mod:`engine_ext.format.rans`) decodes it in a few ns per change, and laying the
+interleaved rANS (:mod:`engine_ext.format.context.rans`) decodes it in a few ns per change, and laying the
 symbols out block by block lets a rank decode only the blocks it holds, on every core.
 
-**Symbols** (the model is :mod:`engine_ext.format.context_models`'s, as in format 5). Changes are
+**Symbols** (the model is :mod:`engine_ext.format.context.models`'s, as in format 5). Changes are
 ordered by block, then class, then rank. Change ``j`` of (block ``b``, class ``c``) has the gap
 ``g = rank - previous rank - 1`` (the first: its rank); its Golomb quotient ``q = g >> B`` is the
 symbol ``min(q, QMAX)`` under the quotient table of key ``key[c, b]``, and its step's bin is a
@@ -18,7 +18,7 @@ lanes (:func:`lanes_for`; change ``j`` of the chunk on lane ``j % L``) in *round
 round's quotient symbols (lanes ``0..m-1``), then its step symbols. Its rANS words (one 16-bit stream,
 all lanes) come first, then its *bypass* section: per round, for each change ``48`` escape bits when
 ``q >= QMAX`` (``q - QMAX``) and the gap's ``B`` low bits, then for each change its step's low bits
-(:func:`engine_ext.format.context_models.step_bins`), every field least significant bit first, the
+(:func:`engine_ext.format.context.models.step_bins`), every field least significant bit first, the
 last byte padded with zeros.
 
 **Bytes** (little-endian): ``b"X3"``, u8 K, u8 block policy, u8 edges[K-1], varint populations[K],
@@ -43,10 +43,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import IntegrityError
-from . import context_rans_kernels as kernels, rans
-from .context_blocks import Blocks
-from .context_models import QMAX, count_params, golomb_params, quotient_probs, table_weights
+from ...errors import IntegrityError
+from . import rans, rans_stage_kernels
+from .blocks import Blocks
+from .models import QMAX, count_params, golomb_params, quotient_probs, table_weights
 
 MAGIC = b"X3"
 CHUNK_CHANGES = 16384  # a block's changes above this are cut into chunks: the unit a thread (a GPU program) takes
@@ -78,16 +78,16 @@ def _rows(weights_list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 @functools.lru_cache(maxsize=1)
-def quotient_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def rans_quotient_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The quotient laws of every key as rANS tables: counts ``max(1, floor(p * 2^30))`` of
     :func:`quotient_probs` (IEEE ``+ - * /`` only, then integer normalisation): alike on every host."""
     return _rows([np.maximum(1, np.floor(quotient_probs(k) * float(1 << 30))).astype(np.int64) for k in range(QKEYS)])
 
 
 @functools.lru_cache(maxsize=32)
-def step_tables(tables: tuple[bytes, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def rans_step_tables(step_tables: tuple[bytes, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A version's step tables (one-byte codes) as rANS tables: their exact integer weights, normalized."""
-    return _rows([table_weights(t).astype(np.int64) for t in tables])
+    return _rows([table_weights(t).astype(np.int64) for t in step_tables])
 
 
 def gap_params(k: np.ndarray, pops: np.ndarray, bl: Blocks) -> tuple[np.ndarray, np.ndarray]:
@@ -150,7 +150,7 @@ def _golomb(g: np.ndarray, B: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
 
 
 def encode(head: bytes, bl: Blocks, pops: np.ndarray, k: np.ndarray, ranks: np.ndarray, zsym: np.ndarray,
-           zlow_bits: np.ndarray, zlow: np.ndarray, table_of_class: np.ndarray, tables: list[bytes]) -> bytes:
+           zlow_bits: np.ndarray, zlow: np.ndarray, table_of_class: np.ndarray, step_tables: list[bytes]) -> bytes:
     """A part's bytes after ``head`` (magic, K, policy, edges, populations, totals): ``k`` [K, S] changes per
     (class, block); ``ranks`` and the step bins (``zsym``, ``zlow_bits``, ``zlow``) in block, class, rank
     order; ``table_of_class`` the step table of each class (-1: no changes)."""
@@ -159,8 +159,8 @@ def encode(head: bytes, bl: Blocks, pops: np.ndarray, k: np.ndarray, ranks: np.n
     live = totals > 0
     out = bytearray(head)
     out += bytes(table_of_class[live].astype(np.uint8))
-    qf, qc, _ = quotient_tables()
-    sf, sc, _ = step_tables(tuple(tables))  # (the decoder's are built from the same normalized frequencies)
+    qf, qc, _ = rans_quotient_tables()
+    sf, sc, _ = rans_step_tables(tuple(step_tables))  # (the decoder's are built from the same normalized frequencies)
     freq, cum = np.concatenate([qf, sf]), np.concatenate([qc, sc])
     if S > 1 and live.any():
         expected = (totals[live, None] * bl.sizes[None, :-1]) // bl.numel
@@ -168,7 +168,7 @@ def encode(head: bytes, bl: Blocks, pops: np.ndarray, k: np.ndarray, ranks: np.n
         B, _ = count_params(expected)
         zz = ((dev << 1) ^ (dev >> 63)).astype(np.int64)
         buf = np.empty(16 * zz.size + 16 + int(((zz >> B.reshape(-1)).clip(0, QMAX) // 8).sum()), np.uint8)
-        out += buf[:kernels.encode_counts(zz, B.reshape(-1).astype(np.int64), buf)].tobytes()
+        out += buf[:rans_stage_kernels.encode_counts(zz, B.reshape(-1).astype(np.int64), buf)].tobytes()
     # block-major: block b, class c at first[b, c]
     per_block = k.sum(axis=0)
     first = np.zeros((S, K + 1), np.int64)
@@ -190,8 +190,8 @@ def encode(head: bytes, bl: Blocks, pops: np.ndarray, k: np.ndarray, ranks: np.n
     buf = np.empty(16 * n + 64 * len(lanes) + 16, np.uint8)
     nwords, nbypass = np.zeros(len(lanes), np.int64), np.zeros(len(lanes), np.int64)
     states = np.zeros(int(lanes.sum()), np.int64)
-    used = kernels.encode_chunks(qs, key[group_c, group_b], q, gB, low, zsym, QKEYS + table_of_class[group_c], zlow_bits, zlow,
-                          bounds, lanes, freq, cum, buf, nwords, nbypass, states)
+    used = rans_stage_kernels.encode_chunks(qs, key[group_c, group_b], q, gB, low, zsym, QKEYS + table_of_class[group_c],
+                                            zlow_bits, zlow, bounds, lanes, freq, cum, buf, nwords, nbypass, states)
     directory = np.stack([np.diff(bounds), lanes, nwords, nbypass, prev], axis=1).tolist()
     directory[0] = directory[0][:4]  # the first chunk begins its (block, class): no rank before it
     directory[-1] = directory[-1][1:3] + directory[-1][4:]  # the last chunk's changes and bypass size: what remains
@@ -255,11 +255,11 @@ _PLAN_ERRORS = {1: "truncated step tables", 2: "a step table beyond the version'
                 11: "a chunk does not continue its (block, class) where the previous ended"}
 
 
-def _error(code: int, tables: int = 0) -> str:
+def _error(code: int, n_step_tables: int = 0) -> str:
     """The message of a plan's (positive) or a chunk's (negative) error code."""
     if code < 0:
         return f"ctx-rans: corrupt chunk (code {code})"
-    return f"ctx-rans: {_PLAN_ERRORS[code]}" + (f" {tables}" if code == 2 else "")
+    return f"ctx-rans: {_PLAN_ERRORS[code]}" + (f" {n_step_tables}" if code == 2 else "")
 
 
 def _wanted(S: int, want) -> np.ndarray:
@@ -271,28 +271,30 @@ def _wanted(S: int, want) -> np.ndarray:
 
 
 def plan(data: np.ndarray, at: int, bl: Blocks, pops: np.ndarray, totals: np.ndarray, step_dtype,
-         tables: list[bytes], want=None) -> Plan:
+         step_tables: list[bytes], want=None) -> Plan:
     """The :class:`Plan` of a part whose header ended at ``data[at]`` (uint8): the chunks of the blocks in ``want``
     (default all). One compiled pass over the header's rest and the directory (a reader plans every part)."""
     code, stab, k, c_start, lanes, offs, nwords, nbypass, c_state, prev, c_block, states, which, starts, gend, gq, gB, \
-        gsize, gs = kernels.plan_part(data, at, bl.sizes, pops, totals, len(tables), _wanted(bl.S, want), quotient_tables()[2])
+        gsize, gs = rans_stage_kernels.plan_part(data, at, bl.sizes, pops, totals, len(step_tables), _wanted(bl.S, want),
+                                                 rans_quotient_tables()[2])
     if code:
-        raise IntegrityError(_error(int(code), len(tables)))
+        raise IntegrityError(_error(int(code), len(step_tables)))
     return Plan(starts, which, c_start, lanes, offs, nwords, nbypass, c_state, prev, c_block, states, pops.size, gend, gq,
-                gB, gsize, gs, quotient_tables()[2], step_tables(tuple(tables))[2], np.dtype(step_dtype))
+                gB, gsize, gs, rans_quotient_tables()[2], rans_step_tables(tuple(step_tables))[2], np.dtype(step_dtype))
 
 
 def decode_part(data: np.ndarray, at: int, bl: Blocks, pops: np.ndarray, totals: np.ndarray, step_dtype,
-                tables: list[bytes], want=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                step_tables: list[bytes], want=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(starts, ranks, steps) of a part on the host on one thread: :func:`plan` and :func:`decode` in one compiled
     call (a small part's fixed cost is mostly crossings into compiled code)."""
     n = int(totals.sum())
     alloc = np.empty if want is None else np.zeros  # every entry written, or the unwanted chunks' left zero
     ranks, steps = alloc(n, np.int64), alloc(n, step_dtype)
-    code, starts = kernels.decode_part(data, at, bl.sizes, pops, totals, len(tables), _wanted(bl.S, want), quotient_tables()[2],
-                                step_tables(tuple(tables))[2], 8 * steps.itemsize, ranks, steps)
+    code, starts = rans_stage_kernels.decode_part(data, at, bl.sizes, pops, totals, len(step_tables), _wanted(bl.S, want),
+                                                  rans_quotient_tables()[2], rans_step_tables(tuple(step_tables))[2],
+                                                  8 * steps.itemsize, ranks, steps)
     if code:
-        raise IntegrityError(_error(int(code), len(tables)))
+        raise IntegrityError(_error(int(code), len(step_tables)))
     return starts, ranks, steps
 
 
@@ -307,8 +309,9 @@ def decode(data: np.ndarray, p: Plan, workers: int = 1, pool=None) -> tuple[np.n
                                                           np.linspace(0, changes[which].sum(), workers + 1)[1:-1])) if g.size]
 
     def run(g):
-        return kernels.decode_chunks(data, g, p.c_start, p.lanes, p.offs, p.nwords, p.nbypass, p.c_state, p.prev, p.c_block,
-                              p.states, p.K, p.gend, p.gq, p.gB, p.gsize, p.gs, p.qtab, p.stab, p.itembits, ranks, steps)
+        return rans_stage_kernels.decode_chunks(data, g, p.c_start, p.lanes, p.offs, p.nwords, p.nbypass, p.c_state,
+                                                p.prev, p.c_block, p.states, p.K, p.gend, p.gq, p.gB, p.gsize, p.gs, p.qtab,
+                                                p.stab, p.itembits, ranks, steps)
 
     codes = list(pool.map(run, groups)) if len(groups) > 1 else [run(g) for g in groups]
     if any(codes):
@@ -317,5 +320,5 @@ def decode(data: np.ndarray, p: Plan, workers: int = 1, pool=None) -> tuple[np.n
     return ranks, steps
 
 
-__all__ = ["CHUNK_CHANGES", "LANES", "MAGIC", "Plan", "decode", "encode", "gap_params", "plan", "quotient_tables",
-           "step_tables"]
+__all__ = ["CHUNK_CHANGES", "LANES", "MAGIC", "Plan", "decode", "encode", "gap_params", "plan", "rans_quotient_tables",
+           "rans_step_tables"]

@@ -1,6 +1,6 @@
 """Decoding a context-coded part where its base lives: on an accelerator, without copying the base.
 
-Why: a GPU rank's base weights are on the GPU. :func:`engine_ext.format.context_codec.decode`
+Why: a GPU rank's base weights are on the GPU. :func:`engine_ext.format.context.codec.decode`
 reads the base of every changed part on the host (numba, ~1 ns per base element per core),
 so a GPU rank would first copy its whole changed weights to the host. Here the work is
 split by size instead:
@@ -8,7 +8,7 @@ split by size instead:
 * the streams (O(changes), about a byte per change): format 9's ``ctx-rans`` chunks on the base's
   device (``engine_ext.triton_kernels.rans_decode``: the host only plans the part from its header and
   directory, O(chunks), and the part's bytes cross once), format 5's range-coded ``ctx`` streams on the
-  host (:func:`~engine_ext.format.context_codec.decode_streams`, then their ranks and steps cross);
+  host (:func:`~engine_ext.format.context.codec.decode_streams`, then their ranks and steps cross);
 * on the base's device, the context pass (``engine_ext.triton_kernels.context_scan``'s
   blocked pass, Triton): ranks -> positions, reading every base element once in place;
 * also crossing host -> device: the blocks' run tables (O(rows)) and a class table; device -> host:
@@ -17,6 +17,11 @@ split by size instead:
 
 The result is bit-exact with the host decoder (``tests/test_context_device.py`` holds the
 two side by side on every layout, in Triton's interpreter on the CPU).
+
+It lives here, above :mod:`engine_ext.format`, not in :mod:`engine_ext.format.context`: it is the
+composition of this package's two device kernels with the format's host-side pieces (the part's
+header, its blocks, the ``ctx-rans`` plan), so it imports both, and the format never imports the
+kernels. The reader (:mod:`engine_ext.store.reader`) picks it where a part's base lives on a device.
 """
 from __future__ import annotations
 
@@ -28,8 +33,10 @@ import numpy as np
 import torch
 
 from ..errors import IntegrityError
-from .context_codec import decode_streams, held_blocks, part_header
-from .context_models import EXPONENT, INT, ITEMSIZE, class_lut
+from ..format.context import rans_stage
+from ..format.context.codec import decode_streams, held_blocks, part_header
+from ..format.context.models import EXPONENT, INT, ITEMSIZE, class_lut
+from . import context_scan, rans_decode  # modules, not names: tests reload them under Triton's interpreter
 
 _TORCH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 _INTERPRETER = threading.Lock()  # Triton's interpreter patches triton.language while a kernel runs: one at a time
@@ -47,18 +54,14 @@ def _runs(shape, off: int, ext) -> np.ndarray:
 
 
 def decode(dtype_name: str, tensor_shape, box, pos_data: bytes, val_data: bytes, nnz: int, base_of,
-           tables: list[bytes], backend: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+           step_tables: list[bytes], backend: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted part-local positions int64, steps) of the changes in the blocks the caller holds,
-    on the base's device: :func:`engine_ext.format.context_codec.decode` with ``base_of(box)``
+    on the base's device: :func:`engine_ext.format.context.codec.decode` with ``base_of(box)``
     giving the flat raw bits of a box as a torch tensor on its device (None: none of it held;
     :class:`PartlyHeldError`: only some, then each block is asked for alone).
 
     ``backend``: "triton" (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``) or "torch"
     (the pass in plain torch, any device)."""
-    from ..triton_kernels.context_scan import block_positions
-    from ..triton_kernels.rans_decode import decode as rans_decode, serves as rans_serves
-    from . import context_rans
-
     h, bl = part_header(dtype_name, tensor_shape, box, pos_data, nnz)
     K = h.K
     itemsize = ITEMSIZE[dtype_name]
@@ -69,16 +72,16 @@ def decode(dtype_name: str, tensor_shape, box, pos_data: bytes, val_data: bytes,
         return torch.empty(0, dtype=torch.int64), torch.from_numpy(np.empty(0, INT[itemsize]))
     want = None if -1 in held else np.fromiter(held, np.int64)
     on = next(iter(held.values())).device
-    if h.magic == context_rans.MAGIC and backend == "triton" and rans_serves(on):  # ctx-rans: streams on the device
+    if h.magic == rans_stage.MAGIC and backend == "triton" and rans_decode.serves(on):  # ctx-rans: streams on the device
         if val_data:
             raise IntegrityError("a ctx-rans part has no values segment")
         data = np.frombuffer(pos_data, np.uint8)
-        p = context_rans.plan(data, h.at, bl, h.pops, h.totals, INT[itemsize], tables, want)  # host: O(chunks)
+        p = rans_stage.plan(data, h.at, bl, h.pops, h.totals, INT[itemsize], step_tables, want)  # host: O(chunks)
         with _one_at_a_time_if_interpreted():  # the bytes cross once; ranks and steps are born on the device
-            ranks, steps = rans_decode(torch.from_numpy(data.copy()).to(on), p)
+            ranks, steps = rans_decode.decode(torch.from_numpy(data.copy()).to(on), p)
         all_starts = p.starts
     else:
-        st = decode_streams(dtype_name, tensor_shape, box, pos_data, val_data, nnz, tables, want, (h, bl))
+        st = decode_streams(dtype_name, tensor_shape, box, pos_data, val_data, nnz, step_tables, want, (h, bl))
         ranks, steps, all_starts = torch.from_numpy(st.ranks), torch.from_numpy(st.steps), st.starts
     if -1 in held:
         bits = held[-1].reshape(-1)
@@ -116,7 +119,7 @@ def decode(dtype_name: str, tensor_shape, box, pos_data: bytes, val_data: bytes,
     dev = bits.device
     try:
         with _one_at_a_time_if_interpreted():
-            pos, src = block_positions(bits, geo, shift, mask, lut, ranks, starts, backend=backend)
+            pos, src = context_scan.block_positions(bits, geo, shift, mask, lut, ranks, starts, backend=backend)
     except ValueError as e:
         raise IntegrityError(f"context ranks beyond their class (a wrong base, or corrupt): {e}") from None
     return pos, steps.to(dev)[src]

@@ -27,9 +27,9 @@ plain coder (:mod:`engine_ext.format.codec`) reaches (docs/benchmarks.md, "Codec
 
 Every probability both ends use comes from integers and IEEE ``+ - * /`` only (no ``exp``,
 ``log`` or ``pow``), so publisher and ranks on different hosts build bit-identical models.
-The probabilities are :mod:`engine_ext.format.context_models`. Writers write format 9
+The probabilities are :mod:`engine_ext.format.context.models`. Writers write format 9
 (:func:`encode`): the symbols on the project's static interleaved rANS, block-major chunks a rank
-decodes alone (:mod:`engine_ext.format.context_rans`). Readers also read format 5, whose entropy
+decodes alone (:mod:`engine_ext.format.context.rans_stage`). Readers also read format 5, whose entropy
 coder was ``constriction``'s range coder (one stream for counts and positions, one for steps;
 its writer is kept for tests in ``tests/legacy_ctx.py``). Both share the header and the model
 (:func:`arrange`); :func:`decode_streams` reads either. Decoding maps ranks to positions with
@@ -49,18 +49,19 @@ import os
 import struct
 from dataclasses import dataclass
 
+import constriction
 import numpy as np
 import torch
 
-from ..errors import IntegrityError, PartlyHeldError
-from .context_blocks import MAX_POLICY, Blocks, Box, blocks
-from . import context_rans, context_rans_kernels
-from .context_kernels import exponent_histogram, pool as scan_pool, ranks as block_ranks, scan
-from .context_models import (EXACT, EXPONENT, INT, ITEMSIZE, QMAX, UINT, alphabet, best_table, class_key, class_lut,
-                             count_params, exponents, quotient_probs, step_bins, supports,
-                             table_weights, unzigzag, zigzag)
+from ...errors import IntegrityError, PartlyHeldError
+from . import rans_stage, rans_stage_kernels
+from ..chunks import Box
+from .blocks import MAX_POLICY, Blocks, part_blocks
+from .models import (EXACT, EXPONENT, INT, ITEMSIZE, QMAX, UINT, alphabet, best_table, class_key, class_lut, count_params,
+                     exponents, quotient_probs, step_bins, supports, table_weights, unzigzag, zigzag)
+from .scan_kernels import exponent_histogram, pool as scan_pool, ranks as block_ranks, scan
 
-MAGIC = b"X2"
+RANGE_MAGIC = b"X2"
 MAX_CLASSES = 16
 CLASS_COST_BITS = 40  # header bits one more class costs (edge, population, count, table, block counts)
 
@@ -121,12 +122,6 @@ def pays(dtype_name: str, base_sample: np.ndarray, changed_old: np.ndarray, nume
 
 
 # ---------------------------------------------------------------- Golomb codes
-def _models():
-    import constriction
-
-    return constriction.stream.model, constriction.stream.queue
-
-
 def _get_bits(dec, m, widths: np.ndarray) -> np.ndarray:
     out = np.zeros(widths.size, dtype=np.int64)
     for shift in (0, 16, 32):
@@ -165,7 +160,7 @@ class _Reader:
 
     def varints(self, n: int, limit: int) -> np.ndarray:
         out = np.zeros(n, np.int64)
-        at = context_rans_kernels.varints(np.frombuffer(self.data, np.uint8), self.at, n, limit, out)
+        at = rans_stage_kernels.varints(np.frombuffer(self.data, np.uint8), self.at, n, limit, out)
         if at < 0:
             raise IntegrityError(f"context header: truncated, or a count over its bound {limit}")
         self.at = at
@@ -180,7 +175,7 @@ class _Reader:
 
 # ---------------------------------------------------------------- encode
 @dataclass
-class Encoded:
+class CodedPart:
     """A context-coded part's segments: ``ctx-rans`` keeps all its bytes in ``pos`` (``val`` empty)."""
 
     pos: bytes
@@ -206,8 +201,8 @@ class Arranged:
     def head(self, magic: bytes, policy: int) -> bytearray:
         """The header both layouts share: magic, K, policy, edges, populations, changes per class."""
         head = bytearray(magic) + struct.pack("<BB", self.K, policy) + bytes(self.edges)
-        head += context_rans.varint_bytes(self.pops)
-        head += context_rans.varint_bytes(np.bincount(self.cls, minlength=self.K))
+        head += rans_stage.varint_bytes(self.pops)
+        head += rans_stage.varint_bytes(np.bincount(self.cls, minlength=self.K))
         return head
 
 
@@ -216,7 +211,7 @@ def arrange(dtype_name: str, tensor_shape, box: Box | None, policy: int, base_bi
     """Classes, blocks and ranks of a part's changes (``positions``: sorted part-local row-major indices),
     given the part's ``base_bits`` (flat)."""
     shift, mask = EXPONENT[dtype_name]
-    bl = blocks(tensor_shape, box, policy)
+    bl = part_blocks(tensor_shape, box, policy)
     u = np.ascontiguousarray(base_bits).view(UINT[ITEMSIZE[dtype_name]]).reshape(-1)
     pos = positions.astype(np.int64)
     exp_at = ((u[pos] >> shift) & mask).astype(np.int64)
@@ -235,11 +230,11 @@ def arrange(dtype_name: str, tensor_shape, box: Box | None, policy: int, base_bi
 
 
 def encode(dtype_name: str, tensor_shape, box: Box | None, policy: int, base_bits: np.ndarray,
-           positions: np.ndarray, steps: np.ndarray, tables: list[bytes]) -> Encoded:
-    """The ``ctx-rans`` bytes (format 9, :mod:`engine_ext.format.context_rans`) of one part's changes (``box``
+           positions: np.ndarray, steps: np.ndarray, step_tables: list[bytes]) -> CodedPart:
+    """The ``ctx-rans`` bytes (format 9, :mod:`engine_ext.format.context.rans_stage`) of one part's changes (``box``
     of the tensor, None: all of it; its blocks cut by ``policy``): ``positions`` (sorted part-local row-major
     indices), ``steps`` (nonzero ordered-space steps there), given the part's ``base_bits`` (flat) and the
-    version's step ``tables`` for this dtype."""
+    version's ``step_tables`` for this dtype."""
     if (steps == 0).any():
         raise ValueError("a context-coded step is never zero")
     a = arrange(dtype_name, tensor_shape, box, policy, base_bits, positions)
@@ -251,9 +246,9 @@ def encode(dtype_name: str, tensor_shape, box: Box | None, policy: int, base_bit
     cls = a.cls[order]
     table_of_class = np.full(K, -1, np.int64)
     for c in np.flatnonzero(k.sum(axis=1)):
-        table_of_class[c] = best_table(np.bincount(sym[cls == c], minlength=alphabet(dtype_name)), tables)
-    return Encoded(context_rans.encode(bytes(a.head(context_rans.MAGIC, policy)), a.bl, a.pops, k, a.rank[order], sym,
-                                       lg, z & ((np.int64(1) << lg) - 1), table_of_class, tables))
+        table_of_class[c] = best_table(np.bincount(sym[cls == c], minlength=alphabet(dtype_name)), step_tables)
+    return CodedPart(rans_stage.encode(bytes(a.head(rans_stage.MAGIC, policy)), a.bl, a.pops, k, a.rank[order], sym,
+                                       lg, z & ((np.int64(1) << lg) - 1), table_of_class, step_tables))
 
 
 # ---------------------------------------------------------------- decode
@@ -278,7 +273,7 @@ def parse_positions_header(data: bytes, nnz: int, numel: int, dtype_name: str) -
         raise IntegrityError(f"context coder does not support {dtype_name}")
     r = _Reader(data)
     magic = r.take(2)
-    if magic not in (MAGIC, context_rans.MAGIC):
+    if magic not in (RANGE_MAGIC, rans_stage.MAGIC):
         raise IntegrityError("not a context-coded segment (format 5 or 9)")
     K, policy = r.take(2)
     if not 1 <= K <= MAX_CLASSES or policy > MAX_POLICY:
@@ -313,7 +308,7 @@ def decode_ranks(h: Header, bl: Blocks, dec, m) -> tuple[np.ndarray, np.ndarray]
     k[:, -1] = h.totals - k[:, :-1].sum(axis=1)
     if (k[:, -1] < 0).any() or (k[:, -1] > bl.sizes[-1]).any() or (k.sum(axis=0) > bl.sizes).any():
         raise IntegrityError("context counts: more changes than elements in a block")
-    b, key = (x.reshape(-1) for x in context_rans.gap_params(k, h.pops, bl))
+    b, key = (x.reshape(-1) for x in rans_stage.gap_params(k, h.pops, bl))
     flat = k.reshape(-1)
     group = np.repeat(np.arange(K * S), flat)
     g = _get_golomb(dec, m, b[group], key[group])
@@ -329,16 +324,16 @@ def decode_ranks(h: Header, bl: Blocks, dec, m) -> tuple[np.ndarray, np.ndarray]
     return k, ranks
 
 
-def decode_steps(data: bytes, totals: np.ndarray, tables: list[bytes], dtype_name: str, dec_factory, m) -> np.ndarray:
+def decode_steps(data: bytes, totals: np.ndarray, step_tables: list[bytes], dtype_name: str, dec_factory, m) -> np.ndarray:
     """The steps in (class, block, rank) order."""
     r = _Reader(data)
     live = np.flatnonzero(totals)
     choice = list(r.take(live.size))
-    if any(t >= len(tables) for t in choice):
-        raise IntegrityError(f"context steps: a step table beyond the version's {len(tables)}")
+    if any(t >= len(step_tables) for t in choice):
+        raise IntegrityError(f"context steps: a step table beyond the version's {len(step_tables)}")
     dec = dec_factory(r.words())
     itemsize = ITEMSIZE[dtype_name]
-    sym = np.concatenate([dec.decode(m.Categorical(table_weights(tables[t]), perfect=False), int(totals[c]))
+    sym = np.concatenate([dec.decode(m.Categorical(table_weights(step_tables[t]), perfect=False), int(totals[c]))
                           for c, t in zip(live, choice)] or [np.empty(0, np.int32)]).astype(np.int64)
     if sym.size and sym.max() >= alphabet(dtype_name):
         raise IntegrityError("context steps: a symbol beyond the alphabet")
@@ -373,7 +368,7 @@ def part_header(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes,
     full = tuple(int(x) for x in tensor_shape) or (1,)
     numel = math.prod(b - a for a, b in zip(*box)) if box else math.prod(full)
     h = parse_positions_header(pos_data, nnz, numel, dtype_name)
-    return h, blocks(full, box, h.policy)
+    return h, part_blocks(full, box, h.policy)
 
 
 PARALLEL_CHANGES = 1 << 15  # parts with this many changes decode their chunks on every core
@@ -381,27 +376,27 @@ _CORES = os.cpu_count() or 1
 
 
 def decode_streams(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_data: bytes, nnz: int,
-                   tables: list[bytes], want=None, head: tuple[Header, Blocks] | None = None) -> Streams:
+                   step_tables: list[bytes], want=None, head: tuple[Header, Blocks] | None = None) -> Streams:
     """The entropy-coded streams of a part, decoded without its base (small: O(changes)): of the blocks in
     ``want`` only (default all; format 9 decodes no others, format 5 decodes all), ``head`` its
     :func:`part_header` where the caller has it."""
     h, bl = head or part_header(dtype_name, tensor_shape, box, pos_data, nnz)
     itemsize = ITEMSIZE[dtype_name]
-    if h.magic == context_rans.MAGIC:
+    if h.magic == rans_stage.MAGIC:
         if val_data:
             raise IntegrityError("a ctx-rans part has no values segment")
         data = np.frombuffer(pos_data, np.uint8)
         workers = _CORES
         if nnz < PARALLEL_CHANGES or workers == 1:
-            starts, ranks, steps = context_rans.decode_part(data, h.at, bl, h.pops, h.totals, INT[itemsize], tables, want)
+            starts, ranks, steps = rans_stage.decode_part(data, h.at, bl, h.pops, h.totals, INT[itemsize], step_tables, want)
             return Streams(bl, h.edges, ranks, starts, steps)
-        p = context_rans.plan(data, h.at, bl, h.pops, h.totals, INT[itemsize], tables, want)
-        ranks, steps = context_rans.decode(data, p, workers, scan_pool())
+        p = rans_stage.plan(data, h.at, bl, h.pops, h.totals, INT[itemsize], step_tables, want)
+        ranks, steps = rans_stage.decode(data, p, workers, scan_pool())
         return Streams(bl, h.edges, ranks, p.starts, steps)
-    m, queue = _models()
+    m, queue = constriction.stream.model, constriction.stream.queue  # format 5: constriction's range coder
     try:  # the range decoder refuses some invalid words with its own exceptions
         k, ranks = decode_ranks(h, bl, queue.RangeDecoder(_Reader(pos_data[h.at:]).words()), m)
-        steps = decode_steps(val_data, h.totals, tables, dtype_name, queue.RangeDecoder, m)
+        steps = decode_steps(val_data, h.totals, step_tables, dtype_name, queue.RangeDecoder, m)
     except (AssertionError, ValueError, RuntimeError, OverflowError) as e:
         raise IntegrityError(f"corrupt context stream ({type(e).__name__}: {e})") from None
     K, S = h.K, bl.S
@@ -437,14 +432,14 @@ def held_blocks(bl: Blocks, base_of) -> dict | None:
 
 
 def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_data: bytes, nnz: int,
-           base_of, tables: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+           base_of, step_tables: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
     """(sorted part-local positions, steps) of the changes in the blocks the caller holds.
 
     ``base_of(box)`` gives the flat raw bits (numpy, row-major) of a box of the part's base
     (part-local coordinates), None when the caller holds none of it, or raises
     :class:`PartlyHeldError` when it holds only some: then each block is asked for alone, and
     only those held are decoded. The context pass runs here on the host (numba); a base on an
-    accelerator is decoded there by :func:`engine_ext.format.context_device.decode`."""
+    accelerator is decoded there by :func:`engine_ext.triton_kernels.context_decode.decode`."""
     h, bl = part_header(dtype_name, tensor_shape, box, pos_data, nnz)
     itemsize = ITEMSIZE[dtype_name]
     shift, mask, lut = class_key(h.edges, dtype_name, bl.numel)
@@ -452,7 +447,7 @@ def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_
     held = held_blocks(bl, base_of)
     if not held:
         return empty
-    st = decode_streams(dtype_name, tensor_shape, box, pos_data, val_data, nnz, tables,
+    st = decode_streams(dtype_name, tensor_shape, box, pos_data, val_data, nnz, step_tables,
                         None if -1 in held else np.fromiter(held, np.int64), (h, bl))
     starts, ranks_b, steps = st.starts, st.ranks, st.steps
     if -1 in held:
@@ -469,7 +464,7 @@ def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_
             u = np.ascontiguousarray(bits).view(UINT[itemsize]).reshape(-1)
             if u.size != bl.sizes[b]:
                 raise IntegrityError("the base of a context-coded block has the wrong size")
-            one = blocks(ext, None, 0)  # the block alone, as a part of one block
+            one = part_blocks(ext, None, 0)  # the block alone, as a part of one block
             sb = starts[b:b + 1] - starts[b, 0]
             p, src = scan(u, shift, mask, lut, one, ranks_b[starts[b, 0]:starts[b, -1]], sb)
             coords = np.unravel_index(p, ext)

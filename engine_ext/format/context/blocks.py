@@ -1,6 +1,6 @@
 """The blocks a context-coded part is cut into, where tensor parallelism cuts its tensor.
 
-Why: the context coder (:mod:`engine_ext.format.context_codec`) numbers a part's changes
+Why: the context coder (:mod:`engine_ext.format.context.codec`) numbers a part's changes
 by their rank among the part's elements of the same class, which a rank can only count
 over elements it holds. Cutting the part into *blocks* (ranks restart in each) at every
 place an engine's shard may end lets each rank decode the blocks it holds from its own
@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..chunks import Box
+
 SHARD_WAYS = (2, 4, 8)  # tensor-parallel sizes whose cuts fall on block edges
 VOCAB_PAD = 64  # vLLM and SGLang pad a vocabulary to a multiple of this before splitting it
 MAX_POLICY = 0b11111
-Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 # A part's *block policy* (one byte in its header) says which dimensions its blocks are cut
 # along: bit d (d = 0, 1, 2) cuts dimension d at the equal shares of 2, 4 and 8 ranks; bit 3
@@ -113,7 +114,7 @@ def _runs(shape, box) -> np.ndarray:
     return starts
 
 
-def blocks(tensor_shape, box: Box | None, policy: int) -> Blocks:
+def part_blocks(tensor_shape, box: Box | None, policy: int) -> Blocks:
     """The blocks of a part (``box`` of the tensor, None: all of it) under a block policy. Cached: a model's
     layers repeat a few shapes, and a reader asks for every part's blocks (read-only arrays)."""
     full = tuple(int(s) for s in tensor_shape) or (1,)
