@@ -47,8 +47,10 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import inspect
 import logging
 import platform
+from typing import Callable
 
 import torch
 
@@ -56,6 +58,24 @@ from ...format.dtypes import as_bits
 
 log = logging.getLogger("engine_ext")
 _MARK = "_engine_ext_keeps_weight"
+
+
+def _wrap_once(target: object, name: str, make_wrapper: Callable[[Callable], Callable]) -> Callable:
+    """Replace ``target.<name>`` (a module's function or a class's method) by ``make_wrapper(original)``,
+    unless it already is one of our wrappers; returns the wrapper in place.
+
+    Every patch installs through here, so installing twice (the general plugin runs in every vLLM
+    process, and tests install again) never wraps a wrapper. The wrapper carries ``_MARK`` (what the
+    second install finds) and ``original`` (what code that wants vLLM's own behaviour calls:
+    :func:`packed_conv`)."""
+    current = getattr(target, name)
+    if getattr(current, _MARK, False):
+        return current
+    wrapper = make_wrapper(current)
+    setattr(wrapper, _MARK, True)
+    wrapper.original = current
+    setattr(target, name, wrapper)
+    return wrapper
 
 
 _SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1022, 18  # x86-64 Linux
@@ -97,12 +117,15 @@ def keep_cpu_linear_weights() -> bool:
         utils = cpu_gemm_module()
     except ImportError:
         return False
-    orig = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
-    if orig is None:
+    if getattr(utils, "dispatch_cpu_unquantized_gemm", None) is None:
         log.warning("engine_ext: vLLM %s has no dispatch_cpu_unquantized_gemm; CPU keep-weights patch not applied", vllm.__version__)
         return False
-    if getattr(orig, _MARK, False):
-        return True
+    _wrap_once(utils, "dispatch_cpu_unquantized_gemm", _dispatch_keeping_weight)
+    return True
+
+
+def _dispatch_keeping_weight(orig: Callable) -> Callable:
+    """vLLM's CPU GEMM dispatch ``orig``, made to leave ``layer.weight`` in place (see the module docstring)."""
 
     def dispatch_keeping_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
         loaded = layer.weight.data  # where the loader wrote (and what a module may still view: Granite's conv_weights)
@@ -114,10 +137,7 @@ def keep_cpu_linear_weights() -> bool:
             layer._engine_ext_packed = True  # marks layers whose served copy is derived
         layer._engine_ext_gemm = gemm_path(layer)
 
-    setattr(dispatch_keeping_weight, _MARK, True)
-    dispatch_keeping_weight.original = orig
-    utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
-    return True
+    return dispatch_keeping_weight
 
 
 def keep_conv_weight(layer: torch.nn.Module, loaded: torch.Tensor) -> None:
@@ -191,18 +211,20 @@ MOE_BIAS = "w13_bias"  # padded with the experts where the engine pads (the gate
 
 def keep_cpu_moe_weights() -> bool:
     """Install the CPU MoE keep-weights patch (idempotent). Returns False where it does not apply."""
-    import inspect
-
     try:
         from .compat import cpu_moe_experts_class
 
         cls = cpu_moe_experts_class()
     except ImportError:
         return False
-    orig_process, orig_apply = cls.process_weights_after_loading, cls.apply
-    if getattr(orig_process, _MARK, False):
-        return True
-    apply_signature = inspect.signature(orig_apply)
+    _wrap_once(cls, "process_weights_after_loading", _moe_process_keeping_weights)
+    _wrap_once(cls, "apply", _moe_apply_on_packed)
+    return True
+
+
+def _moe_process_keeping_weights(orig_process: Callable) -> Callable:
+    """The CPU MoE experts' post-loading step ``orig_process``, made to keep the checkpoint-layout
+    experts on the layer and file the packed copies the kernel reads (by the kept tensors' pointers)."""
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         kept = {n: getattr(layer, n) for n in MOE_WEIGHTS}
@@ -229,6 +251,13 @@ def keep_cpu_moe_weights() -> bool:
             by_ptr[kept[n].data_ptr()] = packed[n].data
         layer._engine_ext_moe = info
 
+    return process_weights_after_loading
+
+
+def _moe_apply_on_packed(orig_apply: Callable) -> Callable:
+    """The CPU MoE experts' ``orig_apply``, handed the packed copies in place of the kept experts it is called with."""
+    apply_signature = inspect.signature(orig_apply)
+
     def apply(self, *args, **kwargs):
         by_ptr = self.__dict__.get("_engine_ext_packed")
         if by_ptr:
@@ -238,10 +267,7 @@ def keep_cpu_moe_weights() -> bool:
             return orig_apply(*bound.args, **bound.kwargs)
         return orig_apply(self, *args, **kwargs)
 
-    setattr(process_weights_after_loading, _MARK, True)
-    process_weights_after_loading.original, apply.original = orig_process, orig_apply
-    cls.process_weights_after_loading, cls.apply = process_weights_after_loading, apply
-    return True
+    return apply
 
 
 def keep_amx_mla_weights() -> bool:
@@ -252,9 +278,12 @@ def keep_amx_mla_weights() -> bool:
         cls = mla_attention_class()
     except ImportError:
         return False
-    orig = cls.process_weights_after_loading
-    if getattr(orig, _MARK, False):
-        return True
+    _wrap_once(cls, "process_weights_after_loading", _mla_process_keeping_weight)
+    return True
+
+
+def _mla_process_keeping_weight(orig: Callable) -> Callable:
+    """MLA attention's post-loading step ``orig``, made to put ``kv_b_proj``'s checkpoint-layout weight back on AMX."""
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         proj = getattr(self, "kv_b_proj", None)
@@ -264,10 +293,7 @@ def keep_amx_mla_weights() -> bool:
             proj.weight = kept  # the checkpoint-layout Parameter the loader writes; the impl serves its packed copies
             self._engine_ext_mla = act_dtype  # what rederive_mla derives them in
 
-    setattr(process_weights_after_loading, _MARK, True)
-    process_weights_after_loading.original = orig
-    cls.process_weights_after_loading = process_weights_after_loading
-    return True
+    return process_weights_after_loading
 
 
 def mla_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -414,9 +440,12 @@ def drain_replies_after_a_failed_rpc() -> bool:
         cls = multiproc_executor_class()
     except ImportError:
         return False
-    orig = cls.collective_rpc
-    if getattr(orig, _MARK, False):
-        return True
+    _wrap_once(cls, "collective_rpc", _rpc_draining_replies)
+    return True
+
+
+def _rpc_draining_replies(orig: Callable) -> Callable:
+    """``MultiprocExecutor.collective_rpc`` ``orig``, made to read the replies a failed call skipped."""
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False, **rest):
         if non_block or getattr(self, "response_mqs", None) is None:
@@ -437,9 +466,7 @@ def drain_replies_after_a_failed_rpc() -> bool:
         finally:
             self.response_mqs = real
 
-    setattr(collective_rpc, _MARK, True)
-    cls.collective_rpc = collective_rpc
-    return True
+    return collective_rpc
 
 
 def repack(layer: torch.nn.Module) -> None:
