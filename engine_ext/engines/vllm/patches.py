@@ -54,6 +54,7 @@ from typing import Callable
 
 import torch
 
+from ...errors import ApplyError
 from ...format.dtypes import as_bits
 
 log = logging.getLogger("engine_ext")
@@ -196,7 +197,7 @@ def repack_conv(layer: torch.nn.Module) -> None:
     """Pack the layer's kept conv weight again into the data its kernel reads (in place)."""
     fresh = packed_conv(layer)
     if fresh.shape != layer.weight.shape:
-        raise RuntimeError(f"vLLM's conv1d packing changed the weight's shape {tuple(layer.weight.shape)} -> {tuple(fresh.shape)}")
+        raise ApplyError(f"vLLM's conv1d packing changed the weight's shape {tuple(layer.weight.shape)} -> {tuple(fresh.shape)}")
     layer.weight.data.copy_(fresh)
 
 
