@@ -56,6 +56,7 @@ import torch
 
 from ...errors import ApplyError
 from ...format.dtypes import as_bits
+from . import compat
 
 log = logging.getLogger("engine_ext")
 _MARK = "_engine_ext_keeps_weight"
@@ -77,6 +78,17 @@ def _wrap_once(target: object, name: str, make_wrapper: Callable[[Callable], Cal
     wrapper.original = current
     setattr(target, name, wrapper)
     return wrapper
+
+
+def _install(find_target: Callable[[], object], name: str, make_wrapper: Callable[[Callable], Callable]) -> bool:
+    """:func:`_wrap_once` on the target ``find_target`` (a :mod:`.compat` lookup) finds; False where this
+    vLLM has no such module or class (an ImportError: the patch does not apply)."""
+    try:
+        target = find_target()
+    except ImportError:
+        return False
+    _wrap_once(target, name, make_wrapper)
+    return True
 
 
 _SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1022, 18  # x86-64 Linux
@@ -111,18 +123,14 @@ def request_amx_permission() -> bool | None:
 def keep_cpu_linear_weights() -> bool:
     """Install the patch (idempotent). Returns False where it does not apply."""
     try:
-        import vllm
-
-        from .compat import cpu_gemm_module
-
-        utils = cpu_gemm_module()
+        utils = compat.cpu_gemm_module()
     except ImportError:
         return False
     if getattr(utils, "dispatch_cpu_unquantized_gemm", None) is None:
-        log.warning("engine_ext: vLLM %s has no dispatch_cpu_unquantized_gemm; CPU keep-weights patch not applied", vllm.__version__)
+        log.warning("engine_ext: this vLLM has no dispatch_cpu_unquantized_gemm; CPU keep-weights patch not applied "
+                    "(%s)", compat.version_note()[1])
         return False
-    _wrap_once(utils, "dispatch_cpu_unquantized_gemm", _dispatch_keeping_weight)
-    return True
+    return _install(compat.cpu_gemm_module, "dispatch_cpu_unquantized_gemm", _dispatch_keeping_weight)
 
 
 def _dispatch_keeping_weight(orig: Callable) -> Callable:
@@ -182,13 +190,11 @@ def conv_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def packed_conv(layer: torch.nn.Module) -> torch.Tensor:
     """vLLM's packing of the layer's kept conv weight, made fresh (its dispatch, on a shallow copy)."""
-    from .compat import cpu_gemm_module
-
     fresh = copy.copy(layer)
     fresh._parameters = dict(layer._parameters)
     fresh._parameters["weight"] = torch.nn.Parameter(layer._engine_ext_conv.data.clone(), requires_grad=False)
     fresh.__dict__.pop("_cpu_unpacked_conv_weight", None)
-    dispatch = cpu_gemm_module().dispatch_cpu_unquantized_gemm
+    dispatch = compat.cpu_gemm_module().dispatch_cpu_unquantized_gemm
     getattr(dispatch, "original", dispatch)(fresh, remove_weight=False)  # vLLM's own, not the keep-weights wrapper
     return fresh.weight.data
 
@@ -212,15 +218,8 @@ MOE_BIAS = "w13_bias"  # padded with the experts where the engine pads (the gate
 
 def keep_cpu_moe_weights() -> bool:
     """Install the CPU MoE keep-weights patch (idempotent). Returns False where it does not apply."""
-    try:
-        from .compat import cpu_moe_experts_class
-
-        cls = cpu_moe_experts_class()
-    except ImportError:
-        return False
-    _wrap_once(cls, "process_weights_after_loading", _moe_process_keeping_weights)
-    _wrap_once(cls, "apply", _moe_apply_on_packed)
-    return True
+    return (_install(compat.cpu_moe_experts_class, "process_weights_after_loading", _moe_process_keeping_weights)
+            and _install(compat.cpu_moe_experts_class, "apply", _moe_apply_on_packed))
 
 
 def _moe_process_keeping_weights(orig_process: Callable) -> Callable:
@@ -273,14 +272,7 @@ def _moe_apply_on_packed(orig_apply: Callable) -> Callable:
 
 def keep_amx_mla_weights() -> bool:
     """Install the AMX MLA keep-weight patch (idempotent). Returns False where it does not apply."""
-    try:
-        from .compat import mla_attention_class
-
-        cls = mla_attention_class()
-    except ImportError:
-        return False
-    _wrap_once(cls, "process_weights_after_loading", _mla_process_keeping_weight)
-    return True
+    return _install(compat.mla_attention_class, "process_weights_after_loading", _mla_process_keeping_weight)
 
 
 def _mla_process_keeping_weight(orig: Callable) -> Callable:
@@ -347,13 +339,11 @@ def repack_experts(layer: torch.nn.Module, touched=None) -> int:
 def packed_experts(layer: torch.nn.Module, experts: torch.Tensor) -> dict[str, torch.Tensor]:
     """``{"w13_weight": ..., "w2_weight": ...}``: the kernel's packed copies of ``experts`` (indices) of
     ``layer``, made fresh from its kept checkpoint-layout experts (padded first where the engine pads)."""
-    from .compat import cpu_pad_moe_experts, cpu_prepack_moe_weight
-
     info = layer._engine_ext_moe
     rows = {name: getattr(layer, name).data[experts].contiguous() for name in _moe_served(info)}
     if info["padded"]:
-        rows = cpu_pad_moe_experts(info["experts"], rows)
-    return {name: cpu_prepack_moe_weight(rows[name], info["experts"].isa) if name in MOE_WEIGHTS else rows[name]
+        rows = compat.cpu_pad_moe_experts(info["experts"], rows)
+    return {name: compat.cpu_prepack_moe_weight(rows[name], info["experts"].isa) if name in MOE_WEIGHTS else rows[name]
             for name in rows}
 
 
@@ -435,14 +425,7 @@ def drain_replies_after_a_failed_rpc() -> bool:
     the replies it skipped before re-raising. Blocking calls only (utility RPCs such as
     ``update_weights`` and ours); idempotent.
     """
-    try:
-        from .compat import multiproc_executor_class
-
-        cls = multiproc_executor_class()
-    except ImportError:
-        return False
-    _wrap_once(cls, "collective_rpc", _rpc_draining_replies)
-    return True
+    return _install(compat.multiproc_executor_class, "collective_rpc", _rpc_draining_replies)
 
 
 def _rpc_draining_replies(orig: Callable) -> Callable:
@@ -472,9 +455,7 @@ def _rpc_draining_replies(orig: Callable) -> Callable:
 
 def repack(layer: torch.nn.Module) -> None:
     """Rebuild the served (packed) copy of ``layer`` from its kept ``weight``."""
-    from .compat import cpu_gemm_module
-
-    cpu_gemm_module().dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    compat.cpu_gemm_module().dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
 
 
 def packed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -529,9 +510,7 @@ def mla_copy_stale(layer: torch.nn.Module) -> bool:
         fresh = copy.copy(layer.impl)
         fresh.process_weights_after_loading(layer._engine_ext_mla)
         return not all(_same_bits(getattr(layer.impl, n), getattr(fresh, n)) for n in MLA_PACKED)
-    from .compat import mla_split_kv_b_proj
-
-    w_uk, w_uv = mla_split_kv_b_proj(layer)
+    w_uk, w_uv = compat.mla_split_kv_b_proj(layer)
     return not (_same_bits(layer.W_UK_T, w_uk.permute(1, 2, 0)) and _same_bits(layer.W_UV, w_uv.transpose(0, 1)))
 
 
