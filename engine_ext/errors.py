@@ -6,6 +6,10 @@ Every reason is snake_case (``^[a-z][a-z0-9_]*$``): it is a metrics label and a 
 import re
 
 
+# The classes are declarations, alike in shape on purpose (the `duplicates` tool pairs them): each is a
+# reason, a status and a docstring saying when, and callers catch them by class; a table would lose both.
+
+
 class DeltaError(Exception):
     """Base class. ``reason`` is a short machine-readable label (metrics, JSON answers)."""
 

@@ -13,6 +13,8 @@ CHECKED_ON = {"0.5.23": "tests run against SGLang 0.5.23 (CPU) and a static chec
 
 _TM = "sglang.srt.managers.tokenizer_manager"
 _SCHED = "sglang.srt.managers.scheduler"
+# Declarations, alike in shape across both engines' compat modules on purpose (the `duplicates` tool pairs
+# them): each engine lists its own names, checked against its own sources by engines.compat.check.
 TOUCHPOINTS = (
     Touchpoint("sglang.srt.plugins.hook_registry", "HookRegistry.register", (), "our hooks (AFTER)"),
     Touchpoint("sglang.srt.plugins.hook_registry", "HookType", (), ""),
