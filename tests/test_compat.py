@@ -67,7 +67,9 @@ def test_adapters_reach_the_engine_through_compat_only(engine):
     (listed in TOUCHPOINTS) and ``vllm.__version__``."""
     allowed = {("vllm", "backend.py", "vllm.distributed.weight_transfer.base"), ("vllm", "patches.py", "vllm")}
     found = []
-    for p in sorted((ROOT / "engine_ext" / engine).glob("*.py")):
+    adapter = ROOT / "engine_ext" / "engines" / engine
+    assert (adapter / "compat.py").is_file(), adapter
+    for p in sorted(adapter.glob("*.py")):
         if p.name == "compat.py":
             continue
         for node in ast.walk(ast.parse(p.read_text())):

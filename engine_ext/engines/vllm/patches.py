@@ -173,7 +173,7 @@ def keep_conv_weight(layer: torch.nn.Module, loaded: torch.Tensor) -> None:
     layer._cpu_unpacked_conv_weight = loaded.view(dim, width)
     loader = getattr(packed, "weight_loader", None)
     if loader is None:
-        from vllm.model_executor.model_loader.weight_utils import default_weight_loader as loader
+        loader = compat.default_weight_loader()
 
     def load_into_checkpoint_layout(param, loaded_weight, *args, **kwargs):
         return loader(kept, loaded_weight, *args, **kwargs)
