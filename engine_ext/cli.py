@@ -367,23 +367,21 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="on an error, print the traceback too")
         return q
 
-    def signs(q):
-        q.add_argument("--sign", action="append", metavar="KEY",
-                       help="Ed25519 private key (PEM) to sign with, repeatable (default: ENGINE_EXT_SIGNING_KEY)")
-
     def trusts(q):
         q.add_argument("--trust", action="append", metavar="PUBKEY",
                        help="trusted Ed25519 public key (PEM file or 64 hex digits), repeatable "
                             "(default: ENGINE_EXT_TRUSTED_KEYS)")
         q.add_argument("--allow-unsigned", action="store_true", help="read unsigned versions (trust the store)")
 
-    def dtypes(q):
+    def publishes(q):
+        """The options of the commands that publish a version (diff, anchor): what it is, how it is signed."""
+        q.add_argument("--model", help="model identity written into the manifest (default: the checkpoint's name)")
         q.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                        help="served dtype to cast floating-point tensors (16 bits and wider) to before publishing "
                             "(default: as stored: a checkpoint dir already holds the dtype it is served in)")
-
-    def model(q):
-        q.add_argument("--model", help="model identity written into the manifest (default: the checkpoint's name)")
+        q.add_argument("--sign", action="append", metavar="KEY",
+                       help="Ed25519 private key (PEM) to sign with, repeatable (default: ENGINE_EXT_SIGNING_KEY)")
+        trusts(q)
 
     k = command("keygen", "make an Ed25519 signing key (OUT) and its public key (OUT.pub)")
     k.add_argument("out", metavar="OUT", help="path of the private key to write (OUT.pub gets the public key)")
@@ -395,19 +393,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--base-version", type=int, help="version of OLD (default: the store's LATEST if it is OLD, else 0)")
     d.add_argument("--version", type=int, help="version of NEW (default: the first free version, at least base + 1)")
     d.add_argument("--mode", choices=["abs", "rel"], help="force a value mode (default: the smaller per tensor)")
-    model(d)
-    dtypes(d)
-    signs(d)
-    trusts(d)
+    publishes(d)
     d.set_defaults(fn=cmd_diff)
     an = command("anchor", "publish a full anchor of a checkpoint directory")
     an.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint directory to publish whole")
     an.add_argument("--out", required=True, metavar="STORE", help="store root: path, file://, http(s)://, s3://bucket/prefix")
     an.add_argument("--version", type=int, help="version to publish (default: 0 on an empty store, else the first free version)")
-    model(an)
-    dtypes(an)
-    signs(an)
-    trusts(an)
+    publishes(an)
     an.set_defaults(fn=cmd_anchor)
     ap = command("apply", "materialise the checkpoint a manifest produces")
     ap.add_argument("manifest", metavar="MANIFEST", help="manifest URI of the version to materialise")

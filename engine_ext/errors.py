@@ -1,4 +1,13 @@
-"""Errors with a reason callers can map to an HTTP status or an exit message."""
+"""Errors with a reason callers can map to an HTTP status or an exit message.
+
+Every reason is snake_case (``^[a-z][a-z0-9_]*$``): it is a metrics label and a JSON value, and
+:meth:`UpdateRefused.find` reads it back out of a message. tests/test_errors.py checks every class.
+"""
+import re
+
+
+# The classes are declarations, alike in shape on purpose (the `duplicates` tool pairs them): each is a
+# reason, a status and a docstring saying when, and callers catch them by class; a table would lose both.
 
 
 class DeltaError(Exception):
@@ -57,7 +66,7 @@ class IntegrityError(DeltaError):
 class PartlyHeldError(DeltaError):
     """This rank holds only some elements of a box it was asked for (its shard cuts the box)."""
 
-    reason = "partly-held"
+    reason = "partly_held"
     http_status = 422
 
 
@@ -85,6 +94,47 @@ class UnreproducibleError(DeltaError):
 
     reason = "unreproducible"
     http_status = 409
+
+
+class UnsupportedError(DeltaError):
+    """This server cannot update its model in place at all (a model, layout or engine set-up that engine_ext
+    does not support: quantised layers on vLLM's CPU, a tensor the layout probe cannot map with no checkpoint
+    to read it from, SGLang with data or pipeline parallelism...). Generation goes on; every update is refused."""
+
+    reason = "unsupported"
+    http_status = 503
+
+
+class Busy(DeltaError):
+    """Another update is being applied, and this request did not ask to queue behind it. Retry."""
+
+    reason = "busy"
+    http_status = 409
+
+
+class QueueFull(DeltaError):
+    """Too many updates (or a rank's fetches) are waiting already."""
+
+    reason = "queue_full"
+    http_status = 429
+
+
+class OutOfOrderError(DeltaError):
+    """A rank was asked for a step out of the transaction's order: an apply while another is neither
+    committed nor rolled back, an apply with nothing fetched for it, an undo log used twice. Another
+    driver reached the rank in between, or a driver lost its place; nothing was written."""
+
+    reason = "out_of_order"
+    http_status = 409
+
+
+class ApplyError(DeltaError):
+    """A rank failed (kernel error, unknown tensor, loader failure, a refresh of a derived copy); the
+    transaction rolls every rank back. Also what a rank's refusal becomes on the driver, with the
+    refusal's own reason and status (:func:`engine_ext.server.transaction.check_replies`)."""
+
+    reason = "apply"
+    http_status = 500
 
 
 class VerifyError(DeltaError):
@@ -134,8 +184,6 @@ class UpdateRefused(DeltaError):
     @classmethod
     def find(cls, text: str) -> "UpdateRefused | None":
         """The refusal whose message ``text`` contains (wrapped by other errors' text), or None."""
-        import re
-
         m = re.search(re.escape(cls.HEAD) + r" \[(\d{3}) ([A-Za-z0-9_.-]+)\]: ", text or "")
         if m is None:
             return None

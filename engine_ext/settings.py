@@ -74,6 +74,8 @@ class Variable:
     meaning: str
 
 
+# One Variable per setting, each the same shape on purpose (the `duplicates` tool pairs them): this table is
+# the one place a setting is declared, and a loop over it parses the environment and renders docs/settings.md's table.
 VARIABLES: tuple[Variable, ...] = (
     Variable("ENGINE_EXT_SOURCES", "sources", _csv, (),
              "comma-separated store prefixes (paths or URIs) this server may read updates from; anything else is "

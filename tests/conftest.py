@@ -116,6 +116,8 @@ def _import_kernels_for_the_interpreter():
 
 _import_kernels_for_the_interpreter()
 
+from fake_ranks import publish_run  # noqa: E402 - engine_ext only once the run's settings and kernels are set up
+
 
 def _interpreted(module: str, kernel: str):
     """Import ``module`` with TRITON_INTERPRET set (reloading it if ``kernel`` was decorated without
@@ -150,6 +152,13 @@ def ctx_interp():
     """The context pass's kernel module (``engine_ext.triton_kernels.context_scan``) run by Triton's
     interpreter on CPU tensors, for one test module (as :func:`interp` does for the apply kernel)."""
     yield from _interpreted("engine_ext.triton_kernels.context_scan", "_block_find_kernel")
+
+
+@pytest.fixture
+def published_run(tmp_path):
+    """``(store, versions)``: a small run published to a fresh local store (:func:`fake_ranks.publish_run`:
+    v0 and three steps) and the state of each version, for tests that drive in-process ranks through it."""
+    return tmp_path / "store", publish_run(tmp_path / "store")
 
 
 @pytest.fixture(scope="module")

@@ -2,16 +2,18 @@
 
 Each rank is a plain torch module whose loader keeps half of the rows of the sharded
 checkpoint tensors (tensor parallelism) and a full copy of the others; replies cross the
-wire format, as in the engine adapters. Used by tests/test_transaction.py and
-tests/test_hostile.py; the same code runs inside real vLLM and SGLang servers elsewhere.
+wire format, as in the engine adapters. Used by tests/test_transaction.py,
+tests/test_hostile.py and others; the same code runs inside real vLLM and SGLang servers elsewhere.
 """
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import torch
 
 from engine_ext.format.dtypes import BY_TORCH
+from engine_ext.trainer.publisher import DeltaPublisher
 from engine_ext.server.protocol import RankReply
 from engine_ext.server.rank import RankUpdater, run_op
 
@@ -64,6 +66,37 @@ def make_rank(r: int, sd: dict, sharded=("w",), world: int = 2, by_column=(), pa
         m.load(n, t)
     specs = {n: (tuple(t.shape), BY_TORCH[t.dtype]) for n, t in sd.items()}
     return RankUpdater(m, m.load, specs, rank=r)
+
+
+class NoEngineRanks:
+    """:class:`engine_ext.server.transaction.Ranks` with no engine behind the ranks: no generation to pause
+    or resume, no cache to drop after an update. Subclasses answer :meth:`call`."""
+
+    async def call(self, op, **kw) -> list[RankReply]:
+        raise NotImplementedError
+
+    async def pause(self, mode):
+        pass
+
+    async def resume(self):
+        pass
+
+    async def after_update(self, version):
+        pass
+
+
+def publish_run(root: Path, steps: int = 3) -> list[dict]:
+    """Publish a small run to the store at ``root``: v0 (an anchor) of an 8x16 ``w`` and a 16-long ``b``
+    (bf16), then ``steps`` versions that each move every element a little. Returns every version's state."""
+    g = torch.Generator().manual_seed(0)
+    versions = [{"w": torch.randn(8, 16, generator=g).to(torch.bfloat16), "b": torch.randn(16, generator=g).to(torch.bfloat16)}]
+    with DeltaPublisher(str(root), anchor_every=0) as pub:
+        pub.publish(versions[0])
+        for _ in range(steps):
+            versions.append({n: (t.float() + 0.02 * torch.randn(t.shape, generator=g)).to(torch.bfloat16)
+                             for n, t in versions[-1].items()})
+            pub.publish(versions[-1])
+    return versions
 
 
 class FakeRanks:

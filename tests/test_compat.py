@@ -67,7 +67,9 @@ def test_adapters_reach_the_engine_through_compat_only(engine):
     (listed in TOUCHPOINTS) and ``vllm.__version__``."""
     allowed = {("vllm", "backend.py", "vllm.distributed.weight_transfer.base"), ("vllm", "patches.py", "vllm")}
     found = []
-    for p in sorted((ROOT / "engine_ext" / engine).glob("*.py")):
+    adapter = ROOT / "engine_ext" / "engines" / engine
+    assert (adapter / "compat.py").is_file(), adapter
+    for p in sorted(adapter.glob("*.py")):
         if p.name == "compat.py":
             continue
         for node in ast.walk(ast.parse(p.read_text())):
@@ -94,3 +96,16 @@ def test_ray_workers_get_our_variables(monkeypatch):
 
     assert os.environ["VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"] == "MINE_,ENGINE_EXT_,AWS_,HF_"
     assert {"ENGINE_EXT_FOLLOW", "AWS_SECRET_ACCESS_KEY"} <= get_env_vars_to_copy()
+
+
+def test_the_general_plugin_loads_no_numba():
+    """What the general plugin imports in every vLLM process before the worker starts stays clear of
+    numba's llvmlite: vLLM 0.32 CPU's ``register_triton_kernel_overrides`` scans every module in
+    ``sys.modules`` and dies on ``llvmlite.binding.ffi.lib`` (an object whose ``__dict__`` is no dict),
+    so every server failed to start when patches.py imported the server's transaction module."""
+    modules = ["engine_ext.engines.vllm." + m for m in ("plugin", "compat", "dist", "worker", "patches", "census")]
+    code = f"import importlib, sys\nfor m in {modules!r}:\n    importlib.import_module(m)\nprint('llvmlite' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout

@@ -22,6 +22,22 @@ AMX = torch.cpu._is_amx_tile_supported()
 needs_amx = pytest.mark.skipif(not AMX, reason="vLLM takes this path only on CPUs with AMX")
 
 
+def test_each_patch_installs_once_and_keeps_vllms_own():
+    """Installing a patch again (every vLLM process's plugin, then tests) leaves the one wrapper in place,
+    and the wrapper reaches vLLM's own function as ``original``."""
+    targets = [(patches.keep_cpu_moe_weights, compat.cpu_moe_experts_class(), "process_weights_after_loading"),
+               (patches.keep_cpu_moe_weights, compat.cpu_moe_experts_class(), "apply"),
+               (patches.keep_amx_mla_weights, compat.mla_attention_class(), "process_weights_after_loading"),
+               (patches.drain_replies_after_a_failed_rpc, compat.multiproc_executor_class(), "collective_rpc"),
+               (patches.keep_cpu_linear_weights, compat.cpu_gemm_module(), "dispatch_cpu_unquantized_gemm")]
+    for install, target, name in targets:
+        assert install()
+        wrapper = getattr(target, name)
+        assert install()
+        assert getattr(target, name) is wrapper
+        assert not hasattr(wrapper.original, "original")  # vLLM's own, not a wrapper of a wrapper
+
+
 def _write_one(t: torch.Tensor) -> None:
     """One element moved by one step, in place (what an update does to the checkpoint-layout weight)."""
     with torch.no_grad():

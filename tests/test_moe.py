@@ -22,6 +22,7 @@ import json
 import pytest
 import torch
 
+from engine_ext.errors import UnsupportedError
 from engine_ext.format import fingerprint as fpr
 from engine_ext.format.delta import ABS, TensorDelta
 from engine_ext.format.dtypes import BY_TORCH
@@ -177,7 +178,7 @@ def test_vllm_cpu_refuses_layers_whose_method_derives_the_served_weights(monkeyp
     model[0].quant_method, model[1].quant_method = UnquantizedLinearMethod(), Fp8LinearMethod()
     assert worker.derived_layers(model) == {"1": "Fp8LinearMethod"}
     monkeypatch.setattr(compat, "is_cpu", lambda: True)
-    with pytest.raises(RuntimeError, match=r"\['Fp8LinearMethod'\] derive the served weights"):
+    with pytest.raises(UnsupportedError, match=r"\['Fp8LinearMethod'\] derive the served weights"):
         worker.build_updater(model, vllm_config=None)
 
 

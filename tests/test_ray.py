@@ -24,11 +24,12 @@ from engine_ext.server.controller import Controller  # noqa: E402
 from engine_ext.server.protocol import RankReply, UpdateRequest  # noqa: E402
 from engine_ext.trainer.publisher import DeltaPublisher  # noqa: E402
 from engine_ext.store.sources import Sources  # noqa: E402
+from fake_ranks import NoEngineRanks  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
 
-class RayRanks:
+class RayRanks(NoEngineRanks):
     """:class:`engine_ext.server.transaction.Ranks` over Ray actors (pause and resume: no engine here)."""
 
     def __init__(self, actors):
@@ -37,15 +38,6 @@ class RayRanks:
     async def call(self, op, **kw):
         refs = [a.op.remote(op, kw) for a in self.actors]
         return [RankReply.from_wire(w) for w in await asyncio.to_thread(ray.get, refs)]
-
-    async def pause(self, mode):
-        pass
-
-    async def resume(self):
-        pass
-
-    async def after_update(self, version):
-        pass
 
 
 def _states(steps: int = 3) -> list[dict]:

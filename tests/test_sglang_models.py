@@ -115,6 +115,7 @@ def _worker(spec_path: str, out_path: str) -> None:
     from engine_ext.server.controller import Controller
     from engine_ext.server.protocol import RankReply, UpdateRequest
     from engine_ext.store.sources import Sources
+    from fake_ranks import NoEngineRanks
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
@@ -135,21 +136,12 @@ def _worker(spec_path: str, out_path: str) -> None:
     def raw(t):
         return t.detach().reshape(-1).contiguous().view(torch.uint8)
 
-    class Ranks:  # the controller's view of one rank, minus the scheduler process
+    class Ranks(NoEngineRanks):  # the controller's view of one rank, minus the scheduler process
         def __init__(self, agent):
             self.agent = agent
 
         async def call(self, op, **kwargs):
             return [RankReply.from_wire(w) for w in self.agent.handle(RankOpReq(op, kwargs)).replies]
-
-        async def pause(self, mode):
-            pass
-
-        async def resume(self):
-            pass
-
-        async def after_update(self, version):
-            pass
 
     out = {}
     for kind, case in spec.items():

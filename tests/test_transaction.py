@@ -132,27 +132,12 @@ def test_rank_reply_wire_round_trip():
 # ---------------------------------------------------------------- two fake ranks
 
 
-@pytest.fixture
-def world(tmp_path):
-    g = torch.Generator().manual_seed(0)
-    v0 = {"w": torch.randn(8, 16, generator=g).to(torch.bfloat16), "b": torch.randn(16, generator=g).to(torch.bfloat16)}
-    versions = [v0]
-    with DeltaPublisher(str(tmp_path / "store"), anchor_every=0) as pub:
-        pub.publish(v0)
-        for _ in range(3):
-            prev = versions[-1]
-            nxt = {n: (t.float() + 0.02 * torch.randn(t.shape, generator=g)).to(torch.bfloat16) for n, t in prev.items()}
-            pub.publish(nxt)
-            versions.append(nxt)
-    return tmp_path / "store", versions
-
-
 def run(coro):
     return asyncio.run(coro)
 
 
-def test_controller_updates_and_chains(world):
-    store, versions = world
+def test_controller_updates_and_chains(published_run):
+    store, versions = published_run
     ranks = [make_rank(0, versions[0]), make_rank(1, versions[0])]
     ctl = Controller(FakeRanks(ranks), Sources([str(store)]))
     run(ctl.start())
@@ -184,11 +169,11 @@ def test_controller_updates_and_chains(world):
     assert ctl.status()["version"] == 2
 
 
-def test_held_weights_are_recognised_by_fingerprint(world):
+def test_held_weights_are_recognised_by_fingerprint(published_run):
     """A server restarted from the run's first checkpoint (version unknown) adopts the anchor's version
     without fetching it and takes later versions as the chain alone; a server that loaded a version's
     weights from elsewhere adopts that version: nothing fetched, written or paused."""
-    store, versions = world
+    store, versions = published_run
     ranks = [make_rank(0, versions[0]), make_rank(1, versions[0])]
     ctl = Controller(FakeRanks(ranks), Sources([str(store)]))
     run(ctl.start())
@@ -206,10 +191,10 @@ def test_held_weights_are_recognised_by_fingerprint(world):
     assert ctl2.state.manifests == (hashlib.sha256((store / "v00000003.json").read_bytes()).hexdigest(),)
 
 
-def test_an_internal_failure_answers_words_and_an_id_the_log_carries(world, caplog):
+def test_an_internal_failure_answers_words_and_an_id_the_log_carries(published_run, caplog):
     """A 500 says what failed in words with an error id; the repr (paths, internals) goes to the log only,
     under that id (docs/SECURITY.md)."""
-    store, versions = world
+    store, versions = published_run
     ctl = Controller(FakeRanks([make_rank(0, versions[0]), make_rank(1, versions[0])]), Sources([str(store)]), version=0)
     run(ctl.start())
 
@@ -226,8 +211,8 @@ def test_an_internal_failure_answers_words_and_an_id_the_log_carries(world, capl
     assert ctl.status()["history"][-1]["error"] == body["error"]  # the status route shows the words, not the repr
 
 
-def test_failure_on_one_rank_rolls_every_rank_back(world):
-    store, versions = world
+def test_failure_on_one_rank_rolls_every_rank_back(published_run):
+    store, versions = published_run
     ranks = [make_rank(0, versions[0]), make_rank(1, versions[0])]
     ctl = Controller(FakeRanks(ranks, fail_rank=1), Sources([str(store)]), version=0)
     run(ctl.start())
@@ -243,8 +228,8 @@ def test_failure_on_one_rank_rolls_every_rank_back(world):
     assert ctl.status()["history"][-1]["ok"] is False
 
 
-def test_verify_failure_rolls_back(world):
-    store, versions = world
+def test_verify_failure_rolls_back(published_run):
+    store, versions = published_run
     ranks = [make_rank(0, versions[0]), make_rank(1, versions[0])]
     ctl = Controller(FakeRanks(ranks), Sources([str(store)]), version=0)
     run(ctl.start())
@@ -267,8 +252,8 @@ def test_verify_failure_rolls_back(world):
     assert same_bits(before, bits(ranks))
 
 
-def test_one_update_at_a_time(world):
-    store, versions = world
+def test_one_update_at_a_time(published_run):
+    store, versions = published_run
     ranks = [make_rank(0, versions[0]), make_rank(1, versions[0])]
     fake = FakeRanks(ranks)
     fake.gate = threading.Event()  # the first update's pause holds until the refusal was seen (not for a time)
@@ -292,8 +277,8 @@ def test_one_update_at_a_time(world):
     assert (a["version"], b["version"]) == (1, 2)
 
 
-def test_forbidden_before_fetch(world, monkeypatch):
-    store, versions = world
+def test_forbidden_before_fetch(published_run, monkeypatch):
+    store, versions = published_run
     ctl = Controller(FakeRanks([make_rank(0, versions[0]), make_rank(1, versions[0])]), Sources([str(store / "nothing")]), version=0)
     run(ctl.start())
     from engine_ext.store import route
@@ -305,12 +290,12 @@ def test_forbidden_before_fetch(world, monkeypatch):
 
 
 
-def test_audit_rereads_the_live_weights(world):
+def test_audit_rereads_the_live_weights(published_run):
     """``GET ...?audit=1``: every rank's live weights re-read and checked against the served state;
     a write behind the transaction's back (a mix of two versions) is named."""
     from engine_ext.server.http import get_answer, wants_audit
 
-    store, versions = world
+    store, versions = published_run
     ranks = [make_rank(0, versions[0]), make_rank(1, versions[0])]
     ctl = Controller(FakeRanks(ranks), Sources([str(store)]))
     run(ctl.start())
@@ -411,7 +396,7 @@ def test_a_tied_copy_in_the_served_checkpoint_is_not_served(tmp_path, refuse_alo
     assert e.value.http_status == 409 and same_bits(held, bits(ranks))
 
 
-def test_an_update_writing_a_mismatched_tensor_is_refused_before_anything_is_written(world):
+def test_an_update_writing_a_mismatched_tensor_is_refused_before_anything_is_written(published_run):
     """A tensor whose live weights differ from the checkpoint they were loaded from (the engine re-laid
     it after loading, as vLLM's CPU backend packs a causal-conv1d weight in place) is named at start-up,
     and any route that writes it is refused (409 ``unreproducible``) from the manifests, before a fetch:
@@ -419,7 +404,7 @@ def test_an_update_writing_a_mismatched_tensor_is_refused_before_anything_is_wri
     from engine_ext.errors import UnreproducibleError
     from engine_ext.server.rank import RankUpdater
 
-    store, versions = world
+    store, versions = published_run
     ranks = []
     for r in range(2):
         up = make_rank(r, versions[0])
@@ -447,14 +432,14 @@ def test_an_update_writing_a_mismatched_tensor_is_refused_before_anything_is_wri
     assert same_bits(before, bits(ranks))
 
 
-def test_a_stale_derived_copy_after_the_apply_rolls_every_rank_back(world):
+def test_a_stale_derived_copy_after_the_apply_rolls_every_rank_back(published_run):
     """After each apply's refresh, the engine's derived copies of the layers written are checked against a
     fresh derivation (``ENGINE_EXT_VERIFY_DERIVED``, default ``sample``): a refresh that did not follow the
     weights fails the update, which rolls back, although the fingerprints (read in the checkpoint layout)
     would have passed. ``off`` leaves it to the audit."""
     from engine_ext import settings
 
-    store, versions = world
+    store, versions = published_run
     ranks = [make_rank(0, versions[0]), make_rank(1, versions[0])]
     asked = []
 
@@ -475,7 +460,7 @@ def test_a_stale_derived_copy_after_the_apply_rolls_every_rank_back(world):
     assert asked == [True]
 
 
-def test_a_fallback_tensor_whose_loader_cannot_reload_it_is_refused_at_start_up(world):
+def test_a_fallback_tensor_whose_loader_cannot_reload_it_is_refused_at_start_up(published_run):
     """A tensor the probe cannot map because the engine's loader raises (GPT-OSS's experts on vLLM's Triton MoE
     path, whose parameters post-processing deletes) would fail every update in the middle of its apply, after
     other tensors were written: start-up tries the dense fallback's own reload (the value it loaded) and, where
@@ -484,7 +469,7 @@ def test_a_fallback_tensor_whose_loader_cannot_reload_it_is_refused_at_start_up(
     from engine_ext.errors import UnreproducibleError
     from engine_ext.server.rank import RankUpdater
 
-    store, versions = world
+    store, versions = published_run
     up = make_rank(0, versions[0], world=1)
 
     def load(name, t):
@@ -504,7 +489,7 @@ def test_a_fallback_tensor_whose_loader_cannot_reload_it_is_refused_at_start_up(
     assert same_bits(before, bits([rank])) and "fetch" not in ctl.ranks.calls
 
 
-def test_a_rollback_whose_reload_fails_restores_everything_else_and_says_so(world):
+def test_a_rollback_whose_reload_fails_restores_everything_else_and_says_so(published_run):
     """The rollback of a failed apply reloads each dense-fallback tensor's old value through the engine's loader.
     Where that reload raises, it goes on: the in-place tensors' bits and the rank's fingerprints come back, the
     refresh runs, and the rollback then fails naming the tensors whose served bits it could not restore."""
@@ -513,7 +498,7 @@ def test_a_rollback_whose_reload_fails_restores_everything_else_and_says_so(worl
     from engine_ext.format.dtypes import BY_TORCH
     from engine_ext.server.rank import RankUpdater
 
-    store, versions = world
+    store, versions = published_run
     up = make_rank(0, versions[0], world=1)
     fail = {"on": False}
 

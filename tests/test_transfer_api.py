@@ -20,26 +20,11 @@ from engine_ext.server.transaction import UpdateTransaction
 from engine_ext.server.transfer_api import WideningError, narrow, update_request
 from engine_ext.store.signing import Trust, generate_key
 from engine_ext.store.sources import Sources
-from engine_ext.trainer.publisher import DeltaPublisher
 from fake_ranks import FakeRanks, bits, make_rank, same_bits
 
 
 def run(coro):
     return asyncio.run(coro)
-
-
-@pytest.fixture
-def world(tmp_path):
-    g = torch.Generator().manual_seed(0)
-    v0 = {"w": torch.randn(8, 16, generator=g).to(torch.bfloat16), "b": torch.randn(16, generator=g).to(torch.bfloat16)}
-    versions = [v0]
-    with DeltaPublisher(str(tmp_path / "store"), anchor_every=0) as pub:
-        pub.publish(v0)
-        for _ in range(3):
-            versions.append({n: (t.float() + 0.02 * torch.randn(t.shape, generator=g)).to(torch.bfloat16)
-                             for n, t in versions[-1].items()})
-            pub.publish(versions[-1])
-    return tmp_path / "store", versions
 
 
 def url(store, n: int) -> UpdateRequest:
@@ -49,11 +34,11 @@ def url(store, n: int) -> UpdateRequest:
 # --------------------------------------------------------------------------- one served state
 
 
-def test_two_drivers_share_the_state_the_ranks_carry(world):
+def test_two_drivers_share_the_state_the_ranks_carry(published_run):
     """Two drivers over the same ranks (the API server's route and an in-process backend reached
     directly): each re-reads the state the other committed before it plans, the label given to a
     version travels with it, and a commit clears it."""
-    store, versions = world
+    store, versions = published_run
     ranks = [make_rank(0, versions[0]), make_rank(1, versions[0])]
     a, b = Controller(FakeRanks(ranks), Sources([str(store)])), Controller(FakeRanks(ranks), Sources([str(store)]))
     run(a.start())
@@ -72,11 +57,11 @@ def test_two_drivers_share_the_state_the_ranks_carry(world):
     assert [up.version for up in ranks] == [3, 3] and len({up.manifest for up in ranks}) == 1
 
 
-def test_resync_reads_and_disagreeing_ranks_forget(world):
+def test_resync_reads_and_disagreeing_ranks_forget(published_run):
     """A resync is a read: the version survives while the live weights are the served version's. A
     commit that reached only some ranks (they disagree) makes every rank forget the version; the
     fingerprints still bind the next delta."""
-    store, versions = world
+    store, versions = published_run
     ranks = [make_rank(0, versions[0]), make_rank(1, versions[0])]
     ctl = Controller(FakeRanks(ranks), Sources([str(store)]))
     run(ctl.start())
@@ -93,10 +78,10 @@ def test_resync_reads_and_disagreeing_ranks_forget(world):
     assert (r["version"], r["base_version"]) == (2, None) and [up.version for up in ranks] == [2, 2]
 
 
-def test_apply_refused_when_the_ranks_moved_since_the_plan(world):
+def test_apply_refused_when_the_ranks_moved_since_the_plan(published_run):
     """A stale driver that planned before another door committed cannot write: every rank refuses
     the apply (its commit count moved), the transaction rolls back, nothing changes."""
-    store, versions = world
+    store, versions = published_run
     ranks = [make_rank(0, versions[0]), make_rank(1, versions[0])]
     a, b = Controller(FakeRanks(ranks), Sources([str(store)])), Controller(FakeRanks(ranks), Sources([str(store)]))
     run(a.start())
@@ -223,13 +208,13 @@ class Model(torch.nn.Module):
             p.add_(0.02 * torch.randn(p.shape, generator=g))
 
 
-def test_trainer_engine_drives_a_fleet(world, tmp_path):
+def test_trainer_engine_drives_a_fleet(published_run, tmp_path):
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from engine_ext.integrations.vllm_transfer import DeltaTrainerInitInfo
 
-    _, versions = world
+    _, versions = published_run
     store = tmp_path / "trainer"
     servers = [[make_rank(0, versions[0]), make_rank(1, versions[0])] for _ in range(2)]
     ctls = [Controller(FakeRanks(r), Sources([str(tmp_path)])) for r in servers]
@@ -267,7 +252,7 @@ def test_trainer_engine_drives_a_fleet(world, tmp_path):
     assert (store / "v00000004.json").is_file()
 
 
-def test_non_sender_ranks_only_iterate(world, tmp_path):
+def test_non_sender_ranks_only_iterate(published_run, tmp_path):
     from vllm.distributed.weight_transfer.base import ModuleSource
 
     from engine_ext.integrations.vllm_transfer import DeltaTrainerInitInfo, DeltaTrainerWeightTransferEngine
@@ -276,7 +261,7 @@ def test_non_sender_ranks_only_iterate(world, tmp_path):
         def __getattr__(self, name):
             raise AssertionError(f"a non-sender rank called the client's {name}")
 
-    model = Model(world[1][0])
+    model = Model(published_run[1][0])
     seen = []
 
     class Source(ModuleSource):

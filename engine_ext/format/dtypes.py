@@ -38,20 +38,21 @@ class DType:
 
 _INT_OF_WIDTH = {8: torch.int8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
 
-_ALL = [
-    DType("bfloat16", "BF16", torch.bfloat16, 16, True),
-    DType("float16", "F16", torch.float16, 16, True),
-    DType("float32", "F32", torch.float32, 32, True),
-    DType("float64", "F64", torch.float64, 64, True),
-    DType("float8_e4m3fn", "F8_E4M3", torch.float8_e4m3fn, 8, True),
-    DType("float8_e5m2", "F8_E5M2", torch.float8_e5m2, 8, True),
-    DType("int8", "I8", torch.int8, 8, False),
-    DType("uint8", "U8", torch.uint8, 8, False),
-    DType("int16", "I16", torch.int16, 16, False),
-    DType("int32", "I32", torch.int32, 32, False),
-    DType("int64", "I64", torch.int64, 64, False),
-    DType("bool", "BOOL", torch.bool, 8, False),
-]
+# The one fact of each dtype that torch does not hold: its safetensors header code (name, width and kind are torch's)
+_SAFETENSORS_CODES = {
+    torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+    torch.bool: "BOOL",
+}
+
+
+def _dtype(t: torch.dtype, safetensors: str) -> DType:
+    """``t`` as a DType: its manifest name is torch's (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    return DType(str(t).removeprefix("torch."), safetensors, t, t.itemsize * 8, t.is_floating_point)
+
+
+_ALL = [_dtype(t, code) for t, code in _SAFETENSORS_CODES.items()]
 BY_NAME = {d.name: d for d in _ALL}
 BY_TORCH = {d.torch: d for d in _ALL}
 BY_SAFETENSORS = {d.safetensors: d for d in _ALL}

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..format import fingerprint as fpr
 from .. import metrics, settings
-from ..errors import AuditUnavailable, BaseMismatchError, DeltaError
+from ..errors import AuditUnavailable, BaseMismatchError, Busy, DeltaError, QueueFull
 from .follow import Follower
 from .protocol import UpdateRequest
 from ..store.signing import Trust
@@ -47,14 +47,6 @@ VERSION_SIDECAR = "engine_ext_version"  # optional file in the model dir holding
 
 class Unauthorized(DeltaError):
     reason, http_status = "unauthorized", 401
-
-
-class Busy(DeltaError):
-    reason, http_status = "busy", 409
-
-
-class QueueFull(DeltaError):
-    reason, http_status = "queue_full", 429
 
 
 @dataclass(frozen=True)

@@ -193,6 +193,7 @@ def _loader_inline():
     def refused_start(self):
         if threading.get_ident() != me:
             return start(self)
+        # Never a request's answer: the probe catches it (the tensor becomes Unmappable, with this reason)
         raise RuntimeError("the loader starts a thread, whose writes the layout probe cannot see")
 
     ThreadPoolExecutor.submit, threading.Thread.start = inline_submit, refused_start

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import PartlyHeldError
+from ..errors import OutOfOrderError, PartlyHeldError
 from ..format import fingerprint as fpr
 from ..format.delta import ABS, REL, TensorDelta
 from ..format.dtypes import BY_TORCH, DType
@@ -140,7 +140,7 @@ class UndoLog:
 
     def rollback(self) -> None:
         if self.done:
-            raise RuntimeError("undo log already used or discarded")
+            raise OutOfOrderError("undo log already used or discarded")
         for part in reversed(self._parts):
             part.rollback()
         self.done = True

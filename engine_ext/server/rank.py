@@ -37,8 +37,8 @@ from .. import settings
 from .maps import ApplyResult, TensorMap, Unmappable, checkpoint_view, covered_elements, local_fingerprint
 from ..format.delta import TensorDelta, apply_tensor
 from ..format.dtypes import DType
-from ..errors import (AuditUnavailable, BaseMismatchError, IntegrityError, RollbackError, UnreproducibleError,
-                      VerifyError)
+from ..errors import (AuditUnavailable, BaseMismatchError, IntegrityError, OutOfOrderError, QueueFull, RollbackError,
+                      UnreproducibleError, UnsupportedError, VerifyError)
 from .protocol import RankReply, TensorReport
 from .touched import Touched
 
@@ -139,7 +139,7 @@ class RankUpdater:
             for name, m in self.maps.items():
                 if isinstance(m, Unmappable):
                     if self.read_checkpoint is None:
-                        raise RuntimeError(f"{name}: unmappable ({m.reason}) and no checkpoint reader for a dense fallback")
+                        raise UnsupportedError(f"{name}: unmappable ({m.reason}) and no checkpoint reader for a dense fallback")
                     self.host[name] = self.read_checkpoint(name).cpu()
                     self.fps[name] = fpr.tensor_fingerprint(self.host[name])
                     self.covered[name] = self.host[name].numel()
@@ -304,7 +304,7 @@ class RankUpdater:
         :meth:`fetched` tells when it is done."""
         self.setup()
         if len(self._fetches) >= MAX_FETCHES:
-            raise RuntimeError(f"{MAX_FETCHES} fetches already held on this rank")
+            raise QueueFull(f"{MAX_FETCHES} fetches already held on this rank")
         job = _Fetch()
         job.thread = threading.Thread(target=self._fetch, args=(job, store, route, time.monotonic() + timeout_s),
                                       name=f"engine-ext-fetch-{txn[:8]}", daemon=True)
@@ -376,7 +376,7 @@ class RankUpdater:
         if deltas is None:
             job = self._fetches.pop(txn, None)
             if job is None or job.thread.is_alive() or job.error is not None:
-                raise RuntimeError(f"nothing fetched for update {txn}")
+                raise OutOfOrderError(f"nothing fetched for update {txn}")
             deltas, names = job.deltas, job.names
             moved = sorted(n for n, fp in job.fps.items() if self.fps.get(n) != fp)
             if moved:  # context-coded parts were decoded against the weights as they were
@@ -469,7 +469,7 @@ class RankUpdater:
     # ---- helpers
     def _refuse_pending(self) -> None:
         if self._pending is not None:
-            raise RuntimeError("an applied update is neither committed nor rolled back")
+            raise OutOfOrderError("an applied update is neither committed nor rolled back")
 
     def _refresh(self, touched: Touched | None) -> None:
         if self.refresh is not None:

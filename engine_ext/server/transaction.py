@@ -35,18 +35,12 @@ from typing import Protocol
 from ..format import fingerprint as fpr
 from ..store import reader, route
 from .. import settings
-from ..errors import BaseMismatchError, DeltaError, FetchTimeoutError, UnreproducibleError, VerifyError
+from ..errors import ApplyError, BaseMismatchError, FetchTimeoutError, UnreproducibleError, VerifyError
 from ..format.manifest import ANCHOR
 from .protocol import RankReply, UpdateAnswer, UpdateRequest
 from ..store.signing import Trust
 
 log = logging.getLogger("engine_ext")
-
-
-class ApplyError(DeltaError):
-    """A rank failed (kernel error, unknown tensor, loader failure)."""
-
-    reason, http_status = "apply", 500
 
 
 # --------------------------------------------------------------------------- reaching the ranks

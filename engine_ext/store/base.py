@@ -168,4 +168,29 @@ class Store:
         return f"{type(self).__name__}({self.uri!r})"
 
 
+class NetworkStore(Store):
+    """A store whose reads are requests over the network (HTTP, S3): a read cut mid-body is sent
+    again (:meth:`Store._retry_cuts`). Subclasses implement one request each: :meth:`_read` and
+    :meth:`_read_range`, and name it in ``read_request`` (what errors call the read)."""
+
+    read_request = "GET"
+
+    def read(self, key: str, max_bytes: int | None = None) -> bytes:
+        return self._retry_cuts(f"{self.read_request} {self.key_uri(key)}", lambda: self._read(key, max_bytes))
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        _check_range(start, length)
+        if length == 0:
+            return b""
+        return self._retry_cuts(f"{self.read_request} {self.key_uri(key)}", lambda: self._read_range(key, start, length))
+
+    def _read(self, key: str, max_bytes: int | None) -> bytes:
+        """One request for the whole object (``max_bytes``: as in :meth:`Store.read`); ReadCut where the body is cut."""
+        raise NotImplementedError
+
+    def _read_range(self, key: str, start: int, length: int) -> bytes:
+        """One request for ``length`` > 0 bytes at ``start``; ReadCut where the body is cut."""
+        raise NotImplementedError
+
+
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")

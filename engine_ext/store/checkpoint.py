@@ -33,6 +33,10 @@ SINGLE_NAME = "model.safetensors"
 
 @dataclass
 class TensorInfo:
+    """One tensor of a checkpoint directory as its safetensors header states it (nothing of its data is read):
+    enough to size it and to find its shard. Not format.TensorDelta, which names the same three facts of a
+    tensor: that one carries a change to it, this one where the checkpoint keeps it."""
+
     name: str
     dtype: DType
     shape: tuple[int, ...]

@@ -7,10 +7,10 @@ from typing import Callable
 from .. import settings
 from ..errors import ConflictError, ForbiddenSourceError, IntegrityError, NotFoundError, SourceError
 from ..format.latest import MAX_LATEST_BYTES
-from .base import _CONTENT_RANGE, ReadCut, Store, _check_key, _check_range, _short, _too_large
+from .base import _CONTENT_RANGE, NetworkStore, ReadCut, _check_key, _short, _too_large
 
 
-class HttpStore(Store):
+class HttpStore(NetworkStore):
     """Read-only store over plain HTTP(S) (any static file server, CDN, presigned base URL).
 
     ``requests.Session`` with connect/read timeouts and urllib3 ``Retry`` (exponential
@@ -151,21 +151,12 @@ class HttpStore(Store):
             raise ReadCut(f"reading {url}: got {len(buf)} bytes, Content-Length said {n}")
         return bytes(buf)
 
-    def read(self, key: str, max_bytes: int | None = None) -> bytes:
-        return self._retry_cuts(f"GET {self.key_uri(key)}", lambda: self._read(key, max_bytes))
-
     def _read(self, key: str, max_bytes: int | None) -> bytes:
         r = self._request("GET", key, stream=True)
         if r.status_code != 200:
             raise self._fail(r, "GET", key)
         limit = max_bytes if max_bytes is not None else self.max_object_bytes
         return self._body(r, limit, self.key_uri(key))
-
-    def read_range(self, key: str, start: int, length: int) -> bytes:
-        _check_range(start, length)
-        if length == 0:
-            return b""
-        return self._retry_cuts(f"GET {self.key_uri(key)}", lambda: self._read_range(key, start, length))
 
     def _read_range(self, key: str, start: int, length: int) -> bytes:
         url = self.key_uri(key)

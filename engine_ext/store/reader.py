@@ -220,6 +220,11 @@ Selection = dict  # tensor name -> the grid cells wanted (a set), or None for th
 GAP = 64 << 10  # ranges of one blob closer than this are fetched as one (if at most 1/8 of it is read in vain)
 
 
+def _entry_field(name: str) -> property:
+    """A read-only property of a :class:`_Part` that answers its entry's ``name``."""
+    return property(lambda part: getattr(part.entry, name))
+
+
 @dataclass(frozen=True)
 class _Part:
     """The bytes of one changed tensor (``entry`` is its TensorEntry, ``box`` None), or of one
@@ -230,21 +235,11 @@ class _Part:
     box: tuple | None
     tables: tuple = ()  # the version's step tables for the tensor's dtype (context-coded parts)
 
-    @property
-    def blob(self) -> int:
-        return self.entry.blob
-
-    @property
-    def offset(self) -> int:
-        return self.entry.offset
-
-    @property
-    def length(self) -> int:
-        return self.entry.length
-
-    @property
-    def sha256(self) -> str:
-        return self.entry.sha256
+    # What a part is read and checked as: its entry's byte range of a blob, and that range's SHA-256
+    blob = _entry_field("blob")
+    offset = _entry_field("offset")
+    length = _entry_field("length")
+    sha256 = _entry_field("sha256")
 
 
 def _parts(m: Manifest, selection: Selection | None) -> list[_Part]:

@@ -9,7 +9,7 @@ from typing import Callable
 from .. import settings
 from ..errors import ConflictError, IntegrityError, NotFoundError, SourceError
 from ..format.latest import MAX_LATEST_BYTES
-from .base import _CONTENT_RANGE, ReadCut, Store, _check_key, _check_prefix, _check_range, _short, _too_large
+from .base import _CONTENT_RANGE, NetworkStore, ReadCut, _check_key, _check_prefix, _short, _too_large
 
 _S3_CLIENTS: dict[tuple, object] = {}
 _S3_LOCK = threading.Lock()
@@ -34,7 +34,7 @@ def _s3_client(endpoint_url, region, addressing_style, connect_timeout, read_tim
         return _S3_CLIENTS[key]
 
 
-class S3Store(Store):
+class S3Store(NetworkStore):
     """``s3://bucket/prefix`` through boto3 (AWS, R2, MinIO, GCS interop, moto).
 
     Endpoint: option ``endpoint_url``, else env ``ENGINE_EXT_S3_ENDPOINT``, else
@@ -42,6 +42,8 @@ class S3Store(Store):
     atomic per object, which is all ``publish_version`` needs. Credentials come from the
     usual boto3 chain (env, profile, instance role).
     """
+
+    read_request = "GetObject"
 
     def __init__(self, root: str, *, endpoint_url: str | None = None, region: str | None = None,
                  addressing_style: str | None = None, connect_timeout: float = 5.0,
@@ -111,9 +113,6 @@ class S3Store(Store):
         except (BotoCoreError, OSError) as e:
             raise ReadCut(f"reading {where} failed mid-body: {e}") from e
 
-    def read(self, key: str, max_bytes: int | None = None) -> bytes:
-        return self._retry_cuts(f"GetObject {self.key_uri(key)}", lambda: self._read(key, max_bytes))
-
     def _read(self, key: str, max_bytes: int | None) -> bytes:
         resp = self._call("GetObject", key, self.client.get_object, Bucket=self.bucket, Key=self._k(key))
         limit = max_bytes if max_bytes is not None else self.max_object_bytes
@@ -121,12 +120,6 @@ class S3Store(Store):
             resp["Body"].close()
             raise _too_large(self.key_uri(key), resp["ContentLength"], limit)
         return self._read_body(resp, self.key_uri(key), limit)
-
-    def read_range(self, key: str, start: int, length: int) -> bytes:
-        _check_range(start, length)
-        if length == 0:
-            return b""
-        return self._retry_cuts(f"GetObject {self.key_uri(key)}", lambda: self._read_range(key, start, length))
 
     def _read_range(self, key: str, start: int, length: int) -> bytes:
         end = start + length - 1

@@ -5,15 +5,16 @@ holding checkpoint weights makes them unreproducible (updates writing them are r
 from __future__ import annotations
 
 from ...server.census import CENSUS_ATTR, take
+from . import compat
 
 
 def wrap_post_processing() -> bool:
     """Install the census around SGLang's post-processing (idempotent). False where SGLang has no such step."""
     try:
-        from sglang.srt.model_loader.loader import DefaultModelLoader
+        loader_class = compat.default_model_loader_class()
     except ImportError:
         return False
-    orig = DefaultModelLoader.__dict__.get("postprocess_weights")
+    orig = loader_class.__dict__.get("postprocess_weights")
     if orig is None:
         return False
     fn = orig.__func__ if isinstance(orig, staticmethod) else orig
@@ -25,7 +26,7 @@ def wrap_post_processing() -> bool:
 
     setattr(postprocess_weights, CENSUS_ATTR, True)
     postprocess_weights.original = fn
-    DefaultModelLoader.postprocess_weights = staticmethod(postprocess_weights)
+    loader_class.postprocess_weights = staticmethod(postprocess_weights)
     return True
 
 

@@ -13,6 +13,8 @@ CHECKED_ON = {"0.5.23": "tests run against SGLang 0.5.23 (CPU) and a static chec
 
 _TM = "sglang.srt.managers.tokenizer_manager"
 _SCHED = "sglang.srt.managers.scheduler"
+# Declarations, alike in shape across both engines' compat modules on purpose (the `duplicates` tool pairs
+# them): each engine lists its own names, checked against its own sources by engines.compat.check.
 TOUCHPOINTS = (
     Touchpoint("sglang.srt.plugins.hook_registry", "HookRegistry.register", (), "our hooks (AFTER)"),
     Touchpoint("sglang.srt.plugins.hook_registry", "HookType", (), ""),
@@ -40,6 +42,8 @@ TOUCHPOINTS = (
     Touchpoint("sglang.utils", "TypeBasedDispatcher", (), ""),
     Touchpoint("sglang.srt.runtime_context", "get_parallel", (), "TP group and rank"),
     Touchpoint("sglang.srt.runtime_context", "get_model", (), "model path and revision"),
+    Touchpoint("sglang.srt.model_loader.loader", "DefaultModelLoader.postprocess_weights", ("model", "target_device"),
+               "every loader's post-processing step: wrapped by the post-processing census (census.py)"),
     Touchpoint("sglang.srt.entrypoints.http_server", "get_global_state", (), "the TokenizerManager of the HTTP process"),
     Touchpoint("sglang.srt.entrypoints.http_server", "app", (), "our routes are added to it"),
     Touchpoint("sglang.srt.utils.auth", "auth_level", (), "ADMIN_OPTIONAL on our routes"),
@@ -47,6 +51,13 @@ TOUCHPOINTS = (
     Touchpoint("sglang.srt.arg_groups.fields.serving", "Serving.api_key", (), "server_args.api_key opens our routes too"),
     Touchpoint("sglang.srt.arg_groups.fields.serving", "Serving.admin_api_key", (), "so does server_args.admin_api_key"),
 )
+
+
+def default_model_loader_class():
+    """SGLang's ``DefaultModelLoader``, whose static ``postprocess_weights`` every loader runs after loading."""
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    return DefaultModelLoader
 
 
 def register_after_hook(target: str, fn) -> None:

@@ -22,6 +22,7 @@ import logging
 import os
 from contextlib import AsyncExitStack
 
+from ...errors import UnsupportedError
 from ...server.controller import Controller, initial_version
 from ...server.protocol import RankReply, UpdateRequest
 from . import compat
@@ -44,7 +45,7 @@ class SglangRanks:
 
     async def call(self, op: str, **kwargs) -> list[RankReply]:
         if compat.topology() != (1, 1):
-            raise RuntimeError("engine_ext on SGLang supports tensor parallelism only (dp_size = pp_size = 1)")
+            raise UnsupportedError("engine_ext on SGLang supports tensor parallelism only (dp_size = pp_size = 1)")
         self.tm.auto_create_handle_loop()
         replies = await self.comm(RankOpReq(op, kwargs))
         return [RankReply.from_wire(w) for w in replies[0].replies]
@@ -100,7 +101,7 @@ def mark_outside_update(tm) -> None:
 async def controller(tm) -> Controller:
     """The TokenizerManager's controller, started once (the start-up probe of every rank)."""
     ctl = getattr(tm, "_engine_ext", None)
-    if ctl is None:
+    if ctl is None:  # the embedding program's set-up (the HTTP routes answer 503 unavailable before asking)
         raise RuntimeError("engine_ext is not installed in this SGLang process (is the plugin loaded? SGLANG_PLUGINS)")
     if not ctl.ready:
         task = tm._engine_ext_start

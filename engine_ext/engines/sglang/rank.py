@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from ...errors import UnsupportedError
 from ...store.checkpoint import served_checkpoint
 from ...server.protocol import RankReply
 from ...server.rank import RankUpdater, run_op
@@ -55,7 +56,7 @@ def build_updater(model: torch.nn.Module, model_path: str, *, revision: str | No
     """A RankUpdater over ``model`` whose loader is the model's own ``load_weights``."""
     error = derived_weight_error(model)
     if error:
-        raise RuntimeError(error)
+        raise UnsupportedError(error)
     ckpt = served_checkpoint(model_path, revision)
 
     def load(name: str, tensor: torch.Tensor) -> None:
@@ -107,6 +108,7 @@ class RankAgent:
     def _after_update(self, version: int) -> RankReply:
         """Drop the radix/KV cache built with the old weights and record the new version."""
         if self.flush_cache is not None and not self.flush_cache():
+            # Logged, not answered: the update is committed by then (SGLangRanks.after_update)
             raise RuntimeError(f"SGLang refused to flush the cache after v{version} (requests still running)")
         if self.set_version is not None:
             self.set_version(str(version))

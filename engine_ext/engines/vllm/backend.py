@@ -164,7 +164,7 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
             if rank != 0:
                 error = follow(updater, group, rank)
                 if error is not None:
-                    raise UpdateRefused.find(error) or RuntimeError(error)
+                    raise UpdateRefused.find(error) or UpdateRefused("internal", 500, error)
                 return
             ranks = WorkerGroupRanks(updater, group, world)
             if self._controller is None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 
 from ...server.census import CENSUS_ATTR, keys_of, take
+from . import compat
 
 
 def wrap_post_processing() -> bool:
     """Install the census around vLLM's ``process_weights_after_loading`` (idempotent)."""
     try:
-        from vllm.model_executor.model_loader import base_loader, utils
+        utils, base_loader = compat.post_processing_modules()
     except ImportError:
         return False
     orig = utils.process_weights_after_loading

@@ -35,9 +35,6 @@ def build_cold(vllm_config, checkpoint: str) -> torch.nn.Module:
     """A second instance of the served model, loaded by vLLM's loader from ``checkpoint`` (a directory of the
     same architecture and config) and post-processed as at start-up. The layers register themselves in a
     fresh forward context (a config copied shallowly), so the served model's stays as it is."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader import get_model_loader
-
     cfg = copy.copy(vllm_config)
     cfg.compilation_config = copy.copy(vllm_config.compilation_config)
     cfg.compilation_config.static_forward_context = {}
@@ -47,8 +44,8 @@ def build_cold(vllm_config, checkpoint: str) -> torch.nn.Module:
     mc = copy.copy(vllm_config.model_config)
     mc.model = checkpoint
     cfg.model_config = mc
-    loader = get_model_loader(cfg.load_config)
-    with set_current_vllm_config(cfg), compat.current_config(cfg):
+    loader = compat.model_loader(cfg.load_config)
+    with compat.current_config(cfg):
         return loader.load_model(vllm_config=cfg, model_config=mc)
 
 

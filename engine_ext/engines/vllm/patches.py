@@ -47,15 +47,48 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import inspect
 import logging
 import platform
+from typing import Callable
 
 import torch
 
+from ...errors import ApplyError
 from ...format.dtypes import as_bits
+from . import compat
 
 log = logging.getLogger("engine_ext")
 _MARK = "_engine_ext_keeps_weight"
+
+
+def _wrap_once(target: object, name: str, make_wrapper: Callable[[Callable], Callable]) -> Callable:
+    """Replace ``target.<name>`` (a module's function or a class's method) by ``make_wrapper(original)``,
+    unless it already is one of our wrappers; returns the wrapper in place.
+
+    Every patch installs through here, so installing twice (the general plugin runs in every vLLM
+    process, and tests install again) never wraps a wrapper. The wrapper carries ``_MARK`` (what the
+    second install finds) and ``original`` (what code that wants vLLM's own behaviour calls:
+    :func:`packed_conv`)."""
+    current = getattr(target, name)
+    if getattr(current, _MARK, False):
+        return current
+    wrapper = make_wrapper(current)
+    setattr(wrapper, _MARK, True)
+    wrapper.original = current
+    setattr(target, name, wrapper)
+    return wrapper
+
+
+def _install(find_target: Callable[[], object], name: str, make_wrapper: Callable[[Callable], Callable]) -> bool:
+    """:func:`_wrap_once` on the target ``find_target`` (a :mod:`.compat` lookup) finds; False where this
+    vLLM has no such module or class (an ImportError: the patch does not apply)."""
+    try:
+        target = find_target()
+    except ImportError:
+        return False
+    _wrap_once(target, name, make_wrapper)
+    return True
 
 
 _SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1022, 18  # x86-64 Linux
@@ -90,19 +123,18 @@ def request_amx_permission() -> bool | None:
 def keep_cpu_linear_weights() -> bool:
     """Install the patch (idempotent). Returns False where it does not apply."""
     try:
-        import vllm
-
-        from .compat import cpu_gemm_module
-
-        utils = cpu_gemm_module()
+        utils = compat.cpu_gemm_module()
     except ImportError:
         return False
-    orig = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
-    if orig is None:
-        log.warning("engine_ext: vLLM %s has no dispatch_cpu_unquantized_gemm; CPU keep-weights patch not applied", vllm.__version__)
+    if getattr(utils, "dispatch_cpu_unquantized_gemm", None) is None:
+        log.warning("engine_ext: this vLLM has no dispatch_cpu_unquantized_gemm; CPU keep-weights patch not applied "
+                    "(%s)", compat.version_note()[1])
         return False
-    if getattr(orig, _MARK, False):
-        return True
+    return _install(compat.cpu_gemm_module, "dispatch_cpu_unquantized_gemm", _dispatch_keeping_weight)
+
+
+def _dispatch_keeping_weight(orig: Callable) -> Callable:
+    """vLLM's CPU GEMM dispatch ``orig``, made to leave ``layer.weight`` in place (see the module docstring)."""
 
     def dispatch_keeping_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
         loaded = layer.weight.data  # where the loader wrote (and what a module may still view: Granite's conv_weights)
@@ -114,10 +146,7 @@ def keep_cpu_linear_weights() -> bool:
             layer._engine_ext_packed = True  # marks layers whose served copy is derived
         layer._engine_ext_gemm = gemm_path(layer)
 
-    setattr(dispatch_keeping_weight, _MARK, True)
-    dispatch_keeping_weight.original = orig
-    utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
-    return True
+    return dispatch_keeping_weight
 
 
 def keep_conv_weight(layer: torch.nn.Module, loaded: torch.Tensor) -> None:
@@ -144,7 +173,7 @@ def keep_conv_weight(layer: torch.nn.Module, loaded: torch.Tensor) -> None:
     layer._cpu_unpacked_conv_weight = loaded.view(dim, width)
     loader = getattr(packed, "weight_loader", None)
     if loader is None:
-        from vllm.model_executor.model_loader.weight_utils import default_weight_loader as loader
+        loader = compat.default_weight_loader()
 
     def load_into_checkpoint_layout(param, loaded_weight, *args, **kwargs):
         return loader(kept, loaded_weight, *args, **kwargs)
@@ -161,13 +190,11 @@ def conv_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def packed_conv(layer: torch.nn.Module) -> torch.Tensor:
     """vLLM's packing of the layer's kept conv weight, made fresh (its dispatch, on a shallow copy)."""
-    from .compat import cpu_gemm_module
-
     fresh = copy.copy(layer)
     fresh._parameters = dict(layer._parameters)
     fresh._parameters["weight"] = torch.nn.Parameter(layer._engine_ext_conv.data.clone(), requires_grad=False)
     fresh.__dict__.pop("_cpu_unpacked_conv_weight", None)
-    dispatch = cpu_gemm_module().dispatch_cpu_unquantized_gemm
+    dispatch = compat.cpu_gemm_module().dispatch_cpu_unquantized_gemm
     getattr(dispatch, "original", dispatch)(fresh, remove_weight=False)  # vLLM's own, not the keep-weights wrapper
     return fresh.weight.data
 
@@ -176,7 +203,7 @@ def repack_conv(layer: torch.nn.Module) -> None:
     """Pack the layer's kept conv weight again into the data its kernel reads (in place)."""
     fresh = packed_conv(layer)
     if fresh.shape != layer.weight.shape:
-        raise RuntimeError(f"vLLM's conv1d packing changed the weight's shape {tuple(layer.weight.shape)} -> {tuple(fresh.shape)}")
+        raise ApplyError(f"vLLM's conv1d packing changed the weight's shape {tuple(layer.weight.shape)} -> {tuple(fresh.shape)}")
     layer.weight.data.copy_(fresh)
 
 
@@ -191,18 +218,13 @@ MOE_BIAS = "w13_bias"  # padded with the experts where the engine pads (the gate
 
 def keep_cpu_moe_weights() -> bool:
     """Install the CPU MoE keep-weights patch (idempotent). Returns False where it does not apply."""
-    import inspect
+    return (_install(compat.cpu_moe_experts_class, "process_weights_after_loading", _moe_process_keeping_weights)
+            and _install(compat.cpu_moe_experts_class, "apply", _moe_apply_on_packed))
 
-    try:
-        from .compat import cpu_moe_experts_class
 
-        cls = cpu_moe_experts_class()
-    except ImportError:
-        return False
-    orig_process, orig_apply = cls.process_weights_after_loading, cls.apply
-    if getattr(orig_process, _MARK, False):
-        return True
-    apply_signature = inspect.signature(orig_apply)
+def _moe_process_keeping_weights(orig_process: Callable) -> Callable:
+    """The CPU MoE experts' post-loading step ``orig_process``, made to keep the checkpoint-layout
+    experts on the layer and file the packed copies the kernel reads (by the kept tensors' pointers)."""
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         kept = {n: getattr(layer, n) for n in MOE_WEIGHTS}
@@ -229,6 +251,13 @@ def keep_cpu_moe_weights() -> bool:
             by_ptr[kept[n].data_ptr()] = packed[n].data
         layer._engine_ext_moe = info
 
+    return process_weights_after_loading
+
+
+def _moe_apply_on_packed(orig_apply: Callable) -> Callable:
+    """The CPU MoE experts' ``orig_apply``, handed the packed copies in place of the kept experts it is called with."""
+    apply_signature = inspect.signature(orig_apply)
+
     def apply(self, *args, **kwargs):
         by_ptr = self.__dict__.get("_engine_ext_packed")
         if by_ptr:
@@ -238,23 +267,16 @@ def keep_cpu_moe_weights() -> bool:
             return orig_apply(*bound.args, **bound.kwargs)
         return orig_apply(self, *args, **kwargs)
 
-    setattr(process_weights_after_loading, _MARK, True)
-    process_weights_after_loading.original, apply.original = orig_process, orig_apply
-    cls.process_weights_after_loading, cls.apply = process_weights_after_loading, apply
-    return True
+    return apply
 
 
 def keep_amx_mla_weights() -> bool:
     """Install the AMX MLA keep-weight patch (idempotent). Returns False where it does not apply."""
-    try:
-        from .compat import mla_attention_class
+    return _install(compat.mla_attention_class, "process_weights_after_loading", _mla_process_keeping_weight)
 
-        cls = mla_attention_class()
-    except ImportError:
-        return False
-    orig = cls.process_weights_after_loading
-    if getattr(orig, _MARK, False):
-        return True
+
+def _mla_process_keeping_weight(orig: Callable) -> Callable:
+    """MLA attention's post-loading step ``orig``, made to put ``kv_b_proj``'s checkpoint-layout weight back on AMX."""
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         proj = getattr(self, "kv_b_proj", None)
@@ -264,10 +286,7 @@ def keep_amx_mla_weights() -> bool:
             proj.weight = kept  # the checkpoint-layout Parameter the loader writes; the impl serves its packed copies
             self._engine_ext_mla = act_dtype  # what rederive_mla derives them in
 
-    setattr(process_weights_after_loading, _MARK, True)
-    process_weights_after_loading.original = orig
-    cls.process_weights_after_loading = process_weights_after_loading
-    return True
+    return process_weights_after_loading
 
 
 def mla_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -320,13 +339,11 @@ def repack_experts(layer: torch.nn.Module, touched=None) -> int:
 def packed_experts(layer: torch.nn.Module, experts: torch.Tensor) -> dict[str, torch.Tensor]:
     """``{"w13_weight": ..., "w2_weight": ...}``: the kernel's packed copies of ``experts`` (indices) of
     ``layer``, made fresh from its kept checkpoint-layout experts (padded first where the engine pads)."""
-    from .compat import cpu_pad_moe_experts, cpu_prepack_moe_weight
-
     info = layer._engine_ext_moe
     rows = {name: getattr(layer, name).data[experts].contiguous() for name in _moe_served(info)}
     if info["padded"]:
-        rows = cpu_pad_moe_experts(info["experts"], rows)
-    return {name: cpu_prepack_moe_weight(rows[name], info["experts"].isa) if name in MOE_WEIGHTS else rows[name]
+        rows = compat.cpu_pad_moe_experts(info["experts"], rows)
+    return {name: compat.cpu_prepack_moe_weight(rows[name], info["experts"].isa) if name in MOE_WEIGHTS else rows[name]
             for name in rows}
 
 
@@ -408,15 +425,11 @@ def drain_replies_after_a_failed_rpc() -> bool:
     the replies it skipped before re-raising. Blocking calls only (utility RPCs such as
     ``update_weights`` and ours); idempotent.
     """
-    try:
-        from .compat import multiproc_executor_class
+    return _install(compat.multiproc_executor_class, "collective_rpc", _rpc_draining_replies)
 
-        cls = multiproc_executor_class()
-    except ImportError:
-        return False
-    orig = cls.collective_rpc
-    if getattr(orig, _MARK, False):
-        return True
+
+def _rpc_draining_replies(orig: Callable) -> Callable:
+    """``MultiprocExecutor.collective_rpc`` ``orig``, made to read the replies a failed call skipped."""
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False, **rest):
         if non_block or getattr(self, "response_mqs", None) is None:
@@ -437,16 +450,12 @@ def drain_replies_after_a_failed_rpc() -> bool:
         finally:
             self.response_mqs = real
 
-    setattr(collective_rpc, _MARK, True)
-    cls.collective_rpc = collective_rpc
-    return True
+    return collective_rpc
 
 
 def repack(layer: torch.nn.Module) -> None:
     """Rebuild the served (packed) copy of ``layer`` from its kept ``weight``."""
-    from .compat import cpu_gemm_module
-
-    cpu_gemm_module().dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    compat.cpu_gemm_module().dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
 
 
 def packed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -501,9 +510,7 @@ def mla_copy_stale(layer: torch.nn.Module) -> bool:
         fresh = copy.copy(layer.impl)
         fresh.process_weights_after_loading(layer._engine_ext_mla)
         return not all(_same_bits(getattr(layer.impl, n), getattr(fresh, n)) for n in MLA_PACKED)
-    from .compat import mla_split_kv_b_proj
-
-    w_uk, w_uv = mla_split_kv_b_proj(layer)
+    w_uk, w_uv = compat.mla_split_kv_b_proj(layer)
     return not (_same_bits(layer.W_UK_T, w_uk.permute(1, 2, 0)) and _same_bits(layer.W_UV, w_uv.transpose(0, 1)))
 
 

@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from ...errors import UnsupportedError
 from ...store.checkpoint import served_checkpoint
 from ...server.rank import RankUpdater, run_op
 from . import compat
@@ -111,7 +112,7 @@ def build_updater(model: torch.nn.Module, vllm_config, rank: int = 0) -> RankUpd
     parameters at load, and no refresh for them is written (docs/MOE_FP8.md)."""
     if compat.is_cpu() and (derived := derived_layers(model)):
         methods = sorted(set(derived.values()))
-        raise RuntimeError(f"engine_ext cannot update {len(derived)} quantised layer(s) in place on vLLM CPU: "
+        raise UnsupportedError(f"engine_ext cannot update {len(derived)} quantised layer(s) in place on vLLM CPU: "
                            f"{methods} derive the served weights at load (e.g. {next(iter(derived))}); "
                            "serve the bf16 checkpoint on the CPU, or a GPU (docs/MOE_FP8.md)")
     mc = vllm_config.model_config
