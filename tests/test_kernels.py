@@ -15,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine_ext.errors import OutOfOrderError
 from engine_ext.format import dtypes
 from engine_ext.format import fingerprint as fpr
 from engine_ext.server.apply import apply_delta, decode_gaps
@@ -217,7 +218,7 @@ def test_multi_tensor_batch_and_foreign_shard(interp):
         assert res.written["elsewhere"] == 0 and covered_elements(maps["elsewhere"]) == 0
         res.undo.rollback()
         assert all(torch.equal(a, b) for a, b in bufs)
-        with pytest.raises(RuntimeError):
+        with pytest.raises(OutOfOrderError, match="undo log already used"):
             res.undo.rollback()
 
 

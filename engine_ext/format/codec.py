@@ -22,7 +22,8 @@ import pcodec
 import torch
 import zstandard
 
-from . import chunks, context as codec_v2, kernel_module
+from . import chunks, kernel_module
+from .context import blocks as ctx_blocks, codec as ctx_codec, models as ctx_models
 from .dtypes import DType, step_between
 from .manifest import CONTEXT_CODERS
 from .. import settings
@@ -237,9 +238,9 @@ def encode(dtype: DType, numel: int, positions: torch.Tensor, new_bits: torch.Te
 
 def context_policy(name: str, dtype: DType, shape, nnz: int) -> int | None:
     """The block policy a changed tensor is context coded under, or None where the coder is not tried."""
-    if not codec_v2.supports(dtype.name) or nnz < CONTEXT_MIN:
+    if not ctx_models.supports(dtype.name) or nnz < CONTEXT_MIN:
         return None
-    return codec_v2.block_policy(name, shape)
+    return ctx_blocks.block_policy(name, shape)
 
 
 def step_tables_by_dtype(changes) -> dict[str, list[bytes]]:
@@ -255,14 +256,14 @@ def step_histograms(changes) -> dict[str, np.ndarray]:
     for dtype, old_bits, new_bits in changes:
         old_bits = old_bits.detach().cpu()
         steps = step_between(old_bits, new_bits.detach().cpu(), dtype.is_float).numpy()
-        h = codec_v2.step_histogram(dtype.name, codec_v2.exponents(old_bits.numpy(), dtype.name), steps)
+        h = ctx_models.step_histogram(dtype.name, ctx_models.exponents(old_bits.numpy(), dtype.name), steps)
         out[dtype.name] = h if dtype.name not in out else out[dtype.name] + h
     return out
 
 
 def step_tables_from(histograms: dict[str, np.ndarray]) -> dict[str, list[bytes]]:
     """The step tables per dtype of (summed) :func:`step_histograms`."""
-    return {dt: codec_v2.tables_from_histogram(dt, h) for dt, h in sorted(histograms.items())}
+    return {dt: ctx_models.tables_from_histogram(dt, h) for dt, h in sorted(histograms.items())}
 
 
 def context_pays(dtype: DType, base: torch.Tensor, old_bits: torch.Tensor, readers: Readers | None = None) -> bool:
@@ -272,15 +273,15 @@ def context_pays(dtype: DType, base: torch.Tensor, old_bits: torch.Tensor, reade
     settings'). Asked before a tensor gets a :class:`Context`, so uniform changes, or readers
     on whom v2 cannot pay, cost neither step tables nor a pass over the whole base."""
     readers = readers or Readers.from_settings()
-    return codec_v2.supports(dtype.name) and readers.may_pay(old_bits.numel(), base.numel()) and codec_v2.pays(
-        dtype.name, codec_v2.sample(base.detach().reshape(-1)), old_bits.detach().cpu().numpy(), base.numel(),
+    return ctx_models.supports(dtype.name) and readers.may_pay(old_bits.numel(), base.numel()) and ctx_codec.pays(
+        dtype.name, ctx_codec.sample(base.detach().reshape(-1)), old_bits.detach().cpu().numpy(), base.numel(),
         CONTEXT_GAIN)
 
 
 def encode_context(dtype: DType, shape, box, context: Context, pos: np.ndarray, old_bits: torch.Tensor,
                    new_bits: torch.Tensor) -> Encoded | None:
     """The context-coded form of a part's changes, or None where the coder does not apply."""
-    if not codec_v2.supports(dtype.name) or not context.tables:
+    if not ctx_models.supports(dtype.name) or not context.tables:
         return None
     shape = tuple(shape)
     base = context.base.detach().reshape((-1, *shape[1:]) if shape else ())
@@ -295,7 +296,7 @@ def encode_context(dtype: DType, shape, box, context: Context, pos: np.ndarray, 
     old_bits = old_bits.detach().cpu()
     base[torch.from_numpy(pos)] = old_bits  # the base, whichever version's bits the context holds
     steps = step_between(old_bits, new_bits.detach().cpu(), dtype.is_float).numpy()
-    e = codec_v2.encode(dtype.name, shape, box, context.policy, base.numpy(), pos, steps, context.tables)
+    e = ctx_codec.encode(dtype.name, shape, box, context.policy, base.numpy(), pos, steps, context.tables)
     return Encoded("ctx-rans", e.pos, "rel", "ctx-rans", e.val)
 
 

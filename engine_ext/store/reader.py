@@ -26,7 +26,8 @@ import torch
 
 import numpy as np
 
-from ..format import chunks, codec, context as codec_v2, tables
+from ..format import chunks, codec, tables
+from ..format.context import codec as ctx_codec
 from ..format.pieces import PIECES, pieces_sha256
 from ..format import fingerprint as fpr
 from .. import settings
@@ -396,7 +397,7 @@ def _decode_context(p: _Part, data: memoryview, bases: Bases | None) -> tuple[to
     n = e.positions.length
     args = (t.dtype, tuple(t.shape), box, bytes(data[:n]), bytes(data[n:]), e.nnz, base_of, list(p.tables))
     if device is None:
-        pos, vals = (torch.from_numpy(a) for a in codec_v2.decode(*args))
+        pos, vals = (torch.from_numpy(a) for a in ctx_codec.decode(*args))
     else:
         from ..triton_kernels import context_decode  # Triton: loaded only where a base lives on a device
 

@@ -5,6 +5,7 @@ What is where:
 
 * :mod:`.codec`: the coder: a part's header, its encoder, its decoders on the host (the streams, then the
   pass over the base) and the reader's checks;
+* :mod:`.symbols`: which dtypes it codes and the step tables' limits (what a manifest is checked against);
 * :mod:`.models`: the probability models publisher and ranks both build (classes over the exponent, step
   symbols, the version's *step tables*, the Golomb laws of gaps and counts);
 * :mod:`.blocks`: the blocks a part is cut into where tensor parallelism cuts its tensor;
@@ -22,14 +23,13 @@ kernels with the host-side pieces here (:func:`.codec.part_header`, :func:`.code
 imports a kernel (tests/test_layers.py holds the rule). The reader, which knows where a base lives, picks
 one decoder or the other. It has one implementation, so no interface stands between the two.
 
-Below, the names the rest of the format and the store use; tests and the device kernels reach into the
-modules themselves.
+This package's face holds only :mod:`.symbols`' names, so that importing it (every manifest check does)
+loads no numba: vLLM 0.32 CPU's plugin processes read manifests, and its kernel-override scan of
+``sys.modules`` dies on numba's llvmlite (tests/test_compat.py). The coder itself is imported by module
+(``from engine_ext.format.context import codec``) where it runs.
 """
 from __future__ import annotations
 
-from .blocks import block_policy
-from .codec import decode, encode, pays, sample
-from .models import MAX_STEP_TABLES, alphabet, exponents, step_histogram, supports, tables_from_histogram
+from .symbols import MAX_STEP_TABLES, alphabet, supports
 
-__all__ = ["MAX_STEP_TABLES", "alphabet", "block_policy", "decode", "encode", "exponents", "pays", "sample",
-           "step_histogram", "supports", "tables_from_histogram"]
+__all__ = ["MAX_STEP_TABLES", "alphabet", "supports"]

@@ -15,28 +15,13 @@ import functools
 import numba
 import numpy as np
 
-MAX_STEP_TABLES = 64  # step tables per dtype in a manifest
-STEP_TABLE_MIN = 512  # changes behind one step table (rarer exponents share their neighbours')
-QMAX = 48  # Golomb quotients >= QMAX escape to 48 raw bits
-EXACT = 8  # zigzag steps below this are symbols of their own; above, one symbol per power of two
+from .symbols import EXACT, EXPONENT, ITEMSIZE, MAX_STEP_TABLES, STEP_TABLE_MIN, alphabet, supports
 
-# exponent field of each float dtype: (shift, mask) of the raw bits
-EXPONENT = {"bfloat16": (7, 0xFF), "float16": (10, 0x1F), "float32": (23, 0xFF),
-            "float8_e4m3fn": (3, 0xF), "float8_e5m2": (2, 0x1F)}
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
+QMAX = 48  # Golomb quotients >= QMAX escape to 48 raw bits
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 INT = {1: np.int8, 2: np.int16, 4: np.int32}
 # 2^(i/8) * 2^16, rounded: a step table's one-byte codes as exact integer weights
 _POW8 = (65536, 71468, 77936, 84990, 92682, 101070, 110218, 120194)
-
-
-def supports(dtype_name: str) -> bool:
-    return dtype_name in EXPONENT
-
-
-def alphabet(dtype_name: str) -> int:
-    """Step symbols of a dtype: EXACT small ones and one per power of two above."""
-    return EXACT + 8 * ITEMSIZE[dtype_name] - 3
 
 
 def exponents(bits: np.ndarray, dtype_name: str) -> np.ndarray:
