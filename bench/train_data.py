@@ -2,7 +2,7 @@
 
     python bench/train_data.py [--lr 1e-6 3e-6] [--steps 8] [--settle 20] [--warmup 200]
 
-Why: the synthetic steps of bench/synthetic.py move every element of a tensor by draws
+Why: the synthetic steps of tests/support/synthetic.py move every element of a tensor by draws
 from one distribution. Real training does not: gradients differ per tensor and per row,
 embedding rows of tokens absent from a batch get no gradient, Adam's second moments are
 shaped by a real loss, and (what fp8 quantisation depends on) a tile's maximum is one
