@@ -36,10 +36,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # support.synthetic: the synthetic RL steps (tests/support)
 
+from bench.common import add_shape_args, shapes_of, signed_rounds, warm_up_publisher  # noqa: E402
 from bench.scale_bench import fsync_file, warm_page_cache  # noqa: E402
-from support.synthetic import add_shape_args, shapes_of, signed_rounds, warm_up_publisher  # noqa: E402
 
 
 class Phases:

@@ -43,9 +43,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # support.synthetic: the synthetic RL steps (tests/support)
 
-from support.synthetic import add_shape_args, shapes_of, warm_up_publisher  # noqa: E402
+from bench.common import add_shape_args, shapes_of, warm_up_publisher  # noqa: E402
 
 
 def rss_kb() -> int:
