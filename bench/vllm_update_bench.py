@@ -48,7 +48,6 @@ sys.path.insert(0, str(ROOT))
 from bench.common import add_tiny_model_args, publish_sign_steps, signed_run, tiny_model  # noqa: E402
 
 
-
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
                                                "uordblks", "fordblks", "keepcost")]

@@ -2,6 +2,9 @@
 
 Shaped like a small LLM so that per-tensor densities vary as they do in practice
 (norm weights near 1.0 change rarely, projections ~N(0, 0.02) change more).
+
+Test support, used by the tests (publishing, the CLI, reliability) and by the benchmarks alike: a test never
+imports a benchmark, and the benchmarks' own helpers (model-size options, warm-ups) are in bench/common.py.
 """
 from __future__ import annotations
 
