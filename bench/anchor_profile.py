@@ -37,8 +37,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import add_shape_args, shapes_of, signed_rounds, warm_up_publisher  # noqa: E402
 from bench.scale_bench import fsync_file, warm_page_cache  # noqa: E402
-from bench.synthetic import add_shape_args, shapes_of, signed_rounds, warm_up_publisher  # noqa: E402
 
 
 class Phases:

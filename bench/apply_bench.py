@@ -34,8 +34,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from synthetic import llm_shapes  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from support.synthetic import llm_shapes  # noqa: E402  (tests/support)
 
 from engine_ext.format import dtypes  # noqa: E402
 from engine_ext.format import fingerprint as fpr  # noqa: E402

@@ -2,7 +2,7 @@
 
     python bench/codec_bench.py [--steps 6] [--lr 3e-6] [--layers 4]
 
-Per step (bf16 weights after each Adam step on fp32 masters, see bench/synthetic.py):
+Per step (bf16 weights after each Adam step on fp32 masters, see tests/support/synthetic.py):
 density; bytes of our encoding (engine_ext.format.codec, per tensor the smaller value mode);
 a PULSE-style encoding (per-tensor gaps downcast to the narrowest unsigned type +
 absolute bf16 values, each zstd level 1); a TRL-style one (int32 indices + bf16
@@ -22,7 +22,8 @@ import torch
 import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.synthetic import AdamRL, llm_shapes  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # support.synthetic (tests/support)
+from support.synthetic import AdamRL, llm_shapes  # noqa: E402
 from engine_ext.format import codec  # noqa: E402
 from engine_ext.format.dtypes import BY_NAME, as_bits, step_between  # noqa: E402
 from engine_ext.report import entropy_bits  # noqa: E402  (the report's first-order bound: one definition)

@@ -261,9 +261,10 @@ def format_bytes(pairs_per_lr: int = 3) -> list[tuple[str, int, int, int]]:
 def read_costs(layers: int = 4, vocab: int = 151936, density: float = 0.042, repeat: int = 3) -> dict:
     """A reader's whole read of one version, v2 (bytes first) against v1 on the same delta: ``reader.load_delta``
     from a local store (fetch, verify every byte, decode) against the base held in memory, on a Qwen2-shaped
-    model (``bench/synthetic.llm_shapes``: 4 layers of Qwen2.5-0.5B and its 151,936-token vocabulary, ~200 M
+    model (``tests/support/synthetic.py``'s ``llm_shapes``: 4 layers of Qwen2.5-0.5B and its 151,936-token vocabulary, ~200 M
     parameters) whose small weights change more often; each read timed best of ``repeat``, alternating."""
-    from bench.synthetic import llm_shapes
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from support.synthetic import llm_shapes
     from engine_ext import settings
     from engine_ext.store import reader as _reader
     from engine_ext.store.reader import TensorBases

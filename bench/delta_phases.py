@@ -6,7 +6,7 @@
 The publisher's functions are wrapped with timers (thread time summed over the calls, so
 phases on the encode pool can add up to more than the wall time) and one anchor then
 ``--deltas`` 1 % deltas are published into a local store, after a warm-up
-(:func:`bench.synthetic.warm_up_publisher`). Prints, per delta: the wall time the training
+(:func:`bench.common.warm_up_publisher`). Prints, per delta: the wall time the training
 step waits (``publish``) and until stored (``wait``), and the seconds in each phase.
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import add_shape_args, shapes_of, warm_up_publisher  # noqa: E402
 from bench.scale_bench import rl_step, warm_page_cache  # noqa: E402
-from bench.synthetic import add_shape_args, shapes_of, warm_up_publisher  # noqa: E402
 
 SPENT: dict = collections.defaultdict(float)
 CALLS: dict = collections.defaultdict(int)

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.train_data import size_args, spec_kwargs, versions  # noqa: E402
+from bench.train_data import run_args, spec_kwargs, versions  # noqa: E402
 from engine_ext import settings  # noqa: E402
 from engine_ext.format.manifest import Manifest, manifest_key  # noqa: E402
 from engine_ext.trainer.publisher import DeltaPublisher  # noqa: E402
@@ -185,10 +185,7 @@ def run_lr(lr: float, steps: int, settle: int, kw: dict, log=print) -> None:
 def main() -> None:
     torch.set_num_threads(1)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--lr", type=float, nargs="+", default=[1e-6, 3e-6])
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--settle", type=int, default=20, help="steps at --lr before version 0 (bench/train_data.py)")
-    size_args(p)
+    run_args(p)  # bench/train_data.py's
     a = p.parse_args()
     print("command: " + shlex.join(["python", "bench/fp8_bench.py", *sys.argv[1:]]))
     t0 = time.perf_counter()

@@ -19,10 +19,15 @@ import argparse
 import asyncio
 import os
 import statistics
-import tempfile
+import sys
 from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import add_tiny_model_args, publish_sign_steps, signed_run, tiny_model  # noqa: E402
 
 DIM1 = ("o_proj", "down_proj")  # row-parallel: sharded along the input dimension
 REPLICATED = ("norm",)
@@ -84,23 +89,6 @@ class InProcessRanks:
         pass
 
 
-def publish(model_dir: Path, store: Path, steps: int, lr: float) -> list[dict]:
-    from engine_ext.trainer.publisher import DeltaPublisher
-    from engine_ext.tiny_models import load_state_dict
-
-    master = {n: t.float() for n, t in load_state_dict(model_dir).items()}
-    g = torch.Generator().manual_seed(0)
-    out = []
-    with DeltaPublisher(str(store), anchor_every=0) as pub:
-        for v in range(steps + 1):
-            if v:
-                for t in master.values():
-                    t.add_(torch.sign(torch.randn(t.shape, generator=g)) * lr)
-            out.append({n: t.to(torch.bfloat16) for n, t in master.items()})
-            pub.publish(out[-1])
-    return out
-
-
 def torch_path(store: Path, versions: list[dict], world: int) -> list[dict]:
     from engine_ext.server.controller import Controller
     from engine_ext.format.dtypes import BY_TORCH
@@ -142,25 +130,16 @@ def vllm_path(model_dir: Path, store: Path, steps: int, log: Path) -> list[dict]
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=16384)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=3e-6)
+    add_tiny_model_args(ap)
     ap.add_argument("--worlds", default="1,2,4,8")
     ap.add_argument("--vllm", action="store_true", help="also a real vLLM CPU server at TP 2")
     args = ap.parse_args()
 
-    from engine_ext.store.signing import generate_key
-    from engine_ext.tiny_models import make_model
-
-    work = Path(tempfile.mkdtemp(prefix="engine_ext_rank_bytes_"))
-    generate_key(work / "k")
-    os.environ.update(ENGINE_EXT_SIGNING_KEY=str(work / "k"), ENGINE_EXT_TRUSTED_KEYS=str(work / "k.pub"),
-                      ENGINE_EXT_SOURCES=str(work / "store"), ENGINE_EXT_TOKEN=os.environ.get("ENGINE_EXT_TOKEN", "bench"))
-    model_dir = make_model(work / "model", "qwen2", vocab=args.vocab, hidden=args.hidden, layers=args.layers,
-                           heads=max(8, args.hidden // 128), kv_heads=4)
-    versions = publish(model_dir, work / "store", args.steps, args.lr)
+    run = signed_run(None, "engine_ext_rank_bytes_")
+    os.environ.setdefault("ENGINE_EXT_TOKEN", "bench")
+    work = run.work
+    model_dir = tiny_model(args, work, heads=max(8, args.hidden // 128), kv_heads=4)
+    versions = publish_sign_steps(model_dir, run.store, args.steps, args.lr)
     numel = sum(t.numel() for t in versions[0].values())
     print(f"Qwen2-shaped, {numel / 1e6:.1f} M params (hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}), "
           f"{args.steps} steps at lr {args.lr:g}\n")

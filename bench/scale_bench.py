@@ -11,7 +11,7 @@ Steps (one version step = 1 % of the bf16 elements change, as an RL step at lr ~
   safetensors shards written and hashed once) vs ``safetensors.torch.save_file`` of the same
   state dict, and vs ``save_file`` + fsync (a store keeps what it wrote: engine_ext fsyncs);
   both write into warm page cache (:func:`warm_page_cache`), the publisher's kernels are
-  loaded first (:func:`bench.synthetic.warm_up_publisher`: once per trainer process), and the
+  loaded first (:func:`bench.common.warm_up_publisher`: once per trainer process), and the
   background is timed with no sync in its middle;
 * publish a 1 % delta (on the training thread: the diff; in the background: fingerprint
   update, encode, hash, write) vs ``save_file``: the first delta after the anchor, and (the
@@ -45,7 +45,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.synthetic import add_shape_args, shapes_of, signed_rounds, warm_up_publisher  # noqa: E402
+from bench.common import add_shape_args, shapes_of, signed_rounds, warm_up_publisher  # noqa: E402
 
 
 def timed(fn):

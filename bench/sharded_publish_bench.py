@@ -44,7 +44,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.synthetic import add_shape_args, shapes_of, warm_up_publisher  # noqa: E402
+from bench.common import add_shape_args, shapes_of, warm_up_publisher  # noqa: E402
 
 
 def rss_kb() -> int:

@@ -2,7 +2,7 @@
 
     python bench/train_data.py [--lr 1e-6 3e-6] [--steps 8] [--settle 20] [--warmup 200]
 
-Why: the synthetic steps of bench/synthetic.py move every element of a tensor by draws
+Why: the synthetic steps of tests/support/synthetic.py move every element of a tensor by draws
 from one distribution. Real training does not: gradients differ per tensor and per row,
 embedding rows of tokens absent from a batch get no gradient, Adam's second moments are
 shaped by a real loss, and (what fp8 quantisation depends on) a tile's maximum is one
@@ -226,13 +226,22 @@ def changed_fraction(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
 
 
 def size_args(p: argparse.ArgumentParser) -> None:
-    """The Spec options (shared with bench/fp8_bench.py)."""
+    """The Spec options: the model's size and its training data (part of :func:`run_args`)."""
     d = Spec()
     for f in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "batch", "seq", "warmup", "data_bytes"):
         p.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(d, f))
     p.add_argument("--warmup-lr", type=float, default=d.warmup_lr)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--seed", type=int, default=d.seed)
+
+
+def run_args(p: argparse.ArgumentParser) -> None:
+    """The options of a run over real training (shared with bench/fp8_bench.py): the learning rates, the
+    versions per rate, the settling steps before version 0, and the model's size (:func:`size_args`)."""
+    p.add_argument("--lr", type=float, nargs="+", default=[1e-6, 3e-6])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--settle", type=int, default=20, help="steps at --lr before version 0")
+    size_args(p)
 
 
 def spec_kwargs(a: argparse.Namespace) -> dict:
@@ -242,10 +251,7 @@ def spec_kwargs(a: argparse.Namespace) -> dict:
 def main() -> None:
     torch.set_num_threads(1)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--lr", type=float, nargs="+", default=[1e-6, 3e-6])
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--settle", type=int, default=20, help="steps at --lr before version 0")
-    size_args(p)
+    run_args(p)
     a = p.parse_args()
     print("command: python bench/train_data.py " + " ".join(sys.argv[1:]))
     kw = spec_kwargs(a)

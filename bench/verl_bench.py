@@ -28,7 +28,6 @@ import json
 import os
 import secrets
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,6 +35,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+from bench.common import add_tiny_model_args, signed_run, tiny_model  # noqa: E402
 
 
 def delta_sharded_wire(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor] | None) -> tuple[int, float]:
@@ -60,11 +62,7 @@ def delta_sharded_wire(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=16384)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=3e-6)
+    add_tiny_model_args(ap)
     ap.add_argument("--no-server", action="store_true", help="publish only; no replica")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None, help="write the results JSON here")
@@ -72,20 +70,13 @@ def main() -> None:
 
     import ray
 
-    from engine_ext.store.signing import generate_key
-    from engine_ext.tiny_models import make_model
     from verl_actor import Replica, VerlActor, manager_for, verl_config
 
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="engine_ext_verl_bench_"))
-    work.mkdir(parents=True, exist_ok=True)
-    key = work / "publisher.key"
-    if not key.exists():
-        generate_key(key)
-    store = work / "store"
-    os.environ.update(ENGINE_EXT_SIGNING_KEY=str(key), ENGINE_EXT_TRUSTED_KEYS=f"{key}.pub", ENGINE_EXT_SOURCES=str(store),
-                      ENGINE_EXT_TOKEN=secrets.token_hex(16))
-    model_dir = make_model(work / "model", "qwen2-tied", vocab=args.vocab, hidden=args.hidden, layers=args.layers,
-                           heads=max(4, args.hidden // 128), kv_heads=max(2, args.hidden // 512))
+    run = signed_run(args.workdir, "engine_ext_verl_bench_")
+    os.environ["ENGINE_EXT_TOKEN"] = secrets.token_hex(16)
+    work = run.work
+    store = run.store
+    model_dir = tiny_model(args, work, "qwen2-tied")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
              runtime_env={"env_vars": {**{k: v for k, v in os.environ.items() if k.startswith("ENGINE_EXT_")},
                                        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}})

@@ -22,7 +22,6 @@ import json
 import os
 import secrets
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,15 +29,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT))
+
+from bench.common import add_tiny_model_args, signed_run, tiny_model  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=16384)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=3e-6)
+    add_tiny_model_args(ap)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None, help="write the results JSON here")
@@ -49,20 +47,13 @@ def main() -> None:
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     from engine_ext.engines.vllm.launcher import VllmServer
-    from engine_ext.store.signing import generate_key
-    from engine_ext.tiny_models import make_model
     from vllm_native_transfer import BACKEND, train
 
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="engine_ext_transfer_bench_"))
-    work.mkdir(parents=True, exist_ok=True)
-    key = work / "publisher.key"
-    if not key.exists():
-        generate_key(key)
-    store = work / "store"
-    os.environ.update(ENGINE_EXT_SIGNING_KEY=str(key), ENGINE_EXT_TRUSTED_KEYS=f"{key}.pub", ENGINE_EXT_SOURCES=str(store),
-                      ENGINE_EXT_TOKEN=secrets.token_hex(16))  # the status route's token
-    model_dir = make_model(work / "model", "qwen2", vocab=args.vocab, hidden=args.hidden, layers=args.layers,
-                           heads=max(4, args.hidden // 128), kv_heads=max(2, args.hidden // 512))
+    run = signed_run(args.workdir, "engine_ext_transfer_bench_")
+    os.environ["ENGINE_EXT_TOKEN"] = secrets.token_hex(16)  # the status route's token
+    work = run.work
+    store = run.store
+    model_dir = tiny_model(args, work)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     params = sum(p.numel() for p in model.parameters())
 

@@ -32,7 +32,7 @@ import ctypes
 import json
 import os
 import statistics
-import tempfile
+import sys
 import threading
 import time
 from pathlib import Path
@@ -44,6 +44,8 @@ os.environ.update(_ENV)
 
 import torch  # noqa: E402
 
+sys.path.insert(0, str(ROOT))
+from bench.common import add_tiny_model_args, publish_sign_steps, signed_run, tiny_model  # noqa: E402
 
 
 class _MallInfo2(ctypes.Structure):
@@ -94,55 +96,18 @@ class Peak:
             self.extra = max(self.peak, heap_in_use()) - self.base
 
 
-def make_versions(model_dir: Path, store: Path, steps: int, lr: float, seed: int) -> list[dict]:
-    """Publish v0 (anchor) .. v{steps}: Adam-like steps (size lr, random sign) on fp32 masters, cast to bf16."""
-    from safetensors.torch import save_file
-
-    from engine_ext.trainer.publisher import DeltaPublisher
-    from engine_ext.tiny_models import load_state_dict
-
-    master = {n: t.float() for n, t in load_state_dict(model_dir).items()}
-    g = torch.Generator().manual_seed(seed)
-    versions = []
-    with DeltaPublisher(str(store), anchor_every=0) as pub:
-        for v in range(steps + 1):
-            if v:
-                for t in master.values():
-                    t.add_(torch.sign(torch.randn(t.shape, generator=g)) * lr)
-            sd = {n: t.to(torch.bfloat16) for n, t in master.items()}
-            pub.publish(sd)
-            (store.parent / "full").mkdir(exist_ok=True)
-            save_file(sd, str(store.parent / "full" / f"v{v:08d}.safetensors"))
-            versions.append(sd)
-    return versions
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpu", action="store_true")
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=16384)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=3e-6)
+    add_tiny_model_args(ap)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None, help="write the results JSON here")
     args = ap.parse_args()
 
-    from engine_ext.tiny_models import make_model
-
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="engine_ext_bench_"))
-    from engine_ext.store.signing import generate_key
-
-    key = work / "bench.key"  # signed and verified, as in production (before anything reads the settings)
-    if not key.exists():
-        generate_key(key)
-    os.environ.update(ENGINE_EXT_SIGNING_KEY=str(key), ENGINE_EXT_TRUSTED_KEYS=f"{key}.pub")
-    model_dir = make_model(work / "model", "qwen2", vocab=args.vocab, hidden=args.hidden, layers=args.layers,
-                           heads=max(4, args.hidden // 128), kv_heads=max(2, args.hidden // 512))
-    store = work / "store"
-    versions = make_versions(model_dir, store, args.steps, args.lr, seed=0)
-    os.environ["ENGINE_EXT_SOURCES"] = str(store)
+    run = signed_run(args.workdir, "engine_ext_bench_")  # signed and verified, as in production
+    model_dir = tiny_model(args, run.work)
+    store = run.store
+    versions = publish_sign_steps(model_dir, store, args.steps, args.lr, seed=0, full_dir=run.work / "full")
 
     from vllm import LLM
 

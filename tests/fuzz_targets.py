@@ -10,7 +10,7 @@ and docs/vllm.md, with its HTTP status and a short message). Every example is ti
 allocations measured (tracemalloc's peak for Python and numpy, the peak resident set for
 native code), each against a bound. The oracle and the mutators are ``tests/fuzz_oracle.py``,
 the real data ``tests/fuzz_corpus.py``. ``tests/test_fuzz.py`` runs a fixed budget of every
-target in CI; ``bench/fuzz_campaign.py`` runs them for minutes.
+target in CI; ``stress/fuzz_campaign.py`` runs them for minutes.
 
 Where an entry point needs the rest of a server, the real parts run: a :class:`LocalStore`
 over a directory, :class:`TensorBases` holding the base weights a rank would hold, the real

@@ -88,7 +88,7 @@ def deep_gemm_sm90(e8m0: bool = True) -> Iterator[None]:
     * ``transform_sf_into_required_layout``: DeepGEMM's own SM90 branch for fp32 weight scales with a
       (1, 128, 128) recipe is ``check_sf_layout`` and returns the tensor it was given
       (deepseek-ai/DeepGEMM csrc/apis/layout.hpp); the stand-in returns it too. (On SM100 it packs UE8M0 into
-      int32 with a CUDA kernel: not emulated, bench/gpu_proof.py section (e).)
+      int32 with a CUDA kernel: not emulated, gpu_acceptance/gpu_proof.py section (e).)
     * ``get_mk_alignment_for_contiguous_layout``: 128, DeepGEMM's M/K alignment (read when the MoE experts are built).
 
     ``e8m0``: vLLM's default ``VLLM_USE_DEEP_GEMM_E8M0=1`` with DeepGEMM present (``is_deep_gemm_e8m0_used()``

@@ -1,6 +1,6 @@
-"""The chaos soak's CI tier: a short run of bench/chaos.py with a fixed seed, and zero violations.
+"""The chaos soak's CI tier: a short run of stress/chaos.py with a fixed seed, and zero violations.
 
-bench/chaos.py starts a publisher process, two vLLM CPU replicas (one following the store,
+stress/chaos.py starts a publisher process, two vLLM CPU replicas (one following the store,
 one pushed), a client sending completions to both, and injects faults at random from the
 seed (publisher and server SIGKILLs, a racing publisher, store 5xx, cut and slow reads, a
 follower partitioned from its store, a stale LATEST) while it checks its invariants; then
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_a_short_chaos_soak_keeps_every_invariant(tmp_path):
     out = tmp_path / "chaos"
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "chaos.py"), "--seed", "1", "--minutes", "1.5",
+    p = subprocess.run([sys.executable, str(ROOT / "stress" / "chaos.py"), "--seed", "1", "--minutes", "1.5",
                         "--stores", "http", "--replicas", "followed,pushed", "--out", str(out)],
                        capture_output=True, text=True, timeout=900)
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else None

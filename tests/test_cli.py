@@ -16,8 +16,7 @@ from engine_ext.store.checkpoint import CheckpointDir
 from engine_ext.cli import main
 from engine_ext.format.dtypes import as_bits
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.synthetic import AdamRL, llm_shapes  # noqa: E402
+from support.synthetic import AdamRL, llm_shapes  # tests/support (tests/ is on sys.path: conftest.py)
 
 
 def write_sharded(path: Path, sd: dict, shards: int = 2) -> Path:

@@ -106,7 +106,7 @@ def test_named_variables_exist():
         assert named <= read, (page.name, sorted(named - read))
 
 
-ROOTS = ("engine_ext/", "scripts/", "tests/", "docs/", "bench/", "examples/", "patches/", "requirements/", ".ci/")
+ROOTS = ("engine_ext/", "scripts/", "tests/", "docs/", "bench/", "stress/", "gpu_acceptance/", "examples/", "patches/", "requirements/", ".ci/")
 
 
 def test_quoted_and_linked_paths_exist():

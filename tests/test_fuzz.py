@@ -5,7 +5,7 @@ Each target starts from real data (a signed store published by the real publishe
 from the real encoders) and mutates it; the only outcomes allowed are an accepted valid
 input or the documented refusal, within a time and an allocation bound per example
 (``fuzz_targets.judge``). ``derandomize=True``: every CI run tries the same inputs. The long
-campaign, with its figures, is ``bench/fuzz_campaign.py`` (docs/RELIABILITY.md).
+campaign, with its figures, is ``stress/fuzz_campaign.py`` (docs/RELIABILITY.md).
 """
 from __future__ import annotations
 

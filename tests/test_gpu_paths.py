@@ -9,7 +9,7 @@ neither is a silent divergence.
 Each test runs vLLM's own post-processing function (named in its docstring) on small CPU tensors under the census,
 with vLLM's platform answering CUDA (tests/gpu_emulation.py::cuda_platform) and, where a CUDA library would be
 called, one stand-in for that one function, named in the docstring. Branches that need a CUDA op for the copy itself
-are not emulated: bench/gpu_proof.py section (e) checks them where vLLM and a GPU are both present.
+are not emulated: gpu_acceptance/gpu_proof.py section (e) checks them where vLLM and a GPU are both present.
 """
 from __future__ import annotations
 
@@ -381,7 +381,7 @@ def test_mla_fp8_dequantised_copies_are_named_and_refused():
     GEMM): ``get_and_maybe_dequant_weights`` dequantises with ``scaled_dequantize`` (pure torch) into new bf16
     tensors, registered as the ``W_UK_T``/``W_UV`` parameters of the attention layer. The census names them from
     provenance, so ``kv_b_proj.weight`` and its scales are refused. Emulated: the platform (H100). (With DeepGEMM the
-    dequantisation is the layer's own GEMM on an identity matrix, a CUDA op: bench/gpu_proof.py section (e).)"""
+    dequantisation is the layer's own GEMM on an identity matrix, a CUDA op: gpu_acceptance/gpu_proof.py section (e).)"""
     model = _mla(fp8=True)
     ckpt = {f"kv_b_proj.{n}": p.detach().clone() for n, p in model.kv_b_proj.named_parameters()}
     process(model, lambda: model.attn.process_weights_after_loading(torch.bfloat16), HOPPER)

@@ -1,4 +1,4 @@
-"""bench/gpu_proof.py cannot rot: its --cpu-smoke run takes every section's code path (tiny shapes,
+"""gpu_acceptance/gpu_proof.py cannot rot: its --cpu-smoke run takes every section's code path (tiny shapes,
 Triton's interpreter, no CUDA graph) and writes the report, every section ok and every check true."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_gpu_proof_cpu_smoke(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "bench/gpu_proof.py", "--cpu-smoke", "--out", str(tmp_path)], cwd=ROOT, env=env,
+    p = subprocess.run([sys.executable, "gpu_acceptance/gpu_proof.py", "--cpu-smoke", "--out", str(tmp_path)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     report = (tmp_path / "gpu_proof.md").read_text()
     assert p.returncode == 0, report + p.stdout[-3000:] + p.stderr[-3000:]
@@ -30,3 +30,12 @@ def test_gpu_proof_cpu_smoke(tmp_path):
         # no row diverges: the UE8M0 checkpoint's requantisation is refused by the census since issue 50 closed the gap
         assert e.count("refused (load check)") == 6 and e.count("DIVERGES from a cold start") == 0
     assert not list(tmp_path.glob(".section_*"))
+
+
+def test_the_old_entry_runs_the_moved_proof():
+    """``bench/gpu_proof.py`` (the command the developer guide gives a session with a lent GPU) still runs the proof:
+    it hands its arguments to gpu_acceptance/gpu_proof.py, whose usage it then prints."""
+    moved = subprocess.run([sys.executable, "gpu_acceptance/gpu_proof.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    old = subprocess.run([sys.executable, "bench/gpu_proof.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert moved.returncode == old.returncode == 0, old.stderr
+    assert "--cpu-smoke" in old.stdout and old.stdout == moved.stdout

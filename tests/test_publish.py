@@ -1,6 +1,5 @@
 """DeltaPublisher -> real stores (local, S3 via moto_server, HTTP) -> reader: bit-exact chains."""
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -15,8 +14,7 @@ from engine_ext.errors import BaseMismatchError, IntegrityError
 from engine_ext.trainer.publisher import DeltaPublisher, clean_state_dict
 from engine_ext.store import open_store
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.synthetic import AdamRL, llm_shapes  # noqa: E402
+from support.synthetic import AdamRL, llm_shapes  # tests/support (tests/ is on sys.path: conftest.py)
 
 SHAPES = llm_shapes(hidden=64, layers=2, vocab=512, inter=128, kv=32)
 

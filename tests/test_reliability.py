@@ -29,8 +29,7 @@ from engine_ext.store.signing import SignatureError, Trust
 from engine_ext.trainer import lineage
 from engine_ext.store import open_store
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.synthetic import AdamRL, llm_shapes  # noqa: E402
+from support.synthetic import AdamRL, llm_shapes  # tests/support (tests/ is on sys.path: conftest.py)
 
 REPO = str(Path(__file__).resolve().parents[1])
 SHAPES = llm_shapes(hidden=64, layers=2, vocab=512, inter=128, kv=32)

@@ -18,10 +18,10 @@ and this project importable; nothing is downloaded):
 4. compares token ids and logprobs exactly; writes everything to ``--out`` (JSON) and
    exits 0 only if they are identical and every request succeeded.
 
-    python bench/sglang_gpu_check.py --out bench/results/sglang_gpu.json [--tp 2]
-    python bench/sglang_gpu_check.py --dry-run     # data + commands only (no GPU)
+    python gpu_acceptance/sglang_gpu_check.py --out gpu_acceptance/results/sglang_gpu.json [--tp 2]
+    python gpu_acceptance/sglang_gpu_check.py --dry-run     # data + commands only (no GPU)
     # the same against CPU servers (how the script itself was checked; docs/sglang.md):
-    PYTHONPATH=tests/sglang_stubs python bench/sglang_gpu_check.py --out /tmp/x.json \
+    PYTHONPATH=tests/sglang_stubs python gpu_acceptance/sglang_gpu_check.py --out /tmp/x.json \
         -- --device cpu --max-total-tokens 4096 --skip-server-warmup
 """
 from __future__ import annotations
@@ -152,7 +152,7 @@ def background_load(url: str, prompts, stop: threading.Event, stats: dict, k: in
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sglang_gpu.json"))
+    ap.add_argument("--out", default=str(ROOT / "gpu_acceptance" / "results" / "sglang_gpu.json"))
     ap.add_argument("--model-dir", help="a local HF checkpoint (default: a tiny random Qwen2 made here)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)

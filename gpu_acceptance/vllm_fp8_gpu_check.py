@@ -14,8 +14,8 @@ live tensor equal to the checkpoint (``mismatched`` empty: a layout the fp8 meth
 at load would be named there); each update answers 200; the final fingerprint is the
 last manifest's and the cold server's; outputs equal the cold start's.
 
-    python bench/vllm_fp8_gpu_check.py --out bench/results/vllm_fp8_gpu.json [--kind qwen3-moe] [--tp 2]
-    python bench/vllm_fp8_gpu_check.py --dry-run     # data only (no GPU): checks the publishing side
+    python gpu_acceptance/vllm_fp8_gpu_check.py --out gpu_acceptance/results/vllm_fp8_gpu.json [--kind qwen3-moe] [--tp 2]
+    python gpu_acceptance/vllm_fp8_gpu_check.py --dry-run     # data only (no GPU): checks the publishing side
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def outputs(server, max_new: int) -> list:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vllm_fp8_gpu.json"))
+    ap.add_argument("--out", default=str(ROOT / "gpu_acceptance" / "results" / "vllm_fp8_gpu.json"))
     ap.add_argument("--kind", default="qwen2", choices=["qwen2", "llama", "qwen3-moe"])
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)

@@ -1,7 +1,7 @@
 """The long fuzzing campaign (issue 30): every target of ``tests/fuzz_targets.py`` for minutes.
 
-    python bench/fuzz_campaign.py --minutes 15            # every target, the time shared equally
-    python bench/fuzz_campaign.py --minutes 2 --targets manifest v2_streams --seed 7
+    python stress/fuzz_campaign.py --minutes 15            # every target, the time shared equally
+    python stress/fuzz_campaign.py --minutes 2 --targets manifest v2_streams --seed 7
 
 Each target runs in a child process of its own (a crash of native code, or the address-space
 limit ``--rlimit-gib`` above what the child holds after start-up, is then a finding, not the

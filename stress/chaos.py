@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """A week of faults in minutes: the chaos soak, with invariants checked while it runs.
 
-    python bench/chaos.py --seed 7 --minutes 15 --out /tmp/chaos            # the documented soak
-    python bench/chaos.py --seed 1 --minutes 1.5 --stores http --replicas followed,pushed   # CI (tests/test_chaos.py)
+    python stress/chaos.py --seed 7 --minutes 15 --out /tmp/chaos            # the documented soak
+    python stress/chaos.py --seed 1 --minutes 1.5 --stores http --replicas followed,pushed   # CI (tests/test_chaos.py)
 
 Every part is real and on loopback: a trainer process publishing signed versions of a
 tiny Qwen2 (an RL-like trajectory, its own checkpoint every few steps, as a trainer keeps),

@@ -1,7 +1,7 @@
 """GPU check and benchmark of the fused apply kernel, for one short call on a lent GPU.
 
-    cd <repo root>; PYTHONPATH=. python3 bench/gpu_kernels.py --out DIR     # GPU, < 4 minutes
-    TRITON_INTERPRET=1 PYTHONPATH=. python3 bench/gpu_kernels.py --small    # CPU smoke test
+    cd <repo root>; PYTHONPATH=. python3 gpu_acceptance/gpu_kernels.py --out DIR     # GPU, < 4 minutes
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 gpu_acceptance/gpu_kernels.py --small    # CPU smoke test
 
 1. Bit-exactness on the device: Triton == torch path (storage bytes, fingerprint deltas,
    written counts) on small random layouts (packed, sliced, transposed, padded, foreign
