@@ -9,7 +9,8 @@
 # marked `full` repeat covered paths on more models, widths and servers (~10 more minutes).
 # The core check (a fresh venv, mostly downloads) runs beside the main suite.
 #
-# Suites: core (scripts/core_check.sh: `pip install .` alone in a fresh venv, the signed CLI
+# Suites: lint (scripts/lint.sh: ruff and mypy on engine_ext/, beside main, niced; first and alone with
+# --quick), core (scripts/core_check.sh: `pip install .` alone in a fresh venv, the signed CLI
 # round trip, every command's --help, the wheel's contents), profiles (scripts/profiles_check.sh: every
 # install profile resolves from a fresh venv, pip --dry-run, niced), main (vLLM CPU, stores, codec, kernels; on 2 pytest-xdist
 # workers, modules that share a server kept on one), sglang (in SGLang's own venv). Ends
@@ -41,7 +42,7 @@ suite() {  # suite NAME COMMAND...: run one suite, remember its counts line
 record() {  # record NAME RC T0: the suite's counts line from its log
   local name=$1 rc=$2 t0=$3
   local counts
-  counts=$(grep -E "^=*[ ]*[0-9]+ (passed|failed|skipped|error|deselected)|^=*[ ]*no tests ran|^(core|profiles) check passed" "$logs/$name.log" | tail -n 1 | tr -d '=' | sed 's/^ *//;s/ *$//')
+  counts=$(grep -E "^=*[ ]*[0-9]+ (passed|failed|skipped|error|deselected)|^=*[ ]*no tests ran|^(core|profiles|lint) check passed" "$logs/$name.log" | tail -n 1 | tr -d '=' | sed 's/^ *//;s/ *$//')
   summary+=("suite $name: ${counts:-no summary line} (exit $rc, $((SECONDS - t0)) s)")
   [ "$rc" -eq 0 ] || status=1
 }
@@ -49,9 +50,11 @@ record() {  # record NAME RC T0: the suite's counts line from its log
 pytest_args=(-q -p no:cacheprovider -rfEs)
 core_pid=""
 profiles_pid=""
+lint_pid=""
 if [ "$quick" -eq 1 ]; then
   select=(-m "not engine")
   workers=()
+  suite lint bash scripts/lint.sh
 else
   select=(-m "not full")
   [ "$full" -eq 1 ] && select=()
@@ -69,6 +72,11 @@ else
   profiles_t0=$SECONDS
   nice -n 10 bash scripts/profiles_check.sh > "$logs/profiles.log" 2>&1 &
   profiles_pid=$!
+  # ruff and mypy: ~10 CPU-s, niced like the profiles
+  echo "=== suite lint (beside the main suite): bash scripts/lint.sh > $logs/lint.log"
+  lint_t0=$SECONDS
+  nice -n 10 bash scripts/lint.sh > "$logs/lint.log" 2>&1 &
+  lint_pid=$!
 fi
 # SGLang's modules, in SGLang's own venv, beside the main suite (ENGINE_EXT_TEST_SGLANG_BESIDE=0: after it)
 sglang_pid=""
@@ -87,6 +95,13 @@ if [ -x "$SGLANG_VENV/bin/python" ] && ls tests/test_sglang_*.py >/dev/null 2>&1
 fi
 # Main suite (vLLM CPU, stores, codec, kernels)
 suite main "$PY" -m pytest "${pytest_args[@]}" "${workers[@]}" "${select[@]}" tests --ignore-glob='tests/test_sglang_*' "${args[@]}"
+if [ -n "$lint_pid" ]; then
+  wait "$lint_pid"
+  lint_rc=$?
+  echo "=== suite lint: its log"
+  cat "$logs/lint.log"
+  record lint "$lint_rc" "$lint_t0"
+fi
 if [ -n "$core_pid" ]; then
   wait "$core_pid"
   core_rc=$?
