@@ -33,7 +33,7 @@ from bench.codec_bench import entropy_bits  # noqa: E402
 from bench.train_data import versions  # noqa: E402
 from engine_ext.format import codec  # noqa: E402
 from engine_ext.format.context import blocks as context_blocks, codec as context_codec  # noqa: E402
-from engine_ext.format.context import models as context_models, scan_kernels as context_kernels  # noqa: E402
+from engine_ext.format.context import models as context_models, scan_kernels as context_kernels, symbols as context_symbols  # noqa: E402
 from engine_ext.format.dtypes import BY_NAME, as_bits, step_between  # noqa: E402
 from engine_ext.format.manifest import CONTEXT_CODERS  # noqa: E402
 
@@ -245,7 +245,7 @@ def format_bytes(pairs_per_lr: int = 3) -> list[tuple[str, int, int, int]]:
                     ob, nb = as_bits(o).reshape(-1), as_bits(new[name]).reshape(-1)
                     pos = torch.nonzero(ob != nb).reshape(-1)
                     policy = context_blocks.block_policy(name, tuple(o.shape))
-                    if context_models.supports(dt) and policy is not None and codec.CONTEXT_MIN <= pos.numel() < ob.numel():
+                    if context_symbols.supports(dt) and policy is not None and codec.CONTEXT_MIN <= pos.numel() < ob.numel():
                         by_dtype.setdefault(dt, []).append((name, tuple(o.shape), policy, ob, pos, ob[pos], nb[pos]))
                 for dt, items in by_dtype.items():
                     tables = context_models.step_tables(dt, np.concatenate([context_models.exponents(x[5].numpy(), dt) for x in items]),

@@ -10,6 +10,7 @@ verified reads and routes), ``trainer/`` (publisher), ``server/`` (the update tr
 and its ranks), ``engines/`` (vLLM and SGLang adapters); ``cli``, ``fleet``, ``settings``,
 ``errors`` and ``metrics`` at the top.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -27,7 +28,7 @@ PUBLIC = {
     "resolve": "engine_ext.store.route",
     "DeltaError": "engine_ext.errors",
 }
-__all__ = sorted(PUBLIC)
+__all__ = sorted(PUBLIC)  # noqa: PLE0605 - the lazy face: the names are PUBLIC's keys, imported when first used
 
 
 def __getattr__(name: str):

@@ -4,6 +4,7 @@ Publishing commands sign with ``--sign KEY`` (or ``ENGINE_EXT_SIGNING_KEY``); re
 commands verify with ``--trust PUBKEY`` (or ``ENGINE_EXT_TRUSTED_KEYS``) and read unsigned
 versions only with ``--allow-unsigned`` (or ``ENGINE_EXT_ALLOW_UNSIGNED=1``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,21 +18,20 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from . import settings
+from .errors import BaseMismatchError, DeltaError
 from .format import codec
 from .format import fingerprint as fpr
-from .trainer.builder import VersionBuilder
-from .trainer.delta_pipeline import ContextBase, DeltaEncoder, TensorChange
-from .store.checkpoint import INDEX_NAME, CheckpointDir, SafetensorsWriter
 from .format.delta import apply_tensor, changed_bits
 from .format.dtypes import as_bits, dtype_by_name, served_as, served_dtype, to_served
-from .errors import BaseMismatchError, DeltaError
 from .format.manifest import ANCHOR, DELTA
-from . import settings
-from .trainer.lineage import read_head
+from .store import open_store, split_uri
+from .store.checkpoint import INDEX_NAME, CheckpointDir, SafetensorsWriter
 from .store.reader import TensorBases, load_cells, load_delta, read_link
 from .store.signing import Signer, Trust, generate_key
-from .store import open_store, split_uri
-
+from .trainer.builder import VersionBuilder
+from .trainer.delta_pipeline import ContextBase, DeltaEncoder, TensorChange
+from .trainer.lineage import read_head
 
 # Optional packages a command imports, and the extra of pyproject.toml that installs each (tests/test_cli.py
 # holds this to pyproject.toml): a command that needs one says which extra to install.
@@ -61,16 +61,21 @@ def _trust(a, publisher: Signer | None | bool = False) -> Trust:
     s = settings.current()
     keys = a.trust or list(s.trusted_keys)
     unsigned_publisher = publisher is None
-    trust = Trust.from_public_keys(keys, threshold=s.signature_threshold if not a.trust else 1,
-                                   allow_unsigned=a.allow_unsigned or s.allow_unsigned or unsigned_publisher)
+    trust = Trust.from_public_keys(
+        keys,
+        threshold=s.signature_threshold if not a.trust else 1,
+        allow_unsigned=a.allow_unsigned or s.allow_unsigned or unsigned_publisher,
+    )
     return trust.also_trusting(publisher) if isinstance(publisher, Signer) else trust
 
 
 def _next_version(head, asked: int | None, at_least: int = 0) -> int:
     """``asked`` (refused at or below a version the store holds), else the first free version."""
     if asked is not None and asked < head.next_version:
-        raise DeltaError(f"version {asked}: the store already holds versions up to v{head.next_version - 1}; "
-                         "version numbers only grow (leave --version out to take the next free one)")
+        raise DeltaError(
+            f"version {asked}: the store already holds versions up to v{head.next_version - 1}; "
+            "version numbers only grow (leave --version out to take the next free one)"
+        )
     return asked if asked is not None else max(head.next_version, at_least)
 
 
@@ -106,8 +111,9 @@ def _tensor_change(name: str, load_old, load_new, dtype) -> TensorChange:
         policy = codec.context_policy(name, dtype, n.shape, pos.numel())
         if policy is not None and codec.context_pays(dtype, old_bits, old_at):
             context = ContextBase(policy, lambda: as_bits(load_old(name)).reshape(-1), known_to_pay=True)
-    return TensorChange(name, dtype, tuple(n.shape), pos, old_at, new_at, fpr.tensor_fingerprint(o),
-                        fpr.tensor_fingerprint(n), context)
+    return TensorChange(
+        name, dtype, tuple(n.shape), pos, old_at, new_at, fpr.tensor_fingerprint(o), fpr.tensor_fingerprint(n), context
+    )
 
 
 def cmd_diff(a) -> str:
@@ -115,20 +121,28 @@ def cmd_diff(a) -> str:
     dtype = served_dtype(a.dtype)
     load_old, load_new = _loader(old, dtype), _loader(new, dtype)
     if set(old.tensors) != set(new.tensors):
-        raise DeltaError(f"the checkpoints hold different tensors: only in old {sorted(set(old.tensors) - set(new.tensors))[:5]}, "
-                         f"only in new {sorted(set(new.tensors) - set(old.tensors))[:5]}")
+        raise DeltaError(
+            f"the checkpoints hold different tensors: only in old {sorted(set(old.tensors) - set(new.tensors))[:5]}, "
+            f"only in new {sorted(set(new.tensors) - set(old.tensors))[:5]}"
+        )
     store = open_store(a.out)
     b = VersionBuilder(DELTA, a.model or Path(a.new).name, 0, spool_in=store)
     # the changes first: the version's step tables come from all of them
-    changes = [_tensor_change(name, load_old, load_new, served_as(new.tensors[name].dtype, dtype))
-               for name in _bar(new.names(), "diff")]
+    changes = [
+        _tensor_change(name, load_old, load_new, served_as(new.tensors[name].dtype, dtype))
+        for name in _bar(new.names(), "diff")
+    ]
     DeltaEncoder(a.mode).write(b, changes)
     old_fps = {c.name: c.base_fp for c in changes}
     signer = _signer(a)
     trust = _trust(a, signer)
     head = read_head(store, trust)
     latest, m = head.latest, b.manifest
-    if latest is not None and fpr.parse(latest.fingerprint) == fpr.model_fingerprint(old_fps) and a.base_version in (None, latest.version):
+    if (
+        latest is not None
+        and fpr.parse(latest.fingerprint) == fpr.model_fingerprint(old_fps)
+        and a.base_version in (None, latest.version)
+    ):
         m.base_version, m.anchor_version = latest.version, latest.anchor_version
         m.base_manifests = [latest.sha256 or read_link(store, latest.manifest, trust).sha256]
         how = f"a delta on top of the store's LATEST (v{latest.version}), bound to its manifest"
@@ -152,14 +166,18 @@ def cmd_anchor(a) -> str:
     infos = [(n, served_as(i.dtype, dtype), i.shape) for n, i in ck.tensors.items()]
     with _bar(None, "anchor", total=len(infos)) as bar:
         b.add_anchor(infos, _loader(ck, dtype), lambda _, t: fpr.tensor_fingerprint(t), bar.update)
-    _note("anchor", f"v{version}: an anchor" + ("" if head.latest is None else f", after the store's LATEST (v{head.latest.version})"))
+    _note(
+        "anchor",
+        f"v{version}: an anchor"
+        + ("" if head.latest is None else f", after the store's LATEST (v{head.latest.version})"),
+    )
     return b.publish(store, signer)
 
 
 class _LazyCheckpoint(Mapping):
     """A checkpoint's tensors by name, each read when first asked for (context-coded deltas read their base)."""
 
-    def __init__(self, ckpt: "CheckpointDir"):
+    def __init__(self, ckpt: CheckpointDir):
         self.ckpt = ckpt
 
     def __getitem__(self, name):
@@ -188,7 +206,9 @@ def cmd_apply(a) -> str:
         extra = set(base.tensors) - set(d.tensor_fingerprints)
         missing = set(d.tensor_fingerprints) - set(base.tensors)
         if extra or missing:
-            raise BaseMismatchError(f"base and manifest hold different tensors: only in base {sorted(extra)[:5]}, only in manifest {sorted(missing)[:5]}")
+            raise BaseMismatchError(
+                f"base and manifest hold different tensors: only in base {sorted(extra)[:5]}, only in manifest {sorted(missing)[:5]}"
+            )
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent if str(out.parent) else "."))
     try:
         if base is not None:
@@ -210,7 +230,9 @@ def cmd_apply(a) -> str:
                     if t is not None and d.kind != ANCHOR:
                         fp = fpr.tensor_fingerprint(t)
                         if fp != d.tensor_base_fingerprints[name]:
-                            raise BaseMismatchError(f"{name}: base fingerprint {fpr.fmt(fp)}, the delta applies to {fpr.fmt(d.tensor_base_fingerprints[name])} (wrong base)")
+                            raise BaseMismatchError(
+                                f"{name}: base fingerprint {fpr.fmt(fp)}, the delta applies to {fpr.fmt(d.tensor_base_fingerprints[name])} (wrong base)"
+                            )
                     td = by_name.get(name)
                     if td is not None:
                         t = apply_tensor(None if d.kind == ANCHOR else t, td)
@@ -242,34 +264,56 @@ def cmd_inspect(a) -> str:
         mix = coders.setdefault(t.name, {})
         for p in t.chunks or [t]:  # every part: the whole tensor, or each of its cells
             e = by_enc.setdefault(f"positions:{p.positions.coder}", [0, 0])
-            e[0] += p.nnz; e[1] += p.positions.length
+            e[0] += p.nnz
+            e[1] += p.positions.length
             e = by_enc.setdefault(f"values:{p.values.mode}-{p.values.coder}", [0, 0])
-            e[0] += p.nnz; e[1] += p.values.length
+            e[0] += p.nnz
+            e[1] += p.values.length
             enc = f"{p.positions.coder}+{p.values.mode}-{p.values.coder}"
             mix[enc] = mix.get(enc, 0) + 1
     dense = sum(t.numel * dtype_by_name(t.dtype).itemsize for t in m.tensors)
     if a.json:
-        return json.dumps({"kind": m.kind, "model": m.model, "base_version": m.base_version, "version": m.version,
-                           "signatures": link.signed, "sha256": link.sha256,
-                           "tensors": len(m.tensors), "changed_tensors": len(rows), "elements": numel,
-                           "changed_elements": changed, "payload_bytes": m.payload_bytes, "dense_bytes": dense,
-                           "bytes_per_changed_element": {k: v[1] / v[0] for k, v in by_enc.items()},
-                           "parts_by_encoding": {t: mix for t, mix in coders.items()}})
-    lines = [f"{m.kind} {m.model}: version {m.base_version} -> {m.version} (anchor {m.anchor_version}); "
-             f"{f'signed by {link.signed} trusted key(s)' if link.signed else 'UNSIGNED'}, sha256 {link.sha256[:16]}",
-             f"fingerprint {m.base_fingerprint} -> {m.fingerprint}",
-             f"tensors {len(m.tensors)} ({len(rows)} changed), elements {numel:,}, changed {changed:,} "
-             f"({100 * changed / max(numel, 1):.3f} %)",
-             f"payload {m.payload_bytes:,} B in {len(m.blobs)} blob(s); dense {dense:,} B; ratio {dense / max(m.payload_bytes, 1):.1f}x",
-             "bytes per changed element by encoding:"]
+        return json.dumps(
+            {
+                "kind": m.kind,
+                "model": m.model,
+                "base_version": m.base_version,
+                "version": m.version,
+                "signatures": link.signed,
+                "sha256": link.sha256,
+                "tensors": len(m.tensors),
+                "changed_tensors": len(rows),
+                "elements": numel,
+                "changed_elements": changed,
+                "payload_bytes": m.payload_bytes,
+                "dense_bytes": dense,
+                "bytes_per_changed_element": {k: v[1] / v[0] for k, v in by_enc.items()},
+                "parts_by_encoding": {t: mix for t, mix in coders.items()},
+            }
+        )
+    lines = [
+        (
+            f"{m.kind} {m.model}: version {m.base_version} -> {m.version} (anchor {m.anchor_version}); "
+            f"{f'signed by {link.signed} trusted key(s)' if link.signed else 'UNSIGNED'}, sha256 {link.sha256[:16]}"
+        ),
+        f"fingerprint {m.base_fingerprint} -> {m.fingerprint}",
+        (
+            f"tensors {len(m.tensors)} ({len(rows)} changed), elements {numel:,}, changed {changed:,} "
+            f"({100 * changed / max(numel, 1):.3f} %)"
+        ),
+        f"payload {m.payload_bytes:,} B in {len(m.blobs)} blob(s); dense {dense:,} B; ratio {dense / max(m.payload_bytes, 1):.1f}x",
+        "bytes per changed element by encoding:",
+    ]
     lines += [f"  {k:24s} {v[1] / max(v[0], 1):8.3f}  ({v[1]:,} B)" for k, v in sorted(by_enc.items())]
     lines.append(f"{'tensor':60s} {'dtype':9s} {'density':>8s} {'bytes':>10s} {'B/elem':>7s}  encoding")
     rows.sort(key=lambda t: -sum(p.length for p in t.chunks or [t]))
     for t in rows if a.all else rows[:20]:
         size = sum(p.length for p in t.chunks or [t])
         mix = coders[t.name]
-        lines.append(f"{t.name[:60]:60s} {t.dtype:9s} {100 * t.nnz / t.numel:7.3f}% {size:10,d} {size / t.nnz:7.3f}  "
-                     + ", ".join(enc if len(mix) == 1 and not t.chunks else f"{enc} x{n}" for enc, n in sorted(mix.items())))
+        lines.append(
+            f"{t.name[:60]:60s} {t.dtype:9s} {100 * t.nnz / t.numel:7.3f}% {size:10,d} {size / t.nnz:7.3f}  "
+            + ", ".join(enc if len(mix) == 1 and not t.chunks else f"{enc} x{n}" for enc, n in sorted(mix.items()))
+        )
     if len(rows) > 20 and not a.all:
         lines.append(f"... {len(rows) - 20} more changed tensors (--all)")
     return "\n".join(lines)
@@ -288,8 +332,11 @@ def _token(a) -> str | None:
     """The update routes' token: ``--token-file``, else ``ENGINE_EXT_TOKEN``; ``--token`` (deprecated: argv
     is visible to every user of the machine through ``ps``) still works, with a warning."""
     if getattr(a, "token", None) is not None:
-        print(f"engine-ext {a.cmd}: warning: --token is deprecated (the command line is visible in ps); "
-              "use ENGINE_EXT_TOKEN or --token-file", file=sys.stderr)
+        print(
+            f"engine-ext {a.cmd}: warning: --token is deprecated (the command line is visible in ps); "
+            "use ENGINE_EXT_TOKEN or --token-file",
+            file=sys.stderr,
+        )
         return a.token
     if getattr(a, "token_file", None):
         return Path(a.token_file).read_text().strip()
@@ -300,8 +347,9 @@ def cmd_push(a) -> str:
     from .fleet import Fleet
 
     urls = [u.strip() for u in ",".join(a.servers).split(",") if u.strip()]
-    res = Fleet(urls, _token(a), retries=a.retries, timeout_s=a.timeout).update(a.uri, rollback=a.rollback,
-                                                                              progress=not a.json)
+    res = Fleet(urls, _token(a), retries=a.retries, timeout_s=a.timeout).update(
+        a.uri, rollback=a.rollback, progress=not a.json
+    )
     out = json.dumps(res.to_json(), indent=1) if a.json else f"target v{res.target}\n{res.table()}"
     if not res.ok:
         names = ", ".join(r.url for r in res.failed)
@@ -356,31 +404,45 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="engine-ext", description=__doc__.replace("``", ""), epilog=EXAMPLES,
-                                formatter_class=_Help)
+    p = argparse.ArgumentParser(
+        prog="engine-ext", description=__doc__.replace("``", ""), epilog=EXAMPLES, formatter_class=_Help
+    )
     p.add_argument("--version", action="version", version=f"engine-ext {_version()}")
     p.add_argument("--debug", action="store_true", help="on an error, print the traceback too")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     def command(name, help):
         q = sub.add_parser(name, help=help, description=help, formatter_class=_Help)
-        q.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="on an error, print the traceback too")
+        q.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="on an error, print the traceback too"
+        )
         return q
 
     def trusts(q):
-        q.add_argument("--trust", action="append", metavar="PUBKEY",
-                       help="trusted Ed25519 public key (PEM file or 64 hex digits), repeatable "
-                            "(default: ENGINE_EXT_TRUSTED_KEYS)")
+        q.add_argument(
+            "--trust",
+            action="append",
+            metavar="PUBKEY",
+            help="trusted Ed25519 public key (PEM file or 64 hex digits), repeatable "
+            "(default: ENGINE_EXT_TRUSTED_KEYS)",
+        )
         q.add_argument("--allow-unsigned", action="store_true", help="read unsigned versions (trust the store)")
 
     def publishes(q):
         """The options of the commands that publish a version (diff, anchor): what it is, how it is signed."""
         q.add_argument("--model", help="model identity written into the manifest (default: the checkpoint's name)")
-        q.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
-                       help="served dtype to cast floating-point tensors (16 bits and wider) to before publishing "
-                            "(default: as stored: a checkpoint dir already holds the dtype it is served in)")
-        q.add_argument("--sign", action="append", metavar="KEY",
-                       help="Ed25519 private key (PEM) to sign with, repeatable (default: ENGINE_EXT_SIGNING_KEY)")
+        q.add_argument(
+            "--dtype",
+            choices=["bfloat16", "float16", "float32"],
+            help="served dtype to cast floating-point tensors (16 bits and wider) to before publishing "
+            "(default: as stored: a checkpoint dir already holds the dtype it is served in)",
+        )
+        q.add_argument(
+            "--sign",
+            action="append",
+            metavar="KEY",
+            help="Ed25519 private key (PEM) to sign with, repeatable (default: ENGINE_EXT_SIGNING_KEY)",
+        )
         trusts(q)
 
     k = command("keygen", "make an Ed25519 signing key (OUT) and its public key (OUT.pub)")
@@ -389,7 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = command("diff", "publish the delta between two checkpoint directories")
     d.add_argument("old", metavar="OLD", help="checkpoint directory of the base version")
     d.add_argument("new", metavar="NEW", help="checkpoint directory of the new version")
-    d.add_argument("--out", required=True, metavar="STORE", help="store root: path, file://, http(s)://, s3://bucket/prefix")
+    d.add_argument(
+        "--out", required=True, metavar="STORE", help="store root: path, file://, http(s)://, s3://bucket/prefix"
+    )
     d.add_argument("--base-version", type=int, help="version of OLD (default: the store's LATEST if it is OLD, else 0)")
     d.add_argument("--version", type=int, help="version of NEW (default: the first free version, at least base + 1)")
     d.add_argument("--mode", choices=["abs", "rel"], help="force a value mode (default: the smaller per tensor)")
@@ -397,8 +461,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=cmd_diff)
     an = command("anchor", "publish a full anchor of a checkpoint directory")
     an.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint directory to publish whole")
-    an.add_argument("--out", required=True, metavar="STORE", help="store root: path, file://, http(s)://, s3://bucket/prefix")
-    an.add_argument("--version", type=int, help="version to publish (default: 0 on an empty store, else the first free version)")
+    an.add_argument(
+        "--out", required=True, metavar="STORE", help="store root: path, file://, http(s)://, s3://bucket/prefix"
+    )
+    an.add_argument(
+        "--version", type=int, help="version to publish (default: 0 on an empty store, else the first free version)"
+    )
     publishes(an)
     an.set_defaults(fn=cmd_anchor)
     ap = command("apply", "materialise the checkpoint a manifest produces")
@@ -413,23 +481,38 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print the summary as JSON")
     trusts(i)
     i.set_defaults(fn=cmd_inspect)
-    pu = command("push", "update every replica to a version, concurrently; non-zero exit naming any that did not get there")
+    pu = command(
+        "push", "update every replica to a version, concurrently; non-zero exit naming any that did not get there"
+    )
     pu.add_argument("uri", metavar="URI", help="manifest URI (or a store root: its LATEST) as the servers see it")
     pu.add_argument("--servers", action="append", required=True, help="server base URLs, comma-separated (repeatable)")
-    pu.add_argument("--token-file", metavar="PATH", help="file holding the servers' update-route token (default: ENGINE_EXT_TOKEN)")
+    pu.add_argument(
+        "--token-file", metavar="PATH", help="file holding the servers' update-route token (default: ENGINE_EXT_TOKEN)"
+    )
     pu.add_argument("--token", help=argparse.SUPPRESS)  # deprecated: visible in ps (a warning says so)
     pu.add_argument("--retries", type=int, default=4, help="extra attempts per replica for transient failures")
     pu.add_argument("--timeout", type=float, default=900.0, help="seconds one attempt may take")
     pu.add_argument("--rollback", action="store_true", help="allow an older version (an explicit rollback)")
     pu.add_argument("--json", action="store_true", help="print the result as JSON (no progress bar)")
     pu.set_defaults(fn=cmd_push)
-    rp = command("report", "write one self-contained HTML page of a run: per version what changed, where, and what it cost")
+    rp = command(
+        "report", "write one self-contained HTML page of a run: per version what changed, where, and what it cost"
+    )
     rp.add_argument("store", metavar="STORE", help="store root: path, file://, http(s)://, s3://bucket/prefix")
     rp.add_argument("--out", required=True, metavar="DIR", help="directory to write index.html into")
-    rp.add_argument("--servers", action="append", help="replicas' base URLs, comma-separated (repeatable): their version, lag, last update")
-    rp.add_argument("--token-file", metavar="PATH", help="file holding the replicas' route token (default: ENGINE_EXT_TOKEN)")
-    rp.add_argument("--no-bound", action="store_true",
-                    help="read the manifests only (the first-order bound replays the chain in memory: the whole model, once)")
+    rp.add_argument(
+        "--servers",
+        action="append",
+        help="replicas' base URLs, comma-separated (repeatable): their version, lag, last update",
+    )
+    rp.add_argument(
+        "--token-file", metavar="PATH", help="file holding the replicas' route token (default: ENGINE_EXT_TOKEN)"
+    )
+    rp.add_argument(
+        "--no-bound",
+        action="store_true",
+        help="read the manifests only (the first-order bound replays the chain in memory: the whole model, once)",
+    )
     trusts(rp)
     rp.set_defaults(fn=cmd_report)
     return p
@@ -450,8 +533,10 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         top = (e.name or "").split(".")[0]
         hint = f'pip install "engine-ext[{EXTRA_OF[top]}]"' if top in EXTRA_OF else f"pip install {top}"
-        print(f"engine-ext {a.cmd}: error: this command needs the package {top!r}, which is not installed: {hint}",
-              file=sys.stderr)
+        print(
+            f"engine-ext {a.cmd}: error: this command needs the package {top!r}, which is not installed: {hint}",
+            file=sys.stderr,
+        )
         return 1
     except Exception as e:  # noqa: BLE001 - one line for the user; the traceback with --debug
         if a.debug:
@@ -460,8 +545,11 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         expected = isinstance(e, (DeltaError, ValueError, OSError, PushFailed))
         what = str(e) if expected else f"{type(e).__name__}: {e}"
-        print(f"engine-ext {a.cmd}: error: {' '.join(what.split())}" +
-              ("" if expected or a.debug else " (--debug shows the traceback)"), file=sys.stderr)
+        print(
+            f"engine-ext {a.cmd}: error: {' '.join(what.split())}"
+            + ("" if expected or a.debug else " (--debug shows the traceback)"),
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -3,8 +3,8 @@
 Every reason is snake_case (``^[a-z][a-z0-9_]*$``): it is a metrics label and a JSON value, and
 :meth:`UpdateRefused.find` reads it back out of a message. tests/test_errors.py checks every class.
 """
-import re
 
+import re
 
 # The classes are declarations, alike in shape on purpose (the `duplicates` tool pairs them): each is a
 # reason, a status and a docstring saying when, and callers catch them by class; a table would lose both.
@@ -187,4 +187,4 @@ class UpdateRefused(DeltaError):
         m = re.search(re.escape(cls.HEAD) + r" \[(\d{3}) ([A-Za-z0-9_.-]+)\]: ", text or "")
         if m is None:
             return None
-        return cls(m.group(2), int(m.group(1)), text[m.end():].strip())
+        return cls(m.group(2), int(m.group(1)), text[m.end() :].strip())

@@ -9,6 +9,7 @@ signature, a version of another model or dtype, a downgrade, a failed apply: eve
 replica rolled back) are not, since the same request would be refused again. The result is one :class:`ReplicaResult` per
 replica: version before and after, pause, bytes fetched, attempts, and why it failed.
 """
+
 from __future__ import annotations
 
 import random
@@ -67,8 +68,17 @@ class FleetResult:
         rows = [("replica", "before", "after", "pause ms", "fetched KB", "tries", "status")]
         for r in self.replicas:
             status = "ok" if r.ok else f"FAILED ({r.status or 'no answer'}): {(r.error or '')[:120]}"
-            rows.append((r.url, _s(r.version_before), _s(r.version_after), _s(r.pause_ms),
-                         "-" if r.fetched_bytes is None else f"{r.fetched_bytes / 1e3:.1f}", str(r.attempts), status))
+            rows.append(
+                (
+                    r.url,
+                    _s(r.version_before),
+                    _s(r.version_after),
+                    _s(r.pause_ms),
+                    "-" if r.fetched_bytes is None else f"{r.fetched_bytes / 1e3:.1f}",
+                    str(r.attempts),
+                    status,
+                )
+            )
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in rows)
 
@@ -94,8 +104,16 @@ class Fleet:
     ``timeout_s``: one attempt's limit (an update fetches before it answers).
     """
 
-    def __init__(self, urls, token: str | None = None, *, retries: int = 4, backoff_s: float = 1.0,
-                 timeout_s: float = 900.0, session: requests.Session | None = None):
+    def __init__(
+        self,
+        urls,
+        token: str | None = None,
+        *,
+        retries: int = 4,
+        backoff_s: float = 1.0,
+        timeout_s: float = 900.0,
+        session: requests.Session | None = None,
+    ):
         self.urls = [u.rstrip("/") for u in urls]
         if not self.urls:
             raise ValueError("no replicas given")
@@ -139,7 +157,7 @@ class Fleet:
             except requests.RequestException as e:
                 res.status, res.error = None, f"{type(e).__name__}: {str(e)[:300]}"
             if attempt < self.retries:
-                time.sleep(self.backoff_s * 2 ** attempt * random.uniform(0.5, 1.5))
+                time.sleep(self.backoff_s * 2**attempt * random.uniform(0.5, 1.5))
         if not res.ok:
             st = self.status(url)
             res.version_after = st.get("version") if st else None
@@ -186,12 +204,16 @@ class Fleet:
         result = self.update(uri)
         name = (names or {}).get
         if not result.ok:
-            raise WeightSyncError(f"{len(result.failed)} of {len(result.replicas)} server(s) did not reach "
-                                  f"v{result.target}: " + "; ".join(f"{name(r.url, r.url)}: {r.error}" for r in result.failed))
+            raise WeightSyncError(
+                f"{len(result.failed)} of {len(result.replicas)} server(s) did not reach "
+                f"v{result.target}: " + "; ".join(f"{name(r.url, r.url)}: {r.error}" for r in result.failed)
+            )
         wrong = [name(r.url, r.url) for r in result.replicas if r.fingerprint != fingerprint]
         if wrong:
-            raise WeightSyncError(f"{wrong} serve v{result.target} with another fingerprint than the trainer's {fingerprint}")
+            raise WeightSyncError(
+                f"{wrong} serve v{result.target} with another fingerprint than the trainer's {fingerprint}"
+            )
         return result
 
 
-__all__ = ["Fleet", "FleetResult", "ReplicaResult", "TRANSIENT_STATUS", "WeightSyncError", "version_of"]
+__all__ = ["TRANSIENT_STATUS", "Fleet", "FleetResult", "ReplicaResult", "WeightSyncError", "version_of"]

@@ -18,6 +18,7 @@ replays the chain from the first anchor in memory (the whole model, once, on the
 False reads the manifests alone. Plots are matplotlib PNGs inlined as data URIs: the page needs
 no network and no other file.
 """
+
 from __future__ import annotations
 
 import base64
@@ -134,8 +135,17 @@ def collect(store: Store, trust: Trust, bound: bool = True) -> list[VersionRow]:
             for part in parts:
                 if part.positions.coder != "none":
                     coders[part.positions.coder] += 1
-        row = VersionRow(m.version, m.kind, numel, changed, m.payload_bytes, dense, dict(coders),
-                         {g: c / max(n, 1) for g, (c, n) in sorted(per_group.items())}, link.signed)
+        row = VersionRow(
+            m.version,
+            m.kind,
+            numel,
+            changed,
+            m.payload_bytes,
+            dense,
+            dict(coders),
+            {g: c / max(n, 1) for g, (c, n) in sorted(per_group.items())},
+            link.signed,
+        )
         if bound and (m.kind == ANCHOR or bases is not None):
             tensors = decode_manifest(m, fetch_blobs(store, m), bases=bases)
             if m.kind == ANCHOR or bases is None:
@@ -174,11 +184,15 @@ def replicas(urls: list[str], token: str | None, newest: int | None) -> list[Rep
     for url in fleet.urls:
         st = fleet.status(url)
         if st is None:
-            out.append(ReplicaRow(url, None, None, None, "no answer (down, or not running the plugin, or a wrong token)"))
+            out.append(
+                ReplicaRow(url, None, None, None, "no answer (down, or not running the plugin, or a wrong token)")
+            )
             continue
         v = st.get("version")
         times = [h.get("time") for h in st.get("history") or [] if h.get("ok") and h.get("time")]
-        out.append(ReplicaRow(url, v, None if v is None or newest is None else newest - v, max(times) if times else None))
+        out.append(
+            ReplicaRow(url, v, None if v is None or newest is None else newest - v, max(times) if times else None)
+        )
     return out
 
 
@@ -225,10 +239,19 @@ def _plots(rows: list[VersionRow]) -> dict[str, str]:
     out["bytes"] = _png(fig)
     if deltas:
         fig, ax = plt.subplots(figsize=(8, 3.2))
-        ax.plot([r.version for r in deltas], [_or_nan(r.bytes_per_change) for r in deltas], "o-", label="stored bytes per change")
+        ax.plot(
+            [r.version for r in deltas],
+            [_or_nan(r.bytes_per_change) for r in deltas],
+            "o-",
+            label="stored bytes per change",
+        )
         if any(r.bound_per_change is not None for r in deltas):
-            ax.plot([r.version for r in deltas], [_or_nan(r.bound_per_change) for r in deltas], "s--",
-                    label="first-order bound")
+            ax.plot(
+                [r.version for r in deltas],
+                [_or_nan(r.bound_per_change) for r in deltas],
+                "s--",
+                label="first-order bound",
+            )
         _label(ax, "bytes per change")
         out["per_change"] = _png(fig)
         groups = sorted({g for r in deltas for g in r.groups})
@@ -258,20 +281,33 @@ def render(report: Report, out_dir: str | Path) -> Path:
         bpc = "" if r.bytes_per_change is None else f"{r.bytes_per_change:.3f}"
         bound = "" if r.bound_per_change is None else f"{r.bound_per_change:.3f}"
         coders = ", ".join(f"{c} {n}" for c, n in sorted(r.coders.items()))
-        rows.append(f"<tr data-version='{r.version}' data-kind='{r.kind}'><td>{r.version}</td><td>{r.kind}</td>"
-                    f"<td class='share'>{r.share * 100:.3f} %</td><td class='stored'>{r.stored_bytes}</td>"
-                    f"<td>{_mib(r.stored_bytes)}</td><td>{_mib(r.dense_bytes)}</td>"
-                    f"<td>{r.dense_bytes / max(r.stored_bytes, 1):.1f}x</td><td>{bpc}</td><td>{bound}</td>"
-                    f"<td>{e(coders)}</td><td>{r.signed}</td></tr>")
+        rows.append(
+            f"<tr data-version='{r.version}' data-kind='{r.kind}'><td>{r.version}</td><td>{r.kind}</td>"
+            f"<td class='share'>{r.share * 100:.3f} %</td><td class='stored'>{r.stored_bytes}</td>"
+            f"<td>{_mib(r.stored_bytes)}</td><td>{_mib(r.dense_bytes)}</td>"
+            f"<td>{r.dense_bytes / max(r.stored_bytes, 1):.1f}x</td><td>{bpc}</td><td>{bound}</td>"
+            f"<td>{e(coders)}</td><td>{r.signed}</td></tr>"
+        )
     reps = "".join(
         f"<tr><td>{e(x.url)}</td><td>{'' if x.version is None else x.version}</td><td>{'' if x.lag is None else x.lag}</td>"
         f"<td>{'' if x.last_update is None else time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(x.last_update))}</td>"
-        f"<td>{e(x.error or '')}</td></tr>" for x in report.replicas)
-    imgs = "".join(f"<h2>{e(t)}</h2><img id='{k}' alt='{e(t)}' src='{plots[k]}'>" for k, t in
-                   (("bytes", "Stored bytes per version"), ("per_change", "Bytes per change"),
-                    ("heatmap", "Share changed per layer")) if k in plots)
-    trust = ("signatures verified against the trusted keys" if report.verified
-             else "signatures NOT checked (no trusted key given): the figures are the store's say-so")
+        f"<td>{e(x.error or '')}</td></tr>"
+        for x in report.replicas
+    )
+    imgs = "".join(
+        f"<h2>{e(t)}</h2><img id='{k}' alt='{e(t)}' src='{plots[k]}'>"
+        for k, t in (
+            ("bytes", "Stored bytes per version"),
+            ("per_change", "Bytes per change"),
+            ("heatmap", "Share changed per layer"),
+        )
+        if k in plots
+    )
+    trust = (
+        "signatures verified against the trusted keys"
+        if report.verified
+        else "signatures NOT checked (no trusted key given): the figures are the store's say-so"
+    )
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>engine_ext report: {e(report.store)}</title>
 <style>
@@ -281,11 +317,11 @@ th {{ background: #f3f3f3; }} img {{ max-width: 100%; }} .note {{ color: #555; }
 </style></head><body>
 <h1>engine_ext report</h1>
 <p class="note">Store <code>{e(report.store)}</code>: {len(report.rows)} version(s); {e(trust)}.
-Written {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} by <code>engine-ext report</code>.</p>
+Written {time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())} by <code>engine-ext report</code>.</p>
 <table id="versions"><tr><th>version</th><th>kind</th><th>changed</th><th>stored bytes</th><th>stored MiB</th>
 <th>dense MiB</th><th>smaller</th><th>bytes per change</th><th>first-order bound per change</th>
 <th>positions coders (parts)</th><th>signatures</th></tr>
-{''.join(rows)}</table>
+{"".join(rows)}</table>
 {imgs}
 {"<h2>Replicas</h2><table id='replicas'><tr><th>server</th><th>version</th><th>versions behind</th><th>last update</th><th>error</th></tr>" + reps + "</table>" if report.replicas else ""}
 </body></html>
@@ -295,4 +331,4 @@ Written {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} by <code>engine-
     return path
 
 
-__all__ = ["Report", "ReplicaRow", "VersionRow", "collect", "group_of", "manifest_keys", "render", "replicas"]
+__all__ = ["ReplicaRow", "Report", "VersionRow", "collect", "group_of", "manifest_keys", "render", "replicas"]

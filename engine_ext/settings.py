@@ -9,12 +9,14 @@ answers. Tests pass a :class:`Settings` explicitly or use :func:`override`.
 Store credentials that libraries define themselves (``AWS_*``, ``HF_TOKEN``) stay with
 those libraries.
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Callable, Iterator, Mapping
+from typing import Any
 
 
 def _int_or_none(s: str) -> int | None:
@@ -77,76 +79,178 @@ class Variable:
 # One Variable per setting, each the same shape on purpose (the `duplicates` tool pairs them): this table is
 # the one place a setting is declared, and a loop over it parses the environment and renders docs/settings.md's table.
 VARIABLES: tuple[Variable, ...] = (
-    Variable("ENGINE_EXT_SOURCES", "sources", _csv, (),
-             "comma-separated store prefixes (paths or URIs) this server may read updates from; anything else is "
-             "refused with 403 before any fetch"),
-    Variable("ENGINE_EXT_TOKEN", "token", str, None,
-             "bearer token the update routes require (`Authorization: Bearer <token>`); vLLM's `--api-key` and "
-             "SGLang's `--api-key`/`--admin-api-key` are accepted too"),
-    Variable("ENGINE_EXT_NO_AUTH", "no_auth", _flag, False,
-             "`1` opens the update routes to anyone who can reach them; without it and without a token they "
-             "refuse every request (secure by default)"),
-    Variable("ENGINE_EXT_TRUSTED_KEYS", "trusted_keys", _csv, (),
-             "comma-separated Ed25519 public keys (PEM files, or 64 hex digits) whose signatures the server "
-             "accepts on manifests and `LATEST`"),
-    Variable("ENGINE_EXT_SIGNATURE_THRESHOLD", "signature_threshold", int, 1,
-             "how many distinct trusted keys must sign each manifest"),
-    Variable("ENGINE_EXT_ALLOW_UNSIGNED", "allow_unsigned", _flag, False,
-             "`1` accepts unsigned versions (trusting the store and the network); without it an unsigned "
-             "version is refused"),
-    Variable("ENGINE_EXT_SIGNING_KEY", "signing_keys", _csv, (),
-             "trainer side: Ed25519 private key file(s) (PEM, `engine-ext keygen`) the publisher and the CLI "
-             "sign with"),
-    Variable("ENGINE_EXT_FETCH_TIMEOUT", "fetch_timeout", _positive_float, 600.0,
-             "seconds one update may spend fetching (every manifest and blob of it, all retries included)"),
-    Variable("ENGINE_EXT_MAX_WAITING", "max_waiting", int, 4,
-             "updates that may wait (`\"wait\": true`) behind a running one; more get 429"),
-    Variable("ENGINE_EXT_BASE_VERSION", "base_version", _int_or_none, None,
-             "version of the weights the server starts with (else the file `engine_ext_version` in the model "
-             "directory, else unknown)"),
-    Variable("ENGINE_EXT_MAX_DECODED_BYTES", "max_decoded_bytes", int, 64 << 30,
-             "refuse a delta whose decoded positions and values would take more bytes than this"),
-    Variable("ENGINE_EXT_HTTP_TOKEN", "http_token", str, None,
-             "bearer token sent to `http(s)://` stores"),
-    Variable("ENGINE_EXT_S3_ENDPOINT", "s3_endpoint", str, None,
-             "endpoint of `s3://` stores (else `AWS_ENDPOINT_URL`, else AWS)"),
-    Variable("ENGINE_EXT_FOLLOW", "follow", str, None,
-             "pull mode: a store prefix whose `LATEST` the server watches and updates itself to (chain or "
-             "anchor, the fewer bytes); also an allowed source"),
-    Variable("ENGINE_EXT_CHECK_LOAD", "check_load", _flag, True,
-             "`0` skips the start-up check that every rank's live weights equal the checkpoint it loaded "
-             "(it reads the checkpoint once and names every tensor that differs, e.g. a layout the engine "
-             "derives after loading)"),
-    Variable("ENGINE_EXT_VERIFY_DERIVED", "verify_derived", _verify_derived, "sample",
-             "after every apply and rollback, inside the pause: compare the copies the engine's kernels read "
-             "(packed, padded, derived) with a fresh derivation from the weights just written, and roll back on "
-             "any difference. `sample`: one touched layer of each kind per update, taken in turn (about 2 % of a "
-             "DeepSeek-V3 pause); `all`: every touched layer (as much again as the refresh); `off`: none (the "
-             "audit `?audit=1` still checks every copy)"),
-    Variable("ENGINE_EXT_COLD_AUDIT", "cold_audit", _flag, False,
-             "`1` answers `GET ...?audit=1&cold=DIR`: every rank builds a second instance of the model from the "
-             "checkpoint directory DIR (under an allowed source) with the engine's own loader and post-processing "
-             "and compares every tensor each module holds with the served one, byte for byte (vLLM; for tests and "
-             "conformance sweeps: it doubles the model's memory for the time of the call)"),
-    Variable("ENGINE_EXT_FOLLOW_INTERVAL", "follow_interval", _positive_float, 5.0,
-             "seconds between two looks at `LATEST` in pull mode (each varied by +-20 %; doubled after each "
-             "failure, up to 60 s)"),
-    Variable("ENGINE_EXT_CONTEXT_CODER", "context_coder", _flag, True,
-             "publisher: `0` never codes a part with the context-conditioned coder (codec v2, format 9 `ctx-rans`: "
-             "~25 % fewer bytes on real training, each part coded given its base weights); otherwise a part is context "
-             "coded where it saves 10 % and pays on the readers (`ENGINE_EXT_READER_DEVICE`, `ENGINE_EXT_READER_MBPS`)"),
-    Variable("ENGINE_EXT_READER_DEVICE", "reader_device", _reader_device, "gpu",
-             "publisher: where the readers' weights live, `gpu` or `cpu`: a part is context coded only where it "
-             "pays on them (docs/FORMAT.md, \"Who chooses the coding\")"),
-    Variable("ENGINE_EXT_READER_MBPS", "reader_mbps", _non_negative_float, 100.0,
-             "publisher: the store bandwidth one reader rank fetches at, MB/s: a part is context coded only where "
-             "a rank gets it sooner (the longer of its fetch and its decode, against v1's); GPU readers at 100 MB/s "
-             "take v2 on big parts; `0`: bytes first (metered or slow links: v2 wherever it saves 10 %)"),
-    Variable("ENGINE_EXT_INLINE_ENTRIES", "inline_entries", int, 4096,
-             "publisher: a manifest listing more tensors and grid cells than this (~400 bytes each) is written as "
-             "format 10, its tensor entries and cell tables in a blob (docs/FORMAT.md, \"Tables\" and \"Indexed "
-             "tensor tables\"; readers of format 9 and older refuse it); smaller ones inline, as format 5 or 6 (9 "
-             "with a `ctx-rans` part; an anchor: format 8, its blobs carrying pieces digests); `0`: always tables"),
+    Variable(
+        "ENGINE_EXT_SOURCES",
+        "sources",
+        _csv,
+        (),
+        "comma-separated store prefixes (paths or URIs) this server may read updates from; anything else is "
+        "refused with 403 before any fetch",
+    ),
+    Variable(
+        "ENGINE_EXT_TOKEN",
+        "token",
+        str,
+        None,
+        "bearer token the update routes require (`Authorization: Bearer <token>`); vLLM's `--api-key` and "
+        "SGLang's `--api-key`/`--admin-api-key` are accepted too",
+    ),
+    Variable(
+        "ENGINE_EXT_NO_AUTH",
+        "no_auth",
+        _flag,
+        False,
+        "`1` opens the update routes to anyone who can reach them; without it and without a token they "
+        "refuse every request (secure by default)",
+    ),
+    Variable(
+        "ENGINE_EXT_TRUSTED_KEYS",
+        "trusted_keys",
+        _csv,
+        (),
+        "comma-separated Ed25519 public keys (PEM files, or 64 hex digits) whose signatures the server "
+        "accepts on manifests and `LATEST`",
+    ),
+    Variable(
+        "ENGINE_EXT_SIGNATURE_THRESHOLD",
+        "signature_threshold",
+        int,
+        1,
+        "how many distinct trusted keys must sign each manifest",
+    ),
+    Variable(
+        "ENGINE_EXT_ALLOW_UNSIGNED",
+        "allow_unsigned",
+        _flag,
+        False,
+        "`1` accepts unsigned versions (trusting the store and the network); without it an unsigned version is refused",
+    ),
+    Variable(
+        "ENGINE_EXT_SIGNING_KEY",
+        "signing_keys",
+        _csv,
+        (),
+        "trainer side: Ed25519 private key file(s) (PEM, `engine-ext keygen`) the publisher and the CLI sign with",
+    ),
+    Variable(
+        "ENGINE_EXT_FETCH_TIMEOUT",
+        "fetch_timeout",
+        _positive_float,
+        600.0,
+        "seconds one update may spend fetching (every manifest and blob of it, all retries included)",
+    ),
+    Variable(
+        "ENGINE_EXT_MAX_WAITING",
+        "max_waiting",
+        int,
+        4,
+        'updates that may wait (`"wait": true`) behind a running one; more get 429',
+    ),
+    Variable(
+        "ENGINE_EXT_BASE_VERSION",
+        "base_version",
+        _int_or_none,
+        None,
+        "version of the weights the server starts with (else the file `engine_ext_version` in the model "
+        "directory, else unknown)",
+    ),
+    Variable(
+        "ENGINE_EXT_MAX_DECODED_BYTES",
+        "max_decoded_bytes",
+        int,
+        64 << 30,
+        "refuse a delta whose decoded positions and values would take more bytes than this",
+    ),
+    Variable("ENGINE_EXT_HTTP_TOKEN", "http_token", str, None, "bearer token sent to `http(s)://` stores"),
+    Variable(
+        "ENGINE_EXT_S3_ENDPOINT",
+        "s3_endpoint",
+        str,
+        None,
+        "endpoint of `s3://` stores (else `AWS_ENDPOINT_URL`, else AWS)",
+    ),
+    Variable(
+        "ENGINE_EXT_FOLLOW",
+        "follow",
+        str,
+        None,
+        "pull mode: a store prefix whose `LATEST` the server watches and updates itself to (chain or "
+        "anchor, the fewer bytes); also an allowed source",
+    ),
+    Variable(
+        "ENGINE_EXT_CHECK_LOAD",
+        "check_load",
+        _flag,
+        True,
+        "`0` skips the start-up check that every rank's live weights equal the checkpoint it loaded "
+        "(it reads the checkpoint once and names every tensor that differs, e.g. a layout the engine "
+        "derives after loading)",
+    ),
+    Variable(
+        "ENGINE_EXT_VERIFY_DERIVED",
+        "verify_derived",
+        _verify_derived,
+        "sample",
+        "after every apply and rollback, inside the pause: compare the copies the engine's kernels read "
+        "(packed, padded, derived) with a fresh derivation from the weights just written, and roll back on "
+        "any difference. `sample`: one touched layer of each kind per update, taken in turn (about 2 % of a "
+        "DeepSeek-V3 pause); `all`: every touched layer (as much again as the refresh); `off`: none (the "
+        "audit `?audit=1` still checks every copy)",
+    ),
+    Variable(
+        "ENGINE_EXT_COLD_AUDIT",
+        "cold_audit",
+        _flag,
+        False,
+        "`1` answers `GET ...?audit=1&cold=DIR`: every rank builds a second instance of the model from the "
+        "checkpoint directory DIR (under an allowed source) with the engine's own loader and post-processing "
+        "and compares every tensor each module holds with the served one, byte for byte (vLLM; for tests and "
+        "conformance sweeps: it doubles the model's memory for the time of the call)",
+    ),
+    Variable(
+        "ENGINE_EXT_FOLLOW_INTERVAL",
+        "follow_interval",
+        _positive_float,
+        5.0,
+        "seconds between two looks at `LATEST` in pull mode (each varied by +-20 %; doubled after each "
+        "failure, up to 60 s)",
+    ),
+    Variable(
+        "ENGINE_EXT_CONTEXT_CODER",
+        "context_coder",
+        _flag,
+        True,
+        "publisher: `0` never codes a part with the context-conditioned coder (codec v2, format 9 `ctx-rans`: "
+        "~25 % fewer bytes on real training, each part coded given its base weights); otherwise a part is context "
+        "coded where it saves 10 % and pays on the readers (`ENGINE_EXT_READER_DEVICE`, `ENGINE_EXT_READER_MBPS`)",
+    ),
+    Variable(
+        "ENGINE_EXT_READER_DEVICE",
+        "reader_device",
+        _reader_device,
+        "gpu",
+        "publisher: where the readers' weights live, `gpu` or `cpu`: a part is context coded only where it "
+        'pays on them (docs/FORMAT.md, "Who chooses the coding")',
+    ),
+    Variable(
+        "ENGINE_EXT_READER_MBPS",
+        "reader_mbps",
+        _non_negative_float,
+        100.0,
+        "publisher: the store bandwidth one reader rank fetches at, MB/s: a part is context coded only where "
+        "a rank gets it sooner (the longer of its fetch and its decode, against v1's); GPU readers at 100 MB/s "
+        "take v2 on big parts; `0`: bytes first (metered or slow links: v2 wherever it saves 10 %)",
+    ),
+    Variable(
+        "ENGINE_EXT_INLINE_ENTRIES",
+        "inline_entries",
+        int,
+        4096,
+        "publisher: a manifest listing more tensors and grid cells than this (~400 bytes each) is written as "
+        'format 10, its tensor entries and cell tables in a blob (docs/FORMAT.md, "Tables" and "Indexed '
+        'tensor tables"; readers of format 9 and older refuse it); smaller ones inline, as format 5 or 6 (9 '
+        "with a `ctx-rans` part; an anchor: format 8, its blobs carrying pieces digests); `0`: always tables",
+    ),
 )
 
 
@@ -178,10 +282,10 @@ class Settings:
     inline_entries: int = 4096
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         """Parse every variable of ``env`` (default ``os.environ``); a bad value names the variable."""
         env = os.environ if env is None else env
-        values = {}
+        values: dict[str, Any] = {}
         for v in VARIABLES:
             raw = env.get(v.name, "")
             if raw == "":

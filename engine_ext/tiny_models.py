@@ -21,6 +21,7 @@ gate_up in the checkpoint), ``deepseek-v2`` (MLA + MoE with a shared expert) and
 ``qwen2.5-vl`` (a VLM with a vision tower). :func:`build` gives the float32 model a trainer
 holds; :func:`save_trainer_layout` writes a served dir under the names that model holds.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,49 +39,94 @@ from safetensors.torch import load_file, save_file
 from .format.quantize import quantization_config, quantizer
 from .trainer.publisher import clean_state_dict
 
-KINDS = ("qwen2", "llama", "qwen2-tied", "qwen3-moe", "qwen3-moe-fused", "qwen2-moe", "qwen3", "llama-tied", "mistral",
-         "gemma2", "phi3", "deepseek-v2", "qwen2.5-vl", "gpt-oss", "qwen3-next", "granite-4-hybrid")
+KINDS = (
+    "qwen2",
+    "llama",
+    "qwen2-tied",
+    "qwen3-moe",
+    "qwen3-moe-fused",
+    "qwen2-moe",
+    "qwen3",
+    "llama-tied",
+    "mistral",
+    "gemma2",
+    "phi3",
+    "deepseek-v2",
+    "qwen2.5-vl",
+    "gpt-oss",
+    "qwen3-next",
+    "granite-4-hybrid",
+)
 MOE_KINDS = ("qwen3-moe", "qwen3-moe-fused", "qwen2-moe", "deepseek-v2", "gpt-oss", "qwen3-next", "granite-4-hybrid")
 # Kinds built by :func:`tiny_config` from the class's own defaults (any vLLM architecture name is a kind too)
-ARCH_KINDS = {"gpt-oss": "GptOssForCausalLM", "qwen3-next": "Qwen3NextForCausalLM",
-              "granite-4-hybrid": "GraniteMoeHybridForCausalLM"}
+ARCH_KINDS = {
+    "gpt-oss": "GptOssForCausalLM",
+    "qwen3-next": "Qwen3NextForCausalLM",
+    "granite-4-hybrid": "GraniteMoeHybridForCausalLM",
+}
 VLM_KINDS = ("qwen2.5-vl",)
 # The vision special tokens of a tiny VLM are words of its tokenizer (ids 4.. in this order, before any others).
 VISION_WORDS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
-def _config(kind: str, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, moe_intermediate: int | None = None):
+def _config(
+    kind: str, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, moe_intermediate: int | None = None
+):
     import transformers  # the optional [demo] extra
 
-    common: dict[str, Any] = dict(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=512,
-        torch_dtype="bfloat16",
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    common: dict[str, Any] = {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 2,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": 512,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
     head_dim = hidden // heads
     moe = moe_intermediate or hidden // 2
     if kind == "llama":
         return transformers.LlamaConfig(tie_word_embeddings=False, **common)
     if kind == "llama-tied":  # Llama 3.2 1B/3B: tied embeddings, llama3 rope scaling
-        return transformers.LlamaConfig(tie_word_embeddings=True, head_dim=head_dim, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 128}, **common)
+        return transformers.LlamaConfig(
+            tie_word_embeddings=True,
+            head_dim=head_dim,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
+            **common,
+        )
     if kind in ("qwen3-moe", "qwen3-moe-fused"):
-        return transformers.Qwen3MoeConfig(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
-                                           moe_intermediate_size=moe, decoder_sparse_step=1,
-                                           mlp_only_layers=[], head_dim=head_dim, **common)
+        return transformers.Qwen3MoeConfig(
+            tie_word_embeddings=False,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=moe,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            head_dim=head_dim,
+            **common,
+        )
     if kind == "qwen2-moe":
-        return transformers.Qwen2MoeConfig(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
-                                           moe_intermediate_size=moe, shared_expert_intermediate_size=hidden,
-                                           decoder_sparse_step=1, mlp_only_layers=[], **common)
+        return transformers.Qwen2MoeConfig(
+            tie_word_embeddings=False,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=moe,
+            shared_expert_intermediate_size=hidden,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            **common,
+        )
     if kind in ("qwen2", "qwen2-tied"):
         return transformers.Qwen2Config(tie_word_embeddings=(kind == "qwen2-tied"), **common)
     if kind == "qwen3":  # Qwen3 0.6-4B: q/k RMS norms, tied embeddings
@@ -89,35 +135,86 @@ def _config(kind: str, vocab: int, hidden: int, layers: int, heads: int, kv_head
         return transformers.MistralConfig(tie_word_embeddings=False, head_dim=head_dim, sliding_window=None, **common)
     if kind == "gemma2":  # embedding scale sqrt(hidden), attention and final logit soft-capping, sliding/full layers
         # hidden_act beside hidden_activation, as google/gemma-2-* configs have it (SGLang reads hidden_act)
-        return transformers.Gemma2Config(tie_word_embeddings=True, head_dim=head_dim, query_pre_attn_scalar=head_dim,
-                                         sliding_window=64, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-                                         hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh", **common)
+        return transformers.Gemma2Config(
+            tie_word_embeddings=True,
+            head_dim=head_dim,
+            query_pre_attn_scalar=head_dim,
+            sliding_window=64,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            hidden_activation="gelu_pytorch_tanh",
+            hidden_act="gelu_pytorch_tanh",
+            **common,
+        )
     if kind == "phi3":  # qkv_proj and gate_up_proj fused in the checkpoint itself
         return transformers.Phi3Config(tie_word_embeddings=False, **common)
     if kind == "deepseek-v2":  # MLA (latent 512 + rope 64: vLLM's CPU MLA kernel's only head size) + MoE with a
         # shared expert; yarn rope scaling, one expert group, moe_layer_freq and scoring_func as DeepSeek-V2-Lite's
         # config has them (transformers 5 drops the last two; SGLang reads them; vLLM's CPU router asserts topk_group)
-        return transformers.DeepseekV2Config(tie_word_embeddings=False, **{**common, "num_key_value_heads": heads},
-                                             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=moe,
-                                             n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
-                                             qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, topk_method="greedy",
-                                             n_group=1, topk_group=1, moe_layer_freq=1, scoring_func="softmax",
-                                             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                                              "original_max_position_embeddings": 128, "beta_fast": 32.0,
-                                                              "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707})
+        return transformers.DeepseekV2Config(
+            tie_word_embeddings=False,
+            **{**common, "num_key_value_heads": heads},
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=moe,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            topk_method="greedy",
+            n_group=1,
+            topk_group=1,
+            moe_layer_freq=1,
+            scoring_func="softmax",
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+            },
+        )
     if kind == "qwen2.5-vl":  # Qwen2.5-VL 3B-style: tied embeddings, mrope, a (tiny) vision tower
         ids = word_ids(VISION_WORDS)
         text = {k: v for k, v in common.items() if k != "torch_dtype"}
         return transformers.Qwen2_5_VLConfig(
-            text_config=dict(text, tie_word_embeddings=True, rope_parameters={
-                "rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [head_dim // 8, 3 * head_dim // 16,
-                                                                                     3 * head_dim // 16]}),
-            vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=hidden,
-                               patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                               fullatt_block_indexes=[1]),
-            tie_word_embeddings=True, torch_dtype="bfloat16", vision_start_token_id=ids["<|vision_start|>"],
-            vision_end_token_id=ids["<|vision_end|>"], image_token_id=ids["<|image_pad|>"],
-            video_token_id=ids["<|video_pad|>"], bos_token_id=1, eos_token_id=2, pad_token_id=0)
+            text_config=dict(
+                text,
+                tie_word_embeddings=True,
+                rope_parameters={
+                    "rope_type": "default",
+                    "rope_theta": 1000000.0,
+                    "mrope_section": [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16],
+                },
+            ),
+            vision_config={
+                "depth": 2,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_heads": 2,
+                "out_hidden_size": hidden,
+                "patch_size": 14,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "window_size": 112,
+                "fullatt_block_indexes": [1],
+            },
+            tie_word_embeddings=True,
+            torch_dtype="bfloat16",
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"],
+            image_token_id=ids["<|image_pad|>"],
+            video_token_id=ids["<|video_pad|>"],
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
     raise ValueError(f"unknown tiny model kind {kind!r}; one of {KINDS}")
 
 
@@ -127,12 +224,19 @@ def model_class(kind: str):
 
     if kind in ARCH_KINDS or kind[:1].isupper():
         return arch_class(ARCH_KINDS.get(kind, kind))
-    return {"llama": transformers.LlamaForCausalLM, "llama-tied": transformers.LlamaForCausalLM,
-            "qwen3-moe": transformers.Qwen3MoeForCausalLM, "qwen3-moe-fused": transformers.Qwen3MoeForCausalLM,
-            "qwen2-moe": transformers.Qwen2MoeForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
-            "mistral": transformers.MistralForCausalLM, "gemma2": transformers.Gemma2ForCausalLM,
-            "phi3": transformers.Phi3ForCausalLM, "deepseek-v2": transformers.DeepseekV2ForCausalLM,
-            "qwen2.5-vl": transformers.Qwen2_5_VLForConditionalGeneration}.get(kind, transformers.Qwen2ForCausalLM)
+    return {
+        "llama": transformers.LlamaForCausalLM,
+        "llama-tied": transformers.LlamaForCausalLM,
+        "qwen3-moe": transformers.Qwen3MoeForCausalLM,
+        "qwen3-moe-fused": transformers.Qwen3MoeForCausalLM,
+        "qwen2-moe": transformers.Qwen2MoeForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+        "gemma2": transformers.Gemma2ForCausalLM,
+        "phi3": transformers.Phi3ForCausalLM,
+        "deepseek-v2": transformers.DeepseekV2ForCausalLM,
+        "qwen2.5-vl": transformers.Qwen2_5_VLForConditionalGeneration,
+    }.get(kind, transformers.Qwen2ForCausalLM)
 
 
 def word_ids(words: list[str] | tuple[str, ...]) -> dict[str, int]:
@@ -147,7 +251,9 @@ def write_tokenizer(path: str | os.PathLike, vocab: int, words: list[str] | tupl
     from transformers import PreTrainedTokenizerFast
 
     if len(set(words)) != len(words) or 4 + len(words) > vocab:
-        raise ValueError(f"{len(words)} words must be distinct and fit in a vocabulary of {vocab} after the 4 special tokens")
+        raise ValueError(
+            f"{len(words)} words must be distinct and fit in a vocabulary of {vocab} after the 4 special tokens"
+        )
     vocab_ids = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
     vocab_ids.update(word_ids(words))
     vocab_ids.update({f"t{i}": i for i in range(4 + len(words), vocab)})
@@ -159,8 +265,18 @@ def write_tokenizer(path: str | os.PathLike, vocab: int, words: list[str] | tupl
     fast.save_pretrained(str(path))
 
 
-def build(kind: str = "qwen2", *, vocab: int = 1024, hidden: int = 128, layers: int = 2, heads: int = 4,
-          kv_heads: int = 2, seed: int = 0, std: float = 0.02, moe_intermediate: int | None = None) -> "torch.nn.Module":
+def build(
+    kind: str = "qwen2",
+    *,
+    vocab: int = 1024,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seed: int = 0,
+    std: float = 0.02,
+    moe_intermediate: int | None = None,
+) -> torch.nn.Module:
     """A tiny random ``kind`` model in float32 (a trainer's master weights), initialised as :func:`make_model` does."""
     if kind in ARCH_KINDS or kind[:1].isupper():  # a vLLM architecture name: its class's tiny defaults
         cfg = tiny_config(ARCH_KINDS.get(kind, kind))
@@ -202,8 +318,17 @@ def make_model(
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model = build(kind, vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, seed=seed, std=std,
-                  moe_intermediate=moe_intermediate).to(torch.bfloat16)
+    model = build(
+        kind,
+        vocab=vocab,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        seed=seed,
+        std=std,
+        moe_intermediate=moe_intermediate,
+    ).to(torch.bfloat16)
     model.save_pretrained(str(path), safe_serialization=True)
     if kind == "qwen3-moe-fused":
         save_state_dict(path, fuse_experts(load_state_dict(path)), path)
@@ -211,8 +336,15 @@ def make_model(
     return path
 
 
-def save_trainer_layout(path: str | os.PathLike, model, state: dict | None = None, *, kind: str = "qwen2",
-                        tied_copy: bool = False, words: list[str] | tuple[str, ...] = ()) -> Path:
+def save_trainer_layout(
+    path: str | os.PathLike,
+    model,
+    state: dict | None = None,
+    *,
+    kind: str = "qwen2",
+    tied_copy: bool = False,
+    words: list[str] | tuple[str, ...] = (),
+) -> Path:
     """A served model dir whose checkpoint holds ``state`` (default: ``model``'s weights) in bf16 under the
     trainer's own names: what ``model.state_dict()`` holds, each storage once (transformers 5 keeps
     fused experts and a VLM's ``model.language_model.`` names in memory; ``save_pretrained``
@@ -254,8 +386,9 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_state_dict(path: str | os.PathLike, state: dict[str, torch.Tensor], like: str | os.PathLike,
-                    quantize: str | None = None) -> Path:
+def save_state_dict(
+    path: str | os.PathLike, state: dict[str, torch.Tensor], like: str | os.PathLike, quantize: str | None = None
+) -> Path:
     """A model dir with ``like``'s config/tokenizer and ``state`` as its weights (cold starts).
 
     ``quantize="fp8-block"``: write the fp8 checkpoint of ``state`` (master weights) instead,
@@ -266,7 +399,6 @@ def save_state_dict(path: str | os.PathLike, state: dict[str, torch.Tensor], lik
         if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
             shutil.copy(f, path / f.name)
     if quantize is not None:
-
         cfg_path = path / "config.json"
         cfg = json.loads(cfg_path.read_text())
         cfg["quantization_config"] = quantization_config(state)
@@ -311,12 +443,28 @@ def perturb(sd: dict, gen: torch.Generator, density: float = 0.03) -> dict:
 # small, multiples of 32 where vLLM's CPU kernels need them (the grouped MoE GEMM; its padded path is
 # tests/test_moe.py's, at TP 2).
 TINY = {
-    "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 64, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "moe_intermediate_size": 64,
-    "shared_expert_intermediate_size": 64, "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4,
-    "num_experts_per_tok": 2, "moe_topk": 2, "sliding_window": 64, "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4, "full_attention_interval": 2,  # linear heads keep their width: vLLM's CPU GDN takes 128
-    "decoder_sparse_step": 1, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    "vocab_size": 1024,
+    "hidden_size": 128,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "sliding_window": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "full_attention_interval": 2,  # linear heads keep their width: vLLM's CPU GDN takes 128
+    "decoder_sparse_step": 1,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
 }
 
 
@@ -328,9 +476,16 @@ TINY_MAX_PARAMS = 20_000_000
 HUB_SHAPES: dict[str, dict[str, Any]] = {
     # ibm-granite/granite-4.0-h-*: mamba2 and attention layers, MoE with a shared MLP, tied embeddings
     "GraniteMoeHybridForCausalLM": {
-        "layer_types": ["mamba", "attention"], "mamba_n_heads": 8, "mamba_d_head": 32, "mamba_d_state": 16,
-        "mamba_n_groups": 1, "mamba_expand": 2, "mamba_d_conv": 4, "mamba_chunk_size": 256,
-        "shared_intermediate_size": 64, "tie_word_embeddings": True,
+        "layer_types": ["mamba", "attention"],
+        "mamba_n_heads": 8,
+        "mamba_d_head": 32,
+        "mamba_d_state": 16,
+        "mamba_n_groups": 1,
+        "mamba_expand": 2,
+        "mamba_d_conv": 4,
+        "mamba_chunk_size": 256,
+        "shared_intermediate_size": 64,
+        "tie_word_embeddings": True,
     },
     # nvidia/Nemotron-H-8B-Base-8K, NVIDIA-Nemotron-Nano-9B-v2: mamba2 ("M"), squared-ReLU MLP ("-") and attention
     # ("*") blocks, no MoE ("E" is Nemotron 3's: vLLM CPU's fused MoE refuses its ungated relu2, is_act_and_mul=False);
@@ -338,36 +493,78 @@ HUB_SHAPES: dict[str, dict[str, Any]] = {
     # attention head dim hidden / heads, untied; mamba_ssm_cache_dtype "float32" (the class default, as the Hub's)
     "NemotronHForCausalLM": {
         "layer_types": ["linear_attention", "mlp", "full_attention", "mlp"],  # layers_block_type "M-*-"
-        "mamba_num_heads": 4, "mamba_head_dim": 64, "n_groups": 2, "ssm_state_size": 128, "conv_kernel": 4,
-        "expand": 2, "chunk_size": 128, "use_conv_bias": True, "use_bias": False, "mamba_hidden_act": "silu",
-        "mlp_hidden_act": "relu2", "head_dim": 32, "tie_word_embeddings": False,
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 64,
+        "n_groups": 2,
+        "ssm_state_size": 128,
+        "conv_kernel": 4,
+        "expand": 2,
+        "chunk_size": 128,
+        "use_conv_bias": True,
+        "use_bias": False,
+        "mamba_hidden_act": "silu",
+        "mlp_hidden_act": "relu2",
+        "head_dim": 32,
+        "tie_word_embeddings": False,
     },
     # tiiuae/Falcon-H1-0.5B-Base: every layer runs attention and mamba2 side by side (no layer pattern); the inner
     # width is mamba_d_ssm = 1.5 x hidden (24 heads x 64), one group, state 128, conv 4; muP multipliers (these are
     # the 0.5B's), rope theta 1e11, untied
     "FalconH1ForCausalLM": {
-        "mamba_d_ssm": 192, "mamba_n_heads": 3, "mamba_d_head": 64, "mamba_n_groups": 1, "mamba_d_state": 128,
-        "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 128, "mamba_conv_bias": True,
-        "mamba_proj_bias": False, "mamba_rms_norm": False, "mamba_norm_before_gate": False,
-        "embedding_multiplier": 5.656854249492381, "lm_head_multiplier": 0.0390625, "key_multiplier": 0.39062499999999994,
-        "attention_in_multiplier": 1.0, "attention_out_multiplier": 0.9375, "ssm_in_multiplier": 1.25,
-        "ssm_out_multiplier": 0.23570226039551587, "mlp_multipliers": [0.8838834764831844, 0.5859375],
+        "mamba_d_ssm": 192,
+        "mamba_n_heads": 3,
+        "mamba_d_head": 64,
+        "mamba_n_groups": 1,
+        "mamba_d_state": 128,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_chunk_size": 128,
+        "mamba_conv_bias": True,
+        "mamba_proj_bias": False,
+        "mamba_rms_norm": False,
+        "mamba_norm_before_gate": False,
+        "embedding_multiplier": 5.656854249492381,
+        "lm_head_multiplier": 0.0390625,
+        "key_multiplier": 0.39062499999999994,
+        "attention_in_multiplier": 1.0,
+        "attention_out_multiplier": 0.9375,
+        "ssm_in_multiplier": 1.25,
+        "ssm_out_multiplier": 0.23570226039551587,
+        "mlp_multipliers": [0.8838834764831844, 0.5859375],
         "ssm_multipliers": [0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738],
-        "rope_parameters": {"rope_type": "default", "rope_theta": 100000000000.0}, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 100000000000.0},
+        "tie_word_embeddings": False,
     },
     # ai21labs/Jamba-v0.1, AI21-Jamba-Mini-1.5: mamba (v1) layers with attention every 8th from offset 4 and MoE every
     # 2nd from offset 1 (16 experts, top 2); state 16, conv 4, expand 2, dt rank hidden / 16; no rope; untied. Here
     # period 4, offset 2 over 4 layers: mamba+MLP, mamba+MoE, attention+MLP, mamba+MoE
     "JambaForCausalLM": {
-        "num_hidden_layers": 4, "attn_layer_period": 4, "attn_layer_offset": 2, "expert_layer_period": 2,
-        "expert_layer_offset": 1, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 8,
-        "mamba_conv_bias": True, "mamba_proj_bias": False, "tie_word_embeddings": False,
+        "num_hidden_layers": 4,
+        "attn_layer_period": 4,
+        "attn_layer_offset": 2,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_dt_rank": 8,
+        "mamba_conv_bias": True,
+        "mamba_proj_bias": False,
+        "tie_word_embeddings": False,
     },
     # ibm-ai-platform/Bamba-9B: mamba2 layers with attention at attn_layer_indices [9, 18, 27]; 128 heads x 64 =
     # 2 x 4096, one group, state 128, conv 4; half-rotary attention; untied
     "BambaForCausalLM": {
-        "num_hidden_layers": 2, "attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 64, "mamba_n_groups": 1,
-        "mamba_d_state": 128, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256, "tie_word_embeddings": False,
+        "num_hidden_layers": 2,
+        "attn_layer_indices": [1],
+        "mamba_n_heads": 4,
+        "mamba_d_head": 64,
+        "mamba_n_groups": 1,
+        "mamba_d_state": 128,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_chunk_size": 256,
+        "tie_word_embeddings": False,
     },
     # Zyphra/Zamba2-2.7B/-7B: mamba2 layers and "hybrid" layers that run one of num_mem_blocks (2) shared attention+MLP
     # blocks in turn (A, B, A, ...: one module each, held once in the checkpoint) on the hidden state concatenated
@@ -375,46 +572,89 @@ HUB_SHAPES: dict[str, dict[str, Any]] = {
     # per-layer LoRA adapters on the shared MLP, rope in the shared attention (use_mem_rope); mamba head dim 64,
     # 2 groups, state 64, conv 4; tied
     "Zamba2ForCausalLM": {
-        "layers_block_type": ["mamba", "hybrid"] * 3, "num_mem_blocks": 2, "head_dim": 64,  # blocks A, B, A
+        "layers_block_type": ["mamba", "hybrid"] * 3,
+        "num_mem_blocks": 2,
+        "head_dim": 64,  # blocks A, B, A
         "layer_types": ["mamba", "hybrid"] * 3,  # (its alias: both, or hybrid_layer_ids comes out empty)
-        "num_key_value_heads": 4, "n_mamba_heads": 4, "mamba_ngroups": 2, "mamba_d_state": 64, "mamba_d_conv": 4,
-        "mamba_expand": 2, "chunk_size": 256, "use_shared_attention_adapter": False, "adapter_rank": 16,
-        "use_mem_rope": True, "tie_word_embeddings": True,
+        "num_key_value_heads": 4,
+        "n_mamba_heads": 4,
+        "mamba_ngroups": 2,
+        "mamba_d_state": 64,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "chunk_size": 256,
+        "use_shared_attention_adapter": False,
+        "adapter_rank": 16,
+        "use_mem_rope": True,
+        "tie_word_embeddings": True,
     },
     # LiquidAI/LFM2-1.2B: gated short-conv layers (conv_L_cache 3, no bias) and attention layers (conv, conv,
     # attention, ... as the Hub's layer_types begin); the config.json also carries block_dim, conv_dim and the feed-
     # forward sizing (block_ff_dim 12288 -> 2/3 rounded to a multiple of 256), which vLLM reads; tied
     "Lfm2ForCausalLM": {
-        "layer_types": ["conv", "conv", "full_attention"], "conv_L_cache": 3, "conv_bias": False,
-        "block_dim": 128, "conv_dim": 128, "conv_dim_out": 128, "intermediate_size": 384, "block_ff_dim": 384,
-        "block_auto_adjust_ff_dim": True, "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256,
+        "layer_types": ["conv", "conv", "full_attention"],
+        "conv_L_cache": 3,
+        "conv_bias": False,
+        "block_dim": 128,
+        "conv_dim": 128,
+        "conv_dim_out": 128,
+        "intermediate_size": 384,
+        "block_ff_dim": 384,
+        "block_auto_adjust_ff_dim": True,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_multiple_of": 256,
         "tie_word_embeddings": True,
     },
     # LiquidAI/LFM2-8B-A1B: the same conv/attention layers, the first num_dense_layers (2) dense, MoE after (32
     # experts, top 4, sigmoid routing with an expert bias, normalized); tied
     "Lfm2MoeForCausalLM": {
-        "layer_types": ["conv", "conv", "full_attention", "conv"], "num_dense_layers": 2, "conv_L_cache": 3,
-        "conv_bias": False, "use_expert_bias": True, "norm_topk_prob": True, "routed_scaling_factor": 1.0,
+        "layer_types": ["conv", "conv", "full_attention", "conv"],
+        "num_dense_layers": 2,
+        "conv_L_cache": 3,
+        "conv_bias": False,
+        "use_expert_bias": True,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
         "tie_word_embeddings": True,
     },
     # Qwen/Qwen3.5-0.8B's text model: 3 Gated DeltaNet layers per full-attention layer (gated output, q/k norms,
     # partial rotary 0.25, interleaved mrope); attention heads x head dim = 2 x hidden; linear heads 128 wide
     # (vLLM's CPU GDN kernel takes no other), conv 4; tied
     "Qwen3_5ForCausalLM": {
-        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"], "head_dim": 64,
-        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "tie_word_embeddings": True,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-                            "mrope_section": [3, 3, 2], "mrope_interleaved": True},  # the Hub's [11, 11, 10] of 64 / 2
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        "head_dim": 64,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "tie_word_embeddings": True,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [3, 3, 2],
+            "mrope_interleaved": True,
+        },  # the Hub's [11, 11, 10] of 64 / 2
     },
     # Qwen/Qwen3.5-35B-A3B's text model: the same layers, MoE in every layer (256 experts, top 8, and a gated shared
     # expert); untied
     "Qwen3_5MoeForCausalLM": {
-        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"], "head_dim": 64,
-        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "tie_word_embeddings": False,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-                            "mrope_section": [3, 3, 2], "mrope_interleaved": True},
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        "head_dim": 64,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "tie_word_embeddings": False,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [3, 3, 2],
+            "mrope_interleaved": True,
+        },
     },
 }
 
@@ -423,8 +663,14 @@ def arch_class(arch: str):
     """The transformers class named ``arch`` (vLLM's registry keys are transformers class names), or None."""
     import transformers  # the optional [demo] extra
 
-    names = {n.replace("_", "").lower(): n for n in dir(transformers) if n.endswith(("ForCausalLM", "ForConditionalGeneration"))}
-    name = arch if arch in dir(transformers) else names.get(arch.replace("_", "").lower())  # vLLM's Ernie4_5_ForCausalLM
+    names = {
+        n.replace("_", "").lower(): n
+        for n in dir(transformers)
+        if n.endswith(("ForCausalLM", "ForConditionalGeneration"))
+    }
+    name = (
+        arch if arch in dir(transformers) else names.get(arch.replace("_", "").lower())
+    )  # vLLM's Ernie4_5_ForCausalLM
     try:
         return None if name is None else getattr(transformers, name)
     except (AttributeError, ImportError, RuntimeError):
@@ -440,21 +686,23 @@ def tiny_config(arch: str):
         raise ValueError(f"transformers {version('transformers')} has no class {arch}")
     cfg_cls = cls.config_class
     default = cfg_cls()
-    if getattr(default, "sub_configs", None) and any(k in default.sub_configs for k in ("text_config", "vision_config")):
+    if getattr(default, "sub_configs", None) and any(
+        k in default.sub_configs for k in ("text_config", "vision_config")
+    ):
         raise ValueError(f"{arch}: a composite config ({sorted(default.sub_configs)}): no generic tiny form")
     kw: dict[str, Any] = {k: v for k, v in TINY.items() if hasattr(default, k)}
     types = getattr(default, "layer_types", None)
     field = getattr(cfg_cls, "attribute_map", {}).get("layer_types", "layer_types")
     derived = getattr(cfg_cls, field, None)
     if isinstance(derived, property) and derived.fset is None:  # computed from other fields (Jamba's attn_layer_period,
-        types = None                                          # Bamba's attn_layer_indices): HUB_SHAPES sets those
+        types = None  # Bamba's attn_layer_indices): HUB_SHAPES sets those
     if isinstance(types, list) and types:
         distinct = list(dict.fromkeys(types))
         kw["layer_types"] = distinct if len(distinct) > 1 else distinct * 2
         kw["num_hidden_layers"] = len(kw["layer_types"])
     for k, v in vars(default).items():  # per-layer lists sized for the full depth (not layer_types)
         if k != "layer_types" and isinstance(v, list) and len(v) == default.num_hidden_layers and k not in kw:
-            kw[k] = v[:kw["num_hidden_layers"]]
+            kw[k] = v[: kw["num_hidden_layers"]]
     kw["tie_word_embeddings"] = bool(getattr(default, "tie_word_embeddings", False))
     kw.update(HUB_SHAPES.get(arch, {}))
     if isinstance(kw.get("layer_types"), list):
@@ -463,7 +711,9 @@ def tiny_config(arch: str):
     with torch.device("meta"):  # what the shrunk defaults weigh, before anything is allocated
         n = sum(p.numel() for p in cls(cfg).parameters())
     if n > TINY_MAX_PARAMS:
-        raise ValueError(f"{arch}: {n / 1e6:.0f} M parameters after shrinking its defaults (widths this sweep does not know)")
+        raise ValueError(
+            f"{arch}: {n / 1e6:.0f} M parameters after shrinking its defaults (widths this sweep does not know)"
+        )
     return cfg
 
 

@@ -8,6 +8,7 @@ finds each one in the sources with ``ast`` (following ``from x import y`` re-exp
 and verifies the parameters we pass still exist, so a new engine release is judged
 before anyone runs it (tests/test_compat.py reads vLLM 0.33.0's wheel this way).
 """
+
 from __future__ import annotations
 
 import ast
@@ -90,7 +91,9 @@ def _star_imports(body) -> list[ast.ImportFrom]:
 def _self_attrs(cls: ast.ClassDef) -> set[str]:
     out = set()
     for node in ast.walk(cls):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         for t in targets:
             if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
                 out.add(t.attr)

@@ -2,6 +2,7 @@
 :mod:`.codec`, v2 in the package :mod:`.context`), dtypes and their ordered steps, fingerprints,
 decoded deltas, grid cells, the fp8-block recipe. Pure data and math: nothing here reads or writes
 a store, and nothing here imports one, nor the device kernels above it (``engine_ext.triton_kernels``)."""
+
 from __future__ import annotations
 
 import functools

@@ -1,5 +1,6 @@
 """Making very many small objects at once: a Kimi-K2 version's manifest has ~140,000 tensor entries and
 over a million chunks, which readers and rank 0's commit build as dataclasses."""
+
 from __future__ import annotations
 
 import contextlib

@@ -9,6 +9,7 @@ pass finds each change's cell and box-local index, a second writes its gap and v
 its cell's place. The results are the arrays :func:`chunks.split`, :func:`chunks.to_local`
 and :func:`engine_ext.format.dtypes.step_between` give, so the bytes coded are the same.
 """
+
 from __future__ import annotations
 
 import numba
@@ -72,12 +73,22 @@ def group(positions: np.ndarray, new_bits: np.ndarray, old_bits: np.ndarray | No
     cells, ``steps`` those of ``rel`` (None without ``old_bits``)."""
     shape = tuple(int(s) for s in shape)
     cols = shape[1] if len(cuts) > 1 else 1
-    inner = int(np.prod(shape[len(cuts):], dtype=np.int64))
+    inner = int(np.prod(shape[len(cuts) :], dtype=np.int64))
     row_cuts = np.asarray(cuts[0], np.int64)
     col_cuts = np.asarray(cuts[1] if len(cuts) > 1 else [0, 1], np.int64)
     rel = old_bits is not None
     key_max = np.iinfo(new_bits.dtype).max
-    counts, gaps, abs_values, steps = _group(positions, new_bits, new_bits if old_bits is None else old_bits, cols, inner,
-                                             row_cuts, col_cuts, (len(row_cuts) - 1) * (len(col_cuts) - 1), rel, is_float,
-                                             key_max)
+    counts, gaps, abs_values, steps = _group(
+        positions,
+        new_bits,
+        new_bits if old_bits is None else old_bits,
+        cols,
+        inner,
+        row_cuts,
+        col_cuts,
+        (len(row_cuts) - 1) * (len(col_cuts) - 1),
+        rel,
+        is_float,
+        key_max,
+    )
     return counts, gaps, abs_values, steps if rel else None

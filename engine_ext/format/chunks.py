@@ -12,15 +12,19 @@ tensor. Every cell costs a fixed decode overhead (~0.1 ms) and ~350 bytes of man
 so cells hold at least ``MIN_CELL`` elements: a 7B model's MLP matrices get 8 x 8 cells,
 its 3584 x 3584 projections 4 x 4, small tensors none.
 """
+
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
 import torch
 
 GRID = 8  # most parts along one dimension
-MIN_CELL = 1 << 18  # fewest elements per cell a publisher cuts to (each cell costs ~0.1 ms to decode and ~350 manifest bytes)
+MIN_CELL = (
+    1 << 18
+)  # fewest elements per cell a publisher cuts to (each cell costs ~0.1 ms to decode and ~350 manifest bytes)
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, stop) per dimension
 
 
@@ -49,16 +53,25 @@ def boxes(cuts: list[list[int]], shape) -> list[Box]:
     shape = tuple(int(s) for s in shape)
     out = [((), ())]
     for d, c in enumerate(cuts):
-        out = [(s + (a,), e + (b,)) for s, e in out for a, b in zip(c, c[1:])]
-    return [(s + (0,) * (len(shape) - len(cuts)), e + shape[len(cuts):]) for s, e in out]
+        out = [(s + (a,), e + (b,)) for s, e in out for a, b in itertools.pairwise(c)]
+    return [(s + (0,) * (len(shape) - len(cuts)), e + shape[len(cuts) :]) for s, e in out]
 
 
 def valid_cuts(cuts, shape) -> bool:
     """Cut points per leading dimension: 0 = c[0] < c[1] < ... < c[-1] = the dimension."""
-    return (isinstance(cuts, list) and 1 <= len(cuts) <= min(2, len(shape))
-            and all(isinstance(c, list) and 2 <= len(c) <= 1 + 256 and c[0] == 0 and c[-1] == shape[d]
-                    and all(isinstance(x, int) and not isinstance(x, bool) for x in c)
-                    and all(a < b for a, b in zip(c, c[1:])) for d, c in enumerate(cuts)))
+    return (
+        isinstance(cuts, list)
+        and 1 <= len(cuts) <= min(2, len(shape))
+        and all(
+            isinstance(c, list)
+            and 2 <= len(c) <= 1 + 256
+            and c[0] == 0
+            and c[-1] == shape[d]
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in c)
+            and all(a < b for a, b in itertools.pairwise(c))
+            for d, c in enumerate(cuts)
+        )
+    )
 
 
 def box_numel(box: Box) -> int:
@@ -92,7 +105,7 @@ def split(positions: np.ndarray, shape, cuts: list[list[int]]) -> list[tuple[int
     out, at = [], 0
     for k, c in enumerate(counts):
         if c:
-            out.append((k, order[at:at + c]))
+            out.append((k, order[at : at + c]))
         at += c
     return out
 

@@ -13,6 +13,7 @@ block policy and the version's step tables), the context-conditioned coder
 fetch than its decode takes beyond v1's). Decoding never allocates more than the
 manifest-declared count, which the caller bounds before fetching.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,12 +23,15 @@ import pcodec
 import torch
 import zstandard
 
-from . import chunks, kernel_module
-from .context import blocks as ctx_blocks, codec as ctx_codec, models as ctx_models
-from .dtypes import DType, step_between
-from .manifest import CONTEXT_CODERS
 from .. import settings
 from ..errors import IntegrityError
+from . import chunks, kernel_module
+from .context import blocks as ctx_blocks
+from .context import codec as ctx_codec
+from .context import models as ctx_models
+from .context import symbols as ctx_symbols
+from .dtypes import DType, step_between
+from .manifest import CONTEXT_CODERS
 
 ZSTD_LEVEL = 3
 SMALL = 256  # below this many changes also try zstd and keep the smaller (above, pco always won: 32-4096 changes, densities 0.1-50 %)
@@ -47,10 +51,14 @@ _PCO = pcodec.ChunkConfig(delta_spec=pcodec.DeltaSpec.no_op(), mode_spec=pcodec.
 # 2026-12-03, one run; docs/benchmarks.md, "What a reader pays for v2"):
 V1_NS_PER_CHANGE = 5.8  # v1's whole decode (pcodec), per change, one thread
 STREAMS_NS_PER_CHANGE = 7.0  # v2's streams (format 9's rANS chunks), on one thread of the host
-PASS_NS_PER_ELEMENT = {"cpu": 0.71,  # the context pass over the base: numba, every core of a 2-core host
-                       "gpu": 0.001}  # Triton on the device: ESTIMATED (two reads of a bf16 base at ~4 TB/s; no GPU lent)
-PART_NS = {"cpu": 17e3,  # per part: the streams' fixed costs on the host (header, plan, tables), measured
-           "gpu": 120e3}  # the same, and the device's launches, copies and syncs for the part: ESTIMATED (~0.1 ms)
+PASS_NS_PER_ELEMENT = {
+    "cpu": 0.71,  # the context pass over the base: numba, every core of a 2-core host
+    "gpu": 0.001,
+}  # Triton on the device: ESTIMATED (two reads of a bf16 base at ~4 TB/s; no GPU lent)
+PART_NS = {
+    "cpu": 17e3,  # per part: the streams' fixed costs on the host (header, plan, tables), measured
+    "gpu": 120e3,
+}  # the same, and the device's launches, copies and syncs for the part: ESTIMATED (~0.1 ms)
 MOST_SAVED_PER_CHANGE = 0.6  # bytes: the most v2 saves per change on real training (fp8 block: 0.54-0.59)
 MOST_PLAIN_PER_CHANGE = 4.0  # bytes: about the most v1 takes per change (fp32 masters; bf16 1.1-1.5)
 
@@ -72,7 +80,7 @@ class Readers:
             raise ValueError(f"readers: device one of {sorted(PASS_NS_PER_ELEMENT)} and MB/s >= 0, got {self}")
 
     @classmethod
-    def from_settings(cls) -> "Readers":
+    def from_settings(cls) -> Readers:
         s = settings.current()
         return cls(s.reader_device, s.reader_mbps)
 
@@ -80,7 +88,9 @@ class Readers:
         """Seconds a reader spends decoding a part of ``elements`` with ``changes``, context coded or plainly."""
         if not context:
             return changes * V1_NS_PER_CHANGE * 1e-9
-        return (changes * STREAMS_NS_PER_CHANGE + elements * PASS_NS_PER_ELEMENT[self.device] + PART_NS[self.device]) * 1e-9
+        return (
+            changes * STREAMS_NS_PER_CHANGE + elements * PASS_NS_PER_ELEMENT[self.device] + PART_NS[self.device]
+        ) * 1e-9
 
     def pays(self, plain_bytes: float, coded_bytes: float, changes: int, elements: int) -> bool:
         """Whether a reader gets the part sooner context coded (``coded_bytes``) than plainly: a rank fetches a part
@@ -89,8 +99,9 @@ class Readers:
         if self.mbps == 0:
             return True
         bw = self.mbps * 1e6
-        return max(coded_bytes / bw, self.decode_s(changes, elements, True)) <= \
-            max(plain_bytes / bw, self.decode_s(changes, elements, False))
+        return max(coded_bytes / bw, self.decode_s(changes, elements, True)) <= max(
+            plain_bytes / bw, self.decode_s(changes, elements, False)
+        )
 
     def may_pay(self, changes: int, elements: int) -> bool:
         """Before anything is encoded: whether v2 could pay at the most it saves per change on about the most v1
@@ -213,9 +224,18 @@ def _plain(pos: tuple[str, bytes], values: dict, mode: str | None, plain_mode: s
     return Encoded(*pos, m, val_coder, val_bytes)
 
 
-def encode(dtype: DType, numel: int, positions: torch.Tensor, new_bits: torch.Tensor,
-           old_bits: torch.Tensor | None, mode: str | None = None, context: Context | None = None,
-           shape=None, box=None, plain_mode: str | None = None) -> Encoded:
+def encode(
+    dtype: DType,
+    numel: int,
+    positions: torch.Tensor,
+    new_bits: torch.Tensor,
+    old_bits: torch.Tensor | None,
+    mode: str | None = None,
+    context: Context | None = None,
+    shape=None,
+    box=None,
+    plain_mode: str | None = None,
+) -> Encoded:
     """Encode changes at ``positions`` (sorted int64, part-local) to ``new_bits``.
 
     With ``old_bits`` (the base bits at the same positions) both value modes are tried and
@@ -231,14 +251,18 @@ def encode(dtype: DType, numel: int, positions: torch.Tensor, new_bits: torch.Te
         if readers.may_pay(pos.size, numel):
             ctx = encode_context(dtype, shape, box, context, pos, old_bits, new_bits)
             plain, coded = len(best.pos) + len(best.val), None if ctx is None else len(ctx.pos) + len(ctx.val)
-            if coded is not None and coded <= (1 - CONTEXT_GAIN) * plain and readers.pays(plain, coded, pos.size, numel):
+            if (
+                coded is not None
+                and coded <= (1 - CONTEXT_GAIN) * plain
+                and readers.pays(plain, coded, pos.size, numel)
+            ):
                 return ctx
     return best
 
 
 def context_policy(name: str, dtype: DType, shape, nnz: int) -> int | None:
     """The block policy a changed tensor is context coded under, or None where the coder is not tried."""
-    if not ctx_models.supports(dtype.name) or nnz < CONTEXT_MIN:
+    if not ctx_symbols.supports(dtype.name) or nnz < CONTEXT_MIN:
         return None
     return ctx_blocks.block_policy(name, shape)
 
@@ -273,25 +297,38 @@ def context_pays(dtype: DType, base: torch.Tensor, old_bits: torch.Tensor, reade
     settings'). Asked before a tensor gets a :class:`Context`, so uniform changes, or readers
     on whom v2 cannot pay, cost neither step tables nor a pass over the whole base."""
     readers = readers or Readers.from_settings()
-    return ctx_models.supports(dtype.name) and readers.may_pay(old_bits.numel(), base.numel()) and ctx_codec.pays(
-        dtype.name, ctx_codec.sample(base.detach().reshape(-1)), old_bits.detach().cpu().numpy(), base.numel(),
-        CONTEXT_GAIN)
+    return (
+        ctx_symbols.supports(dtype.name)
+        and readers.may_pay(old_bits.numel(), base.numel())
+        and ctx_codec.pays(
+            dtype.name,
+            ctx_codec.sample(base.detach().reshape(-1)),
+            old_bits.detach().cpu().numpy(),
+            base.numel(),
+            CONTEXT_GAIN,
+        )
+    )
 
 
-def encode_context(dtype: DType, shape, box, context: Context, pos: np.ndarray, old_bits: torch.Tensor,
-                   new_bits: torch.Tensor) -> Encoded | None:
+def encode_context(
+    dtype: DType, shape, box, context: Context, pos: np.ndarray, old_bits: torch.Tensor, new_bits: torch.Tensor
+) -> Encoded | None:
     """The context-coded form of a part's changes, or None where the coder does not apply."""
-    if not ctx_models.supports(dtype.name) or not context.tables:
+    if not ctx_symbols.supports(dtype.name) or not context.tables:
         return None
     shape = tuple(shape)
     base = context.base.detach().reshape((-1, *shape[1:]) if shape else ())
     if shape:  # the part's box in base, which holds the tensor's rows from ``origin``
         start, stop = box or ((0,) * len(shape), shape)
         if start[0] < context.origin or stop[0] - context.origin > base.shape[0]:
-            raise ValueError(f"part rows {start[0]}..{stop[0]} lie outside the base's rows {context.origin}.."
-                             f"{context.origin + base.shape[0]}")
-        base = base[(slice(start[0] - context.origin, stop[0] - context.origin),
-                     *(slice(a, b) for a, b in zip(start[1:], stop[1:])))]
+            raise ValueError(
+                f"part rows {start[0]}..{stop[0]} lie outside the base's rows {context.origin}.."
+                f"{context.origin + base.shape[0]}"
+            )
+        box_index = (slice(start[0] - context.origin, stop[0] - context.origin),) + tuple(
+            slice(a, b) for a, b in zip(start[1:], stop[1:])
+        )
+        base = base[box_index]
     base = base.to("cpu", copy=True).reshape(-1)  # the part alone
     old_bits = old_bits.detach().cpu()
     base[torch.from_numpy(pos)] = old_bits  # the base, whichever version's bits the context holds
@@ -308,9 +345,17 @@ class ChunkedEncoded:
     cells: list[tuple[int, int, Encoded]]  # (cell, changes in it, its encoding), cells with changes only
 
 
-def encode_tensor(dtype: DType, shape, positions: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor | None,
-                  mode: str | None = None, min_cell: int | None = chunks.MIN_CELL,
-                  context: Context | None = None, cuts: list[list[int]] | None = None) -> "Encoded | ChunkedEncoded":
+def encode_tensor(
+    dtype: DType,
+    shape,
+    positions: torch.Tensor,
+    new_bits: torch.Tensor,
+    old_bits: torch.Tensor | None,
+    mode: str | None = None,
+    min_cell: int | None = chunks.MIN_CELL,
+    context: Context | None = None,
+    cuts: list[list[int]] | None = None,
+) -> Encoded | ChunkedEncoded:
     """A changed tensor's encoding: whole (:func:`encode`), or per grid cell (:func:`chunks.grid`,
     cells of ``min_cell`` elements or more; None: never cut), so that a rank can fetch the
     cells it holds. With a ``context`` (given where :func:`context_pays`), the context coder
@@ -328,31 +373,59 @@ def encode_tensor(dtype: DType, shape, positions: torch.Tensor, new_bits: torch.
         plain_mode = _sampled_mode(dtype, new_bits, old_bits)
     cells = chunks.boxes(cuts, shape)
     if context is None and max(map(chunks.box_numel, cells)) <= 1 << 32 and (kernels := _cell_kernels()) is not None:
-        return ChunkedEncoded(cuts, _plain_cells(dtype, shape, cuts, cells, kernels, pos, new_bits, old_bits, mode, plain_mode))
+        return ChunkedEncoded(
+            cuts, _plain_cells(dtype, shape, cuts, cells, kernels, pos, new_bits, old_bits, mode, plain_mode)
+        )
     out = []
     for cell, idx in chunks.split(pos, shape, cuts):
         box, sel = cells[cell], torch.from_numpy(idx)
         local = torch.from_numpy(chunks.to_local(pos[idx], shape, box))
-        out.append((cell, len(idx), encode(dtype, chunks.box_numel(box), local, new_bits[sel],
-                                           None if old_bits is None else old_bits[sel], mode, context,
-                                           tuple(shape), box, plain_mode)))
+        out.append(
+            (
+                cell,
+                len(idx),
+                encode(
+                    dtype,
+                    chunks.box_numel(box),
+                    local,
+                    new_bits[sel],
+                    None if old_bits is None else old_bits[sel],
+                    mode,
+                    context,
+                    tuple(shape),
+                    box,
+                    plain_mode,
+                ),
+            )
+        )
     return ChunkedEncoded(cuts, out)
 
 
-def _plain_cells(dtype: DType, shape, cuts, cells, kernels, pos: np.ndarray, new_bits: torch.Tensor,
-                 old_bits: torch.Tensor | None, mode: str | None, plain_mode: str | None) -> list[tuple[int, int, Encoded]]:
+def _plain_cells(
+    dtype: DType,
+    shape,
+    cuts,
+    cells,
+    kernels,
+    pos: np.ndarray,
+    new_bits: torch.Tensor,
+    old_bits: torch.Tensor | None,
+    mode: str | None,
+    plain_mode: str | None,
+) -> list[tuple[int, int, Encoded]]:
     """Every changed cell's plain coding, its gaps and values grouped by cell in two passes over the
     changes (:mod:`engine_ext.format.cell_kernels`): the bytes the per-cell path codes."""
     rel = old_bits is not None and mode != "abs"
-    counts, gaps, abs_values, steps = kernels.group(pos, new_bits.numpy(), old_bits.numpy() if rel else None, shape, cuts,
-                                                    dtype.is_float)
+    counts, gaps, abs_values, steps = kernels.group(
+        pos, new_bits.numpy(), old_bits.numpy() if rel else None, shape, cuts, dtype.is_float
+    )
     out, at = [], 0
     for cell, n in enumerate(counts.tolist()):
         if not n:
             continue
         numel = chunks.box_numel(cells[cell])
-        values = {"abs": abs_values[at:at + n]} | ({"rel": steps[at:at + n]} if rel else {})
-        coded = ("all", b"") if n == numel else encode_gaps(gaps[at:at + n].astype(_gap_dtype(numel), copy=False))
+        values = {"abs": abs_values[at : at + n]} | ({"rel": steps[at : at + n]} if rel else {})
+        coded = ("all", b"") if n == numel else encode_gaps(gaps[at : at + n].astype(_gap_dtype(numel), copy=False))
         out.append((cell, n, _plain(coded, values, mode, plain_mode)))
         at += n
     return out
@@ -362,7 +435,7 @@ def _cell_kernels():
     return kernel_module("cell_kernels")
 
 
-def uses_context(e: "Encoded | ChunkedEncoded") -> bool:
+def uses_context(e: Encoded | ChunkedEncoded) -> bool:
     """Whether any part of a tensor's encoding is context coded."""
     parts = [e] if isinstance(e, Encoded) else [enc for _, _, enc in e.cells]
     return any(p.pos_coder in CONTEXT_CODERS for p in parts)

@@ -6,14 +6,17 @@ wrapping step in the dtype's ordered bit space (``rel``, see :mod:`engine_ext.fo
 Everything here is plain torch on the CPU and serves as the reference semantics
 that the kernels must match bit for bit.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from . import fingerprint as fpr, kernel_module
+from . import fingerprint as fpr
+from . import kernel_module
 from .dtypes import DType, apply_step, as_bits, dtype_of, step_between
 
 ABS = "abs"
@@ -47,8 +50,9 @@ class TensorDelta:
         return self.positions
 
 
-def changed_bits(old_bits: torch.Tensor, new_bits: torch.Tensor,
-                 update: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def changed_bits(
+    old_bits: torch.Tensor, new_bits: torch.Tensor, update: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(flat positions, old bits there, new bits there) of the elements whose raw bits differ,
     on the inputs' device: the one diff the publisher, the CLI and :func:`diff_tensor` share.
     With ``update``, ``old_bits`` takes the new bits at those positions (the publisher's kept copy).
@@ -56,8 +60,10 @@ def changed_bits(old_bits: torch.Tensor, new_bits: torch.Tensor,
     if old_bits.device.type == "cpu" and new_bits.device.type == "cpu" and old_bits.numel() >= 1 << 16:
         kernels = _diff_kernels()
         if kernels is not None:
-            return tuple(torch.from_numpy(a) for a in kernels.changed(old_bits.contiguous().numpy(),
-                                                                     new_bits.contiguous().numpy(), update))
+            return tuple(
+                torch.from_numpy(a)
+                for a in kernels.changed(old_bits.contiguous().numpy(), new_bits.contiguous().numpy(), update)
+            )
     pos = torch.nonzero(old_bits != new_bits).reshape(-1)
     out = pos, old_bits[pos], new_bits[pos]
     if update:
@@ -81,7 +87,9 @@ def diff_tensor(name: str, old: torch.Tensor | None, new: torch.Tensor, mode: st
     if old is None:
         return TensorDelta(name, d, tuple(new.shape), ABS, None, new_bits, None, fp_new)
     if old.shape != new.shape or old.dtype != new.dtype:
-        raise ValueError(f"{name}: shape/dtype changed {tuple(old.shape)}/{old.dtype} -> {tuple(new.shape)}/{new.dtype}")
+        raise ValueError(
+            f"{name}: shape/dtype changed {tuple(old.shape)}/{old.dtype} -> {tuple(new.shape)}/{new.dtype}"
+        )
     pos, old_at, new_at = changed_bits(as_bits(old.detach().contiguous()).reshape(-1), new_bits)
     vals = step_between(old_at, new_at, d.is_float) if mode == REL else new_at
     return TensorDelta(name, d, tuple(new.shape), mode, pos, vals, fpr.tensor_fingerprint(old), fp_new)
@@ -95,7 +103,9 @@ def apply_tensor(base: torch.Tensor | None, td: TensorDelta, check: bool = True)
         out_bits = td.values.clone()
     else:
         if tuple(base.shape) != td.shape or dtype_of(base) is not td.dtype:
-            raise ValueError(f"{td.name}: base is {tuple(base.shape)}/{base.dtype}, delta expects {td.shape}/{td.dtype.name}")
+            raise ValueError(
+                f"{td.name}: base is {tuple(base.shape)}/{base.dtype}, delta expects {td.shape}/{td.dtype.name}"
+            )
         out_bits = as_bits(base.detach().contiguous()).reshape(-1).clone()
         idx = td.index()
         if td.mode == REL:
@@ -147,10 +157,13 @@ def compose(chain: list[TensorDelta]) -> list[TensorDelta]:
     rel_pos, rel_val = empty, torch.empty(0, dtype=first.dtype.int_view, device=dev)
     for d in chain:
         if (d.name, d.shape, d.dtype) != (first.name, first.shape, first.dtype):
-            raise ValueError(f"cannot compose deltas of different tensors: {d.name} {d.shape} vs {first.name} {first.shape}")
+            raise ValueError(
+                f"cannot compose deltas of different tensors: {d.name} {d.shape} vs {first.name} {first.shape}"
+            )
         if d.values.device != dev:
-            d = TensorDelta(d.name, d.dtype, d.shape, d.mode, None if d.positions is None else d.positions.to(dev),
-                            d.values.to(dev))
+            d = TensorDelta(
+                d.name, d.dtype, d.shape, d.mode, None if d.positions is None else d.positions.to(dev), d.values.to(dev)
+            )
         pos = d.index()
         if d.mode == ABS:
             keep = ~_member(rel_pos, pos)
@@ -169,8 +182,13 @@ def compose(chain: list[TensorDelta]) -> list[TensorDelta]:
             nonzero = rel_val != 0
             rel_pos, rel_val = rel_pos[nonzero], rel_val[nonzero]
     out = []
-    common = dict(name=first.name, dtype=first.dtype, shape=first.shape,
-                  base_fingerprint=first.base_fingerprint, fingerprint=last.fingerprint)
+    common: dict[str, Any] = {
+        "name": first.name,
+        "dtype": first.dtype,
+        "shape": first.shape,
+        "base_fingerprint": first.base_fingerprint,
+        "fingerprint": last.fingerprint,
+    }
     if abs_pos.numel():
         dense = abs_pos.numel() == first.numel
         out.append(TensorDelta(mode=ABS, positions=None if dense else abs_pos, values=abs_val, **common))

@@ -19,8 +19,10 @@ On the CPU a diff reads the whole model every step, so it runs here, once over m
 One parallel start per tensor, not per block: on a shared host a thread that waits for a core
 at every start costs a time slice each time.
 """
+
 from __future__ import annotations
 
+import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,7 +30,9 @@ import numba
 import numpy as np
 from numba.cpython.unsafe.numbers import trailing_zeros
 
-OUTPUT_BLOCK = 1 << 16  # elements a range's output makes room for at a time (its largest over-allocation: 12 bytes each)
+OUTPUT_BLOCK = (
+    1 << 16
+)  # elements a range's output makes room for at a time (its largest over-allocation: 12 bytes each)
 MIN_RANGE = 1 << 20  # fewest elements a core takes on its own (below, starting a thread costs more than it saves)
 _THREADS = max(1, os.cpu_count() or 1)
 _POOL = ThreadPoolExecutor(_THREADS, thread_name_prefix="engine-ext-diff")
@@ -79,13 +83,14 @@ def _take(old, new, lo, hi, pos, old_at, new_at, m, update):
     return m
 
 
-def changed(old: np.ndarray, new: np.ndarray, update: bool = False, block: int = OUTPUT_BLOCK,
-            threads: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def changed(
+    old: np.ndarray, new: np.ndarray, update: bool = False, block: int = OUTPUT_BLOCK, threads: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(positions, old bits, new bits) where ``old`` and ``new`` (1-D, same dtype) differ; with
     ``update``, ``old`` takes the new bits there."""
     n, per = old.size, 8 // old.itemsize
     words = n // per
-    old_words, new_words = old[:words * per].view(np.uint64), new[:words * per].view(np.uint64)
+    old_words, new_words = old[: words * per].view(np.uint64), new[: words * per].view(np.uint64)
     block = max(per, block // per * per)
     parts = max(1, min(threads or _THREADS, n // MIN_RANGE))
     cuts = [words * i // parts * per for i in range(parts)] + [n]
@@ -93,7 +98,7 @@ def changed(old: np.ndarray, new: np.ndarray, update: bool = False, block: int =
     def scan(r):
         return _scan(old, new, old_words, new_words, per, r[0], r[1], block, update)
 
-    found = [scan((0, n))] if parts == 1 else list(_POOL.map(scan, zip(cuts, cuts[1:])))
+    found = [scan((0, n))] if parts == 1 else list(_POOL.map(scan, itertools.pairwise(cuts)))
     if len(found) == 1:
         pos, old_at, new_at, m = found[0]
         if pos.size - m > m // 16:  # more room than an extrapolation's slack: give it back
@@ -105,7 +110,7 @@ def changed(old: np.ndarray, new: np.ndarray, update: bool = False, block: int =
 
     def join(i):
         for dst, src in zip(out, found[i][:3]):
-            dst[at[i]:at[i + 1]] = src[:found[i][3]]
+            dst[at[i] : at[i + 1]] = src[: found[i][3]]
 
     list(_POOL.map(join, range(len(found))))
     return out

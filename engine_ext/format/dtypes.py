@@ -11,6 +11,7 @@ a two's-complement integer whose order is the float order (``-0.0 -> -1``,
 encodable and steps of successive versions add up (mod 2^width). For integer
 dtypes the key is the value itself.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,9 +41,17 @@ _INT_OF_WIDTH = {8: torch.int8, 16: torch.int16, 32: torch.int32, 64: torch.int6
 
 # The one fact of each dtype that torch does not hold: its safetensors header code (name, width and kind are torch's)
 _SAFETENSORS_CODES = {
-    torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.int64: "I64",
     torch.bool: "BOOL",
 }
 
@@ -75,14 +84,21 @@ def dtype_of(t: torch.Tensor) -> DType:
 SERVED_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def served_dtype(dtype: "torch.dtype | str | None") -> torch.dtype | None:
+def served_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     """A served dtype given as a torch dtype or its name (``"bfloat16"``, ``"bf16"``...); None stays None."""
     if dtype is None or isinstance(dtype, torch.dtype):
         d = dtype
     else:
-        d = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
-                            "float": "float32"}.get(str(dtype), str(dtype)), None)
-    if d is not None and (not isinstance(d, torch.dtype) or BY_TORCH.get(d) is None or BY_TORCH[d].name not in SERVED_DTYPES):
+        d = getattr(
+            torch,
+            {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}.get(
+                str(dtype), str(dtype)
+            ),
+            None,
+        )
+    if d is not None and (
+        not isinstance(d, torch.dtype) or BY_TORCH.get(d) is None or BY_TORCH[d].name not in SERVED_DTYPES
+    ):
         raise ValueError(f"served dtype must be one of {SERVED_DTYPES} (or None: as held), got {dtype!r}")
     return d
 

@@ -20,11 +20,12 @@ CPU it runs as one fused, vectorised loop on every core (numba: :func:`range_fin
 ~0.01-0.02 G for the torch reference, which materialises every intermediate). The torch
 functions (:func:`element_hash`) are the reference and the path for other devices.
 """
+
 from __future__ import annotations
 
 import hashlib
 import re
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch

@@ -6,6 +6,7 @@ reference; these are the same sums as one fused loop per piece, on every core
 (``prange``), compiled once and cached on disk. Unsigned 64-bit arithmetic wraps, as the
 spec's int64 two's complement does.
 """
+
 from __future__ import annotations
 
 import numba

@@ -6,10 +6,12 @@ indents) took ~0.1 s of a publish's commit on the 2-core host. This walks the da
 joins the text directly; strings go through the json module's C escaper. Anything it does not
 know (a non-string key, a number type other than int and float) is left to ``json.dumps``.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from json.encoder import encode_basestring_ascii as _string
 
 _FIELDS: dict[type, tuple[str, ...]] = {}
@@ -20,7 +22,7 @@ class _Unknown(Exception):
 
 
 def _float(x: float) -> str:
-    if x != x:
+    if math.isnan(x):
         return "NaN"
     if x in (float("inf"), float("-inf")):
         return "Infinity" if x > 0 else "-Infinity"
@@ -80,8 +82,11 @@ def _plain(o, omit: dict):
     """``dataclasses.asdict`` with the omitted None fields dropped (for the json module's slow path)."""
     if dataclasses.is_dataclass(o) and not isinstance(o, type):
         gone = omit.get(type(o), ())
-        return {f.name: _plain(v, omit) for f in dataclasses.fields(o)
-                if not ((v := getattr(o, f.name)) is None and f.name in gone)}
+        return {
+            f.name: _plain(v, omit)
+            for f in dataclasses.fields(o)
+            if not ((v := getattr(o, f.name)) is None and f.name in gone)
+        }
     if isinstance(o, (list, tuple)):
         return type(o)(_plain(v, omit) for v in o)
     if isinstance(o, dict):

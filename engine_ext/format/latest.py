@@ -1,4 +1,5 @@
 """The signed LATEST pointer: the newest complete version of a store (docs/FORMAT.md, "LATEST")."""
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,7 @@ class Latest:
         return json.dumps({"signed": asdict(self), "signatures": signatures or []}).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> tuple["Latest", list]:
+    def from_json(cls, data: bytes) -> tuple[Latest, list]:
         """(pointer, signatures); a format-1 pointer (a bare object) has no signatures."""
         if len(data) > MAX_LATEST_BYTES:
             raise ManifestError(f"LATEST is {len(data)} bytes, over the {MAX_LATEST_BYTES} limit")
@@ -47,12 +48,26 @@ class Latest:
                 lt, sigs = cls(**d), []
         except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as e:
             raise ManifestError(f"bad LATEST pointer: {type(e).__name__}: {str(e)[:200]}") from None
-        if (not _is_int(lt.version) or lt.version < 0 or not isinstance(lt.manifest, str)
-                or not _KEY_RE.fullmatch(lt.manifest) or lt.manifest.startswith(".")
-                or (lt.sha256 is not None and not (isinstance(lt.sha256, str) and _SHA_RE.fullmatch(lt.sha256)))
-                or not (isinstance(lt.fingerprint, str) and _FP_RE.fullmatch(lt.fingerprint))
-                or (lt.anchor_version is not None and not (_is_int(lt.anchor_version) and 0 <= lt.anchor_version <= lt.version))
-                or (lt.expires_unix is not None and not (isinstance(lt.expires_unix, (int, float))  # NaN, inf: never stale
-                                                         and not isinstance(lt.expires_unix, bool) and math.isfinite(lt.expires_unix)))):
+        if (
+            not _is_int(lt.version)
+            or lt.version < 0
+            or not isinstance(lt.manifest, str)
+            or not _KEY_RE.fullmatch(lt.manifest)
+            or lt.manifest.startswith(".")
+            or (lt.sha256 is not None and not (isinstance(lt.sha256, str) and _SHA_RE.fullmatch(lt.sha256)))
+            or not (isinstance(lt.fingerprint, str) and _FP_RE.fullmatch(lt.fingerprint))
+            or (
+                lt.anchor_version is not None
+                and not (_is_int(lt.anchor_version) and 0 <= lt.anchor_version <= lt.version)
+            )
+            or (
+                lt.expires_unix is not None
+                and not (
+                    isinstance(lt.expires_unix, (int, float))  # NaN, inf: never stale
+                    and not isinstance(lt.expires_unix, bool)
+                    and math.isfinite(lt.expires_unix)
+                )
+            )
+        ):
             raise ManifestError("bad LATEST pointer: a field is malformed")
         return lt, sigs

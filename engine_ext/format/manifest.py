@@ -26,18 +26,22 @@ tables that hold its tensors (:mod:`engine_ext.format.tables`). Versions 1 to 4 
 not format 4's context-coded parts (an opt-in coder whose blocks did not follow the
 engines' shards).
 """
+
 from __future__ import annotations
 
-import math
+import itertools
 import json
+import math
 import re
 from dataclasses import dataclass, field
 
-from . import chunks, context as codec_v2, fingerprint as fpr
+from ..errors import IntegrityError, ManifestError
+from . import chunks
+from . import context as codec_v2
+from . import fingerprint as fpr
 from .dtypes import dtype_by_name
 from .json_text import dumps_indent1
 from .pieces import PIECES, cuts
-from ..errors import IntegrityError, ManifestError
 
 FORMAT = "engine-ext-delta"
 FORMAT_VERSION = 10  # the newest version this code reads and writes
@@ -72,7 +76,6 @@ _KEY_RE = re.compile(r"[A-Za-z0-9._-]+")  # blob keys are plain names next to th
 
 def manifest_key(version: int, kind: str = DELTA) -> str:
     return f"v{version:08d}.json" if kind == DELTA else f"v{version:08d}.anchor.json"
-
 
 
 @dataclass
@@ -151,7 +154,13 @@ class TensorEntry:
         return self.positions.length + self.values.length
 
 
-REQUIRED_TENSOR_FIELDS = ("name", "dtype", "shape", "nnz", "fingerprint")  # the fields of a tensor entry without a default
+REQUIRED_TENSOR_FIELDS = (
+    "name",
+    "dtype",
+    "shape",
+    "nnz",
+    "fingerprint",
+)  # the fields of a tensor entry without a default
 
 
 @dataclass
@@ -201,8 +210,10 @@ class Manifest:
 
     def require_resolved(self) -> None:
         if not self.resolved:
-            raise ManifestError("a format-7 manifest whose tensor tables were not read "
-                                "(read it with engine_ext.store.reader.read_link / open_manifest)")
+            raise ManifestError(
+                "a format-7 manifest whose tensor tables were not read "
+                "(read it with engine_ext.store.reader.read_link / open_manifest)"
+            )
 
     def require_whole(self) -> None:
         """Refuse a manifest of which a rank read only its own tensors (a check over every tensor needs all)."""
@@ -230,10 +241,12 @@ class Manifest:
 
     def to_json(self) -> bytes:
         """The manifest's bytes; fields of formats 7 and 8 only where set (older readers refuse keys they do not know)."""
-        return dumps_indent1(self, {Manifest: ("tables", "index"), TensorEntry: ("cells",), Blob: ("digest",)})  # json.dumps(asdict(self), indent=1)
+        return dumps_indent1(
+            self, {Manifest: ("tables", "index"), TensorEntry: ("cells",), Blob: ("digest",)}
+        )  # json.dumps(asdict(self), indent=1)
 
     @classmethod
-    def from_json(cls, data: bytes) -> "Manifest":
+    def from_json(cls, data: bytes) -> Manifest:
         """Parse and validate a manifest. A format-7 manifest with tensor tables comes back unresolved
         (``tensors`` empty, its header validated): :meth:`resolve` takes its tables."""
         if len(data) > MAX_MANIFEST_BYTES:
@@ -249,6 +262,7 @@ class Manifest:
     def check_coders(self, where: str, p: Segment, v: Segment, dtype: str) -> None:
         """The rules on a part's coders and value mode alone, the same for every part that shares them
         (a cell table's records are checked once per distinct triple: engine_ext.format.tables.read_cells)."""
+
         def bad(msg):
             raise ManifestError(_cut(msg))
 
@@ -273,6 +287,7 @@ class Manifest:
     def _check_bytes(self, where: str, e, numel: int, dtype: str, per_blob: list) -> None:
         """The coders, byte range and hash of a changed tensor or chunk ``e`` (``numel`` elements); a cell
         table's records get the same rules at once (engine_ext.format.tables.read_cells)."""
+
         def bad(msg):
             raise ManifestError(_cut(msg))
 
@@ -299,13 +314,23 @@ class Manifest:
         if self.format_version < 5 or self.kind != DELTA or not isinstance(t, dict) or len(t) > 8:
             raise ManifestError("step_tables: only a format-5 delta carries them, as a dict per dtype")
         for dtype, tables in t.items():
-            if not isinstance(dtype, str) or not codec_v2.supports(dtype) or not isinstance(tables, list) \
-                    or not 1 <= len(tables) <= codec_v2.MAX_STEP_TABLES:
+            if (
+                not isinstance(dtype, str)
+                or not codec_v2.supports(dtype)
+                or not isinstance(tables, list)
+                or not 1 <= len(tables) <= codec_v2.MAX_STEP_TABLES
+            ):
                 raise ManifestError(f"step_tables: bad entry for {str(dtype)[:40]!r}")
             for h in tables:
-                if not isinstance(h, str) or len(h) != 2 * codec_v2.alphabet(dtype) or not _HEX_RE.fullmatch(h) \
-                        or 0 in bytes.fromhex(h):
-                    raise ManifestError(f"step_tables: a {dtype} table is not {codec_v2.alphabet(dtype)} nonzero hex bytes")
+                if (
+                    not isinstance(h, str)
+                    or len(h) != 2 * codec_v2.alphabet(dtype)
+                    or not _HEX_RE.fullmatch(h)
+                    or 0 in bytes.fromhex(h)
+                ):
+                    raise ManifestError(
+                        f"step_tables: a {dtype} table is not {codec_v2.alphabet(dtype)} nonzero hex bytes"
+                    )
 
     def _check_ref(self, ref, where: str, per_entry: int, per_blob: list) -> None:
         """A table's place (format 7): a blob's byte range, a SHA-256, a count, bounded per entry."""
@@ -325,6 +350,7 @@ class Manifest:
 
     def _check_chunks(self, t: TensorEntry, where: str, per_blob: list) -> None:
         """A chunked tensor's cells: each a cell of its grid at most once, counts that add up, bytes in range."""
+
         def bad(msg):
             raise ManifestError(_cut(msg))
 
@@ -348,6 +374,7 @@ class Manifest:
     def check_tensor(self, t: TensorEntry, names: set, per_blob: list) -> None:
         """One tensor entry: its name (not in ``names``, then added), dtype, shape, counts, fingerprints and
         bytes (their ranges appended to ``per_blob``); a cut tensor's chunks, or its cell table's place."""
+
         def bad(msg):
             raise ManifestError(_cut(msg))
 
@@ -396,12 +423,16 @@ class Manifest:
     def validate(self) -> None:
         """Raise ManifestError unless every field is consistent and within limits (format 7 before its
         tables are read: every field but the tensors')."""
+
         def bad(msg):
             raise ManifestError(_cut(msg))
 
         _check_format(self.format, self.format_version)
-        if not isinstance(self.base_manifests, list) or len(self.base_manifests) > 4 or not all(
-                isinstance(h, str) and _SHA_RE.fullmatch(h) for h in self.base_manifests):
+        if (
+            not isinstance(self.base_manifests, list)
+            or len(self.base_manifests) > 4
+            or not all(isinstance(h, str) and _SHA_RE.fullmatch(h) for h in self.base_manifests)
+        ):
             bad(f"bad base_manifests {self.base_manifests!r:.100}")
         if self.base_manifests and (self.kind != DELTA or self.format_version < 2):
             bad("only format-2 deltas name base manifests")
@@ -411,9 +442,15 @@ class Manifest:
             self._check_step_tables()
         if not _is_int(self.version) or self.version < 0:
             bad(f"bad version {self.version!r}")
-        if self.anchor_version is not None and not (_is_int(self.anchor_version) and 0 <= self.anchor_version <= self.version):
+        if self.anchor_version is not None and not (
+            _is_int(self.anchor_version) and 0 <= self.anchor_version <= self.version
+        ):
             bad(f"anchor_version {self.anchor_version!r} is not a version at or before {self.version}")
-        if not isinstance(self.model, str) or isinstance(self.created_unix, bool) or not isinstance(self.created_unix, (int, float)):
+        if (
+            not isinstance(self.model, str)
+            or isinstance(self.created_unix, bool)
+            or not isinstance(self.created_unix, (int, float))
+        ):
             bad("model must be a string and created_unix a number")
         if self.kind == DELTA and (not _is_int(self.base_version) or not 0 <= self.base_version < self.version):
             bad(f"a delta needs a base_version below its version, got {self.base_version!r} -> {self.version}")
@@ -443,10 +480,14 @@ class Manifest:
                 if self.format_version < INDEXED:
                     bad(f"only format-{INDEXED} manifests have a name index")
                 self._check_ref(self.index, "the name index", INDEX_RECORD_BYTES, per_blob)
-                if self.index.count != sum(r.count for r in self.tables) or \
-                        self.index.length != self.index.count * INDEX_RECORD_BYTES:
-                    bad(f"the name index holds {self.index.count} records in {self.index.length} bytes "
-                        f"for {sum(r.count for r in self.tables)} tensors")
+                if (
+                    self.index.count != sum(r.count for r in self.tables)
+                    or self.index.length != self.index.count * INDEX_RECORD_BYTES
+                ):
+                    bad(
+                        f"the name index holds {self.index.count} records in {self.index.length} bytes "
+                        f"for {sum(r.count for r in self.tables)} tensors"
+                    )
             elif self.format_version >= INDEXED:
                 bad(f"a format-{INDEXED} manifest with tensor tables needs a name index")
             if not self.resolved:
@@ -483,14 +524,16 @@ def listed_ranges(tensors: list[TensorEntry], blob: int) -> list[tuple[int, int]
 
 def _check_format(format, version) -> None:
     if format != FORMAT or not _is_int(version) or version not in READABLE_VERSIONS:
-        raise ManifestError(_cut(f"unknown format {format!r} version {version!r} (this reader: {FORMAT} {READABLE_VERSIONS})"))
+        raise ManifestError(
+            _cut(f"unknown format {format!r} version {version!r} (this reader: {FORMAT} {READABLE_VERSIONS})")
+        )
 
 
 def _no_overlap(per_blob: list) -> None:
     """Refuse byte ranges ((start, end, what) per blob) that overlap."""
     for ranges in per_blob:
         ranges.sort()
-        for (_, end, a), (start, _, b) in zip(ranges, ranges[1:]):
+        for (_, end, a), (start, _, b) in itertools.pairwise(ranges):
             if start < end:
                 raise ManifestError(_cut(f"{a} and {b} overlap in their blob"))
 
@@ -520,7 +563,7 @@ def _parse(d: dict) -> Manifest:
     tensors = [tensor_from_json(t) for t in d["tensors"]]
     blobs = [Blob(**b) for b in d.get("blobs", [])]
     if any("digest" in b and b["digest"] is None for b in d.get("blobs", [])):
-        raise ManifestError("a blob's digest is \"pieces\" or absent, never null")
+        raise ManifestError('a blob\'s digest is "pieces" or absent, never null')
     tables = d.get("tables")
     if tables is not None:
         if not isinstance(tables, list) or len(tables) > MAX_TENSOR_TABLES:

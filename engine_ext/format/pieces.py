@@ -8,9 +8,11 @@ every byte lies in exactly one segment (the safetensors header and any gap are s
 their own). The writer hashes each piece once; a reader checks the segments, in parallel
 (hashlib releases the GIL), which is also faster than one serial pass.
 """
+
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -37,8 +39,9 @@ def pieces_sha256(data, bounds: list[int], workers: int = 1) -> str:
     view = memoryview(data).cast("B")
     if bounds[-1] != len(view):
         raise ValueError(f"segments end at {bounds[-1]}, the blob at {len(view)}")
-    segments = list(zip(bounds, bounds[1:]))
-    runs, per = [[]], max(1, len(view) // max(1, workers))
+    segments = list(itertools.pairwise(bounds))
+    runs: list[list[tuple[int, int]]] = [[]]
+    per = max(1, len(view) // max(1, workers))  # bytes a thread's run holds, about
     for a, b in segments:  # contiguous runs, one per thread, so many small tensors do not cost a hand-off each
         if runs[-1] and runs[-1][0][0] + per <= a:
             runs.append([])

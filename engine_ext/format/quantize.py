@@ -21,6 +21,7 @@ step while 0.1-0.3 % of the fp8 weights do, 10x fewer than the bf16 weights of t
 Embeddings, ``lm_head``, norms, biases and MoE router gates stay in the master dtype
 (the published FP8 checkpoints leave them unquantised too).
 """
+
 from __future__ import annotations
 
 import re
@@ -33,14 +34,21 @@ BLOCK = 128
 SCALE_SUFFIX = "weight_scale_inv"
 # Linear weights that stay in the master dtype: embeddings, the output head, norms, and the
 # MoE router and shared-expert gates (small, and vLLM/SGLang load them unquantised).
-KEEP = re.compile(r"(^|\.)(embed_tokens|lm_head|wte|wpe)\.|norm[^.]*\.weight$|\.mlp\.gate\.weight$|shared_expert_gate\.weight$")
+KEEP = re.compile(
+    r"(^|\.)(embed_tokens|lm_head|wte|wpe)\.|norm[^.]*\.weight$|\.mlp\.gate\.weight$|shared_expert_gate\.weight$"
+)
 QUANTIZATIONS = ("fp8-block",)
 
 
 def quantizes(name: str, t: torch.Tensor) -> bool:
     """Whether the fp8-block recipe quantises this checkpoint tensor (2-D float ``*.weight`` of a linear layer)."""
-    return (name.endswith(".weight") and t.dim() == 2 and t.is_floating_point()
-            and t.dtype != FP8 and KEEP.search(name) is None)
+    return (
+        name.endswith(".weight")
+        and t.dim() == 2
+        and t.is_floating_point()
+        and t.dtype != FP8
+        and KEEP.search(name) is None
+    )
 
 
 def scale_name(weight_name: str) -> str:
@@ -70,8 +78,9 @@ def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 
     return q.float() * s
 
 
-def fp8_block_state_dict(sd: dict[str, torch.Tensor], block: int = BLOCK,
-                         rest_dtype: torch.dtype | None = torch.bfloat16) -> dict[str, torch.Tensor]:
+def fp8_block_state_dict(
+    sd: dict[str, torch.Tensor], block: int = BLOCK, rest_dtype: torch.dtype | None = torch.bfloat16
+) -> dict[str, torch.Tensor]:
     """The fp8 checkpoint of ``sd`` (master weights): each quantised weight followed by its
     ``weight_scale_inv``; every other floating tensor cast to ``rest_dtype`` (bf16, as the
     published FP8 checkpoints keep embeddings, norms and biases; None: as held). Names and
@@ -93,11 +102,21 @@ def quantization_config(sd: dict[str, torch.Tensor] | None = None, block: int = 
     ``ignored_layers`` lists the linear layers of ``sd`` (the master state dict) left unquantised
     (router gates...): without it vLLM builds them as fp8 layers and loads the bf16 gate into an
     fp8 weight with an uninitialised scale (garbage routing, no error)."""
-    ignored = sorted(n[: -len(".weight")] for n, t in (sd or {}).items()
-                     if n.endswith(".weight") and t.dim() == 2 and not quantizes(n, t)
-                     and not re.search(r"(^|\.)(embed_tokens|lm_head|wte|wpe)\.", n))
-    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [block, block],
-            **({"ignored_layers": ignored} if ignored else {})}
+    ignored = sorted(
+        n[: -len(".weight")]
+        for n, t in (sd or {}).items()
+        if n.endswith(".weight")
+        and t.dim() == 2
+        and not quantizes(n, t)
+        and not re.search(r"(^|\.)(embed_tokens|lm_head|wte|wpe)\.", n)
+    )
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+        **({"ignored_layers": ignored} if ignored else {}),
+    }
 
 
 def quantizer(name: str | None):

@@ -14,29 +14,53 @@ that the index is exactly the one its entries give (:func:`resolve`). Each table
 range of a blob named by a :class:`~engine_ext.format.manifest.TableRef` and checked against
 its SHA-256 and count before it is parsed; the entries are then checked as inline ones.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import operator
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from ..errors import IntegrityError, ManifestError
 from .bulk import collector_paused as _collector_paused
-from .fingerprint import name_key
 from .chunks import box_numel, boxes
 from .dtypes import dtype_by_name
-from .manifest import (CELL_RECORD_BYTES, INDEX_RECORD_BYTES, MAX_TENSOR_TABLES, REQUIRED_TENSOR_FIELDS, Chunk, Manifest,
-                       Segment, TableRef, TensorEntry, parse_checked, tensor_from_json)
+from .fingerprint import name_key
+from .manifest import (
+    CELL_RECORD_BYTES,
+    INDEX_RECORD_BYTES,
+    MAX_TENSOR_TABLES,
+    REQUIRED_TENSOR_FIELDS,
+    Chunk,
+    Manifest,
+    Segment,
+    TableRef,
+    TensorEntry,
+    parse_checked,
+    tensor_from_json,
+)
 
 # A cell table's record (format 7): one chunk in 75 bytes, little-endian (JSON would take ~220).
-CELL_RECORD = np.dtype([("cell", "<u4"), ("nnz", "<u8"), ("blob", "<u4"), ("offset", "<u8"),
-                        ("positions_length", "<u8"), ("values_length", "<u8"), ("positions_coder", "u1"),
-                        ("values_coder", "u1"), ("mode", "u1"), ("sha256", "V32")])
+CELL_RECORD = np.dtype(
+    [
+        ("cell", "<u4"),
+        ("nnz", "<u8"),
+        ("blob", "<u4"),
+        ("offset", "<u8"),
+        ("positions_length", "<u8"),
+        ("values_length", "<u8"),
+        ("positions_coder", "u1"),
+        ("values_coder", "u1"),
+        ("mode", "u1"),
+        ("sha256", "V32"),
+    ]
+)
 CELL_CODERS = ("none", "all", "raw", "pco", "zstd", "ctx", "ctx-rans")  # a coder's byte in a record: its index
 CELL_MODES = (None, "abs", "rel")
 _CODER_INDEX = {c: i for i, c in enumerate(CELL_CODERS)}
@@ -45,29 +69,60 @@ assert CELL_RECORD.itemsize == CELL_RECORD_BYTES  # what the manifest's checks c
 
 # Format 10. A tensor table: u32 names bytes, u32 shapes bytes, ``count`` records, the names (UTF-8, in
 # record order), then the table's distinct shapes and grids as compact JSON {"shapes": [...], "grids": [...]}.
-TENSOR_RECORD = np.dtype([("name_length", "<u2"), ("dtype", "u1"), ("kind", "u1"), ("flags", "u1"),
-                          ("shape", "<u2"), ("grid", "<u2"), ("nnz", "<u8"), ("fingerprint", "<u8"),
-                          ("base_fingerprint", "<u8"), ("blob", "<u4"), ("offset", "<u8"), ("sha256", "V32"),
-                          ("positions_coder", "u1"), ("positions_length", "<u8"), ("values_coder", "u1"),
-                          ("values_length", "<u8"), ("mode", "u1"), ("count", "<u4")])
+TENSOR_RECORD = np.dtype(
+    [
+        ("name_length", "<u2"),
+        ("dtype", "u1"),
+        ("kind", "u1"),
+        ("flags", "u1"),
+        ("shape", "<u2"),
+        ("grid", "<u2"),
+        ("nnz", "<u8"),
+        ("fingerprint", "<u8"),
+        ("base_fingerprint", "<u8"),
+        ("blob", "<u4"),
+        ("offset", "<u8"),
+        ("sha256", "V32"),
+        ("positions_coder", "u1"),
+        ("positions_length", "<u8"),
+        ("values_coder", "u1"),
+        ("values_length", "<u8"),
+        ("mode", "u1"),
+        ("count", "<u4"),
+    ]
+)
 UNCHANGED, BYTES, CELLS = 0, 1, 2  # a record's kind: no bytes; bytes of its own; a cell table (blob..count)
 HAS_BASE = 1  # flags: the base fingerprint is set
 NO_GRID = 0xFFFF
-TABLE_DTYPES = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "int8", "uint8",
-                "int16", "int32", "int64", "bool")  # a dtype's byte in a record: its index (append only)
+TABLE_DTYPES = (
+    "bfloat16",
+    "float16",
+    "float32",
+    "float64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "int8",
+    "uint8",
+    "int16",
+    "int32",
+    "int64",
+    "bool",
+)  # a dtype's byte in a record: its index (append only)
 TABLE_HEAD = np.dtype([("names", "<u4"), ("shapes", "<u4")])
 INDEX_RECORD = np.dtype([("key", "<u8"), ("table", "<u2"), ("row", "<u2")])  # sorted by key, table, row
 assert INDEX_RECORD.itemsize == INDEX_RECORD_BYTES
 PER_TABLE = 64  # tensors per table: what a rank reads in vain around its own (~10 KB at K2 names)
 
 
-def tabulate(m: Manifest, put: Callable[[bytes], tuple[int, int]], per_table: int | None = None,
-             binary: bool = True) -> Manifest:
+def tabulate(
+    m: Manifest, put: Callable[[bytes], tuple[int, int]], per_table: int | None = None, binary: bool = True
+) -> Manifest:
     """A (finished, validated) manifest in tables: every cut tensor's chunks in a cell table, then the
     tensor entries in tables of ``per_table`` (default: :data:`PER_TABLE`, more where the tables would
     exceed MAX_TENSOR_TABLES) and their name index (format 10; ``binary=False``: JSON tables, format 7, no
     index, kept for tests of old readers), each handed to ``put(bytes) -> (blob, offset)`` (which
     appends it to a blob the returned manifest lists). ``m`` is unchanged."""
+
     def ref(raw: bytes, count: int) -> TableRef:
         blob, offset = put(raw)
         return TableRef(blob, offset, len(raw), hashlib.sha256(raw).hexdigest(), count)
@@ -75,24 +130,36 @@ def tabulate(m: Manifest, put: Callable[[bytes], tuple[int, int]], per_table: in
     cut = [t.chunks for t in m.tensors if t.chunks is not None]
     raw = cell_table([c for chunks in cut for c in chunks])  # every record at once, then each tensor's range
     at = np.cumsum([0] + [len(c) for c in cut]).tolist()
-    refs = iter([ref(raw[a * CELL_RECORD.itemsize:b * CELL_RECORD.itemsize], b - a) for a, b in zip(at, at[1:])])
+    refs = iter(
+        [ref(raw[a * CELL_RECORD.itemsize : b * CELL_RECORD.itemsize], b - a) for a, b in itertools.pairwise(at)]
+    )
     cells = [next(refs) if t.chunks is not None else t.cells for t in m.tensors]
     per = per_table or (max(PER_TABLE, -(-len(m.tensors) // MAX_TENSOR_TABLES)) if binary else 4096)
     starts = range(0, len(m.tensors), per)
     if binary:
-        tables = [ref(tensor_table(m.tensors[i:i + per], cells[i:i + per]), len(m.tensors[i:i + per])) for i in starts]
-        index = ref(name_index([[t.name for t in m.tensors[i:i + per]] for i in starts]), len(m.tensors))
+        tables = [
+            ref(tensor_table(m.tensors[i : i + per], cells[i : i + per]), len(m.tensors[i : i + per])) for i in starts
+        ]
+        index = ref(name_index([[t.name for t in m.tensors[i : i + per]] for i in starts]), len(m.tensors))
     else:
         rows = [_json_row(t, c) for t, c in zip(m.tensors, cells)]
-        tables, index = [ref(json.dumps(rows[i:i + per], separators=(",", ":")).encode(), len(rows[i:i + per]))
-                         for i in starts], None
+        tables, index = (
+            [
+                ref(json.dumps(rows[i : i + per], separators=(",", ":")).encode(), len(rows[i : i + per]))
+                for i in starts
+            ],
+            None,
+        )
     out = dataclasses.replace(m, tensors=[], tables=tables, index=index)
-    out.format_version = max(m.lowest_version(), out.lowest_version())  # 10 (7 in JSON, 8 with a pieces digest, 9 with ctx-rans)
+    out.format_version = max(
+        m.lowest_version(), out.lowest_version()
+    )  # 10 (7 in JSON, 8 with a pieces digest, 9 with ctx-rans)
     return out
 
 
 def _json_row(t: TensorEntry, cells: TableRef | None) -> dict:
     """A tensor entry as a format-7 JSON table row (``asdict`` without its deep copies), defaults left out."""
+
     def row(x) -> dict:
         return dict(vars(x), positions=vars(x.positions), values=vars(x.values))
 
@@ -118,17 +185,51 @@ def tensor_table(tensors: list[TensorEntry], cells: list[TableRef | None]) -> by
         fps = (t.nnz, int(t.fingerprint, 16), 0 if base is None else int(base, 16))
         flags = 0 if base is None else HAS_BASE
         if c is not None:
-            rows.append((*head, CELLS, flags, shape, grid, *fps, c.blob, c.offset, bytes.fromhex(c.sha256),
-                         0, c.length, 0, 0, 0, c.count))
+            rows.append(
+                (
+                    *head,
+                    CELLS,
+                    flags,
+                    shape,
+                    grid,
+                    *fps,
+                    c.blob,
+                    c.offset,
+                    bytes.fromhex(c.sha256),
+                    0,
+                    c.length,
+                    0,
+                    0,
+                    0,
+                    c.count,
+                )
+            )
         elif t.nnz:
             p, v = t.positions, t.values
-            rows.append((*head, BYTES, flags, shape, grid, *fps, t.blob, t.offset, bytes.fromhex(t.sha256),
-                         CELL_CODERS.index(p.coder), p.length, CELL_CODERS.index(v.coder), v.length,
-                         CELL_MODES.index(v.mode), 0))
+            rows.append(
+                (
+                    *head,
+                    BYTES,
+                    flags,
+                    shape,
+                    grid,
+                    *fps,
+                    t.blob,
+                    t.offset,
+                    bytes.fromhex(t.sha256),
+                    CELL_CODERS.index(p.coder),
+                    p.length,
+                    CELL_CODERS.index(v.coder),
+                    v.length,
+                    CELL_MODES.index(v.mode),
+                    0,
+                )
+            )
         else:
             rows.append((*head, UNCHANGED, flags, shape, grid, *fps, 0, 0, zero, 0, 0, 0, 0, 0, 0))
-    extra = json.dumps({"shapes": [list(s) for s in shapes], "grids": [[list(c) for c in g] for g in grids]},
-                       separators=(",", ":")).encode()
+    extra = json.dumps(
+        {"shapes": [list(s) for s in shapes], "grids": [[list(c) for c in g] for g in grids]}, separators=(",", ":")
+    ).encode()
     names_raw = b"".join(names)
     head = np.array([(len(names_raw), len(extra))], TABLE_HEAD).tobytes()
     return head + np.array(rows, TENSOR_RECORD).tobytes() + names_raw + extra
@@ -154,53 +255,80 @@ def read_tensor_table(ref: TableRef, raw: bytes, where: str, rows=None) -> list[
         bad(f"{len(raw)} bytes, its sections account for {at + names_len + extra_len}")
     rec = np.frombuffer(raw, TENSOR_RECORD, n, h)
     try:
-        extra = json.loads(raw[at + names_len:])
+        extra = json.loads(raw[at + names_len :])
     except (ValueError, UnicodeDecodeError, RecursionError):
         bad("its shapes are not valid JSON")
-    if not isinstance(extra, dict) or set(extra) != {"shapes", "grids"} or not all(
-            isinstance(extra[k], list) for k in extra):
+    if (
+        not isinstance(extra, dict)
+        or set(extra) != {"shapes", "grids"}
+        or not all(isinstance(extra[k], list) for k in extra)
+    ):
         bad("its shapes are not {shapes, grids}")
     shapes, grids = extra["shapes"], extra["grids"]
     kind, grid = rec["kind"], rec["grid"]
-    unused = ((rec["blob"] != 0) | (rec["offset"] != 0) | (rec["sha256"] != np.void(bytes(32)))
-              | (rec["positions_coder"] != 0) | (rec["positions_length"] != 0))
+    unused = (
+        (rec["blob"] != 0)
+        | (rec["offset"] != 0)
+        | (rec["sha256"] != np.void(bytes(32)))
+        | (rec["positions_coder"] != 0)
+        | (rec["positions_length"] != 0)
+    )
     rest = (rec["values_coder"] != 0) | (rec["values_length"] != 0) | (rec["mode"] != 0)
-    if (rec["name_length"].sum(dtype=np.int64) != names_len or (rec["dtype"] >= len(TABLE_DTYPES)).any()
-            or (kind > CELLS).any() or (rec["flags"] > HAS_BASE).any() or (rec["shape"] >= len(shapes)).any()
-            or ((grid != NO_GRID) & (grid >= len(grids))).any()
-            or (rec["positions_coder"] >= len(CELL_CODERS)).any() or (rec["values_coder"] >= len(CELL_CODERS)).any()
-            or (rec["mode"] >= len(CELL_MODES)).any()):
+    if (
+        rec["name_length"].sum(dtype=np.int64) != names_len
+        or (rec["dtype"] >= len(TABLE_DTYPES)).any()
+        or (kind > CELLS).any()
+        or (rec["flags"] > HAS_BASE).any()
+        or (rec["shape"] >= len(shapes)).any()
+        or ((grid != NO_GRID) & (grid >= len(grids))).any()
+        or (rec["positions_coder"] >= len(CELL_CODERS)).any()
+        or (rec["values_coder"] >= len(CELL_CODERS)).any()
+        or (rec["mode"] >= len(CELL_MODES)).any()
+    ):
         bad("a record's code is out of range, or the names' length differs")
-    if (((kind == UNCHANGED) & (unused | rest | (rec["count"] != 0) | (grid != NO_GRID))).any()
-            or ((kind == BYTES) & ((rec["count"] != 0) | (grid != NO_GRID))).any()
-            or ((kind == CELLS) & (rest | (rec["positions_coder"] != 0) | (grid == NO_GRID))).any()):
+    if (
+        ((kind == UNCHANGED) & (unused | rest | (rec["count"] != 0) | (grid != NO_GRID))).any()
+        or ((kind == BYTES) & ((rec["count"] != 0) | (grid != NO_GRID))).any()
+        or ((kind == CELLS) & (rest | (rec["positions_coder"] != 0) | (grid == NO_GRID))).any()
+    ):
         bad("a record sets fields its kind does not use")
     if ((kind == UNCHANGED) != (rec["nnz"] == 0)).any():
         bad("a record's kind says unchanged where it has changes, or the other way round")
     if np.unique(rec["shape"]).size != len(shapes) or np.unique(grid[grid != NO_GRID]).size != len(grids):
         bad("it lists a shape or grid no record uses")
     ends = np.cumsum(rec["name_length"], dtype=np.int64).tolist()
-    names = raw[at:at + names_len]
+    names = raw[at : at + names_len]
     cols = {f: rec[f].tolist() for f in TENSOR_RECORD.names}
     out = []
     for i in range(n) if rows is None else rows:
         try:
-            name = names[ends[i] - cols["name_length"][i]:ends[i]].decode()
+            name = names[ends[i] - cols["name_length"][i] : ends[i]].decode()
         except UnicodeDecodeError:
             bad(f"record {i}: its name is not UTF-8")
         k, g = cols["kind"][i], cols["grid"][i]
-        t = TensorEntry(name, TABLE_DTYPES[cols["dtype"][i]], list(shapes[cols["shape"][i]]), cols["nnz"][i],
-                        f"{cols['fingerprint'][i]:016x}",
-                        f"{cols['base_fingerprint'][i]:016x}" if cols["flags"][i] & HAS_BASE else None,
-                        grid=None if g == NO_GRID else [list(c) if isinstance(c, list) else c for c in grids[g]])
+        t = TensorEntry(
+            name,
+            TABLE_DTYPES[cols["dtype"][i]],
+            list(shapes[cols["shape"][i]]),
+            cols["nnz"][i],
+            f"{cols['fingerprint'][i]:016x}",
+            f"{cols['base_fingerprint'][i]:016x}" if cols["flags"][i] & HAS_BASE else None,
+            grid=None if g == NO_GRID else [list(c) if isinstance(c, list) else c for c in grids[g]],
+        )
         if k == BYTES:
             t.blob, t.offset, t.sha256 = cols["blob"][i], cols["offset"][i], cols["sha256"][i].hex()
             t.positions = Segment(CELL_CODERS[cols["positions_coder"][i]], cols["positions_length"][i])
-            t.values = Segment(CELL_CODERS[cols["values_coder"][i]], cols["values_length"][i],
-                               CELL_MODES[cols["mode"][i]])
+            t.values = Segment(
+                CELL_CODERS[cols["values_coder"][i]], cols["values_length"][i], CELL_MODES[cols["mode"][i]]
+            )
         elif k == CELLS:
-            t.cells = TableRef(cols["blob"][i], cols["offset"][i], cols["positions_length"][i],
-                               cols["sha256"][i].hex(), cols["count"][i])
+            t.cells = TableRef(
+                cols["blob"][i],
+                cols["offset"][i],
+                cols["positions_length"][i],
+                cols["sha256"][i].hex(),
+                cols["count"][i],
+            )
         out.append(t)
     return out
 
@@ -225,12 +353,18 @@ def lookup(m: Manifest, raw: bytes, names) -> tuple[dict[int, list[int]], frozen
     idx = np.frombuffer(raw, INDEX_RECORD)
     keys, table, row = idx["key"], idx["table"].astype(np.int64), idx["row"].astype(np.int64)
     counts = np.array([r.count for r in m.tables], np.int64)
-    if (keys[1:] < keys[:-1]).any() or (table >= len(counts)).any() or (row >= counts[np.minimum(table, len(counts) - 1)]).any():
+    if (
+        (keys[1:] < keys[:-1]).any()
+        or (table >= len(counts)).any()
+        or (row >= counts[np.minimum(table, len(counts) - 1)]).any()
+    ):
         raise ManifestError("the name index is not sorted, or places a name beyond its tables")
     by_key = {name_key(n): n for n in names}
     want = np.array(sorted(by_key), np.uint64)
     lo, hi = np.searchsorted(keys, want, "left"), np.searchsorted(keys, want, "right")
-    hits = np.concatenate([np.zeros(0, np.int64)] + [np.arange(a, b) for a, b in zip(lo[hi > lo].tolist(), hi[hi > lo].tolist())])
+    hits = np.concatenate(
+        [np.zeros(0, np.int64)] + [np.arange(a, b) for a, b in zip(lo[hi > lo].tolist(), hi[hi > lo].tolist())]
+    )
     out: dict[int, list[int]] = {}
     for t, r in zip(table[hits].tolist(), row[hits].tolist()):
         out.setdefault(t, []).append(r)
@@ -259,7 +393,7 @@ def select(m: Manifest, places: dict[int, list[int]], tables: dict[int, bytes], 
 def _select(m: Manifest, places: dict[int, list[int]], tables: dict[int, bytes], names: frozenset) -> list[TensorEntry]:
     got = []
     for i, rows in places.items():
-        entries = parse_checked(lambda: read_tensor_table(m.tables[i], tables[i], f"tensor table {i}", rows))
+        entries = parse_checked(lambda: read_tensor_table(m.tables[i], tables[i], f"tensor table {i}", rows))  # noqa: B023 - called at once
         got += [t for t in entries if t.name in names]
     return got
 
@@ -280,15 +414,15 @@ def _resolve(m: Manifest, tables: list[bytes], index: bytes | None) -> None:
     tensors = []
     for i, (ref, raw) in enumerate(zip(m.tables, tables)):
         if m.index is None:
-            tensors += parse_checked(lambda: [tensor_from_json(t) for t in read_table(ref, raw, f"tensor table {i}")])
+            tensors += parse_checked(lambda: [tensor_from_json(t) for t in read_table(ref, raw, f"tensor table {i}")])  # noqa: B023 - called at once
         else:
-            tensors += parse_checked(lambda: read_tensor_table(ref, raw, f"tensor table {i}"))
+            tensors += parse_checked(lambda: read_tensor_table(ref, raw, f"tensor table {i}"))  # noqa: B023 - called at once
     if m.index is not None:
         if index is None:
             raise ManifestError("a format-10 manifest's name index was not given")
         _verify(m.index, index, "the name index")
         at = np.cumsum([0] + [r.count for r in m.tables]).tolist()
-        if index != name_index([[t.name for t in tensors[a:b]] for a, b in zip(at, at[1:])]):
+        if index != name_index([[t.name for t in tensors[a:b]] for a, b in itertools.pairwise(at)]):
             raise ManifestError("the name index is not the one its tensor tables give")
     m.tensors = tensors
     try:
@@ -354,7 +488,9 @@ def read_cells(m: Manifest, items: list[tuple[TensorEntry, bytes]], keep: list |
     dtypes = sorted({t.dtype for t, _ in items})
     dt = np.array([dtypes.index(t.dtype) for t, _ in items], np.int64)[owner]
     for p, v, md, d in {tuple(x) for x in np.stack([pc, vc, mode, dt], 1).tolist()}:
-        m.check_coders("a cell table", Segment(CELL_CODERS[p], 0), Segment(CELL_CODERS[v], 0, CELL_MODES[md]), dtypes[d])
+        m.check_coders(
+            "a cell table", Segment(CELL_CODERS[p], 0), Segment(CELL_CODERS[v], 0, CELL_MODES[md]), dtypes[d]
+        )
     numels = [_cell_numels(tuple(t.shape), t.grid) for t, _ in items]
     first = np.cumsum([0] + [len(x) for x in numels])[:-1]
     cell, nnz = rec["cell"].astype(np.int64), rec["nnz"]
@@ -367,11 +503,19 @@ def read_cells(m: Manifest, items: list[tuple[TensorEntry, bytes]], keep: list |
     box = np.concatenate(numels)[first[owner] + cell]
     check((nnz == 0) | (nnz > box), "a cell's nnz is outside [1, its elements]")
     held = np.add.reduceat(nnz, np.cumsum(counts) - counts, dtype=np.uint64)
-    check((held != np.array([t.nnz for t, _ in items], np.uint64))[owner], "its chunks hold another count of changes than the tensor")
+    check(
+        (held != np.array([t.nnz for t, _ in items], np.uint64))[owner],
+        "its chunks hold another count of changes than the tensor",
+    )
     plen, vlen, offset, blob = rec["positions_length"], rec["values_length"], rec["offset"], rec["blob"]
     every = pc == CELL_CODERS.index("all")
-    check((every != (nnz == box)) | (every & (plen != 0)), "positions coder 'all' iff every element changes, with no bytes")
-    check((pc == CELL_CODERS.index("ctx-rans")) & (vlen != 0), "'ctx-rans' keeps its bytes all in the positions segment")
+    check(
+        (every != (nnz == box)) | (every & (plen != 0)),
+        "positions coder 'all' iff every element changes, with no bytes",
+    )
+    check(
+        (pc == CELL_CODERS.index("ctx-rans")) & (vlen != 0), "'ctx-rans' keeps its bytes all in the positions segment"
+    )
     size = np.array([dtype_by_name(d).itemsize for d in dtypes], np.uint64)[dt]
     check((vc == CELL_CODERS.index("raw")) & (vlen != nnz * size), "raw values must be nnz * itemsize bytes")
     check(blob >= len(m.blobs), "bad blob index")
@@ -388,10 +532,25 @@ def read_cells(m: Manifest, items: list[tuple[TensorEntry, bytes]], keep: list |
         want = np.fromiter((i * (1 << 32) + c for i in some for c in keep[i]), np.int64)
         partial = np.isin(owner, some)
         made[partial] = np.isin(key[partial], want)
-    cols = [rec[f][made].tolist() for f in ("cell", "nnz", "blob", "offset", "positions_length", "values_length",
-                                            "positions_coder", "values_coder", "mode", "sha256")]
-    chunks = [Chunk(c, n, b, o, h.hex(), Segment(CELL_CODERS[p], pl), Segment(CELL_CODERS[v], vl, CELL_MODES[md]))
-              for c, n, b, o, pl, vl, p, v, md, h in zip(*cols)]
+    cols = [
+        rec[f][made].tolist()
+        for f in (
+            "cell",
+            "nnz",
+            "blob",
+            "offset",
+            "positions_length",
+            "values_length",
+            "positions_coder",
+            "values_coder",
+            "mode",
+            "sha256",
+        )
+    ]
+    chunks = [
+        Chunk(c, n, b, o, h.hex(), Segment(CELL_CODERS[p], pl), Segment(CELL_CODERS[v], vl, CELL_MODES[md]))
+        for c, n, b, o, pl, vl, p, v, md, h in zip(*cols)
+    ]
     at = np.cumsum(np.add.reduceat(made, np.cumsum(counts) - counts, dtype=np.int64)).tolist()
     return [chunks[a:b] for a, b in zip([0] + at, at)]
 
@@ -423,4 +582,3 @@ def _verify(ref: TableRef, raw: bytes, where: str) -> None:
     """A table's bytes are what its reference names (length and SHA-256), before any is parsed."""
     if len(raw) != ref.length or hashlib.sha256(raw).hexdigest() != ref.sha256:
         raise IntegrityError(f"{where}: SHA-256 mismatch (corrupt table)")
-

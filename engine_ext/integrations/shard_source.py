@@ -21,6 +21,7 @@ How the ``engine_ext`` trainer backend uses it (on every trainer rank)::
 A source that is not a ShardSource (a plain ``ModuleSource``) is iterated on rank 0 and
 published whole by a single-process DeltaPublisher, gathering as vLLM's contract says.
 """
+
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator
@@ -40,8 +41,9 @@ class ShardSource(ModuleSource):
     servers load (what ``metadata()`` reports and the publisher casts to; None: as trained).
     """
 
-    def __init__(self, module: torch.nn.Module, held_names: Collection[str] | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, module: torch.nn.Module, held_names: Collection[str] | None = None, dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__(module)
         self._held = None if held_names is None else set(held_names)
         self.dtype = dtype
@@ -67,8 +69,10 @@ class ShardSource(ModuleSource):
     def publish(self, publisher: ShardedPublisher, version: int | None = None) -> str:
         """Publish this rank's shards as the next version (call on every rank); the manifest's URI."""
         if self.dtype is not None and publisher.dtype != self.dtype:
-            raise ValueError(f"the source serves {self.dtype}: construct the publisher with dtype={self.dtype} "
-                             f"(it casts to {publisher.dtype})")
+            raise ValueError(
+                f"the source serves {self.dtype}: construct the publisher with dtype={self.dtype} "
+                f"(it casts to {publisher.dtype})"
+            )
         if publisher.checkpoint_layout == "auto":  # the shards are a state dict: their model converts them
             publisher.checkpoint_layout = transformers_model(self._module) or "auto"
         return publisher.publish(self.shards(), version)

@@ -19,6 +19,7 @@ servers verify every update against the manifest's fingerprints, and
 fingerprint the publisher computed from the trainer's tensors. That is what TRL's
 importance-sampling correction assumes.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,15 +28,15 @@ import inspect
 import logging
 import os
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import torch
 
 from ..fleet import Fleet, FleetResult, WeightSyncError
 from ..format import fingerprint as fpr
-from ..trainer.checkpoint_layout import transformers_model
 from ..format.dtypes import served_dtype
+from ..trainer.checkpoint_layout import transformers_model
 from ..trainer.publisher import DeltaPublisher
 from ..trainer.sharded import ShardedPublisher
 
@@ -81,12 +82,24 @@ class DeltaWeightTransfer:
             :class:`DeltaGRPOTrainer` sets it to its own model.
     """
 
-    def __init__(self, store, servers: Iterable[str], *, token: str | None = None, signing_key=None,
-                 dtype: torch.dtype = torch.bfloat16, pause_servers: bool = False, retries: int = 4,
-                 timeout_s: float = 900.0, sharded: bool = False, **publisher):
+    def __init__(
+        self,
+        store,
+        servers: Iterable[str],
+        *,
+        token: str | None = None,
+        signing_key=None,
+        dtype: torch.dtype = torch.bfloat16,
+        pause_servers: bool = False,
+        retries: int = 4,
+        timeout_s: float = 900.0,
+        sharded: bool = False,
+        **publisher,
+    ):
         self.sharded = sharded
-        self._open = functools.partial(ShardedPublisher if sharded else DeltaPublisher, store, signing_key=signing_key,
-                                       dtype=dtype, **publisher)
+        self._open = functools.partial(
+            ShardedPublisher if sharded else DeltaPublisher, store, signing_key=signing_key, dtype=dtype, **publisher
+        )
         self._publisher = None if sharded else self._open()  # sharded: a collective, at the first send_shards
         self.fleet = Fleet(list(servers), token, retries=retries, timeout_s=timeout_s)
         self.dtype, self.pause_servers = served_dtype(dtype), pause_servers
@@ -106,10 +119,12 @@ class DeltaWeightTransfer:
         LATEST: a lagging one by a chain, one serving other weights by the anchor."""
         silent = [u for u in self.fleet.urls if self.fleet.status(u) is None]
         if silent:
-            raise WeightSyncError(f"no engine_ext update route answers at {silent}: start the servers with "
-                                  "VLLM_PLUGINS=engine_ext, and give the transfer their token")
+            raise WeightSyncError(
+                f"no engine_ext update route answers at {silent}: start the servers with "
+                "VLLM_PLUGINS=engine_ext, and give the transfer their token"
+            )
         if self.sharded:  # the publisher opens at the first sync (a collective): that push takes each server
-            return        # along its route from what it holds (a chain through LATEST, or the newest anchor)
+            return  # along its route from what it holds (a chain through LATEST, or the newest anchor)
         latest = self.publisher.head.latest
         if latest is not None:
             self._push(self.publisher.store.key_uri(latest.manifest), fpr.parse(latest.fingerprint))
@@ -130,8 +145,16 @@ class DeltaWeightTransfer:
         pub.wait()
         t1 = time.perf_counter()
         result = self._push(uri, pub.fingerprint)
-        self.syncs.append(SyncStats(pub.version, max((r.fetched_bytes or 0) for r in result.replicas), pub.last_nbytes,
-                                    t1 - t0, time.perf_counter() - t1, pub.last_changed / max(pub.last_numel, 1)))
+        self.syncs.append(
+            SyncStats(
+                pub.version,
+                max((r.fetched_bytes or 0) for r in result.replicas),
+                pub.last_nbytes,
+                t1 - t0,
+                time.perf_counter() - t1,
+                pub.last_changed / max(pub.last_numel, 1),
+            )
+        )
         return result
 
     def send_shards(self, model) -> FleetResult | None:
@@ -148,14 +171,24 @@ class DeltaWeightTransfer:
         uri = pub.publish(model)
         pub.wait()
         if pub.version in pub.aborted:
-            raise WeightSyncError(f"v{pub.version} was not published (nothing committed; the servers keep the last "
-                                  f"committed version): {pub.aborted[pub.version]}")
+            raise WeightSyncError(
+                f"v{pub.version} was not published (nothing committed; the servers keep the last "
+                f"committed version): {pub.aborted[pub.version]}"
+            )
         if pub.rank != 0:
             return None
         t1 = time.perf_counter()
         result = self._push(uri, pub.fingerprint)
-        self.syncs.append(SyncStats(pub.version, max((r.fetched_bytes or 0) for r in result.replicas), pub.model_nbytes,
-                                    t1 - t0, time.perf_counter() - t1, pub.last_changed / max(pub.last_numel, 1)))
+        self.syncs.append(
+            SyncStats(
+                pub.version,
+                max((r.fetched_bytes or 0) for r in result.replicas),
+                pub.model_nbytes,
+                t1 - t0,
+                time.perf_counter() - t1,
+                pub.last_changed / max(pub.last_numel, 1),
+            )
+        )
         return result
 
     def destroy(self) -> None:
@@ -196,8 +229,9 @@ def _delta_generation_class():
                 raise ValueError("DeltaGRPOTrainer syncs weights to vLLM servers: set vllm_mode='server'")
             if self.accelerator.is_main_process:
                 base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
-                self.vllm_client = VLLMClient(base_url=base_url, group_port=self.group_port,
-                                              connection_timeout=self.server_timeout)
+                self.vllm_client = VLLMClient(
+                    base_url=base_url, group_port=self.group_port, connection_timeout=self.server_timeout
+                )
                 self.transfer.init_weight_transfer()
             self.accelerator.wait_for_everyone()
 
@@ -206,8 +240,10 @@ def _delta_generation_class():
                 from accelerate.utils import is_peft_model
 
                 if is_peft_model(self.model):
-                    raise NotImplementedError("a sharded sync of a PEFT model: its adapters are merged on gathered "
-                                              "weights; use DeltaGRPOTrainer(delta_sharded=False)")
+                    raise NotImplementedError(
+                        "a sharded sync of a PEFT model: its adapters are merged on gathered "
+                        "weights; use DeltaGRPOTrainer(delta_sharded=False)"
+                    )
                 self.transfer.send_shards(self.model)
                 return
             params = self._iter_named_params()  # gathers are collective: every process walks them
@@ -259,26 +295,46 @@ def delta_grpo_trainer_class():
         ``self.weight_transfer`` holds the transfer and its per-sync figures (``syncs``).
         """
 
-        def __init__(self, *args, delta_store, delta_token: str | None = None, signing_key=None,
-                     delta_servers: Iterable[str] | None = None, delta_dtype: torch.dtype = torch.bfloat16,
-                     delta_options: dict | None = None, delta_sharded: bool | None = None, **kwargs):
+        def __init__(
+            self,
+            *args,
+            delta_store,
+            delta_token: str | None = None,
+            signing_key=None,
+            delta_servers: Iterable[str] | None = None,
+            delta_dtype: torch.dtype = torch.bfloat16,
+            delta_options: dict | None = None,
+            delta_sharded: bool | None = None,
+            **kwargs,
+        ):
             bound = inspect.signature(GRPOTrainer.__init__).bind_partial(self, *args, **kwargs)
             config = bound.arguments.get("args")
             if config is None or not config.use_vllm or config.vllm_mode != "server":
                 raise ValueError("DeltaGRPOTrainer needs args=GRPOConfig(use_vllm=True, vllm_mode='server', ...)")
-            servers = list(delta_servers or [config.vllm_server_base_url
-                                             or f"http://{config.vllm_server_host}:{config.vllm_server_port}"])
+            servers = list(
+                delta_servers
+                or [config.vllm_server_base_url or f"http://{config.vllm_server_host}:{config.vllm_server_port}"]
+            )
             if delta_sharded is None:
-                delta_sharded = bool(getattr(config, "fsdp", None)) or \
-                    os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
-            self.weight_transfer = DeltaWeightTransfer(delta_store, servers, token=delta_token, signing_key=signing_key,
-                                                       dtype=delta_dtype, sharded=delta_sharded,
-                                                       **(delta_options or {}))
+                delta_sharded = bool(getattr(config, "fsdp", None)) or os.environ.get(
+                    "ACCELERATE_USE_FSDP", ""
+                ).lower() in ("1", "true")
+            self.weight_transfer = DeltaWeightTransfer(
+                delta_store,
+                servers,
+                token=delta_token,
+                signing_key=signing_key,
+                dtype=delta_dtype,
+                sharded=delta_sharded,
+                **(delta_options or {}),
+            )
             generation = _delta_generation_class()
             with _generation_from(lambda **kw: generation(self.weight_transfer, **kw)):
                 super().__init__(*args, **kwargs)
             pub = self.weight_transfer._publisher  # None when sharded (opened at the first sync, on every rank)
-            if pub is not None and pub.checkpoint_layout == "auto":  # TRL hands (name, tensor) pairs: the names of the model in memory
+            if (
+                pub is not None and pub.checkpoint_layout == "auto"
+            ):  # TRL hands (name, tensor) pairs: the names of the model in memory
                 pub.checkpoint_layout = transformers_model(self.model) or "auto"
 
         def train(self, *args, **kwargs):
@@ -297,4 +353,9 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["DeltaWeightTransfer", "SyncStats", "WeightSyncError", "delta_grpo_trainer_class"]  # and DeltaGRPOTrainer, lazily
+__all__ = [
+    "DeltaWeightTransfer",
+    "SyncStats",
+    "WeightSyncError",
+    "delta_grpo_trainer_class",
+]  # and DeltaGRPOTrainer, lazily

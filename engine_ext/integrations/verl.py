@@ -36,6 +36,7 @@ A sync that does not bring every replica to the version with the trainer's finge
 :class:`~engine_ext.fleet.WeightSyncError` naming each replica (its rank and address) and its
 reason; the replicas that refused keep serving what they had.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -97,7 +98,7 @@ class VerlSyncOptions:
     publisher: dict = field(default_factory=dict)
 
     @classmethod
-    def from_kwargs(cls, kwargs) -> "VerlSyncOptions":
+    def from_kwargs(cls, kwargs) -> VerlSyncOptions:
         """From verl's ``engine_kwargs.engine_ext`` (a dict or an OmegaConf node); an unknown key is an error."""
         kwargs = _plain(kwargs or {})
         known = {f.name for f in dataclasses.fields(cls)}
@@ -105,8 +106,10 @@ class VerlSyncOptions:
         if unknown:
             raise ValueError(f"engine_kwargs.{BACKEND}: unknown option(s) {unknown}; known: {sorted(known)}")
         if not kwargs.get("store"):
-            raise ValueError(f"engine_kwargs.{BACKEND}.store is required: the store versions are published to "
-                             f"(+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.{BACKEND}.store=s3://bucket/run)")
+            raise ValueError(
+                f"engine_kwargs.{BACKEND}.store is required: the store versions are published to "
+                f"(+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.{BACKEND}.store=s3://bucket/run)"
+            )
         return cls(**kwargs)
 
     @property
@@ -212,16 +215,20 @@ class EngineExtCheckpointEngine(CheckpointEngine):
                 yield name, t
         for copy, name in self.tied.items():
             if copy in held and not (name in held and _bit_equal(held[copy], held[name])):
-                raise DeltaError(f"the replicas serve {copy} as {name} (tied), but the trainer's {copy} differs from "
-                                 f"its {name}: a model trained untied cannot be served tied; serve it untied")
+                raise DeltaError(
+                    f"the replicas serve {copy} as {name} (tied), but the trainer's {copy} differs from "
+                    f"its {name}: a model trained untied cannot be served tied; serve it untied"
+                )
 
     def _publish_shards(self, module: torch.nn.Module, global_steps: int | None, t0: float) -> dict:
         pub = self._open(ShardedPublisher)
         uri = pub.publish(module, self._version(pub, global_steps))
         pub.wait()
         if pub.version in pub.aborted:
-            raise WeightSyncError(f"v{pub.version} was not published (nothing committed; the replicas keep the last "
-                                  f"committed version): {pub.aborted[pub.version]}")
+            raise WeightSyncError(
+                f"v{pub.version} was not published (nothing committed; the replicas keep the last "
+                f"committed version): {pub.aborted[pub.version]}"
+            )
         if pub.rank != 0:
             return {}
         return self._metrics(pub, uri, pub.model_nbytes, time.perf_counter() - t0)
@@ -229,8 +236,14 @@ class EngineExtCheckpointEngine(CheckpointEngine):
     def _open(self, kind):
         if self._publisher is None:
             o = self.options
-            self._publisher = kind(o.store, o.model, anchor_every=o.anchor_every, signing_key=o.signing_key,
-                                   dtype=o.torch_dtype, **o.publisher)
+            self._publisher = kind(
+                o.store,
+                o.model,
+                anchor_every=o.anchor_every,
+                signing_key=o.signing_key,
+                dtype=o.torch_dtype,
+                **o.publisher,
+            )
         return self._publisher
 
     @staticmethod
@@ -244,11 +257,15 @@ class EngineExtCheckpointEngine(CheckpointEngine):
     def _metrics(self, pub, uri: str, dense_bytes: int, seconds: float) -> dict:
         kind = ANCHOR if uri.endswith(f".{ANCHOR}.json") else DELTA
         stored = Manifest.from_json(pub.store.read(manifest_key(pub.version, kind))).payload_bytes
-        return {f"{BACKEND}/version": pub.version, f"{BACKEND}/stored_bytes": stored,
-                f"{BACKEND}/dense_bytes": dense_bytes,
-                f"{BACKEND}/changed_share": pub.last_changed / max(pub.last_numel, 1),
-                f"{BACKEND}/publish_s": seconds,
-                MANIFEST_KEY: uri, FINGERPRINT_KEY: fpr.fmt(pub.fingerprint)}
+        return {
+            f"{BACKEND}/version": pub.version,
+            f"{BACKEND}/stored_bytes": stored,
+            f"{BACKEND}/dense_bytes": dense_bytes,
+            f"{BACKEND}/changed_share": pub.last_changed / max(pub.last_numel, 1),
+            f"{BACKEND}/publish_s": seconds,
+            MANIFEST_KEY: uri,
+            FINGERPRINT_KEY: fpr.fmt(pub.fingerprint),
+        }
 
     # -- the rollout side -------------------------------------------------------------------------
     async def receive_weights(self, global_steps: int | None = None):
@@ -256,10 +273,12 @@ class EngineExtCheckpointEngine(CheckpointEngine):
         engine_ext's replicas pull and apply in place instead, driven by :class:`EngineExtCheckpointManager`
         (which a stock manager becomes: :func:`_route_stock_managers`). Reached only by a manager that
         is neither: its sync fails here, with what to configure."""
-        raise DeltaError(f"the {BACKEND} checkpoint engine applies versions in place on the replicas' servers, driven by "
-                         f"{__name__}.EngineExtCheckpointManager; a manager that streams tensors to the rollout workers "
-                         f"called it: set +actor_rollout_ref.rollout.checkpoint_manager_class="
-                         f"{__name__}.EngineExtCheckpointManager")
+        raise DeltaError(
+            f"the {BACKEND} checkpoint engine applies versions in place on the replicas' servers, driven by "
+            f"{__name__}.EngineExtCheckpointManager; a manager that streams tensors to the rollout workers "
+            f"called it: set +actor_rollout_ref.rollout.checkpoint_manager_class="
+            f"{__name__}.EngineExtCheckpointManager"
+        )
         yield  # pragma: no cover - an async generator, as verl's contract says
 
     def close(self) -> None:
@@ -269,8 +288,11 @@ class EngineExtCheckpointEngine(CheckpointEngine):
 
 
 def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
-                                                                     b.reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def replica_url(replica) -> str:
@@ -297,8 +319,9 @@ class EngineExtCheckpointManager(CheckpointEngineManager):
         """The state this manager adds to verl's (also run on a stock manager that becomes one: see
         :func:`_route_stock_managers`)."""
         if self.backend != BACKEND:
-            raise ValueError(f"{type(self).__name__} drives the {BACKEND!r} checkpoint engine; the config names "
-                             f"{self.backend!r}")
+            raise ValueError(
+                f"{type(self).__name__} drives the {BACKEND!r} checkpoint engine; the config names {self.backend!r}"
+            )
         self.options = VerlSyncOptions.from_kwargs((self.config.engine_kwargs or {}).get(BACKEND))
         self.token = self.options.token or settings.current().token
         self.syncs: list[dict] = []
@@ -325,8 +348,9 @@ class EngineExtCheckpointManager(CheckpointEngineManager):
                 if isinstance(r, dict):
                     sent.update(r)
             if MANIFEST_KEY not in sent:
-                raise WeightSyncError("no actor rank published a version (is rank 0's checkpoint engine the "
-                                      f"{BACKEND!r} backend?)")
+                raise WeightSyncError(
+                    f"no actor rank published a version (is rank 0's checkpoint engine the {BACKEND!r} backend?)"
+                )
             self._uri, self._fingerprint = sent.pop(MANIFEST_KEY), sent.pop(FINGERPRINT_KEY)
             t0 = time.perf_counter()
             result = self._bring(self.replicas)

@@ -36,14 +36,16 @@ already hold the trainer's weights (started from the same checkpoint) adopt the 
 without fetching it, and a trainer restarted on the same store continues it (the publisher's
 resume). Nothing passes through the trainer's network but the version's changed bytes.
 """
+
 from __future__ import annotations
 
 import logging
 import math
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
@@ -101,29 +103,44 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
     def __init__(self, init_info: DeltaTrainerInitInfo, *, client, source):
         super().__init__(client=client, source=source, is_sender=init_info.is_sender)
         self.info, self.rank = init_info, init_info.rank  # (vLLM 0.33's base class keeps the rank too)
-        self.clients = [LLMClient(c) if _is_offline_llm(c) else c
-                        for c in (client if isinstance(client, (list, tuple)) else [client])]
+        self.clients = [
+            LLMClient(c) if _is_offline_llm(c) else c
+            for c in (client if isinstance(client, (list, tuple)) else [client])
+        ]
         self.publisher: DeltaPublisher | None = None
         self.sharded = isinstance(source, ShardSource)  # every rank publishes its own rows
         if self.sharded:  # on every rank, at the same point (it opens the publishers' own gloo group)
-            self.publisher = ShardedPublisher(init_info.store, init_info.model, signing_key=init_info.signing_key,
-                                              anchor_every=init_info.anchor_every, dtype=init_info.dtype,
-                                              **init_info.publisher)
+            self.publisher = ShardedPublisher(
+                init_info.store,
+                init_info.model,
+                signing_key=init_info.signing_key,
+                anchor_every=init_info.anchor_every,
+                dtype=init_info.dtype,
+                **init_info.publisher,
+            )
         elif self.is_sender:
-            self.publisher = DeltaPublisher(init_info.store, init_info.model, signing_key=init_info.signing_key,
-                                            anchor_every=init_info.anchor_every, **init_info.publisher)
+            self.publisher = DeltaPublisher(
+                init_info.store,
+                init_info.model,
+                signing_key=init_info.signing_key,
+                anchor_every=init_info.anchor_every,
+                **init_info.publisher,
+            )
         self.sends: list[SendStats] = []
 
     @classmethod
-    def trainer_init(cls, init_info: DeltaTrainerInitInfo, *, client, source=None) -> "DeltaTrainerWeightTransferEngine":
+    def trainer_init(cls, init_info: DeltaTrainerInitInfo, *, client, source=None) -> DeltaTrainerWeightTransferEngine:
         """On every trainer rank. The sender opens the publisher (resuming a store that holds versions)
         and calls every client's ``init_weight_transfer_engine`` with the narrowing it was given."""
         if source is None:
             raise ValueError("the engine_ext trainer weight transfer needs a WeightSource (e.g. ModuleSource(model))")
         engine = cls(init_info, client=client, source=source)
         if engine.is_sender:
-            init = {k: v for k, v in (("sources", init_info.sources), ("trusted_keys", init_info.trusted_keys))
-                    if v is not None}
+            init = {
+                k: v
+                for k, v in (("sources", init_info.sources), ("trusted_keys", init_info.trusted_keys))
+                if v is not None
+            }
             engine._each(lambda c: c.init_weight_transfer_engine(init))
         return engine
 
@@ -137,11 +154,25 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
         t1 = time.perf_counter()
         version = self.publisher.version
         self._each(lambda c: self._update(c, uri, str(version)))
-        stats = SendStats(version, self._kind, self._payload_bytes(version), self._dense_bytes,
-                          self._changed / max(self._numel, 1), t1 - t0, time.perf_counter() - t1)
+        stats = SendStats(
+            version,
+            self._kind,
+            self._payload_bytes(version),
+            self._dense_bytes,
+            self._changed / max(self._numel, 1),
+            t1 - t0,
+            time.perf_counter() - t1,
+        )
         self.sends.append(stats)
-        log.info("engine_ext: sent v%d (%s): %d B against %d B dense, published in %.3f s, applied in %.3f s",
-                 version, stats.kind, stats.payload_bytes, stats.dense_bytes, stats.publish_s, stats.update_s)
+        log.info(
+            "engine_ext: sent v%d (%s): %d B against %d B dense, published in %.3f s, applied in %.3f s",
+            version,
+            stats.kind,
+            stats.payload_bytes,
+            stats.dense_bytes,
+            stats.publish_s,
+            stats.update_s,
+        )
         return stats
 
     def publish_version(self) -> str | None:
@@ -159,8 +190,10 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
         dtype, state = self.info.dtype, {}
         for name, tensor in pairs:
             if tensor is None:
-                raise ValueError(f"{name}: the sender does not hold this parameter (a split producer, held_names()); "
-                                 "publishing it needs every rank to publish its own part")
+                raise ValueError(
+                    f"{name}: the sender does not hold this parameter (a split producer, held_names()); "
+                    "publishing it needs every rank to publish its own part"
+                )
             tensor = tensor.detach()
             state[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
         uri = self.publisher.publish(state)
@@ -179,8 +212,10 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
         uri = self.source.publish(pub)
         pub.wait()
         if pub.version in pub.aborted:
-            raise DeltaError(f"v{pub.version} was not published (nothing committed, the servers keep "
-                             f"v{max(pub._committed, default=None)}): {pub.aborted[pub.version]}")
+            raise DeltaError(
+                f"v{pub.version} was not published (nothing committed, the servers keep "
+                f"v{max(pub._committed, default=None)}): {pub.aborted[pub.version]}"
+            )
         self._kind = ANCHOR if uri.endswith(f".{ANCHOR}.json") else DELTA
         meta = self.source.metadata()  # full shapes, no gather
         self._numel = sum(math.prod(m.shape) for m in meta)
@@ -219,6 +254,7 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
             except Exception as e:  # noqa: BLE001 - translated below
                 failures.append((0, e))
         else:
+
             def one(i):
                 try:
                     call(self.clients[i])
@@ -234,10 +270,12 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
         if len(self.clients) == 1:
             raise refusals[0][1] from failures[0][1]
         first = refusals[0][1]
-        raise UpdateRefused(first.reason, first.http_status,
-                            f"{len(failures)} of {len(self.clients)} server(s) refused or failed: "
-                            + "; ".join(f"client {i}: [{r.http_status} {r.reason}] {r.error}" for i, r in refusals)) \
-            from failures[0][1]
+        raise UpdateRefused(
+            first.reason,
+            first.http_status,
+            f"{len(failures)} of {len(self.clients)} server(s) refused or failed: "
+            + "; ".join(f"client {i}: [{r.http_status} {r.reason}] {r.error}" for i, r in refusals),
+        ) from failures[0][1]
 
 
 class LLMClient:
@@ -299,5 +337,13 @@ def register() -> None:
 
 register()
 
-__all__ = ["DeltaTrainerInitInfo", "DeltaTrainerWeightTransferEngine", "LLMClient", "SendStats", "ShardSource", "refusal",
-           "register", "BACKEND"]
+__all__ = [
+    "BACKEND",
+    "DeltaTrainerInitInfo",
+    "DeltaTrainerWeightTransferEngine",
+    "LLMClient",
+    "SendStats",
+    "ShardSource",
+    "refusal",
+    "register",
+]

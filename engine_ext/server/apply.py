@@ -8,12 +8,13 @@ the default for CUDA tensors, one launch per dtype width). In the same pass it k
 old bits (an undo log, for an all-or-nothing multi-tensor update) and the change of each
 tensor's fingerprint (so verification needs no extra pass over the model).
 """
+
 from __future__ import annotations
 
 import torch
 
-from .apply_torch import apply_torch
 from ..format.delta import TensorDelta
+from .apply_torch import apply_torch
 from .maps import ApplyResult, UndoLog, check_positions, validate
 
 
@@ -46,8 +47,8 @@ def apply_delta(deltas: list[TensorDelta], maps: dict, *, undo: bool = True, bac
 
 def _triton_ok() -> bool:
     try:
-        import triton  # noqa: F401
-    except Exception:
+        import triton  # noqa: F401 - optional: present where a GPU build of torch is
+    except Exception:  # noqa: BLE001 - a broken Triton install (not only a missing one) means the torch path
         return False
     return True
 

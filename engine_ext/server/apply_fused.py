@@ -8,16 +8,17 @@ on the device before anything is written, launches, and keeps one undo buffer pe
 width. Segments the kernel does not take (checkpoint rank above 4, converting
 destinations) go through the torch executor in the same call.
 """
+
 from __future__ import annotations
 
 import numpy as np
 import torch
 
 from ..format import fingerprint as fpr
-from .apply_torch import apply_torch
 from ..format.delta import REL
-from .maps import Segment, check_positions
 from ..triton_kernels import apply_kernel as K
+from .apply_torch import apply_torch
+from .maps import Segment, check_positions
 
 
 def _static_row(seg: Segment) -> list[int]:
@@ -29,10 +30,14 @@ def _static_row(seg: Segment) -> list[int]:
     lo, hi = seg.flat if seg.flat is not None else (0, 0)
     r = [0] * K.NCOL
     r[K.C_DEST], r[K.C_FLAGS], r[K.C_LO], r[K.C_HI], r[K.C_OFF] = seg.storage.data_ptr(), flags, lo, hi, pc.offset
-    for col, values in ((K.C_SHAPE, (1,) * pad + tuple(td.shape)), (K.C_CSTRIDE, (0,) * pad + seg.cstrides),
-                        (K.C_START, (0,) * pad + tuple(pc.start)), (K.C_EXT, (1,) * pad + seg.ext),
-                        (K.C_DSTRIDE, (0,) * pad + tuple(pc.strides))):
-        r[col:col + K.MAXD] = values
+    for col, values in (
+        (K.C_SHAPE, (1,) * pad + tuple(td.shape)),
+        (K.C_CSTRIDE, (0,) * pad + seg.cstrides),
+        (K.C_START, (0,) * pad + tuple(pc.start)),
+        (K.C_EXT, (1,) * pad + seg.ext),
+        (K.C_DSTRIDE, (0,) * pad + tuple(pc.strides)),
+    ):
+        r[col : col + K.MAXD] = values
     r[K.C_NUMEL] = td.numel
     return r
 
@@ -49,8 +54,11 @@ def _row(seg: Segment, pos, vals, undo_base: int, check: bool) -> list[int]:
     r[K.C_VAL] = vals.data_ptr()
     r[K.C_UNDO] = undo_base
     r[K.C_N] = seg.n
-    r[K.C_FLAGS] |= ((K.F_DENSE.value if seg.dense else 0) | (K.F_REL.value if seg.td.mode == REL else 0)
-                     | (K.F_CHECK.value if check else 0))
+    r[K.C_FLAGS] |= (
+        (K.F_DENSE.value if seg.dense else 0)
+        | (K.F_REL.value if seg.td.mode == REL else 0)
+        | (K.F_CHECK.value if check else 0)
+    )
     return r
 
 

@@ -4,6 +4,7 @@ The default on the CPU (numpy scatter, keys and hashes in place), and the path a
 segment takes that the fused kernel does not (rank above 4, converting destinations).
 Works on any device torch does.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -41,14 +41,15 @@ tracker's bookkeeping per torch operation of post-processing (about 13 µs each 
 ``python bench/census_cost.py --ops``; the model's bytes are not read again; docs/GPU.md has the rest). The bytes of the claimed copies are checked by the audit (vLLM's
 ``?audit=1`` and ``ENGINE_EXT_VERIFY_DERIVED``: :func:`engine_ext.engines.vllm.worker.cpu_derived_check`).
 """
+
 from __future__ import annotations
 
 import contextlib
 import logging
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -61,12 +62,30 @@ _MAX_DEPTH = 4  # module -> quant method -> experts -> their dict: deep enough f
 _SKIP_TYPES = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device, type)
 _SCALARS = (int, float, bool)
 # Objects of these packages hold no model state (locks, executors, sockets, loggers): not walked into
-_NOT_HOLDERS = {"logging", "threading", "concurrent", "asyncio", "multiprocessing", "socket", "ssl", "queue", "zmq",
-                "ray", "weakref", "_thread", "subprocess", "selectors", "tokenizers", "transformers"}
+_NOT_HOLDERS = {
+    "logging",
+    "threading",
+    "concurrent",
+    "asyncio",
+    "multiprocessing",
+    "socket",
+    "ssl",
+    "queue",
+    "zmq",
+    "ray",
+    "weakref",
+    "_thread",
+    "subprocess",
+    "selectors",
+    "tokenizers",
+    "transformers",
+}
 
 Key = tuple  # ("tensor", device type, storage data_ptr) | ("opaque", type name, id) | ("value", path, value)
 _NOT_STATE = ("_engine_ext_updater", CENSUS_ATTR)  # our own bookkeeping on the model, made after post-processing
-Sources = frozenset  # of source tokens: one per storage of a loaded weight (a parameter or buffer before post-processing)
+Sources = (
+    frozenset  # of source tokens: one per storage of a loaded weight (a parameter or buffer before post-processing)
+)
 
 
 def _is_config(obj) -> bool:
@@ -88,7 +107,7 @@ def _storage_ptr(t: torch.Tensor) -> int | None:
 def _walk(obj, path: str, out: dict, depth: int, seen: set, tensors: dict | None = None) -> None:
     """``out[path] = key`` for every tensor (its storage) and object reachable from ``obj`` (and, where
     ``tensors`` is given, ``tensors[path]`` = the tensor itself: the cold-load audit compares their bytes)."""
-    if isinstance(obj, _SKIP_TYPES) or isinstance(obj, torch.nn.Module) or id(obj) in seen or depth > _MAX_DEPTH:
+    if isinstance(obj, (_SKIP_TYPES, torch.nn.Module)) or id(obj) in seen or depth > _MAX_DEPTH:
         return
     seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
@@ -159,9 +178,31 @@ def _direct_storages(module: torch.nn.Module) -> dict[str, int]:
 # ---------------------------------------------------------------------------- the provenance tracker
 
 # Ops that read only their inputs' metadata (shape, dtype, device): what they make holds no weight bytes.
-_METADATA_ONLY = {"empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros", "new_ones",
-                  "new_full", "new_empty_strided", "empty_strided", "empty", "zeros", "ones", "full", "arange",
-                  "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride", "dim", "is_same_size"}
+_METADATA_ONLY = {
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "new_empty",
+    "new_zeros",
+    "new_ones",
+    "new_full",
+    "new_empty_strided",
+    "empty_strided",
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "arange",
+    "sym_size",
+    "sym_stride",
+    "sym_numel",
+    "sym_storage_offset",
+    "size",
+    "stride",
+    "dim",
+    "is_same_size",
+}
 # Tensor methods through which bytes leave torch (TorchFunctionMode sees them; the dispatcher does not)
 # (``data_ptr()`` is not one: vLLM and our patches use addresses as identities, and the engines' kernels read
 # weights through ops the dispatcher sees)
@@ -268,9 +309,13 @@ class _TrackOps(TorchDispatchMode):
             srcs = self.prov.ops(args, kwargs)
             if not srcs:
                 return out
-            written = _tensors_in([args[i] if i < len(args) else kwargs.get(arg.name)
-                                   for i, arg in enumerate(func._schema.arguments)
-                                   if arg.alias_info is not None and arg.alias_info.is_write])
+            written = _tensors_in(
+                [
+                    args[i] if i < len(args) else kwargs.get(arg.name)
+                    for i, arg in enumerate(func._schema.arguments)
+                    if arg.alias_info is not None and arg.alias_info.is_write
+                ]
+            )
             for leaf in out if isinstance(out, (list, tuple)) else (out,):
                 if isinstance(leaf, torch.Tensor):
                     self.prov.add(leaf, srcs)
@@ -341,8 +386,11 @@ def _scoped_steps(model: torch.nn.Module, prov: Provenance) -> Iterator[None]:
                 continue
 
             def step(*args, _fn=fn, _holder=holder, **kwargs):
-                layer = _holder if isinstance(_holder, torch.nn.Module) else next(
-                    (a for a in args if isinstance(a, torch.nn.Module)), None)
+                layer = (
+                    _holder
+                    if isinstance(_holder, torch.nn.Module)
+                    else next((a for a in args if isinstance(a, torch.nn.Module)), None)
+                )
                 with prov.scope(names.get(id(layer))):
                     return _fn(*args, **kwargs)
 
@@ -423,8 +471,12 @@ def take(model: torch.nn.Module, process: Callable[[], object]) -> None:
     now = {name: _direct_storages(m) for name, m in modules.items()}
     still_held = {ptr for storages in now.values() for ptr in storages.values()}
     params_now = {_storage_ptr(p) for m in modules.values() for p in m._parameters.values() if p is not None}
-    census = Census(modules=len(modules), ops=ops.ops, process_seconds=t2 - t1,
-                    addresses={tok: ptr for tok, ptr in enumerate(prov.addresses) if prov.alive(tok)})
+    census = Census(
+        modules=len(modules),
+        ops=ops.ops,
+        process_seconds=t2 - t1,
+        addresses={tok: ptr for tok, ptr in enumerate(prov.addresses) if prov.alive(tok)},
+    )
     for name, storages in held.items():
         params = modules[name]._parameters if name in modules else {}
         for n, ptr in storages.items():
@@ -468,8 +520,13 @@ def take(model: torch.nn.Module, process: Callable[[], object]) -> None:
         if items:
             census.items[name] = items
     census.seconds = time.perf_counter() - t0
-    log.info("engine_ext: post-processing census: %d modules, %d ops followed, %.3f s (post-processing %.3f s)",
-             census.modules, census.ops, census.seconds, census.process_seconds)
+    log.info(
+        "engine_ext: post-processing census: %d modules, %d ops followed, %.3f s (post-processing %.3f s)",
+        census.modules,
+        census.ops,
+        census.seconds,
+        census.process_seconds,
+    )
     model.__dict__[CENSUS_ATTR] = census
 
 
@@ -564,14 +621,18 @@ def unreproducible(model: torch.nn.Module, maps: dict, claimed: Claims | None = 
     loader) count by the storages their loader wrote."""
     stale = _stale(model, maps, claimed)
     if stale is None:
-        log.warning("engine_ext: no post-processing census was taken for this model (not loaded through the "
-                    "engine's loader here?): derived copies are not checked at start-up")
+        log.warning(
+            "engine_ext: no post-processing census was taken for this model (not loaded through the "
+            "engine's loader here?): derived copies are not checked at start-up"
+        )
         return {}
     out: dict[str, str] = {}
     for name, it, hit in sorted(stale, key=lambda s: (s[0], s[1].path)):
         for tensor in sorted(hit):
-            out.setdefault(tensor, f"{name} holds {it.path!r}, computed from it after loading and kept in step by nothing")
+            out.setdefault(
+                tensor, f"{name} holds {it.path!r}, computed from it after loading and kept in step by nothing"
+            )
     return out
 
 
-__all__ = ["Census", "Claims", "Item", "Provenance", "take", "keys_of", "unclaimed", "unreproducible", "module_state"]
+__all__ = ["Census", "Claims", "Item", "Provenance", "keys_of", "module_state", "take", "unclaimed", "unreproducible"]

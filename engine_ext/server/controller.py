@@ -18,6 +18,7 @@ looked (another driver, or a direct RPC, committed) re-reads its :class:`ServedS
 from them before it plans (:meth:`Controller.sync`), so one engine has one served state
 whichever door an update came through.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,15 +31,22 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..format import fingerprint as fpr
 from .. import metrics, settings
 from ..errors import AuditUnavailable, BaseMismatchError, Busy, DeltaError, QueueFull
-from .follow import Follower
-from .protocol import UpdateRequest
+from ..format import fingerprint as fpr
 from ..store.signing import Trust
 from ..store.sources import Sources
-from .transaction import (ApplyError, Ranks, ServedState, UpdateTransaction, check_replies, combine_fingerprints,
-                          committed_state)
+from .follow import Follower
+from .protocol import UpdateRequest
+from .transaction import (
+    ApplyError,
+    Ranks,
+    ServedState,
+    UpdateTransaction,
+    check_replies,
+    combine_fingerprints,
+    committed_state,
+)
 
 log = logging.getLogger("engine_ext")
 
@@ -59,7 +67,7 @@ class Auth:
     open: bool = False
 
     @classmethod
-    def from_settings(cls, engine_tokens=(), s: "settings.Settings | None" = None) -> "Auth":
+    def from_settings(cls, engine_tokens=(), s: settings.Settings | None = None) -> Auth:
         """``ENGINE_EXT_TOKEN`` plus the engine's own API keys (vLLM ``--api-key``, SGLang
         ``--api-key``/``--admin-api-key``), and ``ENGINE_EXT_NO_AUTH``."""
         s = s or settings.current()
@@ -71,10 +79,14 @@ class Auth:
         if self.open and not self.tokens:
             return
         if not self.tokens:
-            raise Unauthorized("no token is configured for this route: set ENGINE_EXT_TOKEN (or the engine's API key), "
-                               "or ENGINE_EXT_NO_AUTH=1 to open it explicitly")
+            raise Unauthorized(
+                "no token is configured for this route: set ENGINE_EXT_TOKEN (or the engine's API key), "
+                "or ENGINE_EXT_NO_AUTH=1 to open it explicitly"
+            )
         scheme, _, given = (authorization or "").strip().partition(" ")
-        ok = scheme.lower() == "bearer" and any(hmac.compare_digest(given.strip().encode(), t.encode()) for t in self.tokens)
+        ok = scheme.lower() == "bearer" and any(
+            hmac.compare_digest(given.strip().encode(), t.encode()) for t in self.tokens
+        )
         if not ok:
             raise Unauthorized("missing or wrong bearer token")
 
@@ -126,9 +138,16 @@ class Controller:
 
     REPLANS = 3  # times an update plans again when others commit while it fetches
 
-    def __init__(self, ranks: Ranks, sources: Sources | None = None, version: int | None = None,
-                 history: int = 32, engine_name: str = "vllm", trust: Trust | None = None,
-                 max_waiting: int | None = None):
+    def __init__(
+        self,
+        ranks: Ranks,
+        sources: Sources | None = None,
+        version: int | None = None,
+        history: int = 32,
+        engine_name: str = "vllm",
+        trust: Trust | None = None,
+        max_waiting: int | None = None,
+    ):
         self.ranks = ranks
         self.sources = sources or Sources.from_settings()
         self.trust = trust or Trust.from_settings()
@@ -154,18 +173,31 @@ class Controller:
         self.ready = True
         metrics.VERSION.set(-1 if self.state.version is None else self.state.version)
         layout = self.state.layout
-        log.info("engine_ext: %d checkpoint tensors mapped on %d rank(s); version %s, fingerprint %s; dense fallback: %s; "
-                 "converting maps: %d; engine paths: %s", len(self.state.tensor_fps), len(layout["engine"]),
-                 self.state.version, fpr.fmt(self.state.model_fingerprint), layout["fallback"], len(layout["converted"]),
-                 layout["engine"][0])
+        log.info(
+            "engine_ext: %d checkpoint tensors mapped on %d rank(s); version %s, fingerprint %s; dense fallback: %s; "
+            "converting maps: %d; engine paths: %s",
+            len(self.state.tensor_fps),
+            len(layout["engine"]),
+            self.state.version,
+            fpr.fmt(self.state.model_fingerprint),
+            layout["fallback"],
+            len(layout["converted"]),
+            layout["engine"][0],
+        )
         if layout["mismatched"]:
-            log.error("engine_ext: %d tensor(s) are served with other weights than the checkpoint they were loaded "
-                      "from (a layout the engine derives after loading?); updates touching them will be refused: %s",
-                      len(layout["mismatched"]), layout["mismatched"][:8])
+            log.error(
+                "engine_ext: %d tensor(s) are served with other weights than the checkpoint they were loaded "
+                "from (a layout the engine derives after loading?); updates touching them will be refused: %s",
+                len(layout["mismatched"]),
+                layout["mismatched"][:8],
+            )
         if layout["unreproducible"]:
-            log.error("engine_ext: %d tensor(s) reach copies the engine derived after loading that no refresh keeps in "
-                      "step; updates writing them will be refused: %s", len(layout["unreproducible"]),
-                      dict(list(layout["unreproducible"].items())[:4]))
+            log.error(
+                "engine_ext: %d tensor(s) reach copies the engine derived after loading that no refresh keeps in "
+                "step; updates writing them will be refused: %s",
+                len(layout["unreproducible"]),
+                dict(list(layout["unreproducible"].items())[:4]),
+            )
 
     def start_following(self, get_controller=None) -> Follower | None:
         """Pull mode (``ENGINE_EXT_FOLLOW``): watch the store's LATEST from this process's event
@@ -174,6 +206,7 @@ class Controller:
         if not s.follow:
             return None
         if self.follower is None:
+
             async def me():
                 return self
 
@@ -193,11 +226,20 @@ class Controller:
             if fps == self.state.tensor_fps and self.state.commits == max(r.commits for r in replies):
                 log.info("engine_ext: %s, but the live weights are the served version's; nothing changed", reason)
                 return
-            await self._forget(replies)  # the version and its manifest are unknown: the next delta is bound by fingerprint
+            await self._forget(
+                replies
+            )  # the version and its manifest are unknown: the next delta is bound by fingerprint
             self.state.tensor_fps = fps
             metrics.VERSION.set(-1)
-            self.history.append({"ok": True, "outside_update": True, "version": None,
-                                 "fingerprint": fpr.fmt(self.state.model_fingerprint), "time": time.time()})
+            self.history.append(
+                {
+                    "ok": True,
+                    "outside_update": True,
+                    "version": None,
+                    "fingerprint": fpr.fmt(self.state.model_fingerprint),
+                    "time": time.time(),
+                }
+            )
             log.info("engine_ext: %s; fingerprint now %s", reason, fpr.fmt(self.state.model_fingerprint))
 
     async def sync(self) -> bool:
@@ -222,10 +264,23 @@ class Controller:
         for f in dataclasses.fields(ServedState):
             setattr(self.state, f.name, getattr(fresh, f.name))
         metrics.VERSION.set(-1 if self.state.version is None else self.state.version)
-        self.history.append({"ok": True, "outside_update": True, "version": self.state.version,
-                             "fingerprint": fpr.fmt(self.state.model_fingerprint), "time": time.time()})
-        log.info("engine_ext: the ranks moved from v%s to v%s (commit %d) through another door; served state re-read, "
-                 "fingerprint %s", before, self.state.version, self.state.commits, fpr.fmt(self.state.model_fingerprint))
+        self.history.append(
+            {
+                "ok": True,
+                "outside_update": True,
+                "version": self.state.version,
+                "fingerprint": fpr.fmt(self.state.model_fingerprint),
+                "time": time.time(),
+            }
+        )
+        log.info(
+            "engine_ext: the ranks moved from v%s to v%s (commit %d) through another door; served state re-read, "
+            "fingerprint %s",
+            before,
+            self.state.version,
+            self.state.commits,
+            fpr.fmt(self.state.model_fingerprint),
+        )
         return True
 
     async def _forget(self, replies) -> int:
@@ -260,31 +315,48 @@ class Controller:
         async with self._lock:
             replies = check_replies(await self.ranks.call("audit"))
             live = self._served_fingerprints(replies)
-            differ = sorted(n for n in set(live) | set(self.state.tensor_fps) if live.get(n) != self.state.tensor_fps.get(n))
+            differ = sorted(
+                n for n in set(live) | set(self.state.tensor_fps) if live.get(n) != self.state.tensor_fps.get(n)
+            )
             stale = sorted({f"rank {r.rank}: {n}" for r in replies for n in r.derived.get("stale", ())})
-            derived = {"checked": sum(r.derived.get("checked", 0) for r in replies),
-                       "opaque": sum(r.derived.get("opaque", 0) for r in replies), "stale": stale[:20]}
-            return {"ok": not differ and not stale, "version": self.state.version,
-                    "fingerprint": fpr.fmt(fpr.model_fingerprint(live)), "differ": differ[:20], "derived": derived}
+            derived = {
+                "checked": sum(r.derived.get("checked", 0) for r in replies),
+                "opaque": sum(r.derived.get("opaque", 0) for r in replies),
+                "stale": stale[:20],
+            }
+            return {
+                "ok": not differ and not stale,
+                "version": self.state.version,
+                "fingerprint": fpr.fmt(fpr.model_fingerprint(live)),
+                "differ": differ[:20],
+                "derived": derived,
+            }
 
     async def cold_audit(self, checkpoint: str) -> dict:
         """Every rank's served model against a second instance it builds cold from ``checkpoint`` (a directory
         under an allowed source), byte for byte, under the update lock: what ``GET ...?audit=1&cold=DIR``
         answers where ``ENGINE_EXT_COLD_AUDIT=1`` (it doubles the model's memory for the time of the call)."""
         if not settings.current().cold_audit:
-            raise AuditUnavailable("the cold-load audit is off: ENGINE_EXT_COLD_AUDIT=1 turns it on (it builds a "
-                                   "second instance of the model on every rank)")
+            raise AuditUnavailable(
+                "the cold-load audit is off: ENGINE_EXT_COLD_AUDIT=1 turns it on (it builds a "
+                "second instance of the model on every rank)"
+            )
         self.sources.check(checkpoint)  # 403 outside the allowed sources, before anything is read
         async with self._lock:
             replies = check_replies(await self.ranks.call("cold_audit", checkpoint=checkpoint))
         differ = [f"rank {r.rank}: {n}" for r in replies for n in r.cold.get("differ", ())]
-        return {"ok": all(r.cold.get("ok") for r in replies), "version": self.state.version, "checkpoint": checkpoint,
-                "compared": sum(r.cold.get("compared", 0) for r in replies),
-                "gemms": sum(r.cold.get("gemms", 0) for r in replies),
-                "handles": sum(r.cold.get("handles", 0) for r in replies), "differ": differ[:20],
-                "served_only": sorted({n for r in replies for n in r.cold.get("live_only", ())})[:20],
-                "cold_only": sorted({n for r in replies for n in r.cold.get("cold_only", ())})[:20],
-                "seconds": max((r.cold.get("seconds", 0.0) for r in replies), default=0.0)}
+        return {
+            "ok": all(r.cold.get("ok") for r in replies),
+            "version": self.state.version,
+            "checkpoint": checkpoint,
+            "compared": sum(r.cold.get("compared", 0) for r in replies),
+            "gemms": sum(r.cold.get("gemms", 0) for r in replies),
+            "handles": sum(r.cold.get("handles", 0) for r in replies),
+            "differ": differ[:20],
+            "served_only": sorted({n for r in replies for n in r.cold.get("live_only", ())})[:20],
+            "cold_only": sorted({n for r in replies for n in r.cold.get("cold_only", ())})[:20],
+            "seconds": max((r.cold.get("seconds", 0.0) for r in replies), default=0.0),
+        }
 
     def _served_fingerprints(self, replies) -> dict[str, int]:
         """The whole-tensor fingerprints of the served tensors from the ranks' reports (a checkpoint's
@@ -323,12 +395,16 @@ class Controller:
         try:
             source = policy.sources.check(req.url)  # 403 before anything is fetched
             if self._applying and not req.wait:
-                raise Busy("another update is being applied; retry, or send \"wait\": true to queue")
+                raise Busy('another update is being applied; retry, or send "wait": true to queue')
             if self._inflight > self.max_waiting:
-                raise QueueFull(f"{self._inflight} updates are already in flight (ENGINE_EXT_MAX_WAITING="
-                                f"{self.max_waiting}); retry later")
+                raise QueueFull(
+                    f"{self._inflight} updates are already in flight (ENGINE_EXT_MAX_WAITING="
+                    f"{self.max_waiting}); retry later"
+                )
             if not self.ready:
-                raise ApplyError(f"the engine_ext start-up probe did not complete: {self.start_error or 'still running'}")
+                raise ApplyError(
+                    f"the engine_ext start-up probe did not complete: {self.start_error or 'still running'}"
+                )
             self._inflight += 1
             try:
                 answer, phases = await self._prepare_and_execute(req, source, policy.trust)
@@ -336,20 +412,34 @@ class Controller:
                 self._inflight -= 1
         except DeltaError as e:
             metrics.record_failure(e.reason)
-            self.history.append({"url": _cut(req.url, 300), "ok": False, "reason": e.reason, "error": _cut(e),
-                                 "time": time.time()})
+            self.history.append(
+                {"url": _cut(req.url, 300), "ok": False, "reason": e.reason, "error": _cut(e), "time": time.time()}
+            )
             raise
-        except Exception as e:  # noqa: BLE001 - an unexpected failure is still an answer, never a crash
+        except Exception as e:
             metrics.record_failure("internal")
             words = internal_error(e, "the update")
-            self.history.append({"url": _cut(req.url, 300), "ok": False, "reason": "internal", "error": words,
-                                 "time": time.time()})
+            self.history.append(
+                {"url": _cut(req.url, 300), "ok": False, "reason": "internal", "error": words, "time": time.time()}
+            )
             raise ApplyError(words) from e
         if not answer.noop:
-            metrics.record_success(answer.version, answer.payload_bytes, sum(answer.fetched_bytes), answer.written, phases)
-        self.history.append({"version": answer.version, "base_version": answer.base_version, "elements": answer.elements,
-                             "payload_bytes": answer.payload_bytes, "pause_ms": answer.pause_ms, "noop": answer.noop,
-                             "url": _cut(req.url, 300), "ok": True, "time": time.time()})
+            metrics.record_success(
+                answer.version, answer.payload_bytes, sum(answer.fetched_bytes), answer.written, phases
+            )
+        self.history.append(
+            {
+                "version": answer.version,
+                "base_version": answer.base_version,
+                "elements": answer.elements,
+                "payload_bytes": answer.payload_bytes,
+                "pause_ms": answer.pause_ms,
+                "noop": answer.noop,
+                "url": _cut(req.url, 300),
+                "ok": True,
+                "time": time.time(),
+            }
+        )
         return answer.to_json()
 
     async def _prepare_and_execute(self, req: UpdateRequest, source: str, trust: Trust):
@@ -385,4 +475,14 @@ class Controller:
         raise BaseMismatchError("other updates kept changing the served weights while this one was fetched; retry")
 
 
-__all__ = ["Controller", "Auth", "Busy", "Policy", "QueueFull", "Unauthorized", "error_answer", "initial_version", "internal_error"]
+__all__ = [
+    "Auth",
+    "Busy",
+    "Controller",
+    "Policy",
+    "QueueFull",
+    "Unauthorized",
+    "error_answer",
+    "initial_version",
+    "internal_error",
+]

@@ -12,20 +12,21 @@ to :data:`MAX_BACKOFF_S`); serving never stops. How far the server is behind is 
 status (``GET /update_weights_delta``, ``follow``) and in Prometheus
 (``engine_ext_follow_lag_versions``, ``engine_ext_follow_lag_seconds``).
 """
+
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from .. import metrics
-from ..store import reader
 from ..errors import NotFoundError
-from .protocol import UpdateRequest
+from ..store import open_store, reader
 from ..store.signing import Trust
-from ..store import open_store
+from .protocol import UpdateRequest
 
 log = logging.getLogger("engine_ext")
 
@@ -37,8 +38,9 @@ class Follower:
     """Keeps one server at its store's ``LATEST``; ``controller`` returns the server's controller
     (awaited before each look, so that an engine's own bookkeeping, e.g. SGLang's resync, runs)."""
 
-    def __init__(self, controller: Callable[[], Awaitable["object"]], source: str, interval_s: float,
-                 trust: Trust | None = None):
+    def __init__(
+        self, controller: Callable[[], Awaitable[object]], source: str, interval_s: float, trust: Trust | None = None
+    ):
         self.controller, self.source, self.interval_s = controller, source, interval_s
         self.trust = trust or Trust.from_settings()
         self.latest_version: int | None = None
@@ -60,14 +62,16 @@ class Follower:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # its failures were logged as they came
                 await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
 
     def delay(self) -> float:
         """The wait before the next look: the interval, doubled per failure in a row (capped), +-20 %."""
-        base = min(self.interval_s * 2 ** self.failures, max(MAX_BACKOFF_S, self.interval_s)) if self.failures else self.interval_s
+        base = (
+            min(self.interval_s * 2**self.failures, max(MAX_BACKOFF_S, self.interval_s))
+            if self.failures
+            else self.interval_s
+        )
         return base * random.uniform(1 - JITTER, 1 + JITTER)
 
     async def run(self) -> None:
@@ -87,7 +91,9 @@ class Follower:
                 latest = await asyncio.to_thread(reader.read_latest, store, self.trust)
             except NotFoundError:
                 if not self.waiting:
-                    log.info("engine_ext: %s has no LATEST yet; looking again every %.3g s", self.source, self.interval_s)
+                    log.info(
+                        "engine_ext: %s has no LATEST yet; looking again every %.3g s", self.source, self.interval_s
+                    )
                 self.waiting, self.failures, self.last_error = True, 0, None
                 return
             self.waiting = False
@@ -108,8 +114,13 @@ class Follower:
             self.failures += 1
             self.last_error = f"{type(e).__name__}: {str(e)[:500]}"
             metrics.FOLLOW_FAILURES.labels(getattr(e, "reason", "internal")).inc()
-            log.warning("engine_ext: following %s failed (%d in a row; next look in about %.3g s): %s", self.source,
-                        self.failures, self.delay(), self.last_error)
+            log.warning(
+                "engine_ext: following %s failed (%d in a row; next look in about %.3g s): %s",
+                self.source,
+                self.failures,
+                self.delay(),
+                self.last_error,
+            )
         finally:
             metrics.FOLLOW_LAG_VERSIONS.set(self.lag_versions())
             metrics.FOLLOW_LAG_SECONDS.set(self.lag_seconds())
@@ -133,11 +144,19 @@ class Follower:
         return "behind" if self.lag_versions() > 0 else "following"
 
     def status(self) -> dict:
-        return {"source": self.source, "state": self.state(), "interval_s": self.interval_s,
-                "latest_version": self.latest_version,
-                "served_version": self.served_version, "lag_versions": self.lag_versions(),
-                "lag_seconds": round(self.lag_seconds(), 3), "updates": self.updates, "failures_in_a_row": self.failures,
-                "last_error": self.last_error, "last_check_unix": self.last_check}
+        return {
+            "source": self.source,
+            "state": self.state(),
+            "interval_s": self.interval_s,
+            "latest_version": self.latest_version,
+            "served_version": self.served_version,
+            "lag_versions": self.lag_versions(),
+            "lag_seconds": round(self.lag_seconds(), 3),
+            "updates": self.updates,
+            "failures_in_a_row": self.failures,
+            "last_error": self.last_error,
+            "last_check_unix": self.last_check,
+        }
 
 
-__all__ = ["Follower", "MAX_BACKOFF_S"]
+__all__ = ["MAX_BACKOFF_S", "Follower"]

@@ -6,10 +6,11 @@ statuses and bodies are here, once. Both routes need a token unless the operator
 them explicitly (:class:`engine_ext.server.controller.Auth`). ``get_controller`` is awaited only
 after the token check: on SGLang it may run the start-up probe.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from .controller import Auth, Controller, error_answer
 from .protocol import MAX_BODY_BYTES, RequestError, UpdateRequest
@@ -17,12 +18,19 @@ from .protocol import MAX_BODY_BYTES, RequestError, UpdateRequest
 log = logging.getLogger("engine_ext")
 
 ControllerGetter = Callable[[], Awaitable["Controller | None"]]
-_UNAVAILABLE = (503, {"ok": False, "reason": "unavailable",
-                      "error": "engine_ext is not initialised on this server (is the plugin loaded?)"})
+_UNAVAILABLE = (
+    503,
+    {
+        "ok": False,
+        "reason": "unavailable",
+        "error": "engine_ext is not initialised on this server (is the plugin loaded?)",
+    },
+)
 
 
-async def post_answer(auth: Auth, get_controller: ControllerGetter, authorization: str | None,
-                      read_body: Callable[[], Awaitable[bytes]]) -> tuple[int, dict]:
+async def post_answer(
+    auth: Auth, get_controller: ControllerGetter, authorization: str | None, read_body: Callable[[], Awaitable[bytes]]
+) -> tuple[int, dict]:
     """Status and JSON body of ``POST``: 401 before the body is read, 400 for a bad body, then the update."""
     try:
         auth.check(authorization)
@@ -41,6 +49,7 @@ def bounded_body(request) -> Callable[[], Awaitable[bytes]]:
     """``read_body`` for a Starlette request (vLLM's and SGLang's FastAPI apps): read chunk by chunk
     and refused (400) once past ``MAX_BODY_BYTES``, so a long body is never held whole
     (``request.body()`` reads all of it before anything can look at its size)."""
+
     async def read() -> bytes:
         out = bytearray()
         async for chunk in request.stream():
@@ -52,8 +61,13 @@ def bounded_body(request) -> Callable[[], Awaitable[bytes]]:
     return read
 
 
-async def get_answer(auth: Auth, get_controller: ControllerGetter, authorization: str | None,
-                     audit: bool = False, cold: str | None = None) -> tuple[int, dict]:
+async def get_answer(
+    auth: Auth,
+    get_controller: ControllerGetter,
+    authorization: str | None,
+    audit: bool = False,
+    cold: str | None = None,
+) -> tuple[int, dict]:
     """Status and JSON body of ``GET``: the controller's status, to authorised callers only
     (it shows fingerprints and history); 503 while the controller cannot start. With ``audit``
     (``?audit=1``) also ``audit``: the live weights re-read and checked against the served state
@@ -76,11 +90,11 @@ async def get_answer(auth: Auth, get_controller: ControllerGetter, authorization
         return (503 if status == 500 else status), answer
 
 
-def wants_audit(query: dict) -> bool:
+def wants_audit(query: Mapping[str, str]) -> bool:
     """``?audit=1`` (or ``true``) on ``GET``."""
     return str(query.get("audit", "")).lower() in ("1", "true", "yes")
 
 
-def cold_checkpoint(query: dict) -> str | None:
+def cold_checkpoint(query: Mapping[str, str]) -> str | None:
     """``&cold=DIR`` on ``GET ...?audit=1``: the checkpoint directory the cold-load audit builds from."""
     return query.get("cold") or None

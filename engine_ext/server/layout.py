@@ -24,6 +24,7 @@ the probe's uninitialised bytes into the live weights. While a loader is probed,
 and a loader that starts a thread of its own is stopped before the thread runs (the tensor is
 then unmappable: reloaded densely).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,8 +35,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .maps import EXACT_WIDENINGS, Piece, TensorMap, Unmappable, row_major_strides
 from ..format.dtypes import DType, dtype_by_name
+from .maps import EXACT_WIDENINGS, Piece, TensorMap, Unmappable, row_major_strides
 
 _CONSTANT_WRITES = {"fill_", "zero_"}
 # Copies that keep every element at its index (GPT-OSS's expert loader transposes, then ``.contiguous()``):
@@ -131,7 +132,9 @@ class _Probe(TorchFunctionMode):
         if src.numel() == 0:
             return
         if _storage_key(src) != self.pkey:
-            return self._fail(f"{op} into {name} from data that is not a view of the loaded tensor (converted, computed or concatenated)")
+            return self._fail(
+                f"{op} into {name} from data that is not a view of the loaded tensor (converted, computed or concatenated)"
+            )
         if src.dtype != dst.dtype and (src.dtype, dst.dtype) not in EXACT_WIDENINGS:
             return self._fail(f"{op} into {name} converts {src.dtype} -> {dst.dtype}")
         if tuple(src.shape) != tuple(dst.shape):
@@ -146,16 +149,34 @@ class _Probe(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name in _IDENTITY_COPIES and args and isinstance(args[0], torch.Tensor) and _storage_key(args[0]) == self.pkey:
-            return args[0]  # the same elements at the same indices: the view itself keeps the map (see _IDENTITY_COPIES)
-        if name == "__set__" and getattr(getattr(func, "__self__", None), "__name__", None) == "data":
-            if isinstance(args[0], torch.Tensor) and _storage_key(args[0]) in self.tracked:
-                self._fail(f"loader rebinds {self.tracked[_storage_key(args[0])][0]}.data")
-                return None
-        inplace = (name.endswith("_") and not name.startswith("_")) or name == "__setitem__" or (
-            name.startswith("__i") and name.endswith("__"))
+        if (
+            name in _IDENTITY_COPIES
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and _storage_key(args[0]) == self.pkey
+        ):
+            return args[
+                0
+            ]  # the same elements at the same indices: the view itself keeps the map (see _IDENTITY_COPIES)
+        if (
+            name == "__set__"
+            and getattr(getattr(func, "__self__", None), "__name__", None) == "data"
+            and isinstance(args[0], torch.Tensor)
+            and _storage_key(args[0]) in self.tracked
+        ):
+            self._fail(f"loader rebinds {self.tracked[_storage_key(args[0])][0]}.data")
+            return None
+        inplace = (
+            (name.endswith("_") and not name.startswith("_"))
+            or name == "__setitem__"
+            or (name.startswith("__i") and name.endswith("__"))
+        )
         out = kwargs.get("out")
-        target = out if isinstance(out, torch.Tensor) else (args[0] if inplace and args and isinstance(args[0], torch.Tensor) else None)
+        target = (
+            out
+            if isinstance(out, torch.Tensor)
+            else (args[0] if inplace and args and isinstance(args[0], torch.Tensor) else None)
+        )
         if target is not None and target.untyped_storage().nbytes() > 0:
             key = _storage_key(target)
             if key in self.tracked:
@@ -205,8 +226,10 @@ def _loader_inline():
 
 def tracked_storages(module: torch.nn.Module) -> dict:
     """Storage key -> (name, tensor) for every parameter and buffer with storage."""
-    out = {}
-    for name, t in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False)):
+    out: dict[tuple, tuple[str, torch.Tensor]] = {}
+    for name, t in list(module.named_parameters(remove_duplicate=False)) + list(
+        module.named_buffers(remove_duplicate=False)
+    ):
         if t.untyped_storage().nbytes() > 0:
             out.setdefault(_storage_key(t), (name, t))
     return out

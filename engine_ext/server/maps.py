@@ -9,6 +9,7 @@ widening (:class:`Conversion`). :func:`validate` checks a list of
 :mod:`engine_ext.server.apply_fused`) consume segments, and :mod:`engine_ext.server.apply` chooses
 between them.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,6 +23,7 @@ from ..format.delta import ABS, REL, TensorDelta
 from ..format.dtypes import BY_TORCH, DType
 
 MASK64 = fpr.MASK64
+
 
 @dataclass
 class Piece:
@@ -72,10 +74,15 @@ class Unmappable:
 # Casts an engine may apply to a checkpoint tensor at load that keep every value exactly
 # (vLLM's sgl CPU GEMM path keeps linear biases in float32): the checkpoint bits can be
 # read back from the live value, so such a tensor is still updated in place, O(changed).
-EXACT_WIDENINGS = frozenset({
-    (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
-    (torch.bfloat16, torch.float64), (torch.float16, torch.float64), (torch.float32, torch.float64),
-})
+EXACT_WIDENINGS = frozenset(
+    {
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+        (torch.bfloat16, torch.float64),
+        (torch.float16, torch.float64),
+        (torch.float32, torch.float64),
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -106,13 +113,15 @@ class Conversion:
         return live_bits.view(self.live).to(self.checkpoint.torch).view(self.checkpoint.int_view)
 
 
-def conversion(name: str, checkpoint: DType, live: torch.dtype) -> "Conversion | None":
+def conversion(name: str, checkpoint: DType, live: torch.dtype) -> Conversion | None:
     """None for an in-place copy, a :class:`Conversion` for an exact widening; ValueError otherwise."""
     if live == checkpoint.torch:
         return None
     if (checkpoint.torch, live) not in EXACT_WIDENINGS:
-        raise ValueError(f"{name}: destination dtype {live} is not the checkpoint dtype {checkpoint.name} "
-                         "nor an exact widening of it")
+        raise ValueError(
+            f"{name}: destination dtype {live} is not the checkpoint dtype {checkpoint.name} "
+            "nor an exact widening of it"
+        )
     return Conversion(checkpoint, live)
 
 
@@ -120,7 +129,7 @@ def conversion(name: str, checkpoint: DType, live: torch.dtype) -> "Conversion |
 class ApplyResult:
     fingerprint_delta: dict[str, int]  # per tensor, mod 2^64, over counted pieces
     written: dict[str, int]  # changed checkpoint elements written into counted pieces
-    undo: "UndoLog | None"
+    undo: UndoLog | None
 
 
 class UndoLog:
@@ -176,7 +185,7 @@ class Segment:
     td: TensorDelta
     piece: Piece
     storage: torch.Tensor  # storage_bits(piece.dest) in the live dtype's width
-    conv: "Conversion | None"  # set when the destination holds a widened copy
+    conv: Conversion | None  # set when the destination holds a widened copy
     cstrides: tuple[int, ...]  # checkpoint row-major strides
     flat: tuple[int, int] | None  # (lo, hi): box is a contiguous flat range mapped contiguously
     ext: tuple[int, ...] = ()  # box extent per checkpoint dim
@@ -250,7 +259,9 @@ def validate(deltas: list[TensorDelta], maps: dict) -> tuple[list[Segment], list
         if isinstance(m, Unmappable):
             raise ValueError(f"{name}: unmappable ({m.reason}); reload it densely instead")
         if tuple(m.shape) != tuple(td.shape) or m.dtype is not td.dtype:
-            raise ValueError(f"{name}: delta is {tuple(td.shape)}/{td.dtype.name}, runtime map is {tuple(m.shape)}/{m.dtype.name}")
+            raise ValueError(
+                f"{name}: delta is {tuple(td.shape)}/{td.dtype.name}, runtime map is {tuple(m.shape)}/{m.dtype.name}"
+            )
         if td.mode not in (ABS, REL):
             raise ValueError(f"{name}: unknown mode {td.mode!r}")
         v = td.values
@@ -274,7 +285,9 @@ def validate(deltas: list[TensorDelta], maps: dict) -> tuple[list[Segment], list
                 continue  # empty box
             key = g[0]
             if key in dests and dests[key] != name:
-                raise ValueError(f"{name}: writes the same destination elements as {dests[key]} (tied weights?); apply only one of them")
+                raise ValueError(
+                    f"{name}: writes the same destination elements as {dests[key]} (tied weights?); apply only one of them"
+                )
             dests[key] = name
             segs.append(Segment(ti, td, piece, *g[1:], geom=g))
     return segs, checks
@@ -287,8 +300,19 @@ def _geometry(name: str, shape, dtype: DType, piece: Piece):
     the inputs it was computed from (box, storage, dtypes) stay the same.
     """
     st = piece.dest.untyped_storage()
-    inputs = (tuple(piece.start), tuple(piece.stop), piece.offset, tuple(piece.strides), piece.count_fingerprint,
-              st.data_ptr(), st.nbytes(), piece.dest.dtype, piece.dest.device, tuple(shape), dtype.name)
+    inputs = (
+        tuple(piece.start),
+        tuple(piece.stop),
+        piece.offset,
+        tuple(piece.strides),
+        piece.count_fingerprint,
+        st.data_ptr(),
+        st.nbytes(),
+        piece.dest.dtype,
+        piece.dest.device,
+        tuple(shape),
+        dtype.name,
+    )
     hit = piece.cache.get("geometry")
     if hit is not None and hit[0] == inputs:
         return hit[1]
@@ -335,8 +359,12 @@ def piece_bits(m: TensorMap, p: Piece) -> torch.Tensor:
 def local_fingerprint(m: TensorMap) -> int:
     """sum h(i, bits) over the checkpoint elements this rank holds (its counted pieces), read from the
     destinations: every core, no index arrays (:func:`engine_ext.format.fingerprint.box_fingerprint`)."""
-    return sum(fpr.box_fingerprint(piece_bits(m, p), p.start, m.shape)
-               for p in m.pieces if p.count_fingerprint and p.numel) & MASK64
+    return (
+        sum(
+            fpr.box_fingerprint(piece_bits(m, p), p.start, m.shape) for p in m.pieces if p.count_fingerprint and p.numel
+        )
+        & MASK64
+    )
 
 
 def checkpoint_view(m: TensorMap, t: torch.Tensor) -> TensorMap:
@@ -344,9 +372,22 @@ def checkpoint_view(m: TensorMap, t: torch.Tensor) -> TensorMap:
     fingerprint of the same elements can be computed from the checkpoint and from the live weights."""
     t = t.detach().contiguous()
     cs = row_major_strides(m.shape)
-    return TensorMap(m.name, m.shape, m.dtype, [
-        Piece(t, p.start, p.stop, t.storage_offset() + sum(a * s for a, s in zip(p.start, cs)), cs, p.count_fingerprint)
-        for p in m.pieces])
+    return TensorMap(
+        m.name,
+        m.shape,
+        m.dtype,
+        [
+            Piece(
+                t,
+                p.start,
+                p.stop,
+                t.storage_offset() + sum(a * s for a, s in zip(p.start, cs)),
+                cs,
+                p.count_fingerprint,
+            )
+            for p in m.pieces
+        ],
+    )
 
 
 def covered_elements(m: TensorMap) -> int:

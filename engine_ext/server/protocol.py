@@ -6,13 +6,14 @@ pickle envelope): a :class:`RankReply` is sent as :meth:`RankReply.to_wire` (a d
 JSON types) and read back with :meth:`RankReply.from_wire`, which refuses anything it
 does not expect. Everything on either side of the channel is typed.
 """
+
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-from ..format import fingerprint as fpr
 from ..errors import DeltaError
+from ..format import fingerprint as fpr
 
 ROUTE = "/update_weights_delta"  # the update route every engine adapter serves (POST: update, GET: status)
 PAUSE_MODES = ("keep", "wait", "abort")
@@ -43,7 +44,7 @@ class UpdateRequest:
     rollback: bool = False  # allow a target older than the served version (else refused)
 
     @classmethod
-    def parse(cls, body: bytes | str | dict) -> "UpdateRequest":
+    def parse(cls, body: bytes | str | dict) -> UpdateRequest:
         """Validate a body; anything unexpected is a 400 that names the problem."""
         if not isinstance(body, dict):
             if len(body or b"") > MAX_BODY_BYTES:
@@ -91,7 +92,7 @@ class TensorReport:
         return [fpr.fmt(self.fingerprint), self.covered, self.numel]
 
     @classmethod
-    def from_wire(cls, w) -> "TensorReport":
+    def from_wire(cls, w) -> TensorReport:
         if not (isinstance(w, list) and len(w) == 3 and all(isinstance(x, int) for x in w[1:])):
             raise ValueError(f"bad tensor report {w!r}")
         return cls(fpr.parse(w[0]), w[1], w[2])
@@ -107,16 +108,26 @@ class RankReply:
     error: str | None = None
     reason: str | None = None
     fingerprints: dict[str, TensorReport] = field(default_factory=dict)  # setup, resync, apply (the tensors it touched)
-    tensors: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # setup: checkpoint name -> (shape, dtype)
+    tensors: dict[str, tuple[tuple[int, ...], str]] = field(
+        default_factory=dict
+    )  # setup: checkpoint name -> (shape, dtype)
     fallback: tuple[str, ...] = ()  # setup, apply: tensors reloaded densely through the engine's loader
     converted: tuple[str, ...] = ()  # setup: tensors mapped through a converting map
     mismatched: tuple[str, ...] = ()  # setup: tensors whose live weights differ from the loaded checkpoint
-    unreproducible: dict[str, str] = field(default_factory=dict)  # setup: {tensor: why} no refresh keeps its copies in step
-    tied: dict[str, str] = field(default_factory=dict)  # setup: checkpoint tensors not served, tied to another {name: kept}
-    ties: dict[str, str] = field(default_factory=dict)  # setup: parameters the engine registers under two names {second: first}
+    unreproducible: dict[str, str] = field(
+        default_factory=dict
+    )  # setup: {tensor: why} no refresh keeps its copies in step
+    tied: dict[str, str] = field(
+        default_factory=dict
+    )  # setup: checkpoint tensors not served, tied to another {name: kept}
+    ties: dict[str, str] = field(
+        default_factory=dict
+    )  # setup: parameters the engine registers under two names {second: first}
     engine: dict = field(default_factory=dict)  # setup: the engine's kernels/paths on this rank
     derived: dict = field(default_factory=dict)  # audit: {"checked", "opaque", "stale"} of the engine's derived copies
-    cold: dict = field(default_factory=dict)  # cold_audit: the served model against a cold instance (engines/vllm/cold_audit.py)
+    cold: dict = field(
+        default_factory=dict
+    )  # cold_audit: the served model against a cold instance (engines/vllm/cold_audit.py)
     written: int = 0  # apply: checkpoint elements written
     undo_bytes: int = 0  # apply
     seconds: dict[str, float] = field(default_factory=dict)  # setup, apply: time per step on the rank
@@ -132,11 +143,15 @@ class RankReply:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["fingerprints"] = {n: r.to_wire() for n, r in self.fingerprints.items()}
         out["tensors"] = {n: [list(s), d] for n, (s, d) in self.tensors.items()}
-        out["fallback"], out["converted"], out["mismatched"] = list(self.fallback), list(self.converted), list(self.mismatched)
+        out["fallback"], out["converted"], out["mismatched"] = (
+            list(self.fallback),
+            list(self.converted),
+            list(self.mismatched),
+        )
         return out
 
     @classmethod
-    def from_wire(cls, w: dict) -> "RankReply":
+    def from_wire(cls, w: dict) -> RankReply:
         if not isinstance(w, dict) or not isinstance(w.get("ok"), bool):
             raise ValueError(f"bad rank reply {w!r:.200}")
         names = {f.name for f in fields(cls)}
@@ -151,10 +166,15 @@ class RankReply:
         return cls(**kw)
 
     @classmethod
-    def failure(cls, rank: int, e: BaseException) -> "RankReply":
+    def failure(cls, rank: int, e: BaseException) -> RankReply:
         status = e.http_status if isinstance(e, DeltaError) else None
-        return cls(False, rank, error=f"{type(e).__name__}: {str(e)[:1000]}", reason=getattr(e, "reason", "apply"),
-                   http_status=status)
+        return cls(
+            False,
+            rank,
+            error=f"{type(e).__name__}: {str(e)[:1000]}",
+            reason=getattr(e, "reason", "apply"),
+            http_status=status,
+        )
 
 
 # --------------------------------------------------------------------------- answers
@@ -185,4 +205,4 @@ class UpdateAnswer:
         return asdict(self)
 
 
-__all__ = ["ROUTE", "UpdateRequest", "RequestError", "TensorReport", "RankReply", "UpdateAnswer", "PAUSE_MODES"]
+__all__ = ["PAUSE_MODES", "ROUTE", "RankReply", "RequestError", "TensorReport", "UpdateAnswer", "UpdateRequest"]

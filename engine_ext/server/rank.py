@@ -19,6 +19,7 @@ calls :meth:`RankUpdater.commit` or :meth:`RankUpdater.rollback` on every rank.
 wire: it never raises, and answers a :class:`~engine_ext.server.protocol.RankReply` as plain
 data, so that a failing rank lets the driver roll the others back.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,19 +27,28 @@ import logging
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 import torch
 
-from ..format import fingerprint as fpr
-from .apply import apply_delta
 from .. import settings
-from .maps import ApplyResult, TensorMap, Unmappable, checkpoint_view, covered_elements, local_fingerprint
+from ..errors import (
+    AuditUnavailable,
+    BaseMismatchError,
+    IntegrityError,
+    OutOfOrderError,
+    QueueFull,
+    RollbackError,
+    UnreproducibleError,
+    UnsupportedError,
+    VerifyError,
+)
+from ..format import fingerprint as fpr
 from ..format.delta import TensorDelta, apply_tensor
 from ..format.dtypes import DType
-from ..errors import (AuditUnavailable, BaseMismatchError, IntegrityError, OutOfOrderError, QueueFull, RollbackError,
-                      UnreproducibleError, UnsupportedError, VerifyError)
+from .apply import apply_delta
+from .maps import ApplyResult, TensorMap, Unmappable, checkpoint_view, covered_elements, local_fingerprint
 from .protocol import RankReply, TensorReport
 from .touched import Touched
 
@@ -54,8 +64,21 @@ CheckDerived = Callable[..., dict]
 FindUnreproducible = Callable[[dict], dict]
 # The served model against a cold instance built from a checkpoint directory (the cold-load audit): {"ok", ...}
 CompareCold = Callable[[str], dict]
-OPS = ("setup", "fetch", "fetched", "apply", "discard", "commit", "rollback", "status", "resync", "audit", "forget",
-       "set_label", "cold_audit")
+OPS = (
+    "setup",
+    "fetch",
+    "fetched",
+    "apply",
+    "discard",
+    "commit",
+    "rollback",
+    "status",
+    "resync",
+    "audit",
+    "forget",
+    "set_label",
+    "cold_audit",
+)
 DECODE_BACKENDS = ("auto", "host", "device")
 MAX_FETCHES = 8  # fetches a rank holds at once (the driver's queue bound keeps it lower)
 
@@ -96,11 +119,21 @@ class RankUpdater:
     tests). ``apply_backend``: :func:`engine_ext.server.apply.apply_delta`'s backend.
     """
 
-    def __init__(self, module: torch.nn.Module, load: Loader, checkpoint: dict[str, tuple[tuple[int, ...], DType]],
-                 read_checkpoint: Callable[[str], torch.Tensor] | None = None, refresh: Refresh | None = None,
-                 rank: int = 0, describe: Describe | None = None, decode_backend: str = "auto",
-                 apply_backend: str = "auto", check_derived: CheckDerived | None = None,
-                 find_unreproducible: FindUnreproducible | None = None, compare_cold: CompareCold | None = None):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        load: Loader,
+        checkpoint: dict[str, tuple[tuple[int, ...], DType]],
+        read_checkpoint: Callable[[str], torch.Tensor] | None = None,
+        refresh: Refresh | None = None,
+        rank: int = 0,
+        describe: Describe | None = None,
+        decode_backend: str = "auto",
+        apply_backend: str = "auto",
+        check_derived: CheckDerived | None = None,
+        find_unreproducible: FindUnreproducible | None = None,
+        compare_cold: CompareCold | None = None,
+    ):
         if decode_backend not in DECODE_BACKENDS:
             raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
         self.module, self.load, self.checkpoint = module, load, checkpoint
@@ -139,7 +172,9 @@ class RankUpdater:
             for name, m in self.maps.items():
                 if isinstance(m, Unmappable):
                     if self.read_checkpoint is None:
-                        raise UnsupportedError(f"{name}: unmappable ({m.reason}) and no checkpoint reader for a dense fallback")
+                        raise UnsupportedError(
+                            f"{name}: unmappable ({m.reason}) and no checkpoint reader for a dense fallback"
+                        )
                     self.host[name] = self.read_checkpoint(name).cpu()
                     self.fps[name] = fpr.tensor_fingerprint(self.host[name])
                     self.covered[name] = self.host[name].numel()
@@ -151,16 +186,30 @@ class RankUpdater:
             if self.find_unreproducible is not None:
                 self.unreproducible = dict(sorted(self.find_unreproducible(self.maps).items()))
                 if self.unreproducible:
-                    log.error("engine_ext: rank %s: %d tensor(s) reach copies the engine derived after loading that no "
-                              "refresh keeps in step; updates writing them will be refused (409 unreproducible): %s",
-                              self.rank, len(self.unreproducible), dict(list(self.unreproducible.items())[:4]))
+                    log.error(
+                        "engine_ext: rank %s: %d tensor(s) reach copies the engine derived after loading that no "
+                        "refresh keeps in step; updates writing them will be refused (409 unreproducible): %s",
+                        self.rank,
+                        len(self.unreproducible),
+                        dict(list(self.unreproducible.items())[:4]),
+                    )
             self.unreproducible.update(self._unreloadable())
             self.setup_s = time.perf_counter() - t
-        return RankReply(True, self.rank, fingerprints=self.report(), fallback=tuple(sorted(self.host)),
-                         converted=tuple(self.converted()), mismatched=self.mismatched,
-                         unreproducible=dict(self.unreproducible), engine=self.describe() if self.describe else {},
-                         tensors={n: (tuple(s), d.name) for n, (s, d) in self.checkpoint.items()},
-                         tied=dict(self.tied), ties=dict(self.ties), seconds={"setup": self.setup_s}, **self.committed())
+        return RankReply(
+            True,
+            self.rank,
+            fingerprints=self.report(),
+            fallback=tuple(sorted(self.host)),
+            converted=tuple(self.converted()),
+            mismatched=self.mismatched,
+            unreproducible=dict(self.unreproducible),
+            engine=self.describe() if self.describe else {},
+            tensors={n: (tuple(s), d.name) for n, (s, d) in self.checkpoint.items()},
+            tied=dict(self.tied),
+            ties=dict(self.ties),
+            seconds={"setup": self.setup_s},
+            **self.committed(),
+        )
 
     def _unreloadable(self) -> dict[str, str]:
         """{tensor: why} for the dense-fallback tensors whose loader raised when probed, and raises again when asked
@@ -175,8 +224,13 @@ class RankUpdater:
                 except Exception as e:  # noqa: BLE001 - the verdict
                     out[name] = f"the engine's loader cannot reload it ({type(e).__name__}: {str(e)[:200]})"
         if out:
-            log.error("engine_ext: rank %s: %d dense-fallback tensor(s) cannot be reloaded through the engine's loader; "
-                      "updates writing them will be refused (409 unreproducible): %s", self.rank, len(out), sorted(out)[:8])
+            log.error(
+                "engine_ext: rank %s: %d dense-fallback tensor(s) cannot be reloaded through the engine's loader; "
+                "updates writing them will be refused (409 unreproducible): %s",
+                self.rank,
+                len(out),
+                sorted(out)[:8],
+            )
         return out
 
     def _leave_out_tied(self) -> None:
@@ -193,9 +247,20 @@ class RankUpdater:
             if name in tied and (isinstance(m, Unmappable) or not any(p.numel for p in m.pieces)):
                 self.tied[name] = tied[name]
                 del self.maps[name], self.checkpoint[name]
-                how = f"its loader refuses it alone ({m.reason[:200]})" if isinstance(m, Unmappable) else "its loader skips it"
-                log.info("engine_ext: rank %s: checkpoint tensor %s is not served on its own: the engine ties it to %s "
-                         "and %s; versions carry that tensor once, as %s", self.rank, name, tied[name], how, tied[name])
+                how = (
+                    f"its loader refuses it alone ({m.reason[:200]})"
+                    if isinstance(m, Unmappable)
+                    else "its loader skips it"
+                )
+                log.info(
+                    "engine_ext: rank %s: checkpoint tensor %s is not served on its own: the engine ties it to %s "
+                    "and %s; versions carry that tensor once, as %s",
+                    self.rank,
+                    name,
+                    tied[name],
+                    how,
+                    tied[name],
+                )
 
     def committed(self) -> dict:
         """The committed state this rank carries, as RankReply fields."""
@@ -208,18 +273,29 @@ class RankUpdater:
         tensor is not first met as a bare base mismatch at the first update."""
         bad = []
         for name, m in self.maps.items():
-            if isinstance(m, TensorMap) and m.pieces:
-                if local_fingerprint(checkpoint_view(m, self.read_checkpoint(name))) != self.fps[name]:
-                    bad.append(name)
+            if (
+                isinstance(m, TensorMap)
+                and m.pieces
+                and local_fingerprint(checkpoint_view(m, self.read_checkpoint(name))) != self.fps[name]
+            ):
+                bad.append(name)
         if bad:
-            log.error("engine_ext: rank %s: the live weights of %d tensor(s) differ from the loaded checkpoint, so "
-                      "updates writing them will be refused (409 unreproducible): %s", self.rank, len(bad), bad[:8])
+            log.error(
+                "engine_ext: rank %s: the live weights of %d tensor(s) differ from the loaded checkpoint, so "
+                "updates writing them will be refused (409 unreproducible): %s",
+                self.rank,
+                len(bad),
+                bad[:8],
+            )
         return bad
 
     def converted(self) -> list[str]:
         """Tensors mapped through a converting piece (the engine holds a widened copy, e.g. float32 biases)."""
-        return sorted(n for n, m in self.maps.items() if isinstance(m, TensorMap)
-                      and any(p.dest.dtype != m.dtype.torch for p in m.pieces))
+        return sorted(
+            n
+            for n, m in self.maps.items()
+            if isinstance(m, TensorMap) and any(p.dest.dtype != m.dtype.torch for p in m.pieces)
+        )
 
     def resync(self) -> RankReply:
         """Recompute the fingerprints from the live weights (after an outside dense reload; also a
@@ -247,11 +323,19 @@ class RankUpdater:
         copies the engine derives from those weights (packed, re-laid) are what its kernels read: the
         engine's ``check_derived`` compares each with a fresh derivation (``derived``)."""
         self.setup()
-        live = {n: fpr.tensor_fingerprint(self.host[n]) if n in self.host else local_fingerprint(m)
-                for n, m in self.maps.items()}
-        return RankReply(True, self.rank, pending=self._pending is not None, fingerprints={
-            n: TensorReport(fp, self.covered[n], _numel(self.checkpoint[n][0])) for n, fp in live.items()},
-            derived=self.check_derived() if self.check_derived is not None else {})
+        live = {
+            n: fpr.tensor_fingerprint(self.host[n]) if n in self.host else local_fingerprint(m)
+            for n, m in self.maps.items()
+        }
+        return RankReply(
+            True,
+            self.rank,
+            pending=self._pending is not None,
+            fingerprints={
+                n: TensorReport(fp, self.covered[n], _numel(self.checkpoint[n][0])) for n, fp in live.items()
+            },
+            derived=self.check_derived() if self.check_derived is not None else {},
+        )
 
     def cold_audit(self, checkpoint: str) -> RankReply:
         """This rank's served model against a second instance the engine builds cold from ``checkpoint``
@@ -292,7 +376,9 @@ class RankUpdater:
             pieces = [p for p in self.maps[t.name].pieces if p.numel]
             if not pieces:
                 continue  # another rank's tensor
-            if t.grid is None or any(p.start == (0,) * len(t.shape) and tuple(p.stop) == tuple(t.shape) for p in pieces):
+            if t.grid is None or any(
+                p.start == (0,) * len(t.shape) and tuple(p.stop) == tuple(t.shape) for p in pieces
+            ):
                 out[t.name] = None  # not cut, or held whole (an expert-parallel rank's expert): every cell
                 continue
             out[t.name] = {i for i, box in enumerate(t.boxes()) if any(meets(box, p.start, p.stop) for p in pieces)}
@@ -306,16 +392,20 @@ class RankUpdater:
         if len(self._fetches) >= MAX_FETCHES:
             raise QueueFull(f"{MAX_FETCHES} fetches already held on this rank")
         job = _Fetch()
-        job.thread = threading.Thread(target=self._fetch, args=(job, store, route, time.monotonic() + timeout_s),
-                                      name=f"engine-ext-fetch-{txn[:8]}", daemon=True)
+        job.thread = threading.Thread(
+            target=self._fetch,
+            args=(job, store, route, time.monotonic() + timeout_s),
+            name=f"engine-ext-fetch-{txn[:8]}",
+            daemon=True,
+        )
         self._fetches[txn] = job
         job.thread.start()
         return RankReply(True, self.rank)
 
     def _fetch(self, job: _Fetch, store_uri: str, route: list[dict], deadline: float) -> None:
         from ..format.delta import compose
-        from ..store.reader import fetch_selected, open_held
         from ..store import open_store
+        from ..store.reader import fetch_selected, open_held
 
         bases = _LiveBases(self)
         try:
@@ -327,7 +417,9 @@ class RankUpdater:
             for i, link in enumerate(route):
                 raw = store.read(link["key"], max_bytes=link["max_bytes"])
                 if hashlib.sha256(raw).hexdigest() != link["sha256"]:
-                    raise IntegrityError(f"{store.key_uri(link['key'])}: the manifest changed since the driver verified it")
+                    raise IntegrityError(
+                        f"{store.key_uri(link['key'])}: the manifest changed since the driver verified it"
+                    )
                 m, n = open_held(store, raw, held)  # its own entries (format 10); the driver checked the whole
                 job.bytes += n
                 sel = self.selection(m)
@@ -340,7 +432,9 @@ class RankUpdater:
                     parts.setdefault(td.name, []).append(td)
                     links.setdefault(td.name, set()).add(i)
             # one link's parts of a tensor (an absolute and a relative one) are disjoint: composed only across links
-            job.deltas = [part for name, tds in parts.items() for part in (compose(tds) if len(links[name]) > 1 else tds)]
+            job.deltas = [
+                part for name, tds in parts.items() for part in (compose(tds) if len(links[name]) > 1 else tds)
+            ]
         except BaseException as e:  # noqa: BLE001 - reported by fetched()
             job.error = e
 
@@ -360,8 +454,9 @@ class RankUpdater:
         return RankReply(True, self.rank)
 
     # ---- apply / commit / rollback
-    def apply(self, deltas: list[TensorDelta] | None = None, txn: str | None = None,
-              commits: int | None = None) -> RankReply:
+    def apply(
+        self, deltas: list[TensorDelta] | None = None, txn: str | None = None, commits: int | None = None
+    ) -> RankReply:
         """Apply in place (``deltas``, or the part fetched for ``txn``), keeping an undo log until
         :meth:`commit` or :meth:`rollback`. The reply reports every changed tensor this rank holds.
         ``commits``: the commit count the driver planned from; refused if this rank moved since
@@ -369,8 +464,10 @@ class RankUpdater:
         self._refuse_pending()
         self.setup()
         if commits is not None and commits != self.commits:
-            raise BaseMismatchError(f"the served weights changed through another door since this update was planned "
-                                    f"(rank {self.rank} is at commit {self.commits}, the plan at {commits}); retry")
+            raise BaseMismatchError(
+                f"the served weights changed through another door since this update was planned "
+                f"(rank {self.rank} is at commit {self.commits}, the plan at {commits}); retry"
+            )
         t = time.perf_counter()
         names: set[str] = set()
         if deltas is None:
@@ -380,14 +477,18 @@ class RankUpdater:
             deltas, names = job.deltas, job.names
             moved = sorted(n for n, fp in job.fps.items() if self.fps.get(n) != fp)
             if moved:  # context-coded parts were decoded against the weights as they were
-                raise IntegrityError(f"{len(moved)} tensor(s) changed on this rank since update {txn} was fetched: {moved[:5]}")
+                raise IntegrityError(
+                    f"{len(moved)} tensor(s) changed on this rank since update {txn} was fetched: {moved[:5]}"
+                )
         t_load = time.perf_counter() - t
         for td in deltas:
             if td.name not in self.checkpoint:
                 raise ValueError(f"{td.name}: not a tensor of the served checkpoint")
         if refused := sorted({td.name for td in deltas} & (set(self.mismatched) | set(self.unreproducible))):
-            raise UnreproducibleError(f"rank {self.rank}: the update writes {len(refused)} tensor(s) whose served form "
-                                      f"an in-place write would not reproduce (named at start-up): {refused[:8]}")
+            raise UnreproducibleError(
+                f"rank {self.rank}: the update writes {len(refused)} tensor(s) whose served form "
+                f"an in-place write would not reproduce (named at start-up): {refused[:8]}"
+            )
         mapped = [td for td in deltas if td.name not in self.host]
         dense = [td for td in deltas if td.name in self.host]
         old_fps = {td.name: self.fps[td.name] for td in deltas}
@@ -416,10 +517,15 @@ class RankUpdater:
             self.rollback()
             raise
         t_apply = time.perf_counter() - t
-        return RankReply(True, self.rank, written=int(sum(res.written.values())) + sum(td.nnz for td in dense),
-                         fingerprints=self.report(names | {td.name for td in deltas}), fallback=tuple(sorted(parts)),
-                         undo_bytes=res.undo.nbytes if res.undo is not None else 0,
-                         seconds={"load": t_load, "apply": t_apply - t_verify, "verify_derived": t_verify})
+        return RankReply(
+            True,
+            self.rank,
+            written=int(sum(res.written.values())) + sum(td.nnz for td in dense),
+            fingerprints=self.report(names | {td.name for td in deltas}),
+            fallback=tuple(sorted(parts)),
+            undo_bytes=res.undo.nbytes if res.undo is not None else 0,
+            seconds={"load": t_load, "apply": t_apply - t_verify, "verify_derived": t_verify},
+        )
 
     def commit(self, version: int | None = None, manifest: str | None = None) -> RankReply:
         """Keep the applied update (or adopt a version whose weights are held): drop the undo log;
@@ -458,13 +564,16 @@ class RankUpdater:
         self.fps.update(p.old_fps)
         self._refresh(p.touched)
         if failed:
-            raise RollbackError(f"rank {self.rank}: the rollback could not reload {len(failed)} tensor(s) through the "
-                              f"engine's loader, whose served bits may be the failed update's: {dict(list(failed.items())[:4])}")
+            raise RollbackError(
+                f"rank {self.rank}: the rollback could not reload {len(failed)} tensor(s) through the "
+                f"engine's loader, whose served bits may be the failed update's: {dict(list(failed.items())[:4])}"
+            )
         return RankReply(True, self.rank)
 
     def status(self) -> RankReply:
-        return RankReply(True, self.rank, fallback=tuple(sorted(self.host)), pending=self._pending is not None,
-                         **self.committed())
+        return RankReply(
+            True, self.rank, fallback=tuple(sorted(self.host)), pending=self._pending is not None, **self.committed()
+        )
 
     # ---- helpers
     def _refuse_pending(self) -> None:
@@ -485,9 +594,11 @@ class RankUpdater:
         t = time.perf_counter()
         found = self.check_derived(touched, sample=mode == "sample")
         if found["stale"]:
-            raise VerifyError(f"rank {self.rank}: after the apply, the engine's derived copies of {found['stale'][:5]} "
-                              "differ from a fresh derivation from the weights written (a refresh that does not follow "
-                              "them); rolled back")
+            raise VerifyError(
+                f"rank {self.rank}: after the apply, the engine's derived copies of {found['stale'][:5]} "
+                "differ from a fresh derivation from the weights written (a refresh that does not follow "
+                "them); rolled back"
+            )
         return time.perf_counter() - t
 
 
@@ -496,7 +607,7 @@ class _LiveBases:
     weights read through the maps (or the host copy of a dense-fallback tensor), with the
     earlier links of the route laid over them."""
 
-    def __init__(self, up: "RankUpdater"):
+    def __init__(self, up: RankUpdater):
         self.up = up
         self.overlay: dict[str, list[TensorDelta]] = {}
 
@@ -540,8 +651,10 @@ class _LiveBases:
         if self.overlay.get(name) or up.covered.get(name) != _numel(up.checkpoint[name][0]):
             return  # a later link (hash-chained to the first), or a shard (the driver checked the whole)
         if up.fps[name] != fingerprint:
-            raise BaseMismatchError(f"tensor {name!r}: this rank holds fingerprint {fpr.fmt(up.fps[name])}, "
-                                    f"the delta's base is {fpr.fmt(fingerprint)}")
+            raise BaseMismatchError(
+                f"tensor {name!r}: this rank holds fingerprint {fpr.fmt(up.fps[name])}, "
+                f"the delta's base is {fpr.fmt(fingerprint)}"
+            )
 
     def advance(self, tensors):
         for td in tensors:
@@ -582,8 +695,9 @@ def _numel(shape) -> int:
     return n
 
 
-def run_op(updater: RankUpdater | Callable[[], RankUpdater], op: str, kwargs: dict | None = None,
-           rank: int = 0) -> dict:
+def run_op(
+    updater: RankUpdater | Callable[[], RankUpdater], op: str, kwargs: dict | None = None, rank: int = 0
+) -> dict:
     """Run ``op`` of this rank's updater and answer its :class:`RankReply` as wire data; never raises.
 
     ``updater`` may be a factory (built on first use inside the guard, so a failing
@@ -601,4 +715,4 @@ def run_op(updater: RankUpdater | Callable[[], RankUpdater], op: str, kwargs: di
         return RankReply.failure(rank, e).to_wire()
 
 
-__all__ = ["RankUpdater", "run_op", "OPS", "Loader", "Refresh", "Describe"]
+__all__ = ["OPS", "Describe", "Loader", "RankUpdater", "Refresh", "run_op"]

@@ -10,12 +10,13 @@ written and re-packs only those. The answer uses the executors' own geometry
 (:func:`engine_ext.server.maps.validate`) and is computed only when a hook asks; the set of
 storages comes straight from the maps.
 """
+
 from __future__ import annotations
 
 import torch
 
-from .apply_torch import _chunk, _ranges
 from ..format.delta import TensorDelta
+from .apply_torch import _chunk, _ranges
 from .maps import validate
 
 
@@ -24,8 +25,13 @@ class Touched:
 
     def __init__(self, deltas: list[TensorDelta], maps: dict):
         self._deltas, self._maps, self._segs = deltas, maps, None
-        self._ptrs = {p.dest.untyped_storage().data_ptr() for td in deltas if td.nnz
-                      for p in getattr(maps.get(td.name), "pieces", ()) if p.numel}
+        self._ptrs = {
+            p.dest.untyped_storage().data_ptr()
+            for td in deltas
+            if td.nnz
+            for p in getattr(maps.get(td.name), "pieces", ())
+            if p.numel
+        }
 
     def storages(self) -> set[int]:
         return set(self._ptrs)

@@ -23,6 +23,7 @@ update lock, only if the served state is still the one step 1 planned from. A
 :class:`ServedState` is what the driver knows about the served weights; only a commit
 changes it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,13 +33,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..format import fingerprint as fpr
-from ..store import reader, route
 from .. import settings
 from ..errors import ApplyError, BaseMismatchError, FetchTimeoutError, UnreproducibleError, VerifyError
+from ..format import fingerprint as fpr
 from ..format.manifest import ANCHOR
-from .protocol import RankReply, UpdateAnswer, UpdateRequest
+from ..store import reader, route
 from ..store.signing import Trust
+from .protocol import RankReply, UpdateAnswer, UpdateRequest
 
 log = logging.getLogger("engine_ext")
 
@@ -80,8 +81,10 @@ def committed_state(replies: list[RankReply]) -> tuple[int, int | None, str | No
     the ranks disagree (a commit reached only some of them: no update can be planned safely)."""
     seen = {(r.commits, r.version, r.manifest, r.label) for r in replies}
     if len(seen) != 1:
-        raise ApplyError("the ranks carry different committed states (a commit reached only some of them): "
-                         + "; ".join(f"rank {r.rank}: commit {r.commits}, v{r.version}" for r in replies))
+        raise ApplyError(
+            "the ranks carry different committed states (a commit reached only some of them): "
+            + "; ".join(f"rank {r.rank}: commit {r.commits}, v{r.version}" for r in replies)
+        )
     return seen.pop()
 
 
@@ -107,10 +110,14 @@ def combine_fingerprints(replies: list[RankReply], names=None) -> dict[str, int]
             continue
         covered = sum(e.covered for e in entries)
         if covered == 0 < numel:
-            raise VerifyError(f"{name}: the engine's loader writes none of this checkpoint tensor on any rank: the engine "
-                              "ignores it (a checkpoint layout it does not load, e.g. fused experts on SGLang 0.5.23)")
+            raise VerifyError(
+                f"{name}: the engine's loader writes none of this checkpoint tensor on any rank: the engine "
+                "ignores it (a checkpoint layout it does not load, e.g. fused experts on SGLang 0.5.23)"
+            )
         if covered != numel:
-            raise VerifyError(f"{name}: ranks cover {covered} of {numel} elements (overlapping or missing shards), cannot verify")
+            raise VerifyError(
+                f"{name}: ranks cover {covered} of {numel} elements (overlapping or missing shards), cannot verify"
+            )
         out[name] = sum(e.fingerprint for e in entries) & fpr.MASK64
     return out
 
@@ -138,7 +145,7 @@ class ServedState:
         return self.version, self.model_fingerprint, self.manifests, self.commits
 
     @classmethod
-    def from_setup(cls, replies: list[RankReply], version: int | None) -> "ServedState":
+    def from_setup(cls, replies: list[RankReply], version: int | None) -> ServedState:
         """The served state from every rank's ``setup`` (or ``resync``) reply: the live fingerprints, and
         the committed state the ranks carry; ``version`` (the configured start version) only where no
         commit happened yet. A checkpoint tensor that some rank's engine ties to another and loads
@@ -146,18 +153,22 @@ class ServedState:
         carry the kept tensor only."""
         check_replies(replies)
         tied = {n: k for r in replies for n, k in r.tied.items()}
-        layout = {"fallback": sorted({n for r in replies for n in r.fallback}),
-                  "converted": sorted({n for r in replies for n in r.converted}),
-                  "mismatched": sorted({n for r in replies for n in r.mismatched}),
-                  "unreproducible": dict(sorted({n: why for r in replies for n, why in r.unreproducible.items()}.items())),
-                  "tied": dict(sorted(tied.items())),
-                  # every tie of the served model (a trainer whose gathered stream carries both names leaves
-                  # the second out: engine_ext.integrations.verl), whether or not the checkpoint stores the copy
-                  "ties": dict(sorted({n: k for r in replies for n, k in r.ties.items()}.items())),
-                  "engine": [r.engine for r in replies]}
+        layout = {
+            "fallback": sorted({n for r in replies for n in r.fallback}),
+            "converted": sorted({n for r in replies for n in r.converted}),
+            "mismatched": sorted({n for r in replies for n in r.mismatched}),
+            "unreproducible": dict(sorted({n: why for r in replies for n, why in r.unreproducible.items()}.items())),
+            "tied": dict(sorted(tied.items())),
+            # every tie of the served model (a trainer whose gathered stream carries both names leaves
+            # the second out: engine_ext.integrations.verl), whether or not the checkpoint stores the copy
+            "ties": dict(sorted({n: k for r in replies for n, k in r.ties.items()}.items())),
+            "engine": [r.engine for r in replies],
+        }
         if tied:
-            log.info("engine_ext: not served on their own, tied by the engine to another tensor: %s",
-                     ", ".join(f"{n} (= {k})" for n, k in sorted(tied.items())))
+            log.info(
+                "engine_ext: not served on their own, tied by the engine to another tensor: %s",
+                ", ".join(f"{n} (= {k})" for n, k in sorted(tied.items())),
+            )
         names = sorted({n for r in replies for n in r.fingerprints} - set(tied))
         tensors = {n: s for n, s in replies[0].tensors.items() if n not in tied}
         state = cls(version, combine_fingerprints(replies, names), tensors, layout)
@@ -189,8 +200,15 @@ class UpdateTransaction:
 
     POLL_S = 0.05  # between asking the ranks whether their fetch is done (each ask is one cheap RPC)
 
-    def __init__(self, ranks: Ranks, state: ServedState, request: UpdateRequest, source: str,
-                 trust: Trust | None = None, deadline: float | None = None):
+    def __init__(
+        self,
+        ranks: Ranks,
+        state: ServedState,
+        request: UpdateRequest,
+        source: str,
+        trust: Trust | None = None,
+        deadline: float | None = None,
+    ):
         self.ranks, self.state, self.request, self.source = ranks, state, request, source
         self.trust = trust or Trust.from_settings()
         self.id = uuid.uuid4().hex
@@ -262,14 +280,22 @@ class UpdateTransaction:
         and dtype, or a decode over the model's budget. An empty route: the target is what is
         served (a replay)."""
         if self.request.base_version is not None and self.request.base_version != self.state.version:
-            raise BaseMismatchError(f"request expects base version {self.request.base_version}, "
-                                    f"server holds {self.state.version}")
+            raise BaseMismatchError(
+                f"request expects base version {self.request.base_version}, server holds {self.state.version}"
+            )
         self.limits = route.Limits.for_model(self.state.tensors)
         planned = route.plan(
-            self.source, self.state.version, self.state.model_fingerprint, have_manifests=self.state.manifests,
-            trust=self.trust, limits=self.limits, allow_older=self.request.rollback,
-            deadline=self.deadline, tensor_fps=self.state.tensor_fps,
-            expected=self.state.tensors)
+            self.source,
+            self.state.version,
+            self.state.model_fingerprint,
+            have_manifests=self.state.manifests,
+            trust=self.trust,
+            limits=self.limits,
+            allow_older=self.request.rollback,
+            deadline=self.deadline,
+            tensor_fps=self.state.tensor_fps,
+            expected=self.state.tensors,
+        )
         self.store, self.chain, self.target = planned.store, planned.links, planned.target
         if not self.chain:
             self._check_manifests([self.target])  # a target adopted without a fetch is held to the same rules
@@ -278,23 +304,27 @@ class UpdateTransaction:
         if first.kind != ANCHOR:
             base_fp = fpr.parse(first.base_fingerprint)
             if base_fp != self.state.model_fingerprint or (
-                    self.state.version is not None and first.base_version != self.state.version):
+                self.state.version is not None and first.base_version != self.state.version
+            ):
                 raise BaseMismatchError(
                     f"v{first.version} applies to version {first.base_version} (fingerprint {first.base_fingerprint}); "
                     f"server holds version {self.state.version} (fingerprint {fpr.fmt(self.state.model_fingerprint)})"
-                    f"{route.differing_tensors(first, self.state.tensor_fps)}")
+                    f"{route.differing_tensors(first, self.state.tensor_fps)}"
+                )
         self._check_manifests(self.chain)
         layout, written = self.state.layout, self.written()
         if refused := sorted(set(layout.get("mismatched", ())) & written):
             raise UnreproducibleError(
                 f"the route writes {len(refused)} tensor(s) whose served weights differ from the checkpoint they were "
                 f"loaded from (named at start-up: a layout the engine derives after loading, which an in-place write "
-                f"would not reproduce): {refused[:8]}")
+                f"would not reproduce): {refused[:8]}"
+            )
         if refused := sorted(set(layout.get("unreproducible", {})) & written):
             why = layout["unreproducible"][refused[0]]
             raise UnreproducibleError(
                 f"the route writes {len(refused)} tensor(s) whose engine keeps copies derived after loading that no "
-                f"refresh keeps in step (named at start-up), e.g. {refused[0]}: {why}; all: {refused[:8]}")
+                f"refresh keeps in step (named at start-up), e.g. {refused[0]}: {why}; all: {refused[:8]}"
+            )
 
     def written(self) -> set[str]:
         """Tensors some link of the route writes: an anchor's every tensor, a delta's changed ones."""
@@ -312,17 +342,27 @@ class UpdateTransaction:
         only the tensors (or grid cells, :mod:`engine_ext.format.chunks`) it holds, checks every part's SHA-256,
         decodes (bounded by the manifests' counts) and composes a chain, in the background,
         while the driver polls. Any rank's failure fails the update before anything is written."""
-        links = [{"key": link.key, "sha256": link.sha256, "max_bytes": self.limits.manifest_bytes} for link in self.chain]
+        links = [
+            {"key": link.key, "sha256": link.sha256, "max_bytes": self.limits.manifest_bytes} for link in self.chain
+        ]
         self._fetching = True
-        check_replies(await self.ranks.call("fetch", txn=self.id, store=self.store.uri, route=links,
-                                            timeout_s=max(0.0, self.deadline - time.monotonic())))
+        check_replies(
+            await self.ranks.call(
+                "fetch",
+                txn=self.id,
+                store=self.store.uri,
+                route=links,
+                timeout_s=max(0.0, self.deadline - time.monotonic()),
+            )
+        )
         while True:
             replies = check_replies(await self.ranks.call("fetched", txn=self.id))
             if not any(r.pending for r in replies):
                 break
             if time.monotonic() > self.deadline:
-                raise FetchTimeoutError(f"the ranks did not fetch their part within {self.fetch_timeout:g} s "
-                                        "(ENGINE_EXT_FETCH_TIMEOUT)")
+                raise FetchTimeoutError(
+                    f"the ranks did not fetch their part within {self.fetch_timeout:g} s (ENGINE_EXT_FETCH_TIMEOUT)"
+                )
             await asyncio.sleep(self.POLL_S)
         self.fetched_bytes = [r.fetched_bytes for r in replies]
 
@@ -352,11 +392,15 @@ class UpdateTransaction:
         got = combine_fingerprints(self.replies, self.changed())
         bad = [f"{n}: {fpr.fmt(f)} != {fpr.fmt(want[n])}" for n, f in got.items() if f != want[n]]
         if bad:
-            raise VerifyError(f"fingerprint mismatch after apply in {len(bad)} tensor(s), rolled back: " + "; ".join(bad[:5]))
+            raise VerifyError(
+                f"fingerprint mismatch after apply in {len(bad)} tensor(s), rolled back: " + "; ".join(bad[:5])
+            )
         new = dict(self.state.tensor_fps) | got
         if fpr.model_fingerprint(new) != fpr.parse(last.fingerprint):
-            raise VerifyError(f"model fingerprint after apply {fpr.fmt(fpr.model_fingerprint(new))} != "
-                              f"manifest's {last.fingerprint}, rolled back")
+            raise VerifyError(
+                f"model fingerprint after apply {fpr.fmt(fpr.model_fingerprint(new))} != "
+                f"manifest's {last.fingerprint}, rolled back"
+            )
         self.new_fps = new
 
     async def commit(self) -> None:
@@ -388,7 +432,7 @@ class UpdateTransaction:
         version = self.chain[-1].manifest.version
         try:
             await self.ranks.after_update(version)
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("engine_ext: v%s applied, but resetting caches / setting the weight version failed", version)
 
     async def release(self) -> None:
@@ -401,7 +445,7 @@ class UpdateTransaction:
             bad = [r for r in await self.ranks.call("discard", txn=self.id) if not r.ok]
             if bad:
                 log.warning("engine_ext: dropping fetched parts failed on ranks %s", [r.rank for r in bad])
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("engine_ext: dropping fetched parts of update %s failed", self.id)
 
     # ---- answer
@@ -410,21 +454,37 @@ class UpdateTransaction:
         phases = {k: _ms(v) for k, v in self.phases.items()}
         if noop:
             return UpdateAnswer(
-                version=self.state.version, base_version=self.base_version,
-                fingerprint=fpr.fmt(self.state.model_fingerprint), tensors=0, elements=0, written=0, payload_bytes=0,
-                manifests=[], fallback=[], pause_mode=self.request.pause_mode, pause_ms=0.0,
-                phases_ms=phases, noop=True)
+                version=self.state.version,
+                base_version=self.base_version,
+                fingerprint=fpr.fmt(self.state.model_fingerprint),
+                tensors=0,
+                elements=0,
+                written=0,
+                payload_bytes=0,
+                manifests=[],
+                fallback=[],
+                pause_mode=self.request.pause_mode,
+                pause_ms=0.0,
+                phases_ms=phases,
+                noop=True,
+            )
         # inside the pause's apply: the slowest rank's check of its derived copies (ENGINE_EXT_VERIFY_DERIVED)
         phases["verify_derived"] = _ms(max((r.seconds.get("verify_derived", 0.0) for r in self.replies), default=0.0))
         return UpdateAnswer(
-            version=self.chain[-1].manifest.version, base_version=self.base_version,
-            fingerprint=fpr.fmt(self.state.model_fingerprint), tensors=len(self.changed()),
+            version=self.chain[-1].manifest.version,
+            base_version=self.base_version,
+            fingerprint=fpr.fmt(self.state.model_fingerprint),
+            tensors=len(self.changed()),
             elements=sum(t.nnz for link in self.chain for t in link.manifest.tensors),
             written=int(sum(r.written for r in self.replies)),
             payload_bytes=sum(link.manifest.payload_bytes for link in self.chain),
-            fetched_bytes=self.fetched_bytes, manifests=[self.store.key_uri(link.key) for link in self.chain],
-            fallback=sorted({n for r in self.replies for n in r.fallback}), pause_mode=self.request.pause_mode,
-            pause_ms=_ms(self.phases.get("pause", 0.0)), phases_ms=phases)
+            fetched_bytes=self.fetched_bytes,
+            manifests=[self.store.key_uri(link.key) for link in self.chain],
+            fallback=sorted({n for r in self.replies for n in r.fallback}),
+            pause_mode=self.request.pause_mode,
+            pause_ms=_ms(self.phases.get("pause", 0.0)),
+            phases_ms=phases,
+        )
 
     async def _timed(self, phase: str, awaitable):
         t = time.perf_counter()
@@ -441,5 +501,12 @@ class UpdateTransaction:
             self.phases[phase] = time.perf_counter() - t
 
 
-__all__ = ["UpdateTransaction", "ServedState", "Ranks", "ApplyError", "combine_fingerprints", "check_replies",
-           "committed_state"]
+__all__ = [
+    "ApplyError",
+    "Ranks",
+    "ServedState",
+    "UpdateTransaction",
+    "check_replies",
+    "combine_fingerprints",
+    "committed_state",
+]

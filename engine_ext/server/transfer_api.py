@@ -19,6 +19,7 @@ the payloads here:
   ``POST /update_weights_delta``. It waits for a running update (vLLM's clients do not retry a
   409) and never goes back to an older version (no ``rollback``).
 """
+
 from __future__ import annotations
 
 from ..errors import DeltaError, ForbiddenSourceError
@@ -43,10 +44,16 @@ def _strings(init_info: dict, name: str) -> list[str] | None:
     items = init_info.get(name)
     if items is None:
         return None
-    if not isinstance(items, list) or not items or len(items) > MAX_ITEMS or not all(
-            isinstance(x, str) and 0 < len(x) <= MAX_ITEM_CHARS for x in items):
-        raise RequestError(f"init_info {name!r} must be a non-empty list of at most {MAX_ITEMS} strings "
-                           "(leave it out to keep the server's own)")
+    if (
+        not isinstance(items, list)
+        or not items
+        or len(items) > MAX_ITEMS
+        or not all(isinstance(x, str) and 0 < len(x) <= MAX_ITEM_CHARS for x in items)
+    ):
+        raise RequestError(
+            f"init_info {name!r} must be a non-empty list of at most {MAX_ITEMS} strings "
+            "(leave it out to keep the server's own)"
+        )
     return items
 
 
@@ -65,10 +72,14 @@ def _key(item: str, trusted: dict):
             raise RequestError("init_info trusted_keys: not an Ed25519 public key")
         kid = key_id(_public_raw(k))
     elif not (len(kid) == 16 and all(c in "0123456789abcdef" for c in kid)):
-        raise RequestError(f"init_info trusted_keys: {short(item, 40)} is neither PEM text nor a key id (16 hex digits)")
+        raise RequestError(
+            f"init_info trusted_keys: {short(item, 40)} is neither PEM text nor a key id (16 hex digits)"
+        )
     if kid not in trusted:
-        raise WideningError(f"key {kid} is not among the server's trusted keys (ENGINE_EXT_TRUSTED_KEYS): "
-                            "init_weight_transfer_engine may only narrow them")
+        raise WideningError(
+            f"key {kid} is not among the server's trusted keys (ENGINE_EXT_TRUSTED_KEYS): "
+            "init_weight_transfer_engine may only narrow them"
+        )
     return kid, trusted[kid]
 
 
@@ -94,12 +105,16 @@ def narrow(init_info: dict | None, server: Policy) -> Policy:
     keys = _strings(init_info, "trusted_keys")
     if keys is not None:
         if not server.trust.keys:
-            raise WideningError("the server trusts no keys (ENGINE_EXT_TRUSTED_KEYS is empty): there is nothing to "
-                                "narrow to; configure the keys on the server")
+            raise WideningError(
+                "the server trusts no keys (ENGINE_EXT_TRUSTED_KEYS is empty): there is nothing to "
+                "narrow to; configure the keys on the server"
+            )
         chosen = dict(_key(k, server.trust.keys) for k in keys)
         if len(chosen) < server.trust.threshold:
-            raise RequestError(f"{len(chosen)} key(s) cannot meet the server's signature threshold "
-                               f"{server.trust.threshold} (ENGINE_EXT_SIGNATURE_THRESHOLD)")
+            raise RequestError(
+                f"{len(chosen)} key(s) cannot meet the server's signature threshold "
+                f"{server.trust.threshold} (ENGINE_EXT_SIGNATURE_THRESHOLD)"
+            )
         trust = Trust(chosen, server.trust.threshold, allow_unsigned=False)  # named keys: signatures required
     return Policy(sources, trust)
 
@@ -107,8 +122,12 @@ def narrow(init_info: dict | None, server: Policy) -> Policy:
 def describe(policy: Policy, server: Policy) -> dict:
     """What a door accepts, for status answers: how many sources, which key ids, whether narrowed
     (the prefixes themselves are not echoed: errors and status never list the allow-list)."""
-    return {"narrowed": policy is not server, "sources": len(policy.sources.prefixes),
-            "trusted_keys": sorted(policy.trust.keys), "allow_unsigned": policy.trust.allow_unsigned}
+    return {
+        "narrowed": policy is not server,
+        "sources": len(policy.sources.prefixes),
+        "trusted_keys": sorted(policy.trust.keys),
+        "allow_unsigned": policy.trust.allow_unsigned,
+    }
 
 
 def update_request(update_info) -> UpdateRequest:
@@ -116,8 +135,10 @@ def update_request(update_info) -> UpdateRequest:
     must name one version: every rank fetches its own part of it itself."""
     if isinstance(update_info, list):
         if not update_info or any(u != update_info[0] for u in update_info):
-            raise RequestError("a per-rank update_info list must repeat one {\"url\": ...}: every rank fetches its "
-                               "own part of the version itself")
+            raise RequestError(
+                'a per-rank update_info list must repeat one {"url": ...}: every rank fetches its '
+                "own part of the version itself"
+            )
         update_info = update_info[0]
     if not isinstance(update_info, dict):
         raise RequestError('update_info must be a JSON object like {"url": "<manifest URI>"}')
@@ -127,4 +148,4 @@ def update_request(update_info) -> UpdateRequest:
     return UpdateRequest.parse({**update_info, "wait": True})
 
 
-__all__ = ["WideningError", "narrow", "describe", "update_request"]
+__all__ = ["WideningError", "describe", "narrow", "update_request"]

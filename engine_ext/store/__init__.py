@@ -21,6 +21,7 @@ One file per backend behind the interface of :mod:`.base` (``local``, ``http``, 
 found by URI scheme in :data:`BACKENDS` and imported only when a store of that kind is
 opened (boto3 and huggingface_hub are extras); :mod:`.versions` publishes a version on top.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -33,13 +34,27 @@ from .base import Store, _check_key
 from .versions import publish_version
 
 __all__ = [
-    "Store", "LocalStore", "HttpStore", "S3Store", "HfBucketStore",
-    "open_store", "split_uri", "publish_version", "LATEST_KEY", "BACKENDS",
+    "BACKENDS",
+    "LATEST_KEY",
+    "HfBucketStore",
+    "HttpStore",
+    "LocalStore",
+    "S3Store",
+    "Store",
+    "open_store",
+    "publish_version",
+    "split_uri",
 ]
 
 #: URI scheme ("" for a plain path) -> (module of this package, class): one file per backend.
-BACKENDS = {"": ("local", "LocalStore"), "file": ("local", "LocalStore"), "http": ("http", "HttpStore"),
-            "https": ("http", "HttpStore"), "s3": ("s3", "S3Store"), "hf": ("hf", "HfBucketStore")}
+BACKENDS = {
+    "": ("local", "LocalStore"),
+    "file": ("local", "LocalStore"),
+    "http": ("http", "HttpStore"),
+    "https": ("http", "HttpStore"),
+    "s3": ("s3", "S3Store"),
+    "hf": ("hf", "HfBucketStore"),
+}
 
 
 def _backend(scheme: str):

@@ -8,13 +8,14 @@ names under that root (``v00000003.json``, ``LATEST``). Every failure surfaces a
 for), ``ConflictError`` (a write-once object exists, or LATEST moved) and ``SourceError``
 (everything else: network, auth, misconfiguration).
 """
+
 from __future__ import annotations
 
 import os
 import re
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 from ..errors import ConflictError, FetchTimeoutError, ForbiddenSourceError, IntegrityError, NotFoundError, SourceError
 from ..format.latest import MAX_LATEST_BYTES
@@ -28,7 +29,9 @@ def _check_key(key: str, root: str) -> str:
         raise ForbiddenSourceError(f"empty or non-string key {key!r} under {root}")
     parts = key.split("/")
     if key.startswith("/") or "\\" in key or "\x00" in key or any(p in ("", ".", "..") for p in parts):
-        raise ForbiddenSourceError(f"refused key {key!r} under {root}: keys are relative names without '..', '.', '//' or '\\'")
+        raise ForbiddenSourceError(
+            f"refused key {key!r} under {root}: keys are relative names without '..', '.', '//' or '\\'"
+        )
     return key
 
 
@@ -75,7 +78,7 @@ class Store:
             try:
                 return read()
             except ReadCut:
-                pause = min(self.backoff * 2 ** attempt, 10.0)
+                pause = min(self.backoff * 2**attempt, 10.0)
                 left = self.remaining(what)
                 if attempt == self.retries or (left is not None and pause >= left):
                     raise
@@ -140,8 +143,9 @@ class Store:
         store links it), else None (the system's temp directory)."""
         return None
 
-    def write_if(self, key: str, data: bytes, check: Callable[[bytes | None], None],
-                 max_bytes: int = MAX_LATEST_BYTES) -> None:
+    def write_if(
+        self, key: str, data: bytes, check: Callable[[bytes | None], None], max_bytes: int = MAX_LATEST_BYTES
+    ) -> None:
         """Replace the small object ``key`` (``LATEST``) with ``data`` if ``check(what it holds now, or
         None)`` does not raise, and only if it did not change between that read and the write. This
         default, for backends with no compare-and-swap, reads then writes (not atomic against a racer)."""
@@ -182,7 +186,9 @@ class NetworkStore(Store):
         _check_range(start, length)
         if length == 0:
             return b""
-        return self._retry_cuts(f"{self.read_request} {self.key_uri(key)}", lambda: self._read_range(key, start, length))
+        return self._retry_cuts(
+            f"{self.read_request} {self.key_uri(key)}", lambda: self._read_range(key, start, length)
+        )
 
     def _read(self, key: str, max_bytes: int | None) -> bytes:
         """One request for the whole object (``max_bytes``: as in :meth:`Store.read`); ReadCut where the body is cut."""

@@ -6,18 +6,20 @@ shapes first, then each tensor's bytes are appended, so memory stays bounded by 
 largest tensor rather than the shard (``safetensors.torch.save_file`` needs the whole
 shard in memory).
 """
+
 from __future__ import annotations
 
 import ctypes
 import hashlib
-import math
+import itertools
 import json
+import math
 import os
 import struct
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import safe_open
@@ -97,8 +99,14 @@ class CheckpointDir:
             for name, meta in read_header(self.path / fname).items():
                 if name == "__metadata__":
                     continue
-                if not isinstance(meta, dict) or not isinstance(meta.get("dtype"), str) or not _is_shape(meta.get("shape")):
-                    raise ValueError(f"{fname}:{name!r:.100}: not a tensor entry (a dtype and a shape of non-negative ints)")
+                if (
+                    not isinstance(meta, dict)
+                    or not isinstance(meta.get("dtype"), str)
+                    or not _is_shape(meta.get("shape"))
+                ):
+                    raise ValueError(
+                        f"{fname}:{name!r:.100}: not a tensor entry (a dtype and a shape of non-negative ints)"
+                    )
                 dt = BY_SAFETENSORS.get(meta["dtype"])
                 if dt is None:
                     raise ValueError(f"{fname}:{name!r:.100}: unsupported dtype {meta['dtype'][:40]!r}")
@@ -131,14 +139,24 @@ class CheckpointDir:
         out = {}
         for copy in [n for n in self.tensors if n == "lm_head.weight" or n.endswith(".lm_head.weight")]:
             info = self.tensors[copy]
-            kept = next((n for n, i in self.tensors.items() if n != copy and "embed" in n
-                         and (i.shape, i.dtype) == (info.shape, info.dtype)), None)
+            kept = next(
+                (
+                    n
+                    for n, i in self.tensors.items()
+                    if n != copy and "embed" in n and (i.shape, i.dtype) == (info.shape, info.dtype)
+                ),
+                None,
+            )
             if kept is None:
-                raise ValueError(f"{self.path}: config.json ties the word embeddings, but no input embedding has "
-                                 f"{copy}'s shape {list(info.shape)} and dtype {info.dtype.name}")
+                raise ValueError(
+                    f"{self.path}: config.json ties the word embeddings, but no input embedding has "
+                    f"{copy}'s shape {list(info.shape)} and dtype {info.dtype.name}"
+                )
             if not torch.equal(as_bits(self.load(copy)), as_bits(self.load(kept))):
-                raise ValueError(f"{self.path}: config.json ties the word embeddings, but {copy} differs from {kept} "
-                                 "(the checkpoint is not what its config says: untie it in config.json, or fix the weights)")
+                raise ValueError(
+                    f"{self.path}: config.json ties the word embeddings, but {copy} differs from {kept} "
+                    "(the checkpoint is not what its config says: untie it in config.json, or fix the weights)"
+                )
             out[copy] = kept
         for copy in out:
             del self.tensors[copy]
@@ -157,7 +175,7 @@ class CheckpointDir:
         """(name, tensor) one at a time, shard by shard."""
         for fname in self.files:
             with safe_open(self.path / fname, framework="pt") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 - a safe_open handle has keys() and is not iterable
                     if name in self.tensors:  # not a tied copy left out
                         yield name, f.get_tensor(name)
 
@@ -169,8 +187,9 @@ def served_checkpoint(model: str, revision: str | None = None) -> CheckpointDir:
         return CheckpointDir(model)
     from huggingface_hub import snapshot_download
 
-    return CheckpointDir(snapshot_download(model, revision=revision, allow_patterns=["*.safetensors", "*.json"],
-                                           local_files_only=True))
+    return CheckpointDir(
+        snapshot_download(model, revision=revision, allow_patterns=["*.safetensors", "*.json"], local_files_only=True)
+    )
 
 
 def _sync_file_range():
@@ -216,8 +235,13 @@ class SafetensorsWriter:
     for little.
     """
 
-    def __init__(self, path: str | Path, infos: list[tuple[str, DType, tuple[int, ...]]], metadata: dict | None = None,
-                 hashed: bool = False):
+    def __init__(
+        self,
+        path: str | Path,
+        infos: list[tuple[str, DType, tuple[int, ...]]],
+        metadata: dict | None = None,
+        hashed: bool = False,
+    ):
         header, offset = {}, 0
         self.order = []
         for name, dt, shape in infos:
@@ -234,7 +258,7 @@ class SafetensorsWriter:
         self.header = header
         self.data_start = 8 + len(raw)
         self.path = Path(path)
-        self.f = open(self.path, "wb")
+        self.f = open(self.path, "wb")  # noqa: SIM115 - written tensor by tensor until close()
         head = struct.pack("<Q", len(raw)) + raw
         self.f.write(head)
         self.size = len(head)
@@ -269,10 +293,10 @@ class SafetensorsWriter:
             raise ValueError(f"{name}: {len(data)} bytes, header says {n}")
         edges = [0, *splits, n]
         pieces = []
-        for a, b in zip(edges, edges[1:]):  # written and hashed a few MB at a time, while they are in cache
+        for a, b in itertools.pairwise(edges):  # written and hashed a few MB at a time, while they are in cache
             piece = hashlib.sha256() if self.hashed else None
             for c in range(a, b, WRITE_CHUNK):
-                chunk = data[c:min(b, c + WRITE_CHUNK)]
+                chunk = data[c : min(b, c + WRITE_CHUNK)]
                 self.f.write(chunk)  # one huge write() is several times slower than many of a few MB
                 if piece is not None:
                     piece.update(chunk)

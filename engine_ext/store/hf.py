@@ -1,4 +1,5 @@
 """``hf://buckets/<namespace>/<name>[/prefix]``: Hugging Face Storage Buckets as a store."""
+
 from __future__ import annotations
 
 import os
@@ -34,11 +35,14 @@ class HfBucketStore(HttpStore):
             if token is None:
                 try:
                     from huggingface_hub import get_token
+
                     token = get_token()
                 except ImportError:
                     pass
         self.hf_token = token
-        base = f"{self.endpoint}/buckets/{self.bucket_id}/resolve" + (f"/{urllib.parse.quote(self.prefix)}" if self.prefix else "")
+        base = f"{self.endpoint}/buckets/{self.bucket_id}/resolve" + (
+            f"/{urllib.parse.quote(self.prefix)}" if self.prefix else ""
+        )
         super().__init__(base, token=token or "", **http_options)
         self.http_uri = self.uri
         self.uri = f"hf://buckets/{self.bucket_id}" + (f"/{self.prefix}" if self.prefix else "")
@@ -62,11 +66,16 @@ class HfBucketStore(HttpStore):
         try:
             from huggingface_hub import HfApi
         except ImportError:
-            raise SourceError(f"{self.uri}: writing/listing HF buckets needs huggingface_hub: pip install 'engine-ext[hf]'") from None
+            raise SourceError(
+                f"{self.uri}: writing/listing HF buckets needs huggingface_hub: pip install 'engine-ext[hf]'"
+            ) from None
         api = HfApi(endpoint=self.endpoint, token=self.hf_token)
         if not hasattr(api, needs):
             import huggingface_hub
-            raise SourceError(f"{self.uri}: huggingface_hub {huggingface_hub.__version__} has no bucket API ({needs}); upgrade it")
+
+            raise SourceError(
+                f"{self.uri}: huggingface_hub {huggingface_hub.__version__} has no bucket API ({needs}); upgrade it"
+            )
         return api
 
     def _path(self, key: str) -> str:
@@ -91,12 +100,19 @@ class HfBucketStore(HttpStore):
 
     def write_file(self, key: str, path: str | os.PathLike) -> None:
         api = self._api("batch_bucket_files")
-        self._hub("upload", key, lambda: api.batch_bucket_files(self.bucket_id, add=[(os.fspath(path), self._path(key))]))
+        self._hub(
+            "upload", key, lambda: api.batch_bucket_files(self.bucket_id, add=[(os.fspath(path), self._path(key))])
+        )
 
     def list(self, prefix: str = "") -> list[str]:
         _check_prefix(prefix, self.uri)
         api = self._api("list_bucket_tree")
         base = f"{self.prefix}/" if self.prefix else ""
-        entries = self._hub("list", None, lambda: list(api.list_bucket_tree(self.bucket_id, base or None, recursive=True)))
-        return sorted(e.path[len(base):] for e in entries
-                      if getattr(e, "type", "file") == "file" and e.path.startswith(base + prefix))
+        entries = self._hub(
+            "list", None, lambda: list(api.list_bucket_tree(self.bucket_id, base or None, recursive=True))
+        )
+        return sorted(
+            e.path[len(base) :]
+            for e in entries
+            if getattr(e, "type", "file") == "file" and e.path.startswith(base + prefix)
+        )

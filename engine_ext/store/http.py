@@ -1,8 +1,9 @@
 """Plain HTTP(S) as a store (any static file server, CDN, presigned base URL); PUT when writable."""
+
 from __future__ import annotations
 
 import urllib.parse
-from typing import Callable
+from collections.abc import Callable
 
 from .. import settings
 from ..errors import ConflictError, ForbiddenSourceError, IntegrityError, NotFoundError, SourceError
@@ -27,9 +28,19 @@ class HttpStore(NetworkStore):
 
     MAX_REDIRECTS = 5
 
-    def __init__(self, root: str, *, token: str | None = None, connect_timeout: float = 5.0,
-                 read_timeout: float = 60.0, retries: int = 5, backoff: float = 0.25,
-                 max_object_bytes: int | None = None, writable: bool = False, pool_size: int = 32):
+    def __init__(
+        self,
+        root: str,
+        *,
+        token: str | None = None,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 60.0,
+        retries: int = 5,
+        backoff: float = 0.25,
+        max_object_bytes: int | None = None,
+        writable: bool = False,
+        pool_size: int = 32,
+    ):
         import requests
         from requests.adapters import HTTPAdapter
         from urllib3.util.retry import Retry
@@ -43,11 +54,20 @@ class HttpStore(NetworkStore):
         self.writable = writable
         self.retries, self.backoff = retries, backoff
         self.session = requests.Session()
-        retry = Retry(total=retries, connect=retries, read=retries, status=retries, other=0, redirect=0,
-                      backoff_factor=backoff, backoff_max=10.0,
-                      status_forcelist=(429, 500, 502, 503, 504),
-                      allowed_methods=frozenset({"GET", "HEAD", "PUT"}),
-                      raise_on_status=False, respect_retry_after_header=True)
+        retry = Retry(
+            total=retries,
+            connect=retries,
+            read=retries,
+            status=retries,
+            other=0,
+            redirect=0,
+            backoff_factor=backoff,
+            backoff_max=10.0,
+            status_forcelist=(429, 500, 502, 503, 504),
+            allowed_methods=frozenset({"GET", "HEAD", "PUT"}),
+            raise_on_status=False,
+            respect_retry_after_header=True,
+        )
         adapter = HTTPAdapter(max_retries=retry, pool_connections=4, pool_maxsize=pool_size)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
@@ -88,11 +108,19 @@ class HttpStore(NetworkStore):
         for _ in range(self.MAX_REDIRECTS + 1):
             hdrs = dict(headers, Authorization=self._auth) if self._auth and self._below_base(url) else headers
             try:
-                r = self.session.request(method, url, timeout=self._timeout(f"{method} {self.key_uri(key)}"),
-                                         allow_redirects=False, headers=hdrs, **kw)
+                r = self.session.request(
+                    method,
+                    url,
+                    timeout=self._timeout(f"{method} {self.key_uri(key)}"),
+                    allow_redirects=False,
+                    headers=hdrs,
+                    **kw,
+                )
             except requests.RequestException as e:
-                raise SourceError(f"{method} {self.key_uri(key)} failed after {self.retries} retries: "
-                                  f"{type(e).__name__}: {str(e)[:300]}") from e
+                raise SourceError(
+                    f"{method} {self.key_uri(key)} failed after {self.retries} retries: "
+                    f"{type(e).__name__}: {str(e)[:300]}"
+                ) from e
             if not r.is_redirect:
                 return r
             target = urllib.parse.urljoin(url, r.headers.get("Location", ""))
@@ -181,7 +209,7 @@ class HttpStore(NetworkStore):
                 pass
             if len(buf) < start + length:
                 raise _short(url, start, length, len(buf))
-            return bytes(buf[start:start + length])
+            return bytes(buf[start : start + length])
         raise self._fail(r, "GET", key)
 
     def exists(self, key: str) -> bool:
@@ -211,12 +239,16 @@ class HttpStore(NetworkStore):
         """HTTP PUT; ``headers`` carry the conditions of :meth:`create` and :meth:`write_if`
         (412 Precondition Failed: :class:`ConflictError`)."""
         if not self.writable:
-            raise SourceError(f"{self.uri} is a read-only HTTP store; publish to a local dir or s3:// "
-                              "and serve that (or open it with writable=True for an HTTP PUT server)")
+            raise SourceError(
+                f"{self.uri} is a read-only HTTP store; publish to a local dir or s3:// "
+                "and serve that (or open it with writable=True for an HTTP PUT server)"
+            )
         r = self._request("PUT", key, data=data, headers=headers)
         if r.status_code == 412:
             r.close()
-            raise ConflictError(f"PUT {self.key_uri(key)}: precondition failed ({(headers or {})}): it changed or exists")
+            raise ConflictError(
+                f"PUT {self.key_uri(key)}: precondition failed ({(headers or {})}): it changed or exists"
+            )
         if r.status_code not in (200, 201, 204):
             raise self._fail(r, "PUT", key)
         r.close()
@@ -224,8 +256,9 @@ class HttpStore(NetworkStore):
     def create(self, key: str, data: bytes) -> None:
         self.write(key, data, headers={"If-None-Match": "*"})
 
-    def write_if(self, key: str, data: bytes, check: Callable[[bytes | None], None],
-                 max_bytes: int = MAX_LATEST_BYTES) -> None:
+    def write_if(
+        self, key: str, data: bytes, check: Callable[[bytes | None], None], max_bytes: int = MAX_LATEST_BYTES
+    ) -> None:
         """GET (with its ETag), check, then PUT with ``If-Match`` (or ``If-None-Match: *`` where there
         was nothing); a server that sends no ETag gets a plain PUT (not atomic against a racer)."""
         r = self._request("GET", key, stream=True)
@@ -238,4 +271,6 @@ class HttpStore(NetworkStore):
         else:
             raise self._fail(r, "GET", key)
         check(current)
-        self.write(key, data, headers={"If-Match": etag} if etag else ({"If-None-Match": "*"} if current is None else None))
+        self.write(
+            key, data, headers={"If-Match": etag} if etag else ({"If-None-Match": "*"} if current is None else None)
+        )

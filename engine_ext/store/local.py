@@ -1,4 +1,5 @@
 """A local directory (or ``file://``) as a store: atomic, fsynced writes; exclusive creates."""
+
 from __future__ import annotations
 
 import os
@@ -6,8 +7,8 @@ import shutil
 import stat
 import tempfile
 import urllib.parse
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 from ..errors import ConflictError, ForbiddenSourceError, NotFoundError, SourceError
 from ..format.latest import MAX_LATEST_BYTES
@@ -188,15 +189,19 @@ class LocalStore(Store):
         os.makedirs(self.path, exist_ok=True)
         return self.path
 
-    def write_if(self, key: str, data: bytes, check: Callable[[bytes | None], None],
-                 max_bytes: int = MAX_LATEST_BYTES) -> None:
+    def write_if(
+        self, key: str, data: bytes, check: Callable[[bytes | None], None], max_bytes: int = MAX_LATEST_BYTES
+    ) -> None:
         import fcntl
 
         dest = self._p(key)
         try:
             os.makedirs(os.path.dirname(dest), exist_ok=True)
-            fd = os.open(os.path.join(os.path.dirname(dest), f"{_TMP_PREFIX}{os.path.basename(dest)}.lock"),
-                         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(
+                os.path.join(os.path.dirname(dest), f"{_TMP_PREFIX}{os.path.basename(dest)}.lock"),
+                os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                0o644,
+            )
         except OSError as e:
             raise SourceError(f"cannot lock {self.key_uri(key)}: {e}") from e
         try:

@@ -14,6 +14,7 @@ Trust comes before use, and every size is bounded before it is spent (TUF's orde
 
 Corrupt, truncated or hostile input fails fast with an :mod:`engine_ext.errors` exception.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,22 +23,21 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-import numpy as np
-
-from ..format import chunks, codec, tables
-from ..format.context import codec as ctx_codec
-from ..format.pieces import PIECES, pieces_sha256
-from ..format import fingerprint as fpr
 from .. import settings
+from ..errors import BaseMismatchError, IntegrityError, ManifestError, ModelMismatchError, NotFoundError
+from ..format import chunks, codec, tables
+from ..format import fingerprint as fpr
+from ..format.context import codec as ctx_codec
 from ..format.delta import TensorDelta, apply_tensor
 from ..format.dtypes import as_bits, dtype_by_name
-from ..errors import BaseMismatchError, IntegrityError, ManifestError, ModelMismatchError, NotFoundError
 from ..format.latest import LATEST_KEY, MAX_LATEST_BYTES, Latest
-from ..format.manifest import CONTEXT_CODERS, MAX_MANIFEST_BYTES, Manifest
-from .signing import MAX_SIGNATURE_BYTES, SIG_SUFFIX, SignatureError, Trust, sha256_hex
+from ..format.manifest import CONTEXT_CODERS, MAX_MANIFEST_BYTES, Chunk, Manifest, TensorEntry
+from ..format.pieces import PIECES, pieces_sha256
 from . import Store, split_uri
+from .signing import MAX_SIGNATURE_BYTES, SIG_SUFFIX, SignatureError, Trust, sha256_hex
 
 FETCH_CHUNK = 16 << 20  # blobs above this are fetched as parallel ranges
 MAX_DECODE_RATIO = 256  # decoded bytes per payload byte (a real delta stays far below; a bomb does not)
@@ -151,8 +151,10 @@ def read_latest(store: Store, trust: Trust | None = None, allow_expired: bool = 
     latest, signatures = Latest.from_json(store.read(LATEST_KEY, max_bytes=MAX_LATEST_BYTES))
     if trust.verify(latest.signed_bytes(), signatures, store.key_uri(LATEST_KEY)):
         if latest.expires_unix is None or (latest.expires_unix < time.time() and not allow_expired):
-            raise SignatureError(f"{store.key_uri(LATEST_KEY)} has expired (the publisher stopped refreshing it, "
-                                 "or an old pointer is being replayed)")
+            raise SignatureError(
+                f"{store.key_uri(LATEST_KEY)} has expired (the publisher stopped refreshing it, "
+                "or an old pointer is being replayed)"
+            )
         if latest.sha256 is None:
             raise SignatureError(f"{store.key_uri(LATEST_KEY)} does not name its manifest by SHA-256")
     return latest
@@ -176,7 +178,8 @@ def check_expected(m: Manifest, expected: dict | None, where: str) -> None:
             dtype_only |= tuple(want[0]) == tuple(t.shape)
     if missing or differ:
         why = ([f"{len(missing)} tensor(s) not in the served model: {missing[:5]}"] if missing else []) + (
-            [f"{len(differ)} tensor(s) differ: " + "; ".join(differ[:5])] if differ else [])
+            [f"{len(differ)} tensor(s) differ: " + "; ".join(differ[:5])] if differ else []
+        )
         hint = " (publish in the served dtype: DeltaPublisher(dtype=...), engine-ext --dtype)" if dtype_only else ""
         raise ModelMismatchError(f"{where}: " + "; ".join(why) + hint)
 
@@ -198,7 +201,7 @@ def fetch_blobs(store: Store, m: Manifest, workers: int = 8) -> list[bytearray]:
             ranges = [(o, min(FETCH_CHUNK, b.size - o)) for o in range(0, b.size, FETCH_CHUNK)]
 
             def part(r):
-                buf[r[0]:r[0] + r[1]] = store.read_range(b.key, r[0], r[1])
+                buf[r[0] : r[0] + r[1]] = store.read_range(b.key, r[0], r[1])
 
             with ThreadPoolExecutor(min(workers, len(ranges))) as pool:
                 list(pool.map(part, ranges))
@@ -207,8 +210,7 @@ def fetch_blobs(store: Store, m: Manifest, workers: int = 8) -> list[bytearray]:
             if len(data) != b.size:
                 raise IntegrityError(f"{store.key_uri(b.key)}: {len(data)} bytes, manifest says {b.size}")
             buf[:] = data
-        got = (hashlib.sha256(buf).hexdigest() if bounds[i] is None
-               else pieces_sha256(buf, bounds[i], per_blob))
+        got = hashlib.sha256(buf).hexdigest() if bounds[i] is None else pieces_sha256(buf, bounds[i], per_blob)
         if got != b.sha256:
             raise IntegrityError(f"{store.key_uri(b.key)}: SHA-256 mismatch (corrupt blob)")
         return buf
@@ -231,8 +233,8 @@ class _Part:
     """The bytes of one changed tensor (``entry`` is its TensorEntry, ``box`` None), or of one
     cell of it (``entry`` is the Chunk, ``box`` the cell)."""
 
-    tensor: object  # format.TensorEntry
-    entry: object  # format.TensorEntry or format.Chunk: coders, nnz, blob, offset, sha256
+    tensor: TensorEntry
+    entry: TensorEntry | Chunk  # coders, nnz, blob, offset, sha256
     box: tuple | None
     tables: tuple = ()  # the version's step tables for the tensor's dtype (context-coded parts)
 
@@ -256,13 +258,17 @@ def _parts(m: Manifest, selection: Selection | None) -> list[_Part]:
         if t.cells is not None:
             raise ManifestError(f"tensor {t.name!r}: its cell table was not read (load_cells)")
         cells, boxes = None if selection is None else selection[t.name], t.boxes()
-        out += [_Part(t, c, boxes[c.cell], tab) for c in sorted(t.chunks, key=lambda c: c.cell)
-                if cells is None or c.cell in cells]
+        out += [
+            _Part(t, c, boxes[c.cell], tab)
+            for c in sorted(t.chunks, key=lambda c: c.cell)
+            if cells is None or c.cell in cells
+        ]
     return out
 
 
-def fetch_selected(store: Store, m: Manifest, selection: Selection | None = None,
-                   workers: int = 8, bases: Bases | None = None) -> tuple[list[TensorDelta], int]:
+def fetch_selected(
+    store: Store, m: Manifest, selection: Selection | None = None, workers: int = 8, bases: Bases | None = None
+) -> tuple[list[TensorDelta], int]:
     """Fetch, verify and decode the selected tensors (or cells of them) by byte ranges: close
     ranges of a blob are read together; every part is checked against its SHA-256 from the
     manifest before it is decoded. Returns the decoded tensors and the bytes read."""
@@ -278,8 +284,9 @@ def fetch_selected(store: Store, m: Manifest, selection: Selection | None = None
     return _decode_parts(parts, data.__getitem__, workers, bases), read + cell_bytes
 
 
-def _read_ranges(store: Store, m: Manifest, ranges: list[tuple[int, int, int]], workers: int = 8,
-                 check=None) -> tuple[dict[tuple[int, int], memoryview], int]:
+def _read_ranges(
+    store: Store, m: Manifest, ranges: list[tuple[int, int, int]], workers: int = 8, check=None
+) -> tuple[dict[tuple[int, int], memoryview], int]:
     """The bytes of each (blob, offset, length) of ``m``, keyed by (blob, offset), and the bytes read:
     close ranges of a blob are read as one request, in parallel; ``check(key, bytes)`` runs on each as
     it arrives (in the reading thread)."""
@@ -305,9 +312,11 @@ def _read_ranges(store: Store, m: Manifest, ranges: list[tuple[int, int, int]], 
         b, start, end, rs = span
         raw = memoryview(store.read_range(m.blobs[b].key, start, end - start))
         if len(raw) != end - start:
-            raise IntegrityError(f"{store.key_uri(m.blobs[b].key)}: {len(raw)} bytes at {start}, asked for {end - start}")
+            raise IntegrityError(
+                f"{store.key_uri(m.blobs[b].key)}: {len(raw)} bytes at {start}, asked for {end - start}"
+            )
         for offset, length in rs:
-            piece = raw[offset - start:offset - start + length]
+            piece = raw[offset - start : offset - start + length]
             if check is not None:
                 check((b, offset), piece)
             data[(b, offset)] = piece
@@ -372,8 +381,10 @@ class TensorBases(Bases):
         if name not in self._fps and self._get(name) is not None:
             self._fps[name] = fpr.tensor_fingerprint(self.tensors[name])
         if self._fps.get(name, fingerprint) != fingerprint:
-            raise BaseMismatchError(f"tensor {name!r}: the held base has fingerprint {fpr.fmt(self._fps[name])}, "
-                                    f"the delta's is {fpr.fmt(fingerprint)} (wrong base)")
+            raise BaseMismatchError(
+                f"tensor {name!r}: the held base has fingerprint {fpr.fmt(self._fps[name])}, "
+                f"the delta's is {fpr.fmt(fingerprint)} (wrong base)"
+            )
 
     def advance(self, tensors):
         for td in tensors:
@@ -428,8 +439,9 @@ def _decode_part(p: _Part, data: memoryview, bases: Bases | None = None) -> tupl
 def _decode_values(p: _Part, data: memoryview) -> torch.Tensor:
     """The values of a part whose positions are every element of it (no bytes)."""
     try:
-        return codec.decode_values(p.entry.values.coder, bytes(data[p.entry.positions.length:]), p.entry.nnz,
-                                   dtype_by_name(p.tensor.dtype))
+        return codec.decode_values(
+            p.entry.values.coder, bytes(data[p.entry.positions.length :]), p.entry.nnz, dtype_by_name(p.tensor.dtype)
+        )
     except IntegrityError as err:
         raise IntegrityError(f"tensor {p.tensor.name!r}: {err}") from None
 
@@ -456,8 +468,11 @@ def _decode_parts(parts: list[_Part], data_of, workers: int, bases: Bases | None
         base = fpr.parse(t.base_fingerprint) if t.base_fingerprint else None
         if _whole_in_rows(ps):  # every cell of a row-cut anchor: its values in order, no positions
             vals = torch.cat([_decode_values(p, data_of((p.blob, p.offset))) for p in ps])
-            return [TensorDelta(t.name, dtype_by_name(t.dtype), tuple(t.shape), "abs", None, vals, base,
-                                fpr.parse(t.fingerprint))]
+            return [
+                TensorDelta(
+                    t.name, dtype_by_name(t.dtype), tuple(t.shape), "abs", None, vals, base, fpr.parse(t.fingerprint)
+                )
+            ]
         by_mode: dict[str, list] = {}
         if bases is not None and any(p.entry.positions.coder in CONTEXT_CODERS for p in ps):
             bases.verify(t.name, base)  # before any context decoding: a wrong base decodes to garbage
@@ -475,8 +490,11 @@ def _decode_parts(parts: list[_Part], data_of, workers: int, bases: Bases | None
                     vals = vals[order]
             if pos is not None and pos.numel() == t.numel:  # sorted, unique: every element, in order
                 pos = None
-            out.append(TensorDelta(t.name, dtype_by_name(t.dtype), tuple(t.shape), mode, pos, vals, base,
-                                   fpr.parse(t.fingerprint)))
+            out.append(
+                TensorDelta(
+                    t.name, dtype_by_name(t.dtype), tuple(t.shape), mode, pos, vals, base, fpr.parse(t.fingerprint)
+                )
+            )
         return out
 
     groups = list(by_tensor.values())
@@ -489,8 +507,12 @@ def _whole_in_rows(ps: list[_Part]) -> bool:
     holding all its elements: their values, concatenated, are the whole tensor's (a chunked
     anchor: the one path that materialises no positions)."""
     t = ps[0].tensor
-    return (t.chunks is not None and len(t.grid) == 1 and len(ps) == len(t.grid[0]) - 1
-            and all(p.entry.positions.coder == "all" and p.entry.values.mode == "abs" for p in ps))
+    return (
+        t.chunks is not None
+        and len(t.grid) == 1
+        and len(ps) == len(t.grid[0]) - 1
+        and all(p.entry.positions.coder == "all" and p.entry.values.mode == "abs" for p in ps)
+    )
 
 
 def check_decode_budget(m: Manifest, limit: int | None = None) -> None:
@@ -502,23 +524,32 @@ def check_decode_budget(m: Manifest, limit: int | None = None) -> None:
     if total > limit:
         raise ManifestError(f"decoding would take {total} bytes, over the {limit}-byte limit for this model")
     if total > MAX_DECODE_RATIO * m.payload_bytes + DECODE_SLACK:
-        raise ManifestError(f"decoding would take {total} bytes from a {m.payload_bytes}-byte payload "
-                            f"(over {MAX_DECODE_RATIO}x: a decode bomb)")
+        raise ManifestError(
+            f"decoding would take {total} bytes from a {m.payload_bytes}-byte payload "
+            f"(over {MAX_DECODE_RATIO}x: a decode bomb)"
+        )
 
 
-def decode_manifest(m: Manifest, blobs: list, workers: int = 8, limit: int | None = None,
-                    bases: Bases | None = None) -> list[TensorDelta]:
+def decode_manifest(
+    m: Manifest, blobs: list, workers: int = 8, limit: int | None = None, bases: Bases | None = None
+) -> list[TensorDelta]:
     """Decode every changed tensor from whole (verified) blobs."""
     check_decode_budget(m, limit)
-    tables.set_cells(m, [(t, bytes(memoryview(blobs[t.cells.blob])[t.cells.offset:t.cells.offset + t.cells.length]))
-                         for t in m.tensors if t.cells is not None])
+    tables.set_cells(
+        m,
+        [
+            (t, bytes(memoryview(blobs[t.cells.blob])[t.cells.offset : t.cells.offset + t.cells.length]))
+            for t in m.tensors
+            if t.cells is not None
+        ],
+    )
     parts = _parts(m, None)
     by_key = {(p.blob, p.offset): p for p in parts}
 
     def data_of(key):
         b, offset = key
         p = by_key[key]
-        piece = memoryview(blobs[b])[offset:offset + p.length]
+        piece = memoryview(blobs[b])[offset : offset + p.length]
         if hashlib.sha256(piece).hexdigest() != p.sha256:
             raise IntegrityError(f"tensor {p.tensor.name!r}: SHA-256 mismatch")
         return piece
@@ -528,18 +559,30 @@ def decode_manifest(m: Manifest, blobs: list, workers: int = 8, limit: int | Non
 
 def _decoded(store: Store, m: Manifest, key: str, tensors: list[TensorDelta]) -> DecodedDelta:
     return DecodedDelta(
-        kind=m.kind, model=m.model, base_version=m.base_version, version=m.version,
+        kind=m.kind,
+        model=m.model,
+        base_version=m.base_version,
+        version=m.version,
         base_fingerprint=fpr.parse(m.base_fingerprint) if m.base_fingerprint else None,
-        fingerprint=fpr.parse(m.fingerprint), tensors=tensors, payload_bytes=m.payload_bytes,
+        fingerprint=fpr.parse(m.fingerprint),
+        tensors=tensors,
+        payload_bytes=m.payload_bytes,
         manifests=[store.key_uri(key)],
         tensor_fingerprints={t.name: fpr.parse(t.fingerprint) for t in m.tensors},
         tensor_base_fingerprints={t.name: fpr.parse(t.base_fingerprint) for t in m.tensors if t.base_fingerprint},
     )
 
 
-def load_delta(manifest_uri: str, *, expected: dict | None = None, names: set[str] | None = None,
-               workers: int = 8, trust: Trust | None = None, bases: Bases | None = None,
-               **store_options) -> DecodedDelta:
+def load_delta(
+    manifest_uri: str,
+    *,
+    expected: dict | None = None,
+    names: set[str] | None = None,
+    workers: int = 8,
+    trust: Trust | None = None,
+    bases: Bases | None = None,
+    **store_options,
+) -> DecodedDelta:
     """Fetch, verify and decode one published version (delta or anchor).
 
     With ``names``, only those tensors are fetched (by byte range, each checked against

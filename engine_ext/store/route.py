@@ -6,23 +6,34 @@ and verified (:mod:`.reader`) before it is parsed; each delta names its base man
 SHA-256, so links are checked one against the next; and the whole route is held to
 :class:`Limits` (links, manifest bytes, payload bytes, decoded bytes) before any blob is read.
 """
+
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .. import settings
+from ..errors import BaseMismatchError, IntegrityError, ManifestError, NotFoundError
 from ..format import chunks
 from ..format import fingerprint as fpr
-from .. import settings
 from ..format.delta import TensorDelta, compose
 from ..format.dtypes import dtype_by_name
-from ..errors import BaseMismatchError, IntegrityError, ManifestError, NotFoundError
 from ..format.manifest import ANCHOR, MAX_MANIFEST_BYTES, Manifest, manifest_key
-from .reader import (Bases, DecodedDelta, Link, _decoded, check_decode_budget, check_expected, decode_manifest,
-                     fetch_blobs, read_latest, read_link)
-from .signing import Trust
 from . import Store, open_store, split_uri
+from .reader import (
+    Bases,
+    DecodedDelta,
+    Link,
+    _decoded,
+    check_decode_budget,
+    check_expected,
+    decode_manifest,
+    fetch_blobs,
+    read_latest,
+    read_link,
+)
+from .signing import Trust
 
 MAX_CHAIN = 256  # links in one route; anchors keep real routes far shorter
 
@@ -47,7 +58,7 @@ class Limits:
     decoded_bytes: int | None = None  # per manifest
 
     @classmethod
-    def for_model(cls, tensors: dict) -> "Limits":
+    def for_model(cls, tensors: dict) -> Limits:
         """Limits relative to the served model ``{name: (shape, dtype name)}``: a manifest of
         at most ~2 KiB per tensor plus ~400 bytes per grid cell it may be cut into, a route's payload
         at most twice the model's bytes (an anchor is one model), decoding at most every
@@ -55,10 +66,11 @@ class Limits:
         numel = {n: math.prod(s) for n, (s, _) in tensors.items()}
         model_bytes = sum(numel[n] * dtype_by_name(d).itemsize for n, (_, d) in tensors.items())
         decoded = sum(numel[n] * (8 + dtype_by_name(d).itemsize) for n, (_, d) in tensors.items())
-        return cls(manifest_bytes=min(MAX_MANIFEST_BYTES, (64 << 10) + (2048 + 400 * chunks.GRID ** 2) * len(tensors)),
-                   payload_bytes=2 * model_bytes + (16 << 20),
-                   decoded_bytes=min(settings.current().max_decoded_bytes, decoded + (1 << 20)))
-
+        return cls(
+            manifest_bytes=min(MAX_MANIFEST_BYTES, (64 << 10) + (2048 + 400 * chunks.GRID**2) * len(tensors)),
+            payload_bytes=2 * model_bytes + (16 << 20),
+            decoded_bytes=min(settings.current().max_decoded_bytes, decoded + (1 << 20)),
+        )
 
 
 class DowngradeError(BaseMismatchError):
@@ -83,8 +95,9 @@ def check_same_weights(anchor: Link, target: Link, where: str) -> None:
     same weights (version and fingerprint), so fetching the anchor alone rebuilds the target."""
     a, t = anchor.manifest, target.manifest
     if a.version != t.version or a.fingerprint != t.fingerprint:
-        raise IntegrityError(f"{where}: {anchor.key} does not hold the weights of {target.key}: versions or "
-                             "fingerprints differ")
+        raise IntegrityError(
+            f"{where}: {anchor.key} does not hold the weights of {target.key}: versions or fingerprints differ"
+        )
 
 
 def chain_back(store: Store, target: Link, stop_version: int, read, limit: int) -> list[Link] | None:
@@ -116,10 +129,20 @@ def differing_tensors(m: Manifest, tensor_fps: Mapping[str, int] | None, show: i
     return f"; {len(differ)} tensor(s) differ from the delta's base: {differ[:show]}" if differ else ""
 
 
-def plan(source: str, have_version: int | None = None, have_fingerprint: int | None = None, *,
-         have_manifests: tuple[str, ...] = (), trust: Trust | None = None, limits: Limits = Limits(),
-         allow_older: bool = False, deadline: float | None = None, tensor_fps: Mapping[str, int] | None = None,
-         expected: dict | None = None, **store_options) -> Route:
+def plan(
+    source: str,
+    have_version: int | None = None,
+    have_fingerprint: int | None = None,
+    *,
+    have_manifests: tuple[str, ...] = (),
+    trust: Trust | None = None,
+    limits: Limits = Limits(),
+    allow_older: bool = False,
+    deadline: float | None = None,
+    tensor_fps: Mapping[str, int] | None = None,
+    expected: dict | None = None,
+    **store_options,
+) -> Route:
     """The verified links to fetch to go from what is held to the target, fewest bytes first.
 
     ``source`` is a manifest URI (``.../v00000042.json``) or a store root (its signed LATEST).
@@ -162,12 +185,15 @@ def plan(source: str, have_version: int | None = None, have_fingerprint: int | N
     check_expected(tm, expected, store.key_uri(key))
     if have_version is not None and have_fingerprint is not None and tm.version == have_version:
         if fpr.parse(tm.fingerprint) != have_fingerprint:
-            raise BaseMismatchError(f"{store.key_uri(key)} is version {tm.version} with another fingerprint than the "
-                                    "served one")
+            raise BaseMismatchError(
+                f"{store.key_uri(key)} is version {tm.version} with another fingerprint than the served one"
+            )
         return Route(store, [], target)  # already held: nothing to fetch
     if have_version is not None and tm.version < have_version and not allow_older:
-        raise DowngradeError(f"{store.key_uri(key)} is version {tm.version}, older than the served version "
-                             f"{have_version}; send \"rollback\": true to go back explicitly")
+        raise DowngradeError(
+            f"{store.key_uri(key)} is version {tm.version}, older than the served version "
+            f'{have_version}; send "rollback": true to go back explicitly'
+        )
     if have_fingerprint is not None and fpr.parse(tm.fingerprint) == have_fingerprint:
         _check_payload([target], limits)  # nothing will be fetched, but a manifest that lies about its size is refused
         return Route(store, [], target)  # the held weights are the target's: nothing to fetch
@@ -192,8 +218,11 @@ def plan(source: str, have_version: int | None = None, have_fingerprint: int | N
             if rest is not None:
                 if rest:
                     check_link(anchor, rest[0], store.uri)
-                holds_anchor = (have_fingerprint is not None and fpr.parse(anchor.manifest.fingerprint) == have_fingerprint
-                                and (not have_manifests or anchor.sha256 in have_manifests))
+                holds_anchor = (
+                    have_fingerprint is not None
+                    and fpr.parse(anchor.manifest.fingerprint) == have_fingerprint
+                    and (not have_manifests or anchor.sha256 in have_manifests)
+                )
                 candidates.append(rest if holds_anchor and rest else [anchor] + rest)
         except NotFoundError:
             pass
@@ -201,15 +230,24 @@ def plan(source: str, have_version: int | None = None, have_fingerprint: int | N
         raise BaseMismatchError(
             f"{store.key_uri(key)} applies to version {tm.base_version} (fingerprint {tm.base_fingerprint}); "
             f"held: version {have_version}, fingerprint {fpr.fmt(have_fingerprint) if have_fingerprint is not None else None}; "
-            f"no delta chain (of at most {limits.chain} links) or anchor leads there")
+            f"no delta chain (of at most {limits.chain} links) or anchor leads there"
+        )
     best = min(candidates, key=lambda c: sum(link.manifest.payload_bytes for link in c))
     first = best[0]
     if first.manifest.kind != ANCHOR:
         if have_fingerprint is not None and fpr.parse(first.manifest.base_fingerprint) != have_fingerprint:
-            raise BaseMismatchError(f"{store.key_uri(first.key)} applies to fingerprint {first.manifest.base_fingerprint}, "
-                                    f"held {fpr.fmt(have_fingerprint)}{differing_tensors(first.manifest, tensor_fps)}")
-        if have_manifests and first.manifest.format_version >= 2 and not set(first.manifest.base_manifests) & set(have_manifests):
-            raise IntegrityError(f"{store.key_uri(first.key)} is not bound to the manifest the served weights came from")
+            raise BaseMismatchError(
+                f"{store.key_uri(first.key)} applies to fingerprint {first.manifest.base_fingerprint}, "
+                f"held {fpr.fmt(have_fingerprint)}{differing_tensors(first.manifest, tensor_fps)}"
+            )
+        if (
+            have_manifests
+            and first.manifest.format_version >= 2
+            and not set(first.manifest.base_manifests) & set(have_manifests)
+        ):
+            raise IntegrityError(
+                f"{store.key_uri(first.key)} is not bound to the manifest the served weights came from"
+            )
     _check_payload(best, limits)
     return Route(store, best, target)
 
@@ -217,20 +255,24 @@ def plan(source: str, have_version: int | None = None, have_fingerprint: int | N
 def _check_payload(links: list[Link], limits: Limits) -> None:
     payload = sum(link.manifest.payload_bytes for link in links)
     if limits.payload_bytes is not None and payload > limits.payload_bytes:
-        raise ManifestError(f"the update would fetch {payload} bytes, over the {limits.payload_bytes}-byte limit "
-                            "for this model (twice its size)")
+        raise ManifestError(
+            f"the update would fetch {payload} bytes, over the {limits.payload_bytes}-byte limit "
+            "for this model (twice its size)"
+        )
 
 
-def fetch_planned(store: Store, chain: list[Link], workers: int = 8, limits: Limits = Limits(),
-                  bases: Bases | None = None) -> DecodedDelta:
+def fetch_planned(
+    store: Store, chain: list[Link], workers: int = 8, limits: Limits = Limits(), bases: Bases | None = None
+) -> DecodedDelta:
     """Fetch, verify and decode every link of a :func:`plan`, composed into one delta
     (context-coded parts against ``bases``, advanced link by link)."""
     for link in chain:  # every decode budget checked before the first byte of any blob
         check_decode_budget(link.manifest, limits.decoded_bytes)
     decoded = []
     for i, link in enumerate(chain):
-        tensors = decode_manifest(link.manifest, fetch_blobs(store, link.manifest, workers), workers,
-                                  limit=limits.decoded_bytes, bases=bases)
+        tensors = decode_manifest(
+            link.manifest, fetch_blobs(store, link.manifest, workers), workers, limit=limits.decoded_bytes, bases=bases
+        )
         if bases is not None and i + 1 < len(chain):
             bases.advance(tensors)
         decoded.append(_decoded(store, link.manifest, link.key, tensors))
@@ -243,20 +285,37 @@ def fetch_planned(store: Store, chain: list[Link], workers: int = 8, limits: Lim
     tensors = [part for parts in by_name.values() for part in compose(parts)]
     first, last = decoded[0], decoded[-1]
     return DecodedDelta(
-        kind=first.kind, model=last.model, base_version=first.base_version,
-        version=last.version, base_fingerprint=first.base_fingerprint, fingerprint=last.fingerprint,
-        tensors=tensors, payload_bytes=sum(d.payload_bytes for d in decoded),
+        kind=first.kind,
+        model=last.model,
+        base_version=first.base_version,
+        version=last.version,
+        base_fingerprint=first.base_fingerprint,
+        fingerprint=last.fingerprint,
+        tensors=tensors,
+        payload_bytes=sum(d.payload_bytes for d in decoded),
         manifests=[u for d in decoded for u in d.manifests],
-        tensor_fingerprints=last.tensor_fingerprints, tensor_base_fingerprints=first.tensor_base_fingerprints)
+        tensor_fingerprints=last.tensor_fingerprints,
+        tensor_base_fingerprints=first.tensor_base_fingerprints,
+    )
 
 
-def resolve(source: str, have_version: int | None = None, have_fingerprint: int | None = None, *,
-            expected: dict | None = None, workers: int = 8, trust: Trust | None = None,
-            allow_older: bool = True, bases: Bases | None = None, **store_options) -> DecodedDelta:
+def resolve(
+    source: str,
+    have_version: int | None = None,
+    have_fingerprint: int | None = None,
+    *,
+    expected: dict | None = None,
+    workers: int = 8,
+    trust: Trust | None = None,
+    allow_older: bool = True,
+    bases: Bases | None = None,
+    **store_options,
+) -> DecodedDelta:
     """Everything needed to go from the held version to ``source``'s, composed into one delta
     (:func:`plan`, each manifest checked against ``expected``, then :func:`fetch_planned`)."""
-    route = plan(source, have_version, have_fingerprint, trust=trust, allow_older=allow_older, expected=expected,
-                 **store_options)
+    route = plan(
+        source, have_version, have_fingerprint, trust=trust, allow_older=allow_older, expected=expected, **store_options
+    )
     for link in route.links:
         check_expected(link.manifest, expected, route.store.key_uri(link.key))
     return fetch_planned(route.store, route.links, workers, bases=bases)

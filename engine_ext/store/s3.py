@@ -1,10 +1,11 @@
 """``s3://bucket/prefix`` as a store through boto3 (AWS, R2, MinIO, GCS interop, moto)."""
+
 from __future__ import annotations
 
 import os
 import threading
 import urllib.parse
-from typing import Callable
+from collections.abc import Callable
 
 from .. import settings
 from ..errors import ConflictError, IntegrityError, NotFoundError, SourceError
@@ -18,8 +19,20 @@ _S3_LOCK = threading.Lock()
 def _s3_client(endpoint_url, region, addressing_style, connect_timeout, read_timeout, retries, pool_size):
     """boto3 clients are thread-safe and slow to build: share one per configuration."""
     # Credentials are resolved when a client is built: key on the env that feeds them too.
-    creds = tuple(os.environ.get(v) for v in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"))
-    key = (endpoint_url, region, addressing_style, connect_timeout, read_timeout, retries, pool_size, os.getpid(), creds)
+    creds = tuple(
+        os.environ.get(v) for v in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
+    )
+    key = (
+        endpoint_url,
+        region,
+        addressing_style,
+        connect_timeout,
+        read_timeout,
+        retries,
+        pool_size,
+        os.getpid(),
+        creds,
+    )
     with _S3_LOCK:
         if key not in _S3_CLIENTS:
             try:
@@ -27,9 +40,14 @@ def _s3_client(endpoint_url, region, addressing_style, connect_timeout, read_tim
                 from botocore.config import Config
             except ImportError:
                 raise SourceError("s3:// stores need boto3: pip install 'engine-ext[s3]'") from None
-            cfg = Config(region_name=region, connect_timeout=connect_timeout, read_timeout=read_timeout,
-                         retries={"max_attempts": retries + 1, "mode": "standard"},
-                         max_pool_connections=pool_size, s3={"addressing_style": addressing_style})
+            cfg = Config(
+                region_name=region,
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
+                retries={"max_attempts": retries + 1, "mode": "standard"},
+                max_pool_connections=pool_size,
+                s3={"addressing_style": addressing_style},
+            )
             _S3_CLIENTS[key] = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=cfg)
         return _S3_CLIENTS[key]
 
@@ -45,19 +63,28 @@ class S3Store(NetworkStore):
 
     read_request = "GetObject"
 
-    def __init__(self, root: str, *, endpoint_url: str | None = None, region: str | None = None,
-                 addressing_style: str | None = None, connect_timeout: float = 5.0,
-                 read_timeout: float = 60.0, retries: int = 5, pool_size: int = 32,
-                 max_object_bytes: int | None = None, multipart_threshold: int = 64 << 20,
-                 multipart_chunksize: int = 64 << 20):
+    def __init__(
+        self,
+        root: str,
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        addressing_style: str | None = None,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 60.0,
+        retries: int = 5,
+        pool_size: int = 32,
+        max_object_bytes: int | None = None,
+        multipart_threshold: int = 64 << 20,
+        multipart_chunksize: int = 64 << 20,
+    ):
         parts = urllib.parse.urlsplit(root)
         if parts.scheme != "s3" or not parts.netloc:
             raise SourceError(f"not an s3://bucket[/prefix] URI: {root!r}")
         self.bucket = parts.netloc
         self.prefix = parts.path.strip("/")
         self.uri = f"s3://{self.bucket}" + (f"/{self.prefix}" if self.prefix else "")
-        self.endpoint_url = (endpoint_url or settings.current().s3_endpoint
-                             or os.environ.get("AWS_ENDPOINT_URL") or None)
+        self.endpoint_url = endpoint_url or settings.current().s3_endpoint or os.environ.get("AWS_ENDPOINT_URL") or None
         region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
         style = addressing_style or ("path" if self.endpoint_url else "auto")
         self.client = _s3_client(self.endpoint_url, region, style, connect_timeout, read_timeout, retries, pool_size)
@@ -84,7 +111,9 @@ class S3Store(NetworkStore):
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             msg = f"{what} {where}: {code or status} {err.get('Message', '')}".rstrip()
             if code == "NoSuchBucket":
-                raise SourceError(f"{msg} (bucket {self.bucket!r} does not exist at {self.endpoint_url or 'AWS'})") from e
+                raise SourceError(
+                    f"{msg} (bucket {self.bucket!r} does not exist at {self.endpoint_url or 'AWS'})"
+                ) from e
             if code in ("NoSuchKey", "404", "NotFound") or status == 404:
                 raise NotFoundError(f"not found: {where}") from e
             if code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
@@ -123,8 +152,9 @@ class S3Store(NetworkStore):
 
     def _read_range(self, key: str, start: int, length: int) -> bytes:
         end = start + length - 1
-        resp = self._call("GetObject", key, self.client.get_object, Bucket=self.bucket,
-                          Key=self._k(key), Range=f"bytes={start}-{end}")
+        resp = self._call(
+            "GetObject", key, self.client.get_object, Bucket=self.bucket, Key=self._k(key), Range=f"bytes={start}-{end}"
+        )
         m = _CONTENT_RANGE.fullmatch(resp.get("ContentRange", "") or "")
         if m and int(m.group(2)) < end:
             resp["Body"].close()
@@ -139,8 +169,9 @@ class S3Store(NetworkStore):
 
     def create(self, key: str, data: bytes) -> None:
         """PutObject with ``If-None-Match: *`` (S3's conditional write: 412 if the key exists)."""
-        self._call("PutObject", key, self.client.put_object, Bucket=self.bucket, Key=self._k(key), Body=data,
-                   IfNoneMatch="*")
+        self._call(
+            "PutObject", key, self.client.put_object, Bucket=self.bucket, Key=self._k(key), Body=data, IfNoneMatch="*"
+        )
 
     def create_file(self, key: str, path: str | os.PathLike) -> None:
         """Conditional PutObject up to ``multipart_threshold``; above it a check before the multipart
@@ -153,8 +184,9 @@ class S3Store(NetworkStore):
             raise ConflictError(f"{self.key_uri(key)} already exists")
         self.write_file(key, path)
 
-    def write_if(self, key: str, data: bytes, check: Callable[[bytes | None], None],
-                 max_bytes: int = MAX_LATEST_BYTES) -> None:
+    def write_if(
+        self, key: str, data: bytes, check: Callable[[bytes | None], None], max_bytes: int = MAX_LATEST_BYTES
+    ) -> None:
         """GetObject (bytes and ETag), check, then PutObject with ``If-Match`` (``If-None-Match: *``
         where there was nothing); when another writer got in between, read and check again."""
         for _ in range(8):
@@ -165,7 +197,9 @@ class S3Store(NetworkStore):
                 current, cond = None, {"IfNoneMatch": "*"}
             check(current)
             try:
-                self._call("PutObject", key, self.client.put_object, Bucket=self.bucket, Key=self._k(key), Body=data, **cond)
+                self._call(
+                    "PutObject", key, self.client.put_object, Bucket=self.bucket, Key=self._k(key), Body=data, **cond
+                )
                 return
             except ConflictError:
                 continue  # it moved between our read and our write: look again
@@ -177,8 +211,15 @@ class S3Store(NetworkStore):
         from boto3.s3.transfer import TransferConfig
 
         cfg = TransferConfig(multipart_threshold=self.multipart[0], multipart_chunksize=self.multipart[1])
-        self._call("Upload", key, self.client.upload_file, Filename=os.fspath(path), Bucket=self.bucket,
-                   Key=self._k(key), Config=cfg)
+        self._call(
+            "Upload",
+            key,
+            self.client.upload_file,
+            Filename=os.fspath(path),
+            Bucket=self.bucket,
+            Key=self._k(key),
+            Config=cfg,
+        )
 
     def _head(self, key: str) -> dict:
         return self._call("HeadObject", key, self.client.head_object, Bucket=self.bucket, Key=self._k(key))
@@ -197,6 +238,7 @@ class S3Store(NetworkStore):
         _check_prefix(prefix, self.uri)
         base = f"{self.prefix}/" if self.prefix else ""
         pages = self.client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.bucket, Prefix=base + prefix, PaginationConfig={"PageSize": self.list_page_size})
+            Bucket=self.bucket, Prefix=base + prefix, PaginationConfig={"PageSize": self.list_page_size}
+        )
         keys = self._call("ListObjectsV2", None, lambda: [o["Key"] for p in pages for o in p.get("Contents", [])])
-        return sorted(k[len(base):] for k in keys)
+        return sorted(k[len(base) :] for k in keys)

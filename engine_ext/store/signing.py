@@ -11,6 +11,7 @@ role metadata: docs/SECURITY.md.
 Unsigned stores are read only where the operator says so explicitly
 (``ENGINE_EXT_ALLOW_UNSIGNED=1``).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -79,7 +80,7 @@ class Signer:
             raise ValueError("a Signer needs at least one key")
 
     @classmethod
-    def from_settings(cls, s: "settings.Settings | None" = None) -> "Signer | None":
+    def from_settings(cls, s: settings.Settings | None = None) -> Signer | None:
         """The signer of ``ENGINE_EXT_SIGNING_KEY`` (comma-separated PEM paths), or None."""
         paths = (s or settings.current()).signing_keys
         return cls(list(paths)) if paths else None
@@ -120,12 +121,12 @@ class Trust:
     allow_unsigned: bool = False
 
     @classmethod
-    def from_settings(cls, s: "settings.Settings | None" = None) -> "Trust":
+    def from_settings(cls, s: settings.Settings | None = None) -> Trust:
         s = s or settings.current()
         return cls.from_public_keys(s.trusted_keys, threshold=s.signature_threshold, allow_unsigned=s.allow_unsigned)
 
     @classmethod
-    def from_public_keys(cls, items, threshold: int = 1, allow_unsigned: bool = False) -> "Trust":
+    def from_public_keys(cls, items, threshold: int = 1, allow_unsigned: bool = False) -> Trust:
         """``items``: PEM file paths, raw 64-hex-digit public keys, or key objects."""
         from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -146,7 +147,7 @@ class Trust:
             raise ValueError(f"signature threshold {threshold} needs 1..{len(keys)} trusted keys")
         return cls(keys, threshold, allow_unsigned)
 
-    def also_trusting(self, signer: "Signer | None") -> "Trust":
+    def also_trusting(self, signer: Signer | None) -> Trust:
         """This trust plus ``signer``'s own public keys: a publisher reading back its own store
         (its LATEST, the chain it resumes from) trusts what it signed, whatever else is configured."""
         if signer is None:
@@ -166,8 +167,10 @@ class Trust:
         if not self.keys:
             if self.allow_unsigned:
                 return 0
-            raise SignatureError(f"{what}: no trusted keys configured; set ENGINE_EXT_TRUSTED_KEYS to the publisher's "
-                                 "public key(s), or ENGINE_EXT_ALLOW_UNSIGNED=1 to accept unsigned updates explicitly")
+            raise SignatureError(
+                f"{what}: no trusted keys configured; set ENGINE_EXT_TRUSTED_KEYS to the publisher's "
+                "public key(s), or ENGINE_EXT_ALLOW_UNSIGNED=1 to accept unsigned updates explicitly"
+            )
         from cryptography.exceptions import InvalidSignature
 
         good = set()
@@ -185,8 +188,10 @@ class Trust:
         if len(good) < self.threshold:
             if not signatures and self.allow_unsigned:
                 return 0
-            raise SignatureError(f"{what}: not signed by {self.threshold} trusted key(s) "
-                                 f"({len(good)} valid of {len(signatures or [])} signature(s))")
+            raise SignatureError(
+                f"{what}: not signed by {self.threshold} trusted key(s) "
+                f"({len(good)} valid of {len(signatures or [])} signature(s))"
+            )
         return len(good)
 
     def verify_detached(self, data: bytes, sig_object: bytes | None, what: str) -> int:

@@ -4,6 +4,7 @@ Checked before anything is fetched: a request's URL must lie under one of the
 configured prefixes after normalisation (local paths through ``realpath``; remote
 URIs must not contain ``.``/``..`` segments in any encoding, nor credentials).
 """
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,7 @@ def _normalise(uri: str) -> tuple[str, str, str]:
     """
     if not isinstance(uri, str) or not uri or "\x00" in uri or len(uri) > 4096:
         raise ForbiddenSourceError("empty, overlong or invalid source")
-    if uri.startswith("file://"):
-        uri = uri[len("file://"):]
+    uri = uri.removeprefix("file://")
     if not _SCHEME_RE.match(uri):
         return "file", "", os.path.realpath(os.path.expanduser(uri))
     if "%2f" in uri.lower() or "%5c" in uri.lower() or "\\" in uri:
@@ -76,14 +76,16 @@ class Sources:
         self.origin = origin
 
     @classmethod
-    def from_settings(cls, s: "settings.Settings | None" = None) -> "Sources":
+    def from_settings(cls, s: settings.Settings | None = None) -> Sources:
         s = s or settings.current()
         return cls(list(s.sources) + ([s.follow] if s.follow else []))  # the store pull mode follows is allowed
 
     def check(self, uri: str) -> str:
         """Return ``uri`` if it lies under an allowed prefix, else raise (HTTP 403)."""
         if not self.prefixes:
-            raise ForbiddenSourceError("no sources allowed: set ENGINE_EXT_SOURCES to the store prefixes this server may read")
+            raise ForbiddenSourceError(
+                "no sources allowed: set ENGINE_EXT_SOURCES to the store prefixes this server may read"
+            )
         scheme, auth, path = _normalise(uri)
         for s, a, p in self.prefixes:
             if s == scheme and a == auth and _under(path, p):

@@ -1,10 +1,11 @@
 """Publishing one version to a store: all or nothing, write-once, one set of weights per version
 number, LATEST last and forward only."""
+
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, Mapping
 
 from ..errors import ConflictError
 from ..format.latest import LATEST_KEY, Latest
@@ -34,13 +35,23 @@ def claim_version(store: Store, version: int, fingerprint: str) -> None:
     except ConflictError:
         held = store.read(key, MAX_CLAIM_BYTES)
         if held != body:
-            raise ConflictError(f"{store.key_uri(key)}: v{version} is already claimed by other weights "
-                                f"({held[:80]!r}, not {fingerprint})") from None
+            raise ConflictError(
+                f"{store.key_uri(key)}: v{version} is already claimed by other weights "
+                f"({held[:80]!r}, not {fingerprint})"
+            ) from None
 
 
-def publish_version(store: Store, blobs: Mapping[str, bytes | os.PathLike] | Iterable[tuple[str, bytes | os.PathLike]],
-                    manifest_key: str, manifest_bytes: bytes, latest_bytes: bytes, version: int,
-                    latest_key: str = LATEST_KEY, workers: int = 4, signature: bytes | None = None) -> str:
+def publish_version(
+    store: Store,
+    blobs: Mapping[str, bytes | os.PathLike] | Iterable[tuple[str, bytes | os.PathLike]],
+    manifest_key: str,
+    manifest_bytes: bytes,
+    latest_bytes: bytes,
+    version: int,
+    latest_key: str = LATEST_KEY,
+    workers: int = 4,
+    signature: bytes | None = None,
+) -> str:
     """Publish one version all-or-nothing and write-once: every blob, the version's claim
     (:func:`claim_version`: LATEST's fingerprint), the manifest's signature, the manifest, then LATEST.
 
@@ -58,7 +69,9 @@ def publish_version(store: Store, blobs: Mapping[str, bytes | os.PathLike] | Ite
     items = list(blobs.items() if isinstance(blobs, Mapping) else blobs)
     keys = [k for k, _ in items]
     if len(set(keys)) != len(keys) or manifest_key in keys or latest_key in keys or manifest_key == latest_key:
-        raise ValueError(f"publish_version: blob keys must be unique and differ from {manifest_key!r} and {latest_key!r}")
+        raise ValueError(
+            f"publish_version: blob keys must be unique and differ from {manifest_key!r} and {latest_key!r}"
+        )
 
     new = Latest.from_json(latest_bytes)[0]  # the pointer this version moves LATEST to: its weights' fingerprint
 
@@ -88,6 +101,8 @@ def publish_version(store: Store, blobs: Mapping[str, bytes | os.PathLike] | Ite
         store.create(manifest_key, manifest_bytes)
         store.write_if(latest_key, latest_bytes, forward_only)
     except ConflictError as e:
-        raise ConflictError(f"version {version} cannot be published to {store.uri}: {e}; another publisher wrote "
-                            "this version or a newer one (resume after the store's LATEST: DeltaPublisher(resume=...))") from e
+        raise ConflictError(
+            f"version {version} cannot be published to {store.uri}: {e}; another publisher wrote "
+            "this version or a newer one (resume after the store's LATEST: DeltaPublisher(resume=...))"
+        ) from e
     return store.key_uri(manifest_key)

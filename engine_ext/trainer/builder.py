@@ -23,6 +23,7 @@ its rank) and hands its part of the manifest, with partial fingerprints, to rank
 which joins the parts (:func:`merge_parts`) and commits the one signed manifest
 (:func:`commit`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,26 +33,25 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from .. import settings
 from ..format import fingerprint as fpr
-from ..store.checkpoint import SafetensorsWriter
+from ..format.bulk import collector_paused
 from ..format.codec import ChunkedEncoded, Encoded
 from ..format.dtypes import BY_SAFETENSORS, DType
-from ..format.pieces import PIECES, cuts
-from ..format.bulk import collector_paused
-from ..format.tables import tabulate
 from ..format.latest import Latest
-from ..format.manifest import (ANCHOR, DELTA, Blob, Chunk, Manifest, Segment, TensorEntry, listed_ranges,
-                               manifest_key)
-from ..store.base import _TMP_PREFIX
-from ..store.signing import Signer
+from ..format.manifest import ANCHOR, DELTA, Blob, Chunk, Manifest, Segment, TensorEntry, listed_ranges, manifest_key
+from ..format.pieces import PIECES, cuts
+from ..format.tables import tabulate
 from ..store import Store, publish_version
+from ..store.base import _TMP_PREFIX
+from ..store.checkpoint import SafetensorsWriter
+from ..store.signing import Signer
 
 BLOB_TARGET = 256 << 20  # start a new blob past this size, so readers can fetch in parallel
 LATEST_TTL_S = 7 * 24 * 3600.0  # a signed LATEST older than this is stale (re-publish to refresh)
@@ -69,22 +69,40 @@ class Rows:
 
 
 class VersionBuilder:
-    def __init__(self, kind: str, model: str, version: int, base_version: int | None = None,
-                 anchor_version: int | None = None, blob_target: int = BLOB_TARGET,
-                 base_manifests: list[str] | None = None, spool_in: Store | None = None, part: int | None = None):
-        self.manifest = Manifest(kind=kind, model=model, version=version, fingerprint="",
-                                 base_version=base_version if kind == DELTA else None,
-                                 base_fingerprint="" if kind == DELTA else None,
-                                 anchor_version=anchor_version,
-                                 base_manifests=list(base_manifests or []) if kind == DELTA else [])
+    def __init__(
+        self,
+        kind: str,
+        model: str,
+        version: int,
+        base_version: int | None = None,
+        anchor_version: int | None = None,
+        blob_target: int = BLOB_TARGET,
+        base_manifests: list[str] | None = None,
+        spool_in: Store | None = None,
+        part: int | None = None,
+    ):
+        self.manifest = Manifest(
+            kind=kind,
+            model=model,
+            version=version,
+            fingerprint="",
+            base_version=base_version if kind == DELTA else None,
+            base_fingerprint="" if kind == DELTA else None,
+            anchor_version=anchor_version,
+            base_manifests=list(base_manifests or []) if kind == DELTA else [],
+        )
         self.manifest_sha256: str | None = None  # of the published manifest's bytes
         self.latest: Latest | None = None  # the LATEST pointer published with it
         # Unlisted by local stores (their temp-file prefix); on the store's filesystem where it has one.
-        self.tmp = tempfile.TemporaryDirectory(prefix=f"{_TMP_PREFIX}spool-", dir=spool_in.spool_dir() if spool_in else None)
+        self.tmp = tempfile.TemporaryDirectory(
+            prefix=f"{_TMP_PREFIX}spool-", dir=spool_in.spool_dir() if spool_in else None
+        )
         self.blob_target = blob_target
         self.part = part  # a sharded version's rank: its blobs' keys carry ``.r{part}``
         self.files: list[str] = []
-        self.digests: dict[str, tuple[str, int, str | None]] = {}  # blob file -> (SHA-256, size, digest kind), as written
+        self.digests: dict[
+            str, tuple[str, int, str | None]
+        ] = {}  # blob file -> (SHA-256, size, digest kind), as written
         self._cur = None  # open file of the current delta blob
         self._cur_sha = None
 
@@ -95,17 +113,28 @@ class VersionBuilder:
 
     def add_unchanged(self, name: str, dtype: DType, shape, fp: int) -> None:
         f = fpr.fmt(fp)
-        self.manifest.tensors.append(TensorEntry(name, dtype.name, list(shape), 0, f, f if self.manifest.kind == DELTA else None))
+        self.manifest.tensors.append(
+            TensorEntry(name, dtype.name, list(shape), 0, f, f if self.manifest.kind == DELTA else None)
+        )
 
     def add_delta(self, name: str, dtype: DType, shape, nnz: int, enc: Encoded, base_fp: int, fp: int) -> None:
         if nnz == 0:
             return self.add_unchanged(name, dtype, shape, fp)
         data = enc.pos + enc.val
         offset = self._append(data)
-        entry = TensorEntry(name, dtype.name, list(shape), nnz, fpr.fmt(fp), fpr.fmt(base_fp),
-                            blob=len(self.files) - 1, offset=offset, sha256=hashlib.sha256(data).hexdigest(),
-                            positions=Segment(enc.pos_coder, len(enc.pos)),
-                            values=Segment(enc.val_coder, len(enc.val), enc.mode))
+        entry = TensorEntry(
+            name,
+            dtype.name,
+            list(shape),
+            nnz,
+            fpr.fmt(fp),
+            fpr.fmt(base_fp),
+            blob=len(self.files) - 1,
+            offset=offset,
+            sha256=hashlib.sha256(data).hexdigest(),
+            positions=Segment(enc.pos_coder, len(enc.pos)),
+            values=Segment(enc.val_coder, len(enc.val), enc.mode),
+        )
         self.manifest.tensors.append(entry)
 
     def _append(self, data: bytes) -> int:
@@ -114,7 +143,8 @@ class VersionBuilder:
             self._close_cur()
             path = os.path.join(self.tmp.name, f"{len(self.files)}.bin")
             self.files.append(path)
-            self._cur, self._cur_sha = open(path, "wb"), hashlib.sha256()
+            self._cur = open(path, "wb")  # noqa: SIM115 - appended to until full, then _close_cur()
+            self._cur_sha = hashlib.sha256()
         offset = self._cur.tell()
         self._cur.write(data)
         self._cur_sha.update(data)
@@ -126,31 +156,56 @@ class VersionBuilder:
             self._cur.close()
             self._cur = None
 
-    def add_encoded(self, name: str, dtype: DType, shape, nnz: int, enc: "Encoded | ChunkedEncoded",
-                    base_fp: int, fp: int) -> None:
+    def add_encoded(
+        self, name: str, dtype: DType, shape, nnz: int, enc: Encoded | ChunkedEncoded, base_fp: int, fp: int
+    ) -> None:
         """A changed tensor from :func:`engine_ext.format.codec.encode_tensor`, whole or in cells."""
         if isinstance(enc, ChunkedEncoded):
             self.add_chunked_delta(name, dtype, shape, nnz, enc.cuts, enc.cells, base_fp, fp)
         else:
             self.add_delta(name, dtype, shape, nnz, enc, base_fp, fp)
 
-    def add_chunked_delta(self, name: str, dtype: DType, shape, nnz: int, cuts: list[list[int]],
-                          cells: list[tuple[int, int, Encoded]], base_fp: int, fp: int) -> None:
+    def add_chunked_delta(
+        self,
+        name: str,
+        dtype: DType,
+        shape,
+        nnz: int,
+        cuts: list[list[int]],
+        cells: list[tuple[int, int, Encoded]],
+        base_fp: int,
+        fp: int,
+    ) -> None:
         """A changed tensor cut into grid cells (``cells``: (cell, nnz, encoding) of each cell
         that changed), each with its own bytes and hash, so a rank can fetch only its cells."""
         chunks = []
         for cell, n, enc in cells:
             data = enc.pos + enc.val
             offset = self._append(data)
-            chunks.append(Chunk(cell, n, len(self.files) - 1, offset, hashlib.sha256(data).hexdigest(),
-                                Segment(enc.pos_coder, len(enc.pos)), Segment(enc.val_coder, len(enc.val), enc.mode)))
-        self.manifest.tensors.append(TensorEntry(name, dtype.name, list(shape), nnz, fpr.fmt(fp), fpr.fmt(base_fp),
-                                                 grid=cuts, chunks=chunks))
+            chunks.append(
+                Chunk(
+                    cell,
+                    n,
+                    len(self.files) - 1,
+                    offset,
+                    hashlib.sha256(data).hexdigest(),
+                    Segment(enc.pos_coder, len(enc.pos)),
+                    Segment(enc.val_coder, len(enc.val), enc.mode),
+                )
+            )
+        self.manifest.tensors.append(
+            TensorEntry(name, dtype.name, list(shape), nnz, fpr.fmt(fp), fpr.fmt(base_fp), grid=cuts, chunks=chunks)
+        )
 
     # -- anchors --------------------------------------------------------------
-    def add_anchor(self, infos: list[tuple], load: Callable[[str], torch.Tensor],
-                   fingerprint: Callable[[str, torch.Tensor], int] | None = None, done: Callable[[], None] | None = None,
-                   workers: int | None = None) -> None:
+    def add_anchor(
+        self,
+        infos: list[tuple],
+        load: Callable[[str], torch.Tensor],
+        fingerprint: Callable[[str, torch.Tensor], int] | None = None,
+        done: Callable[[], None] | None = None,
+        workers: int | None = None,
+    ) -> None:
         """Write every tensor of ``infos`` (in order) into anchor shards of about ``blob_target`` bytes.
 
         ``infos`` are ``(name, dtype, shape)``, or ``(name, dtype, local shape, Rows)`` for a
@@ -169,8 +224,14 @@ class VersionBuilder:
         for shard in shards:  # blob indices in shard order
             path = os.path.join(self.tmp.name, f"{len(self.files)}.safetensors")
             self.files.append(path)
-            writers.append((len(self.files) - 1, SafetensorsWriter(
-                path, shard, {"format": "engine-ext-anchor", "version": self.manifest.version}, hashed=True)))
+            writers.append(
+                (
+                    len(self.files) - 1,
+                    SafetensorsWriter(
+                        path, shard, {"format": "engine-ext-anchor", "version": self.manifest.version}, hashed=True
+                    ),
+                )
+            )
 
         def write(job) -> list[TensorEntry]:
             (blob, w), shard = job
@@ -184,11 +245,18 @@ class VersionBuilder:
                 def hash_elements(chunk, offset, fp=fp, at=at, size=dt.itemsize):
                     fp[0] += fpr.buffer_fingerprint(chunk, size, at + offset // size)
 
-                w.write(name, t, splits=[(a - r.start) * (t.nbytes // max(1, t.shape[0])) for _, a, _ in cells[1:]],
-                        on_chunk=hash_elements if fingerprint is None else None)
+                w.write(
+                    name,
+                    t,
+                    splits=[(a - r.start) * (t.nbytes // max(1, t.shape[0])) for _, a, _ in cells[1:]],
+                    on_chunk=hash_elements if fingerprint is None else None,
+                )
                 fp = fp[0] & fpr.MASK64 if fingerprint is None else fingerprint(name, t)
-                entries.append(self._anchor_entry(w, blob, name, t, fp) if r is None
-                               else self._anchor_cells(w, blob, name, t, fp, r, cells))
+                entries.append(
+                    self._anchor_entry(w, blob, name, t, fp)
+                    if r is None
+                    else self._anchor_cells(w, blob, name, t, fp, r, cells)
+                )
                 if done is not None:
                     done()
             w.close()
@@ -221,29 +289,59 @@ class VersionBuilder:
         dt = w.header[name]
         if t.numel() == 0:  # an empty tensor: nothing to write or fetch
             return TensorEntry(name, BY_SAFETENSORS[dt["dtype"]].name, list(t.shape), 0, fpr.fmt(fp))
-        return TensorEntry(name, BY_SAFETENSORS[dt["dtype"]].name, list(t.shape), t.numel(), fpr.fmt(fp),
-                           blob=blob, offset=off, sha256=w.tensor_sha256[name],
-                           positions=Segment("all", 0), values=Segment("raw", n, "abs"))
+        return TensorEntry(
+            name,
+            BY_SAFETENSORS[dt["dtype"]].name,
+            list(t.shape),
+            t.numel(),
+            fpr.fmt(fp),
+            blob=blob,
+            offset=off,
+            sha256=w.tensor_sha256[name],
+            positions=Segment("all", 0),
+            values=Segment("raw", n, "abs"),
+        )
 
     @staticmethod
-    def _anchor_cells(w: SafetensorsWriter, blob: int, name: str, t: torch.Tensor, fp: int, rows: Rows,
-                      cells: list[tuple[int, int, int]]) -> TensorEntry:
+    def _anchor_cells(
+        w: SafetensorsWriter,
+        blob: int,
+        name: str,
+        t: torch.Tensor,
+        fp: int,
+        rows: Rows,
+        cells: list[tuple[int, int, int]],
+    ) -> TensorEntry:
         """A row slice's entry: the cells inside it as chunks of the slice's bytes, its partial fingerprint."""
         off, n = w.data_range(name)
         row_bytes, per_row = n // max(1, t.shape[0]), t.numel() // max(1, t.shape[0])
         dt = BY_SAFETENSORS[w.header[name]["dtype"]]
-        chunks = [Chunk(cell, (b - a) * per_row, blob, off + (a - rows.start) * row_bytes, sha,
-                        Segment("all", 0), Segment("raw", (b - a) * row_bytes, "abs"))
-                  for (cell, a, b), sha in zip(cells, w.piece_sha256[name])]
-        return TensorEntry(name, dt.name, list(rows.shape), t.numel(), fpr.fmt(fp), grid=[list(rows.cuts)], chunks=chunks)
+        chunks = [
+            Chunk(
+                cell,
+                (b - a) * per_row,
+                blob,
+                off + (a - rows.start) * row_bytes,
+                sha,
+                Segment("all", 0),
+                Segment("raw", (b - a) * row_bytes, "abs"),
+            )
+            for (cell, a, b), sha in zip(cells, w.piece_sha256[name])
+        ]
+        return TensorEntry(
+            name, dt.name, list(rows.shape), t.numel(), fpr.fmt(fp), grid=[list(rows.cuts)], chunks=chunks
+        )
 
     # -- finish ---------------------------------------------------------------
     def _blob_keys(self) -> list[tuple[str, str]]:
         """Name every blob by its version, rank part, index and content; list them in the manifest."""
         self._close_cur()
         m = self.manifest
-        version_tag = f"v{m.version:08d}" + (".anchor" if m.kind == ANCHOR else "") + (
-            "" if self.part is None else f".r{self.part}")
+        version_tag = (
+            f"v{m.version:08d}"
+            + (".anchor" if m.kind == ANCHOR else "")
+            + ("" if self.part is None else f".r{self.part}")
+        )
         keys = []
         for i, path in enumerate(self.files):
             ext = "safetensors" if path.endswith(".safetensors") else "bin"
@@ -283,8 +381,14 @@ def _cells(rows: Rows, local_rows: int) -> list[tuple[int, int, int]]:
     return cells
 
 
-def commit(store: Store, m: Manifest, signer: Signer | None = None, latest_ttl_s: float = LATEST_TTL_S,
-           blobs: list[tuple[str, str]] = (), inline_limit: int | None = None) -> tuple[str, str, Latest]:
+def commit(
+    store: Store,
+    m: Manifest,
+    signer: Signer | None = None,
+    latest_ttl_s: float = LATEST_TTL_S,
+    blobs: list[tuple[str, str]] = (),
+    inline_limit: int | None = None,
+) -> tuple[str, str, Latest]:
     """Finish a manifest whose blobs are named (model fingerprints, time, the lowest format version
     that describes it), validate it, sign it and publish it with ``blobs`` (key, local file) and
     ``LATEST`` (:func:`engine_ext.store.publish_version`). A manifest of over ``inline_limit`` tensor
@@ -301,8 +405,11 @@ def commit(store: Store, m: Manifest, signer: Signer | None = None, latest_ttl_s
     mkey = manifest_key(m.version, m.kind)
     limit = settings.current().inline_entries if inline_limit is None else inline_limit
     in_tables = m.entries > limit
-    with (tempfile.TemporaryDirectory(prefix=f"{_TMP_PREFIX}spool-", dir=store.spool_dir()) if in_tables
-          else contextlib.nullcontext()) as spool:  # the tables' blob lives there until it is published
+    with (
+        tempfile.TemporaryDirectory(prefix=f"{_TMP_PREFIX}spool-", dir=store.spool_dir())
+        if in_tables
+        else contextlib.nullcontext()
+    ) as spool:  # the tables' blob lives there until it is published
         if in_tables:
             with collector_paused():
                 wire, tables = _tables_blob(m, spool)
@@ -310,10 +417,23 @@ def commit(store: Store, m: Manifest, signer: Signer | None = None, latest_ttl_s
         else:
             raw, blobs = m.to_json(), list(blobs)
         sha = hashlib.sha256(raw).hexdigest()
-        latest = Latest(m.version, mkey, m.fingerprint, m.anchor_version, sha,
-                        time.time() + latest_ttl_s if signer is not None else None)
-        publish_version(store, blobs, mkey, raw, sign_latest(latest, signer), m.version,
-                        signature=signer.sign_detached(raw) if signer else None)
+        latest = Latest(
+            m.version,
+            mkey,
+            m.fingerprint,
+            m.anchor_version,
+            sha,
+            time.time() + latest_ttl_s if signer is not None else None,
+        )
+        publish_version(
+            store,
+            blobs,
+            mkey,
+            raw,
+            sign_latest(latest, signer),
+            m.version,
+            signature=signer.sign_detached(raw) if signer else None,
+        )
     return store.key_uri(mkey), sha, latest
 
 
@@ -322,6 +442,7 @@ def _tables_blob(m: Manifest, spool: str) -> tuple[Manifest, tuple[str, str]]:
     in ``spool``: the cell tables, tensor tables and name index one after another, hashed as written."""
     path, digest, blob = os.path.join(spool, "tables.bin"), hashlib.sha256(), len(m.blobs)
     with open(path, "wb") as f:
+
         def put(raw: bytes) -> tuple[int, int]:
             offset = f.tell()
             f.write(raw)
@@ -345,27 +466,40 @@ def merge_parts(parts: list[Manifest], names: list[str]) -> Manifest:
     slices gets the sum of their partial fingerprints (sums over elements at global indices) and
     their chunks, which must share one grid. Unvalidated: :func:`commit` validates the whole."""
     head = parts[0]
-    m = Manifest(kind=head.kind, model=head.model, version=head.version, fingerprint="",
-                 base_version=head.base_version, base_fingerprint=head.base_fingerprint,
-                 anchor_version=head.anchor_version, base_manifests=list(head.base_manifests))
+    m = Manifest(
+        kind=head.kind,
+        model=head.model,
+        version=head.version,
+        fingerprint="",
+        base_version=head.base_version,
+        base_fingerprint=head.base_fingerprint,
+        anchor_version=head.anchor_version,
+        base_manifests=list(head.base_manifests),
+    )
     tables = {}
     pieces: dict[str, list[TensorEntry]] = {}
     for part in parts:
         if (part.kind, part.version, part.base_version) != (head.kind, head.version, head.base_version):
-            raise ValueError(f"parts of different versions: v{part.version} ({part.kind}) and v{head.version} ({head.kind})")
+            raise ValueError(
+                f"parts of different versions: v{part.version} ({part.kind}) and v{head.version} ({head.kind})"
+            )
         for dtype, t in (part.step_tables or {}).items():
             if tables.setdefault(dtype, t) != t:
                 raise ValueError(f"the ranks coded {dtype} against different step tables")
         shift = len(m.blobs)
         m.blobs += part.blobs
         for t in part.tensors:
-            t = dataclasses.replace(t, blob=None if t.blob is None else t.blob + shift,
-                                    chunks=None if t.chunks is None else [dataclasses.replace(c, blob=c.blob + shift)
-                                                                          for c in t.chunks])
+            t = dataclasses.replace(
+                t,
+                blob=None if t.blob is None else t.blob + shift,
+                chunks=None if t.chunks is None else [dataclasses.replace(c, blob=c.blob + shift) for c in t.chunks],
+            )
             pieces.setdefault(t.name, []).append(t)
     if set(pieces) != set(names):
-        raise ValueError(f"the parts list other tensors than the model's: missing {sorted(set(names) - set(pieces))[:5]}, "
-                         f"unknown {sorted(set(pieces) - set(names))[:5]}")
+        raise ValueError(
+            f"the parts list other tensors than the model's: missing {sorted(set(names) - set(pieces))[:5]}, "
+            f"unknown {sorted(set(pieces) - set(names))[:5]}"
+        )
     m.step_tables = tables or None
     for name in names:
         ps = pieces[name]
@@ -378,9 +512,18 @@ def merge_parts(parts: list[Manifest], names: list[str]) -> Manifest:
             raise ValueError(f"{name}: a tensor written in row slices comes in cells of one grid")
         fp = sum(fpr.parse(p.fingerprint) for p in ps) & fpr.MASK64
         base = None if t0.base_fingerprint is None else fpr.fmt(sum(fpr.parse(p.base_fingerprint) for p in ps))
-        m.tensors.append(TensorEntry(name, t0.dtype, t0.shape, nnz, fpr.fmt(fp), base,
-                                     grid=changed[0].grid if changed else None,
-                                     chunks=sorted((c for p in changed for c in p.chunks), key=lambda c: c.cell) or None))
+        m.tensors.append(
+            TensorEntry(
+                name,
+                t0.dtype,
+                t0.shape,
+                nnz,
+                fpr.fmt(fp),
+                base,
+                grid=changed[0].grid if changed else None,
+                chunks=sorted((c for p in changed for c in p.chunks), key=lambda c: c.cell) or None,
+            )
+        )
     return m
 
 

@@ -18,6 +18,7 @@ global names and shapes come from the same conversion run on a ``meta`` tensor o
 shape, so nothing is gathered and every output is checked against what ``save_pretrained``
 would write. Checked with transformers 5.19.
 """
+
 from __future__ import annotations
 
 import re
@@ -34,8 +35,11 @@ def transformers_model(obj) -> torch.nn.Module | None:
     """The transformers ``PreTrainedModel`` ``obj`` is or wraps (DDP, ``torch.compile``), else None; FSDP2's
     ``fully_shard`` subclasses the model's class in place (``FSDPQwen3MoeForCausalLM``), hence the MRO."""
     for _ in range(4):
-        if any(c.__module__.startswith("transformers.") for c in type(obj).__mro__) and hasattr(obj, "config") \
-                and hasattr(obj, "state_dict"):
+        if (
+            any(c.__module__.startswith("transformers.") for c in type(obj).__mro__)
+            and hasattr(obj, "config")
+            and hasattr(obj, "state_dict")
+        ):
             return obj
         obj = next((getattr(obj, a) for a in _WRAPPED if isinstance(getattr(obj, a, None), torch.nn.Module)), None)
         if obj is None:
@@ -97,13 +101,18 @@ def _reversed_conversions(model: torch.nn.Module) -> _Conversions | None:
         return None
     conversions = getattr(model, "_weight_conversions", None)
     if conversions is None:
-        conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
+        conversions = [
+            c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)
+        ]
     if not conversions:
         return None
     reverse = [c.reverse_transform() for c in conversions[::-1]]
     converters = [c for c in reverse if isinstance(c, WeightConverter)]
-    return _Conversions([c for c in reverse if isinstance(c, WeightRenaming)], converters,
-                        {k: c for c in converters for k in c.source_patterns})
+    return _Conversions(
+        [c for c in reverse if isinstance(c, WeightRenaming)],
+        converters,
+        {k: c for c in converters for k in c.source_patterns},
+    )
 
 
 def _whole(model: torch.nn.Module, conv: _Conversions, name: str, shape: tuple, dtype: torch.dtype) -> dict:
@@ -132,8 +141,9 @@ def _row_local(ops) -> bool | None:
     return split
 
 
-def rows_in_checkpoint_layout(model: torch.nn.Module | None, name: str, local: torch.Tensor, shape: tuple,
-                              start: int) -> list[Rows]:
+def rows_in_checkpoint_layout(
+    model: torch.nn.Module | None, name: str, local: torch.Tensor, shape: tuple, start: int
+) -> list[Rows]:
     """What rows ``[start, start + len(local))`` of the in-memory tensor ``name`` (of ``shape``) are
     in the checkpoint layout: one :class:`Rows` per checkpoint tensor they hold a part of (the
     same rows, renamed; rows of each chunk; or whole per-row tensors: one expert each).
@@ -151,7 +161,8 @@ def rows_in_checkpoint_layout(model: torch.nn.Module | None, name: str, local: t
         raise NotImplementedError(
             f"{name}: its checkpoint layout comes from {conv.by_pattern[pattern].operations}, which mixes rows; a sharded "
             "publisher converts row by row only (experts split along dim 0, chunks along other dims). Publish "
-            "gathered weights with DeltaPublisher, or pass a state dict already in the checkpoint layout")
+            "gathered weights with DeltaPublisher, or pass a state dict already in the checkpoint layout"
+        )
     full = _whole(model, conv, name, shape, local.dtype)
     if split:  # one checkpoint tensor per row: the rank's row j is the whole tensor's row start + j
         rows = []
@@ -161,10 +172,15 @@ def rows_in_checkpoint_layout(model: torch.nn.Module | None, name: str, local: t
                 raise ValueError(f"{g}: the rank's rows convert to {tuple(t.shape)}, the whole tensor to {full[g]}")
             rows.append(Rows(g, t, tuple(t.shape), 0))
         return rows
-    out = revert_weight_conversion(model, {name: local}) if len(local) else {
-        k: torch.empty((0, *s[1:]), dtype=local.dtype) for k, s in full.items()}
+    out = (
+        revert_weight_conversion(model, {name: local})
+        if len(local)
+        else {k: torch.empty((0, *s[1:]), dtype=local.dtype) for k, s in full.items()}
+    )
     if set(out) != set(full) or any(tuple(out[k].shape[1:]) != full[k][1:] or len(out[k]) != len(local) for k in out):
-        raise ValueError(f"{name}: rows {start}..{start + len(local)} convert to {sorted(out)}, not rows of {sorted(full)}")
+        raise ValueError(
+            f"{name}: rows {start}..{start + len(local)} convert to {sorted(out)}, not rows of {sorted(full)}"
+        )
     return [Rows(k, t, full[k], start) for k, t in out.items()]
 
 
@@ -176,10 +192,14 @@ def _global_row(local_name: str, start: int, full: dict) -> str:
         hits = {local_name} & set(full)
     else:
         parts = re.split(r"(\d+)", local_name)
-        hits = {"".join(parts[:i] + [str(int(parts[i]) + start)] + parts[i + 1:]) for i in range(1, len(parts), 2)} & set(full)
+        hits = {
+            "".join(parts[:i] + [str(int(parts[i]) + start)] + parts[i + 1 :]) for i in range(1, len(parts), 2)
+        } & set(full)
     if len(hits) != 1:
-        raise ValueError(f"{local_name}: moved by {start} rows it names {len(hits)} tensors of the checkpoint layout: "
-                         f"{sorted(hits)[:4]}")
+        raise ValueError(
+            f"{local_name}: moved by {start} rows it names {len(hits)} tensors of the checkpoint layout: "
+            f"{sorted(hits)[:4]}"
+        )
     return hits.pop()
 
 
@@ -189,4 +209,4 @@ def checkpoint_names(model: torch.nn.Module | None, name: str, shape: tuple, dty
     return [name] if conv is None else list(_whole(model, conv, name, shape, dtype))
 
 
-__all__ = ["Rows", "transformers_model", "to_checkpoint_layout", "rows_in_checkpoint_layout", "checkpoint_names"]
+__all__ = ["Rows", "checkpoint_names", "rows_in_checkpoint_layout", "to_checkpoint_layout", "transformers_model"]

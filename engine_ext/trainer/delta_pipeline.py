@@ -17,6 +17,7 @@ trainer's rank, ``engine-ext diff``) diffs its tensors its own way, then hands t
 The same inputs give the same bytes whichever writer runs it, and whether a tensor's encode was
 started early (:meth:`DeltaEncoder.start`, while the trainer diffs the next tensors) or here.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -55,7 +56,9 @@ class TensorChange:
     base_fp: int  # the tensor's fingerprint in the base
     fp: int  # and in the new version
     context: ContextBase | None = None  # None: the context coder is not tried on it
-    cuts: list[list[int]] | None = None  # the grid it is cut into (None: the usual, :func:`engine_ext.format.chunks.grid`)
+    cuts: list[list[int]] | None = (
+        None  # the grid it is cut into (None: the usual, :func:`engine_ext.format.chunks.grid`)
+    )
     early: Future | None = None  # :meth:`DeltaEncoder.start`'s, while the next tensors were diffed
 
     def context_pays(self) -> bool:
@@ -70,8 +73,9 @@ class TensorChange:
         """The context coder's inputs, with the version's step tables (None: no tables for its dtype)."""
         if self.context is None or not tables.get(self.dtype.name):
             return None
-        return codec.Context(self.context.read().reshape(-1), self.context.policy, tables[self.dtype.name],
-                             origin=self.context.origin)
+        return codec.Context(
+            self.context.read().reshape(-1), self.context.policy, tables[self.dtype.name], origin=self.context.origin
+        )
 
 
 @dataclass
@@ -118,8 +122,9 @@ class DeltaEncoder:
         pool: where the encodes run (all cores); None: one after another, as the builder takes them.
     """
 
-    def __init__(self, mode: str | None = None, chunk_min_cell: int | None = chunks.MIN_CELL,
-                 pool: Executor | None = None):
+    def __init__(
+        self, mode: str | None = None, chunk_min_cell: int | None = chunks.MIN_CELL, pool: Executor | None = None
+    ):
         self.mode = mode
         self.chunk_min_cell = chunk_min_cell
         self.pool = pool
@@ -128,8 +133,17 @@ class DeltaEncoder:
         """A change's encoding (None: unchanged), as :func:`engine_ext.format.codec.encode_tensor` gives it."""
         if change.positions.numel() == 0:
             return None
-        return codec.encode_tensor(change.dtype, change.shape, change.positions, change.new_bits, change.old_bits,
-                                   self.mode, self.chunk_min_cell, context, change.cuts)
+        return codec.encode_tensor(
+            change.dtype,
+            change.shape,
+            change.positions,
+            change.new_bits,
+            change.old_bits,
+            self.mode,
+            self.chunk_min_cell,
+            context,
+            change.cuts,
+        )
 
     def start(self, change: TensorChange) -> None:
         """Start a change's encode on the pool as soon as it is diffed (it overlaps the next tensors' diff).
@@ -146,8 +160,12 @@ class DeltaEncoder:
         # The base is read where the encode runs: a writer without a pool reads one tensor's base at a time.
         return self.encode(change, change.context_with(tables))
 
-    def write(self, builder: VersionBuilder, changes: list[TensorChange],
-              agree: Callable[[dict], dict[str, list[bytes]]] = codec.step_tables_from) -> None:
+    def write(
+        self,
+        builder: VersionBuilder,
+        changes: list[TensorChange],
+        agree: Callable[[dict], dict[str, list[bytes]]] = codec.step_tables_from,
+    ) -> None:
         """Encode every change into ``builder``, each hashed and appended in order as soon as it is encoded;
         ``agree(histograms)`` gives the step tables. An encode started early gives the bytes encoding here
         would: the same function of the same inputs (only context-coded tensors need the tables)."""

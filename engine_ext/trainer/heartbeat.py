@@ -6,6 +6,7 @@ publishes rarely (a long evaluation, a paused run) would let it expire; :class:`
 re-signs the ``LATEST`` its publisher wrote once half its time has passed, on a thread of its own,
 unless another publisher moved ``LATEST`` since (then it stops beating: that one owns it now).
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -9,6 +9,7 @@ cell inside one rank's rows: docs/FORMAT.md, "Sharded versions"), and written in
 cells of its rows. The publisher's snapshot, diff, encode and anchor code is the same for both; it
 asks its holding these four things.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

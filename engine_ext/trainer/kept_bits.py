@@ -8,6 +8,7 @@ reads the kept bits holds them (:meth:`KeptBitsReaders.hold`) until it is done, 
 (:meth:`~KeptBitsReaders.release`), and the training thread waits for no reader
 (:meth:`~KeptBitsReaders.wait_free`) before a diff moves them.
 """
+
 from __future__ import annotations
 
 import threading

@@ -14,6 +14,7 @@ the next by SHA-256, every blob checked, and every rebuilt tensor's fingerprint 
 against LATEST's manifest. Otherwise (no anchor, other tensors, a signature it does not
 trust) it publishes an anchor. :class:`Resumed` says which, and why.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,16 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import IntegrityError, ModelMismatchError, NotFoundError, PartlyHeldError
 from ..format import chunks
 from ..format import fingerprint as fpr
-from ..store import reader, route
 from ..format.delta import ABS
 from ..format.dtypes import DType, apply_step, dtype_by_name
-from ..errors import IntegrityError, ModelMismatchError, NotFoundError, PartlyHeldError
 from ..format.latest import Latest
 from ..format.manifest import ANCHOR, manifest_key
+from ..store import Store, reader, route
 from ..store.signing import Trust
-from ..store import Store
 
 _VERSION_KEY = re.compile(r"v(\d{8,})\.")
 
@@ -55,7 +55,7 @@ class Resumed:
     reason: str
 
     def __str__(self) -> str:
-        what = (f"a delta against v{self.latest_version}" if self.kind == "delta" else "an anchor")
+        what = f"a delta against v{self.latest_version}" if self.kind == "delta" else "an anchor"
         return f"resumed after v{self.latest_version}: v{self.first_version} is {what} ({self.reason})"
 
 
@@ -109,21 +109,25 @@ def rebuild(store: Store, latest: Latest, trust: Trust) -> Rebuilt:
         if w is None and t.numel == 0:
             w = torch.empty(t.shape, dtype=dtype_by_name(t.dtype).torch)
         if w is None or fpr.tensor_fingerprint(w) != fpr.parse(t.fingerprint):
-            raise IntegrityError(f"{t.name}: the weights rebuilt from {store.uri} do not have the fingerprint "
-                                 f"{store.key_uri(target.key)} promises")
+            raise IntegrityError(
+                f"{t.name}: the weights rebuilt from {store.uri} do not have the fingerprint "
+                f"{store.key_uri(target.key)} promises"
+            )
         out[t.name] = w
     return Rebuilt(target, _same_version(target, chain), out)
 
 
 def _same_version(target: reader.Link, chain: list[reader.Link]) -> list[str]:
     """SHA-256 of LATEST's manifest and of the others of its version in ``chain`` (its anchor)."""
-    return [target.sha256] + [link.sha256 for link in chain
-                              if link.manifest.version == target.manifest.version and link is not target]
+    return [target.sha256] + [
+        link.sha256 for link in chain if link.manifest.version == target.manifest.version and link is not target
+    ]
 
 
 def _route(store: Store, latest: Latest, trust: Trust) -> tuple[reader.Link, list[reader.Link]]:
     """LATEST's manifest and the verified links that rebuild it: the newest anchor at or below it
     and the delta chain from it (the anchor alone when LATEST's version was anchored)."""
+
     def read(key: str) -> reader.Link:
         return reader.read_link(store, key, trust)
 
@@ -143,7 +147,9 @@ def _route(store: Store, latest: Latest, trust: Trust) -> tuple[reader.Link, lis
         else:
             rest = route.chain_back(store, target, anchor.manifest.version, read, route.MAX_CHAIN)
             if rest is None:
-                raise NotFoundError(f"no chain of at most {route.MAX_CHAIN} links leads from {anchor.key} to {target.key}")
+                raise NotFoundError(
+                    f"no chain of at most {route.MAX_CHAIN} links leads from {anchor.key} to {target.key}"
+                )
             route.check_link(anchor, rest[0], store.uri)
             chain = [anchor] + rest
     return target, chain
@@ -179,10 +185,13 @@ class RowBases(reader.Bases):
         if t is None or start[0] >= s.stop or stop[0] <= s.start:
             return None
         if start[0] < s.start or stop[0] > s.stop:
-            raise PartlyHeldError(f"{name}: a cell of rows {start[0]}..{stop[0]} crosses the rows {s.start}..{s.stop} "
-                                  "this rank rebuilds (a context-coded cell of another layout)")
-        rows = t.view(s.stop - s.start, *s.shape[1:])[start[0] - s.start:stop[0] - s.start]
-        return rows[(slice(None), *(slice(a, b) for a, b in zip(start[1:], stop[1:])))].contiguous().reshape(-1).numpy()
+            raise PartlyHeldError(
+                f"{name}: a cell of rows {start[0]}..{stop[0]} crosses the rows {s.start}..{s.stop} "
+                "this rank rebuilds (a context-coded cell of another layout)"
+            )
+        rows = t.view(s.stop - s.start, *s.shape[1:])[start[0] - s.start : stop[0] - s.start]
+        columns = (slice(None),) + tuple(slice(a, b) for a, b in zip(start[1:], stop[1:]))
+        return rows[columns].contiguous().reshape(-1).numpy()
 
     def advance(self, tensors):
         for td in tensors:
@@ -200,8 +209,10 @@ class RowBases(reader.Bases):
         cur = self.held.get(td.name)
         if cur is None:
             if td.mode != ABS or (pos is not None and len(pos) != hi - lo):
-                raise IntegrityError(f"{td.name}: the route's first link does not hold every element of rows "
-                                     f"{s.start}..{s.stop} (not an anchor of them)")
+                raise IntegrityError(
+                    f"{td.name}: the route's first link does not hold every element of rows "
+                    f"{s.start}..{s.stop} (not an anchor of them)"
+                )
             self.held[td.name] = vals.clone()
             return
         at = slice(None) if pos is None else pos
@@ -220,8 +231,9 @@ class RebuiltRows:
     fingerprints: dict[str, int]
 
 
-def rebuild_rows(store: Store, latest: Latest, trust: Trust, spans: dict[str, Span],
-                 batch_bytes: int = 256 << 20) -> RebuiltRows:
+def rebuild_rows(
+    store: Store, latest: Latest, trust: Trust, spans: dict[str, Span], batch_bytes: int = 256 << 20
+) -> RebuiltRows:
     """The rows ``spans`` names of LATEST's weights, rebuilt from the store: a sharded trainer's
     rank resuming with a delta. The route is :func:`rebuild`'s (every manifest verified and bound
     to the next); each link is read for the cells that meet the rows only (every part checked by
@@ -233,9 +245,12 @@ def rebuild_rows(store: Store, latest: Latest, trust: Trust, spans: dict[str, Sp
     for name, s in spans.items():
         t = entries.get(name)
         if t is None or tuple(t.shape) != tuple(s.shape) or t.dtype != s.dtype.name:
-            raise ModelMismatchError(f"{name}: LATEST holds {None if t is None else (tuple(t.shape), t.dtype)}, this rank "
-                                     f"publishes {(tuple(s.shape), s.dtype.name)}")
-    batches, size = [[]], 0
+            raise ModelMismatchError(
+                f"{name}: LATEST holds {None if t is None else (tuple(t.shape), t.dtype)}, this rank "
+                f"publishes {(tuple(s.shape), s.dtype.name)}"
+            )
+    batches: list[list[str]] = [[]]  # tensor names, about batch_bytes of bases each
+    size = 0
     for name, s in spans.items():
         n = (s.flat[1] - s.flat[0]) * (8 + s.dtype.itemsize)
         if batches[-1] and size + n > batch_bytes:
@@ -253,19 +268,41 @@ def rebuild_rows(store: Store, latest: Latest, trust: Trust, spans: dict[str, Sp
                 t, s = have.get(name), spans[name]
                 if t is None:
                     raise IntegrityError(f"{store.key_uri(link.key)} does not list {name}")
-                selection[name] = None if t.grid is None else {
-                    i for i, box in enumerate(t.boxes())
-                    if chunks.meets(box, (s.start,) + (0,) * (len(s.shape) - 1), (s.stop, *s.shape[1:]))}
+                selection[name] = (
+                    None
+                    if t.grid is None
+                    else {
+                        i
+                        for i, box in enumerate(t.boxes())
+                        if chunks.meets(box, (s.start,) + (0,) * (len(s.shape) - 1), (s.stop, *s.shape[1:]))
+                    }
+                )
             tensors, _ = reader.fetch_selected(store, m, selection, bases=rows)
             rows.advance(tensors)
     missing = [n for n in spans if n not in rows.held and spans[n].flat[1] > spans[n].flat[0]]
     if missing:
         raise IntegrityError(f"the route to {store.key_uri(target.key)} holds no anchor of {missing[:5]}")
-    bits = {n: rows.held[n].view(s.dtype.int_view) if n in rows.held else torch.empty(0, dtype=s.dtype.int_view)
-            for n, s in spans.items()}
-    return RebuiltRows(target, _same_version(target, chain), bits,
-                       {n: fpr.range_fingerprint(b, spans[n].flat[0]) for n, b in bits.items()})
+    bits = {
+        n: rows.held[n].view(s.dtype.int_view) if n in rows.held else torch.empty(0, dtype=s.dtype.int_view)
+        for n, s in spans.items()
+    }
+    return RebuiltRows(
+        target,
+        _same_version(target, chain),
+        bits,
+        {n: fpr.range_fingerprint(b, spans[n].flat[0]) for n, b in bits.items()},
+    )
 
 
-__all__ = ["Head", "Rebuilt", "RebuiltRows", "Resumed", "RowBases", "Span", "highest_version", "read_head", "rebuild",
-           "rebuild_rows"]
+__all__ = [
+    "Head",
+    "Rebuilt",
+    "RebuiltRows",
+    "Resumed",
+    "RowBases",
+    "Span",
+    "highest_version",
+    "read_head",
+    "rebuild",
+    "rebuild_rows",
+]

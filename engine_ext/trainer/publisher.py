@@ -18,6 +18,7 @@ anchor; ``resumed`` says which. A second publisher racing it for a version gets 
 ``LATEST`` before it expires (:mod:`engine_ext.trainer.heartbeat`), so followers never see a live
 run go stale.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -111,16 +112,32 @@ class DeltaPublisher:
     # (docs/benchmarks.md, "the 1 % delta, second pass").
     encode_early: bool | str = "auto"
 
-    def __init__(self, store: Store | str, model: str = "model", *, anchor_every: int = 50,
-                 keep_on_cpu: bool = False, mode: str | None = None, queue_size: int = 2,
-                 workers: int | None = None, start_version: int | None = None, blob_target: int | None = None,
-                 signing_key=None, chunk_min_cell: int | None = chunks.MIN_CELL, quantize: str | None = None,
-                 resume: str = "auto", latest_ttl_s: float = LATEST_TTL_S, dtype: torch.dtype | str | None = torch.bfloat16,
-                 checkpoint_layout="auto"):
+    def __init__(
+        self,
+        store: Store | str,
+        model: str = "model",
+        *,
+        anchor_every: int = 50,
+        keep_on_cpu: bool = False,
+        mode: str | None = None,
+        queue_size: int = 2,
+        workers: int | None = None,
+        start_version: int | None = None,
+        blob_target: int | None = None,
+        signing_key=None,
+        chunk_min_cell: int | None = chunks.MIN_CELL,
+        quantize: str | None = None,
+        resume: str = "auto",
+        latest_ttl_s: float = LATEST_TTL_S,
+        dtype: torch.dtype | str | None = torch.bfloat16,
+        checkpoint_layout="auto",
+    ):
         if resume not in RESUME_MODES:
             raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
         if not (checkpoint_layout in ("auto", None) or isinstance(checkpoint_layout, torch.nn.Module)):
-            raise ValueError(f"checkpoint_layout must be 'auto', None or a transformers model, got {checkpoint_layout!r}")
+            raise ValueError(
+                f"checkpoint_layout must be 'auto', None or a transformers model, got {checkpoint_layout!r}"
+            )
         if isinstance(store, (str, os.PathLike)):
             store = open_store(store)
         self.store = store
@@ -134,15 +151,19 @@ class DeltaPublisher:
         self.quantize = quantizer(quantize)
         self.dtype = served_dtype(dtype)
         self.checkpoint_layout = checkpoint_layout
-        self.aliases: dict[str, str] = {}  # names left out as aliases of a kept tensor (tied embeddings): {dropped: kept}
+        self.aliases: dict[
+            str, str
+        ] = {}  # names left out as aliases of a kept tensor (tied embeddings): {dropped: kept}
         self.signer = Signer(signing_key) if signing_key is not None else Signer.from_settings()
         self.trust = self._own_trust(self.signer)
         self.resume = resume
         self.latest_ttl_s = latest_ttl_s
         self.head = lineage.read_head(self.store, self.trust)
         if start_version is not None and start_version < self.head.next_version:
-            raise ValueError(f"start_version {start_version}: {self.store.uri} already holds versions up to "
-                             f"v{self.head.next_version - 1}; version numbers only grow")
+            raise ValueError(
+                f"start_version {start_version}: {self.store.uri} already holds versions up to "
+                f"v{self.head.next_version - 1}; version numbers only grow"
+            )
         self.resumed: lineage.Resumed | None = None  # set by the first publish on a store that held versions
         self._manifest_shas: dict[int, list[str]] = {}  # version -> SHA-256 of its published manifests
         self.version: int | None = None
@@ -186,7 +207,9 @@ class DeltaPublisher:
         if self.version is not None and version <= self.version:
             raise ValueError(f"version {version} must be above the last published {self.version}")
         if version < self.head.next_version:
-            raise ValueError(f"version {version}: {self.store.uri} already holds versions up to v{self.head.next_version - 1}")
+            raise ValueError(
+                f"version {version}: {self.store.uri} already holds versions up to v{self.head.next_version - 1}"
+            )
         # after a version that failed to publish, the chain starts again: no delta names an unpublished base
         first = self.version is None or self._uploads.restart_chain
         is_anchor = first or bool(self.anchor_every and version % self.anchor_every == 0)
@@ -228,8 +251,11 @@ class DeltaPublisher:
             served = clean_state_dict(model_or_state_dict, aliases, cast=lambda t: to_served(t, self.dtype))
             sd = to_checkpoint_layout(served, layout)
         if aliases != self.aliases:
-            log.info("engine_ext: publishing %d tied name(s) once, under the name the engines load: %s",
-                     len(aliases), ", ".join(f"{d} -> {k}" for d, k in sorted(aliases.items())))
+            log.info(
+                "engine_ext: publishing %d tied name(s) once, under the name the engines load: %s",
+                len(aliases),
+                ", ".join(f"{d} -> {k}" for d, k in sorted(aliases.items())),
+            )
             self.aliases = aliases
         return sd
 
@@ -278,10 +304,14 @@ class DeltaPublisher:
                 have = {n: (tuple(t.shape), t.dtype) for n, t in sd.items()}
                 if want != have:
                     differ = sorted(n for n in set(want) | set(have) if want.get(n) != have.get(n))
-                    raise ValueError(f"{len(differ)} tensor(s) differ in name, shape or dtype from LATEST's: {differ[:5]}")
+                    raise ValueError(
+                        f"{len(differ)} tensor(s) differ in name, shape or dtype from LATEST's: {differ[:5]}"
+                    )
             except (DeltaError, ValueError) as e:
                 if self.resume == "delta":
-                    raise ValueError(f"cannot resume {self.store.uri} with a delta against v{latest.version}: {e}") from e
+                    raise ValueError(
+                        f"cannot resume {self.store.uri} with a delta against v{latest.version}: {e}"
+                    ) from e
                 reason = f"LATEST's weights cannot serve as the base: {str(e)[:300]}"
             else:
                 self._remember({n: w.to(sd[n].device) for n, w in weights.items()})
@@ -344,8 +374,18 @@ class DeltaPublisher:
             if policy is not None:
                 # The context coder's base is the kept bits as they are now (this version's), read in the background.
                 context = ContextBase(policy, lambda: prev, origin=row)
-        change = TensorChange(name, described.dtype, described.shape, pos.cpu(), old_bits.cpu(), new_bits.cpu(),
-                              self._fps[name], fp, context, self._holding.cuts(name))
+        change = TensorChange(
+            name,
+            described.dtype,
+            described.shape,
+            pos.cpu(),
+            old_bits.cpu(),
+            new_bits.cpu(),
+            self._fps[name],
+            fp,
+            context,
+            self._holding.cuts(name),
+        )
         self._fps[name] = fp
         return change
 
@@ -382,8 +422,17 @@ class DeltaPublisher:
     def _builder(self, job: UploadJob, part: int | None = None) -> VersionBuilder:
         opts = {} if self.blob_target is None else {"blob_target": self.blob_target}
         base_manifests = self._manifest_shas.get(job.base_version, []) if job.kind == DELTA else None
-        return VersionBuilder(job.kind, self.model, job.version, job.base_version, job.anchor_version,
-                              base_manifests=base_manifests, spool_in=self.store, part=part, **opts)
+        return VersionBuilder(
+            job.kind,
+            self.model,
+            job.version,
+            job.base_version,
+            job.anchor_version,
+            base_manifests=base_manifests,
+            spool_in=self.store,
+            part=part,
+            **opts,
+        )
 
     def _published(self, version: int, sha256: str) -> None:
         """Remember a published manifest: the next delta names its base's manifests."""
@@ -400,6 +449,7 @@ class DeltaPublisher:
 
             def fingerprint(name, _tensor):
                 return fingerprints[name]
+
         b.add_anchor(infos, anchor.tensors.__getitem__, fingerprint, workers=self.workers)
         if not self._fps:  # the first version, fingerprinted as it was written: the diffs' base
             self._fps = {t.name: fpr.parse(t.fingerprint) for t in b.manifest.tensors}

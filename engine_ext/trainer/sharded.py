@@ -32,6 +32,7 @@ a restarted trainer (of any world size) continues after the store's highest vers
 delta against LATEST, where every rank can rebuild its rows of LATEST from the store and the
 ranks' partial fingerprints prove them, else with an anchor.
 """
+
 from __future__ import annotations
 
 import math
@@ -124,8 +125,10 @@ class ShardedPublisher(DeltaPublisher):
                 published.update(checkpoint_names(model, h.name, h.shape, h.tensor.dtype))
             missing = published - set(self.layout)
             if missing:
-                raise ValueError(f"{len(missing)} checkpoint tensor(s) of what this rank holds are published by no "
-                                 f"rank: {sorted(missing)[:5]} (the ranks' rows do not cover the model)")
+                raise ValueError(
+                    f"{len(missing)} checkpoint tensor(s) of what this rank holds are published by no "
+                    f"rank: {sorted(missing)[:5]} (the ranks' rows do not cover the model)"
+                )
         sd = self._owned(held)
         self.last_numel = sum(t.numel() for t in sd.values())  # what this rank publishes (in the served dtype)
         self.last_nbytes = sum(t.numel() * self._holding.describe(n, t).dtype.itemsize for n, t in sd.items())
@@ -133,7 +136,9 @@ class ShardedPublisher(DeltaPublisher):
         if self.version is not None and version <= self.version:
             raise ValueError(f"version {version} must be above the last published {self.version}")
         if version < self.head.next_version:
-            raise ValueError(f"version {version}: {self.store.uri} already holds versions up to v{self.head.next_version - 1}")
+            raise ValueError(
+                f"version {version}: {self.store.uri} already holds versions up to v{self.head.next_version - 1}"
+            )
         if self.version is None and self.head.latest is not None:
             self._resume_from_rows(sd, version)  # a collective: every rank rebuilds its rows of LATEST, or none does
         first = self.version is None
@@ -214,8 +219,13 @@ class ShardedPublisher(DeltaPublisher):
         self._manifest_shas[latest.version] = list(rebuilt.manifests)
         self._committed = {latest.version}
         self.committed_fingerprint = fpr.parse(rebuilt.target.manifest.fingerprint)
-        self.resumed = lineage.Resumed(latest.version, version, "delta", "LATEST's rows rebuilt from the store on "
-                                       "every rank, every tensor's fingerprint proven by the ranks' partials")
+        self.resumed = lineage.Resumed(
+            latest.version,
+            version,
+            "delta",
+            "LATEST's rows rebuilt from the store on "
+            "every rank, every tensor's fingerprint proven by the ranks' partials",
+        )
 
     @property
     def fingerprint(self) -> int | None:
@@ -242,15 +252,19 @@ class ShardedPublisher(DeltaPublisher):
         """The tensors (local rows) this rank publishes; the same tensors, rows and dtypes every version."""
         view = [h.describe() for h in held.values()]
         if view != self._views[self.rank]:
-            raise ValueError("the tensors this rank holds changed since the first version (names, shapes, rows or "
-                             "dtypes): a new layout needs a new publisher")
+            raise ValueError(
+                "the tensors this rank holds changed since the first version (names, shapes, rows or "
+                "dtypes): a new layout needs a new publisher"
+            )
         return {name: h.tensor for name, h in held.items() if self.layout[name].owned(self.rank, h.start)}
 
     @property
     def model_nbytes(self) -> int:
         """The whole model in the served dtype, every rank's rows (what a dense sync sends per version)."""
-        return sum(math.prod(p.shape) * served_as(dtype_by_name(p.dtype), self.dtype).itemsize
-                   for p in (self.layout or {}).values())
+        return sum(
+            math.prod(p.shape) * served_as(dtype_by_name(p.dtype), self.dtype).itemsize
+            for p in (self.layout or {}).values()
+        )
 
     # -- background: one job per version, the same collectives on every rank -------------
     def _build(self, job: UploadJob) -> None:
@@ -265,22 +279,27 @@ class ShardedPublisher(DeltaPublisher):
 
     def _commit_version(self, job: UploadJob) -> None:
         anchor, delta = job.payload
-        views = self._all_gather((job.version, anchor is not None, None if delta is None else delta.base_version),
-                                 f"v{job.version}")
+        views = self._all_gather(
+            (job.version, anchor is not None, None if delta is None else delta.base_version), f"v{job.version}"
+        )
         if any(v[0] != job.version for v in views):
             raise GroupFailed(f"the ranks published different versions at once: {sorted({v[0] for v in views})}")
         if any(v[1] for v in views):
             if all(v[1] for v in views):
                 self._part(job.version, ANCHOR, lambda: self._anchor_part(anchor))
             else:
-                self._abort(job.version, "an anchor, but not on every rank (some had not yet learnt that a version failed)")
+                self._abort(
+                    job.version, "an anchor, but not on every rank (some had not yet learnt that a version failed)"
+                )
         if any(v[2] is not None for v in views):
             bases = {v[2] for v in views}
             if len(bases) == 1 and None not in bases and bases <= self._committed:
                 self._part(job.version, DELTA, lambda: self._delta_part(delta))
             else:
-                self._abort(job.version, f"a delta on a base that was not committed (v{sorted(bases, key=str)[0]}) "
-                                         "or not on every rank")
+                self._abort(
+                    job.version,
+                    f"a delta on a base that was not committed (v{min(bases, key=str)}) or not on every rank",
+                )
 
     def _anchor_part(self, anchor: UploadJob):
         b = self._builder(anchor, part=self._part_no())
@@ -375,9 +394,11 @@ class ShardedPublisher(DeltaPublisher):
         try:
             return fn()
         except Exception as e:  # gloo: a peer closed its connection, or the timeout passed
-            raise GroupFailed(f"rank {self.rank}: the trainer's publishers lost each other at {what} "
-                              f"({type(e).__name__}: {str(e)[:300]}); nothing more is committed: restart the "
-                              "trainer (it resumes after the store's LATEST)") from e
+            raise GroupFailed(
+                f"rank {self.rank}: the trainer's publishers lost each other at {what} "
+                f"({type(e).__name__}: {str(e)[:300]}); nothing more is committed: restart the "
+                "trainer (it resumes after the store's LATEST)"
+            ) from e
 
     def _all_gather(self, obj, what: str = "a version") -> list:
         import torch.distributed as dist
@@ -394,8 +415,9 @@ class ShardedPublisher(DeltaPublisher):
         if self.group is None:
             return [obj]
         out = [None] * self.world if self.rank == 0 else None
-        self._collective(what, lambda: dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0),
-                                                          group=self.group))
+        self._collective(
+            what, lambda: dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        )
         return out
 
     def _broadcast(self, obj, what: str = "the start"):
@@ -404,9 +426,10 @@ class ShardedPublisher(DeltaPublisher):
         if self.group is None:
             return obj
         box = [obj]
-        self._collective(what, lambda: dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0),
-                                                                  group=self.group))
+        self._collective(
+            what, lambda: dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        )
         return box[0]
 
 
-__all__ = ["ShardedPublisher", "GroupFailed"]
+__all__ = ["GroupFailed", "ShardedPublisher"]

@@ -14,8 +14,10 @@ the name, so that replicated tensors spread over the ranks), which is what lets 
 version be written by all ranks at once with no byte written twice
 (:mod:`engine_ext.trainer.sharded`).
 """
+
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 from dataclasses import dataclass
@@ -86,9 +88,14 @@ def _held(name: str, t: torch.Tensor) -> Held:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     for p in t.placements:
-        if not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0)) or type(p).__name__ == "_StridedShard":
-            raise NotImplementedError(f"{name}: placement {p} is not Shard(0) or Replicate; a sharded publisher "
-                                      "publishes row ranges only (FSDP2 fully_shard's layout)")
+        if (
+            not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0))
+            or type(p).__name__ == "_StridedShard"
+        ):
+            raise NotImplementedError(
+                f"{name}: placement {p} is not Shard(0) or Replicate; a sharded publisher "
+                "publishes row ranges only (FSDP2 fully_shard's layout)"
+            )
     local = t.to_local()
     local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     if tuple(local.shape) != tuple(local_shape):
@@ -149,9 +156,15 @@ def agree(views: list[list[tuple]]) -> dict[str, Placement]:
             raise ValueError(f"{name}: no rank holds any of it")
         if rows(shape) == 0 or math.prod(shape) == 0:
             ranges = ranges[:1]  # an empty tensor: one rank writes its (empty) entry
-        elif ranges[0][0] != 0 or ranges[-1][1] != rows(shape) or any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
-            raise ValueError(f"{name}: the ranks' rows {ranges[:8]} do not tile its {rows(shape)} rows (overlapping "
-                             "or missing ranges: only row ranges of one sharding can be published)")
+        elif (
+            ranges[0][0] != 0
+            or ranges[-1][1] != rows(shape)
+            or any(a[1] != b[0] for a, b in itertools.pairwise(ranges))
+        ):
+            raise ValueError(
+                f"{name}: the ranks' rows {ranges[:8]} do not tile its {rows(shape)} rows (overlapping "
+                "or missing ranges: only row ranges of one sharding can be published)"
+            )
         if len(ranges) > MAX_PARTS:
             raise ValueError(f"{name}: {len(ranges)} row ranges, over the {MAX_PARTS} parts a grid may have")
         owners = tuple(_pick(name, a, holders[name][(a, b)]) for a, b in ranges)
@@ -165,4 +178,4 @@ def _pick(name: str, start: int, ranks: list[int]) -> int:
     return sorted(ranks)[zlib.crc32(f"{name}@{start}".encode()) % len(ranks)]
 
 
-__all__ = ["Held", "Placement", "held_tensors", "in_checkpoint_layout", "agree", "rows"]
+__all__ = ["Held", "Placement", "agree", "held_tensors", "in_checkpoint_layout", "rows"]

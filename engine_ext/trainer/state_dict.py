@@ -3,6 +3,7 @@
 checkpointing) taken off, and each storage once (tied embeddings are one tensor under two names:
 the engines load one of them). Used by :class:`~engine_ext.trainer.publisher.DeltaPublisher` on
 every version and by :func:`~engine_ext.trainer.shards.held_tensors` on a sharded trainer's rank."""
+
 from __future__ import annotations
 
 import weakref
@@ -52,7 +53,7 @@ def _checkpoint_names(names: list[str]) -> tuple[list[str], list[str]]:
         prefix = _common_prefix(names)
         if prefix is None:
             break
-        names = [n[len(prefix):] for n in names]
+        names = [n[len(prefix) :] for n in names]
         stripped.append(prefix)
     return [_without_wrapper_components(n) for n in names], stripped
 

@@ -7,6 +7,7 @@ thread (:meth:`UploadWorker.raise_pending`, from the next ``publish`` or ``wait`
 queued behind a failed one are skipped, because each of them is a delta on a version that was not
 published, and the publisher's next version starts the chain again with an anchor.
 """
+
 from __future__ import annotations
 
 import queue
@@ -72,8 +73,10 @@ class UploadWorker:
         self._error = None
         if isinstance(error, ConflictError):
             self._lost = error
-            raise ConflictError(f"{error}; this publisher stops (a new DeltaPublisher continues the store after "
-                                "the other one's versions)") from error
+            raise ConflictError(
+                f"{error}; this publisher stops (a new DeltaPublisher continues the store after "
+                "the other one's versions)"
+            ) from error
         self.restart_chain = True
         raise RuntimeError(f"publishing failed: {error}") from error
 

@@ -32,6 +32,7 @@ Rollback writes ``undo`` back to the same ``dst``. :func:`check_positions` flags
 one read pass, blocks whose positions are out of ``[0, numel)`` or not strictly
 increasing, before anything is written.
 """
+
 from __future__ import annotations
 
 import torch
@@ -95,8 +96,18 @@ def _col(row, c):
 
 
 @triton.jit
-def _apply_kernel(tab_ptr, blk_ptr, undo_ptr, acc_ptr, W: tl.constexpr, ZM: tl.constexpr, NC: tl.constexpr,
-                  SAVE_UNDO: tl.constexpr, ROLLBACK: tl.constexpr, BLOCK: tl.constexpr):
+def _apply_kernel(
+    tab_ptr,
+    blk_ptr,
+    undo_ptr,
+    acc_ptr,
+    W: tl.constexpr,
+    ZM: tl.constexpr,
+    NC: tl.constexpr,
+    SAVE_UNDO: tl.constexpr,
+    ROLLBACK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     seg = tl.load(blk_ptr + 2 * pid)
     item0 = tl.load(blk_ptr + 2 * pid + 1)
@@ -133,11 +144,19 @@ def _apply_kernel(tab_ptr, blk_ptr, undo_ptr, acc_ptr, W: tl.constexpr, ZM: tl.c
             e1 = _col(row, C_EXT + 1)
             c1 = rem % e1
             c0 = rem // e1
-            i = ((c0 + _col(row, C_START)) * _col(row, C_CSTRIDE) + (c1 + _col(row, C_START + 1)) * _col(row, C_CSTRIDE + 1)
-                 + (c2 + _col(row, C_START + 2)) * _col(row, C_CSTRIDE + 2)
-                 + (c3 + _col(row, C_START + 3)) * _col(row, C_CSTRIDE + 3))
-            dst = (off + c0 * _col(row, C_DSTRIDE) + c1 * _col(row, C_DSTRIDE + 1) + c2 * _col(row, C_DSTRIDE + 2)
-                   + c3 * _col(row, C_DSTRIDE + 3))
+            i = (
+                (c0 + _col(row, C_START)) * _col(row, C_CSTRIDE)
+                + (c1 + _col(row, C_START + 1)) * _col(row, C_CSTRIDE + 1)
+                + (c2 + _col(row, C_START + 2)) * _col(row, C_CSTRIDE + 2)
+                + (c3 + _col(row, C_START + 3)) * _col(row, C_CSTRIDE + 3)
+            )
+            dst = (
+                off
+                + c0 * _col(row, C_DSTRIDE)
+                + c1 * _col(row, C_DSTRIDE + 1)
+                + c2 * _col(row, C_DSTRIDE + 2)
+                + c3 * _col(row, C_DSTRIDE + 3)
+            )
         m = valid
         vidx = i
     else:
@@ -156,10 +175,24 @@ def _apply_kernel(tab_ptr, blk_ptr, undo_ptr, acc_ptr, W: tl.constexpr, ZM: tl.c
             s1 = _col(row, C_SHAPE + 1)
             c1 = rem % s1 - _col(row, C_START + 1)
             c0 = rem // s1 - _col(row, C_START)
-            m = (valid & (c0 >= 0) & (c0 < _col(row, C_EXT)) & (c1 >= 0) & (c1 < _col(row, C_EXT + 1))
-                 & (c2 >= 0) & (c2 < _col(row, C_EXT + 2)) & (c3 >= 0) & (c3 < _col(row, C_EXT + 3)))
-            dst = (off + c0 * _col(row, C_DSTRIDE) + c1 * _col(row, C_DSTRIDE + 1) + c2 * _col(row, C_DSTRIDE + 2)
-                   + c3 * _col(row, C_DSTRIDE + 3))
+            m = (
+                valid
+                & (c0 >= 0)
+                & (c0 < _col(row, C_EXT))
+                & (c1 >= 0)
+                & (c1 < _col(row, C_EXT + 1))
+                & (c2 >= 0)
+                & (c2 < _col(row, C_EXT + 2))
+                & (c3 >= 0)
+                & (c3 < _col(row, C_EXT + 3))
+            )
+            dst = (
+                off
+                + c0 * _col(row, C_DSTRIDE)
+                + c1 * _col(row, C_DSTRIDE + 1)
+                + c2 * _col(row, C_DSTRIDE + 2)
+                + c3 * _col(row, C_DSTRIDE + 3)
+            )
         vidx = q
     dst = tl.where(m, dst, 0)
 
@@ -223,8 +256,19 @@ def apply_segments(table: torch.Tensor, blocks: torch.Tensor, undo: torch.Tensor
     nblk = blocks.shape[0]
     part = torch.empty(nblk, 2, dtype=torch.int64, device=table.device)
     buf = undo if undo is not None else torch.empty(1, dtype=INT_OF_WIDTH[width], device=table.device)
-    _apply_kernel[(nblk,)](table, blocks, buf, part, W=width, ZM=-1 if width == 64 else (1 << width) - 1, NC=NCOL,
-                           SAVE_UNDO=undo is not None, ROLLBACK=False, BLOCK=BLOCK, num_warps=4)
+    _apply_kernel[(nblk,)](
+        table,
+        blocks,
+        buf,
+        part,
+        W=width,
+        ZM=-1 if width == 64 else (1 << width) - 1,
+        NC=NCOL,
+        SAVE_UNDO=undo is not None,
+        ROLLBACK=False,
+        BLOCK=BLOCK,
+        num_warps=4,
+    )
     acc = torch.zeros(table.shape[0], 2, dtype=torch.int64, device=table.device)
     acc.index_add_(0, blocks[:, 0], part)  # int64 sums wrap mod 2^64
     return acc
@@ -233,8 +277,19 @@ def apply_segments(table: torch.Tensor, blocks: torch.Tensor, undo: torch.Tensor
 def rollback_segments(table: torch.Tensor, blocks: torch.Tensor, undo: torch.Tensor, width: int) -> None:
     """Write the old bits saved by :func:`apply_segments` back."""
     part = torch.empty(blocks.shape[0], 2, dtype=torch.int64, device=table.device)
-    _apply_kernel[(blocks.shape[0],)](table, blocks, undo, part, W=width, ZM=-1 if width == 64 else (1 << width) - 1,
-                                      NC=NCOL, SAVE_UNDO=False, ROLLBACK=True, BLOCK=BLOCK, num_warps=4)
+    _apply_kernel[(blocks.shape[0],)](
+        table,
+        blocks,
+        undo,
+        part,
+        W=width,
+        ZM=-1 if width == 64 else (1 << width) - 1,
+        NC=NCOL,
+        SAVE_UNDO=False,
+        ROLLBACK=True,
+        BLOCK=BLOCK,
+        num_warps=4,
+    )
 
 
 def check_positions(table: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -259,8 +314,9 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ shr(z, 31)
 
 
-def reference_apply(row: list[int], dest: torch.Tensor, positions: torch.Tensor | None, values: torch.Tensor,
-                    width: int) -> tuple[torch.Tensor, int, int]:
+def reference_apply(
+    row: list[int], dest: torch.Tensor, positions: torch.Tensor | None, values: torch.Tensor, width: int
+) -> tuple[torch.Tensor, int, int]:
     """One table row applied with torch, the kernel's math in plain form (for its tests).
 
     ``dest``: the destination storage as a flat int view of ``width`` bits (written in
@@ -273,11 +329,11 @@ def reference_apply(row: list[int], dest: torch.Tensor, positions: torch.Tensor 
     def has(f) -> bool:
         return bool(flags & f.value)
 
-    shape = row[C_SHAPE:C_SHAPE + MAXD]
-    start = row[C_START:C_START + MAXD]
-    ext = row[C_EXT:C_EXT + MAXD]
-    dstride = row[C_DSTRIDE:C_DSTRIDE + MAXD]
-    cstride = row[C_CSTRIDE:C_CSTRIDE + MAXD]
+    shape = row[C_SHAPE : C_SHAPE + MAXD]
+    start = row[C_START : C_START + MAXD]
+    ext = row[C_EXT : C_EXT + MAXD]
+    dstride = row[C_DSTRIDE : C_DSTRIDE + MAXD]
+    cstride = row[C_CSTRIDE : C_CSTRIDE + MAXD]
     q = torch.arange(row[C_N], dtype=torch.int64)
     keep = torch.ones_like(q, dtype=torch.bool)
     if has(F_DENSE):
@@ -288,7 +344,7 @@ def reference_apply(row: list[int], dest: torch.Tensor, positions: torch.Tensor 
         i = sum((c + s) * cs for c, s, cs in zip(coords, start, cstride))
         vals = values[i]
     else:
-        i = positions[:row[C_N]]
+        i = positions[: row[C_N]]
         coords, rem = [], i
         for s in reversed(shape):
             coords.insert(0, rem % s)
@@ -296,10 +352,11 @@ def reference_apply(row: list[int], dest: torch.Tensor, positions: torch.Tensor 
         coords = [c - s for c, s in zip(coords, start)]
         for c, e in zip(coords, ext):
             keep &= (c >= 0) & (c < e)
-        i, coords, vals = i[keep], [c[keep] for c in coords], values[:row[C_N]][keep]
+        i, coords, vals = i[keep], [c[keep] for c in coords], values[: row[C_N]][keep]
     dst = row[C_OFF] + sum(c * d for c, d in zip(coords, dstride))
     old = dest[dst].clone()
     if has(F_REL):
+
         def key(x):
             return x ^ ((x >> (width - 1)) & ((1 << (width - 1)) - 1)) if has(F_FLOAT) else x
 
@@ -319,6 +376,34 @@ def reference_apply(row: list[int], dest: torch.Tensor, positions: torch.Tensor 
     return slots, int((h(new) - h(old)).sum()) & ((1 << 64) - 1), int(i.numel())
 
 
-__all__ = ["apply_segments", "rollback_segments", "check_positions", "blocks_for", "reference_apply", "BLOCK", "MAXD",
-           "NCOL", "C_DEST", "C_POS", "C_VAL", "C_UNDO", "C_N", "C_FLAGS", "C_LO", "C_HI", "C_OFF", "C_SHAPE", "C_CSTRIDE",
-           "C_START", "C_EXT", "C_DSTRIDE", "C_NUMEL", "F_DENSE", "F_REL", "F_FLOAT", "F_COUNT", "F_FLAT", "F_CHECK"]
+__all__ = [
+    "BLOCK",
+    "C_CSTRIDE",
+    "C_DEST",
+    "C_DSTRIDE",
+    "C_EXT",
+    "C_FLAGS",
+    "C_HI",
+    "C_LO",
+    "C_N",
+    "C_NUMEL",
+    "C_OFF",
+    "C_POS",
+    "C_SHAPE",
+    "C_START",
+    "C_UNDO",
+    "C_VAL",
+    "F_CHECK",
+    "F_COUNT",
+    "F_DENSE",
+    "F_FLAT",
+    "F_FLOAT",
+    "F_REL",
+    "MAXD",
+    "NCOL",
+    "apply_segments",
+    "blocks_for",
+    "check_positions",
+    "reference_apply",
+    "rollback_segments",
+]

@@ -23,6 +23,7 @@ composition of this package's two device kernels with the format's host-side pie
 header, its blocks, the ``ctx-rans`` plan), so it imports both, and the format never imports the
 kernels. The reader (:mod:`engine_ext.store.reader`) picks it where a part's base lives on a device.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,8 +54,17 @@ def _runs(shape, off: int, ext) -> np.ndarray:
     return off + np.arange(rows, dtype=np.int64) * int(ext[-1])
 
 
-def decode(dtype_name: str, tensor_shape, box, pos_data: bytes, val_data: bytes, nnz: int, base_of,
-           step_tables: list[bytes], backend: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+def decode(
+    dtype_name: str,
+    tensor_shape,
+    box,
+    pos_data: bytes,
+    val_data: bytes,
+    nnz: int,
+    base_of,
+    step_tables: list[bytes],
+    backend: str = "triton",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted part-local positions int64, steps) of the changes in the blocks the caller holds,
     on the base's device: :func:`engine_ext.format.context.codec.decode` with ``base_of(box)``
     giving the flat raw bits of a box as a torch tensor on its device (None: none of it held;
@@ -72,7 +82,9 @@ def decode(dtype_name: str, tensor_shape, box, pos_data: bytes, val_data: bytes,
         return torch.empty(0, dtype=torch.int64), torch.from_numpy(np.empty(0, INT[itemsize]))
     want = None if -1 in held else np.fromiter(held, np.int64)
     on = next(iter(held.values())).device
-    if h.magic == rans_stage.MAGIC and backend == "triton" and rans_decode.serves(on):  # ctx-rans: streams on the device
+    if (
+        h.magic == rans_stage.MAGIC and backend == "triton" and rans_decode.serves(on)
+    ):  # ctx-rans: streams on the device
         if val_data:
             raise IntegrityError("a ctx-rans part has no values segment")
         data = np.frombuffer(pos_data, np.uint8)
@@ -99,7 +111,7 @@ def decode(dtype_name: str, tensor_shape, box, pos_data: bytes, val_data: bytes,
             ext = tuple(t - a for a, t in zip(*bl.boxes[b]))
             r = _runs(bl.shape, at, ext)
             read.append(r)
-            prow.append(bl.rows[bl.row_ptr[b]:bl.row_ptr[b + 1]])
+            prow.append(bl.rows[bl.row_ptr[b] : bl.row_ptr[b + 1]])
             nrows.append(r.size)
             run.append(bl.run[b])
             keep.append(b)
@@ -107,13 +119,22 @@ def decode(dtype_name: str, tensor_shape, box, pos_data: bytes, val_data: bytes,
             at += got.numel()
         bits = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         keep = np.asarray(keep)
-        geo = (np.concatenate(read), np.concatenate(prow), np.concatenate([[0], np.cumsum(nrows)]).astype(np.int64),
-               np.asarray(run, np.int64))
+        geo = (
+            np.concatenate(read),
+            np.concatenate(prow),
+            np.concatenate([[0], np.cumsum(nrows)]).astype(np.int64),
+            np.asarray(run, np.int64),
+        )
         spans = [(int(all_starts[b, 0]), int(all_starts[b, K])) for b in keep]  # held blocks' changes: slices
-        starts = all_starts[keep] - all_starts[keep, :1] + \
-            np.concatenate([[0], np.cumsum(all_starts[keep, K] - all_starts[keep, 0])])[:-1, None]
-        ranks, steps = (torch.cat([t[a:z] for a, z in spans]) if len(spans) > 1 else t[spans[0][0]:spans[0][1]]
-                        for t in (ranks, steps))
+        starts = (
+            all_starts[keep]
+            - all_starts[keep, :1]
+            + np.concatenate([[0], np.cumsum(all_starts[keep, K] - all_starts[keep, 0])])[:-1, None]
+        )
+        ranks, steps = (
+            torch.cat([t[a:z] for a, z in spans]) if len(spans) > 1 else t[spans[0][0] : spans[0][1]]
+            for t in (ranks, steps)
+        )
     if bits.dtype != _TORCH_INT[itemsize]:
         bits = bits.view(_TORCH_INT[itemsize])
     dev = bits.device

@@ -67,6 +67,7 @@ block each:
 No array over the part's elements is allocated besides the tile tables (``O(n / BLOCK)``):
 a rank decoding beside a serving engine needs ``O(changes)`` device memory.
 """
+
 from __future__ import annotations
 
 import torch
@@ -114,8 +115,9 @@ def _class_hist_kernel(bits_ptr, lut_ptr, hist_ptr, n, shift, emask, K, KP: tl.c
 
 
 @_jit
-def _context_gather_kernel(bits_ptr, lut_ptr, base_ptr, slot_ptr, out_ptr, n, shift, emask, K, KP: tl.constexpr,
-                           BLOCK: tl.constexpr):
+def _context_gather_kernel(
+    bits_ptr, lut_ptr, base_ptr, slot_ptr, out_ptr, n, shift, emask, K, KP: tl.constexpr, BLOCK: tl.constexpr
+):
     """out[i] = slot[base[b, cls[i]] + #{i' in block b, i' < i : cls[i'] == cls[i]}] for i in block b, i < n."""
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -147,11 +149,24 @@ def _tile(read_ptr, row_ptr_ptr, run_ptr, size_ptr, tiles_ptr, t, BLOCK: tl.cons
 
 
 @_jit
-def _block_hist_kernel(bits_ptr, read_ptr, row_ptr_ptr, run_ptr, size_ptr, tiles_ptr, lut_ptr, hist_ptr, shift, emask, K,
-                       KP: tl.constexpr, BLOCK: tl.constexpr):
+def _block_hist_kernel(
+    bits_ptr,
+    read_ptr,
+    row_ptr_ptr,
+    run_ptr,
+    size_ptr,
+    tiles_ptr,
+    lut_ptr,
+    hist_ptr,
+    shift,
+    emask,
+    K,
+    KP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """hist[t, c] = #{elements of tile t of class c}, int32 [tiles, K]."""
     t = tl.program_id(0).to(tl.int64)
-    r, w, m, idx = _tile(read_ptr, row_ptr_ptr, run_ptr, size_ptr, tiles_ptr, t, BLOCK)
+    _r, _w, m, idx = _tile(read_ptr, row_ptr_ptr, run_ptr, size_ptr, tiles_ptr, t, BLOCK)
     c = _classes(bits_ptr, lut_ptr, idx, m, shift, emask)
     ks = tl.arange(0, KP)
     onehot = (c[:, None] == ks[None, :]).to(tl.int32)
@@ -159,9 +174,27 @@ def _block_hist_kernel(bits_ptr, read_ptr, row_ptr_ptr, run_ptr, size_ptr, tiles
 
 
 @_jit
-def _block_find_kernel(bits_ptr, read_ptr, pos_rows_ptr, row_ptr_ptr, run_ptr, size_ptr, tiles_ptr, lut_ptr, base_ptr,
-                       jlo_ptr, jhi_ptr, sidx_ptr, out_ptr, shift, emask, K, nsteps, KP: tl.constexpr,
-                       BLOCK: tl.constexpr):
+def _block_find_kernel(
+    bits_ptr,
+    read_ptr,
+    pos_rows_ptr,
+    row_ptr_ptr,
+    run_ptr,
+    size_ptr,
+    tiles_ptr,
+    lut_ptr,
+    base_ptr,
+    jlo_ptr,
+    jhi_ptr,
+    sidx_ptr,
+    out_ptr,
+    shift,
+    emask,
+    K,
+    nsteps,
+    KP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """out[j] = the reported position of the element whose sorted index is sidx[j], for the j of tile t."""
     t = tl.program_id(0).to(tl.int64)
     r, w, m, idx = _tile(read_ptr, row_ptr_ptr, run_ptr, size_ptr, tiles_ptr, t, BLOCK)
@@ -198,8 +231,7 @@ def effective_mask(width: int, shift: int, emask: int) -> int:
     return emask & ((1 << (width - shift)) - 1)
 
 
-def _prepare(bits: torch.Tensor, shift: int, emask: int, lut: torch.Tensor, ranks: torch.Tensor,
-             starts: torch.Tensor):
+def _prepare(bits: torch.Tensor, shift: int, emask: int, lut: torch.Tensor, ranks: torch.Tensor, starts: torch.Tensor):
     """Validated inputs on ``bits``' device: (bits 1-D int, width, K, lut, ranks int64, starts int64)."""
     if bits.dtype in INT_OF_FLOAT:
         bits = bits.view(INT_OF_FLOAT[bits.dtype])
@@ -239,8 +271,10 @@ def _rank_classes(ranks: torch.Tensor, starts: torch.Tensor, pop: torch.Tensor) 
     if bool(bad.any()):
         j = int(bad.nonzero()[0, 0])
         c = int(cls_j[j])
-        raise ValueError(f"rank {int(ranks[j])} (ranks[{j}]) of class {c}: not in [0, {int(pop[c])}) or not "
-                         "strictly increasing (wrong base or corrupt input)")
+        raise ValueError(
+            f"rank {int(ranks[j])} (ranks[{j}]) of class {c}: not in [0, {int(pop[c])}) or not "
+            "strictly increasing (wrong base or corrupt input)"
+        )
     return cls_j
 
 
@@ -273,8 +307,20 @@ def _triton_positions(bits, width, K, shift, emask, lut, ranks, starts):
     slot = torch.full((n,), -1, dtype=idt, device=dev)  # 3
     slot[off[cls_j] + ranks] = torch.arange(R, dtype=idt, device=dev)
     out = torch.empty(n, dtype=idt, device=dev)  # 4
-    _context_gather_kernel[(base.shape[0],)](bits, lut, base, slot, out, n, shift, effective_mask(width, shift, emask),
-                                             K, KP=KP, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    _context_gather_kernel[(base.shape[0],)](
+        bits,
+        lut,
+        base,
+        slot,
+        out,
+        n,
+        shift,
+        effective_mask(width, shift, emask),
+        K,
+        KP=KP,
+        BLOCK=BLOCK,
+        num_warps=NUM_WARPS,
+    )
     pos = (out >= 0).nonzero().squeeze(1)  # 5
     return pos, out[pos].to(torch.int64)
 
@@ -297,10 +343,11 @@ def reference_class_hist(bits: torch.Tensor, shift: int, emask: int, lut: torch.
     return torch.bincount(blk * K + cls, minlength=nb * K).view(nb, K).to(torch.int32)
 
 
-def reference_context_positions(bits: torch.Tensor, shift: int, emask: int, lut: torch.Tensor, ranks: torch.Tensor,
-                                starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_context_positions(
+    bits: torch.Tensor, shift: int, emask: int, lut: torch.Tensor, ranks: torch.Tensor, starts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`context_positions` in plain torch (any device): stable class sort, then ``order[off[c] + r]``."""
-    bits, width, K, lut, ranks, starts = _prepare(bits, shift, emask, lut, ranks, starts)
+    bits, _width, K, lut, ranks, starts = _prepare(bits, shift, emask, lut, ranks, starts)
     return _torch_positions(bits, K, shift, emask, lut, ranks, starts)
 
 
@@ -321,8 +368,15 @@ def _torch_positions(bits, K, shift, emask, lut, ranks, starts):
 # ----------------------------------------------------------------------------- entry point
 
 
-def context_positions(bits: torch.Tensor, shift: int, emask: int, lut: torch.Tensor, ranks: torch.Tensor,
-                      starts: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def context_positions(
+    bits: torch.Tensor,
+    shift: int,
+    emask: int,
+    lut: torch.Tensor,
+    ranks: torch.Tensor,
+    starts: torch.Tensor,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(pos, src): pos int64 sorted increasing = the indices i of the changed elements (those whose
     within-class rank is listed for their class); src int64, same length: for each pos[k], the index j
     into `ranks` of its rank (so ranks[src[k]] is the rank of element pos[k] within class cls[pos[k]],
@@ -368,17 +422,30 @@ def _prepare_blocks(bits, geo, shift, emask, lut, ranks, starts):
         raise ValueError(f"shift {shift} / emask {emask} out of range for {width}-bit elements")
     read, prow, row_ptr, run = (_host(a) for a in geo)
     S = run.numel()
-    st = starts.to("cpu", torch.int64) if isinstance(starts, torch.Tensor) else torch.as_tensor(starts, dtype=torch.int64)
+    st = (
+        starts.to("cpu", torch.int64)
+        if isinstance(starts, torch.Tensor)
+        else torch.as_tensor(starts, dtype=torch.int64)
+    )
     if st.dim() != 2 or st.shape[0] != S or not 2 <= st.shape[1] <= KP + 1:
         raise ValueError(f"starts must be [blocks = {S}, K + 1] with 1 <= K <= {KP}")
     K = st.shape[1] - 1
     R = ranks.numel()
     flat = torch.cat([st[:, :K].reshape(-1), st[-1:, K]]) if S else torch.zeros(1, dtype=torch.int64)
-    if (S and (bool((st[1:, 0] != st[:-1, K]).any()) or int(flat[0]) != 0)) or int(flat[-1]) != R \
-            or bool((flat[1:] < flat[:-1]).any()):
+    if (
+        (S and (bool((st[1:, 0] != st[:-1, K]).any()) or int(flat[0]) != 0))
+        or int(flat[-1]) != R
+        or bool((flat[1:] < flat[:-1]).any())
+    ):
         raise ValueError("starts must run block-major and non-decreasing from 0 to ranks.numel()")
-    if row_ptr.numel() != S + 1 or read.numel() != prow.numel() or int(row_ptr[0]) != 0 \
-            or int(row_ptr[-1]) != read.numel() or bool((row_ptr[1:] < row_ptr[:-1]).any()) or bool((run < 1).any()):
+    if (
+        row_ptr.numel() != S + 1
+        or read.numel() != prow.numel()
+        or int(row_ptr[0]) != 0
+        or int(row_ptr[-1]) != read.numel()
+        or bool((row_ptr[1:] < row_ptr[:-1]).any())
+        or bool((run < 1).any())
+    ):
         raise ValueError("block geometry: row_ptr must index read_rows/pos_rows, every run at least one element")
     n = bits.numel()
     if read.numel() and (int(read.min()) < 0 or int((read + run.repeat_interleave(row_ptr.diff())).max()) > n):
@@ -386,11 +453,27 @@ def _prepare_blocks(bits, geo, shift, emask, lut, ranks, starts):
     lut = lut.to(bits.device).contiguous()
     if lut.dim() != 1 or lut.numel() < emask + 1 or (lut.numel() and (int(lut.min()) < 0 or int(lut.max()) >= K)):
         raise ValueError(f"lut must be 1-D, at least emask + 1 = {emask + 1} entries, classes in [0, {K})")
-    return bits.contiguous(), width, K, lut, (read, prow, row_ptr, run), ranks.to(bits.device, torch.int64).reshape(-1), st
+    return (
+        bits.contiguous(),
+        width,
+        K,
+        lut,
+        (read, prow, row_ptr, run),
+        ranks.to(bits.device, torch.int64).reshape(-1),
+        st,
+    )
 
 
-def block_positions(bits: torch.Tensor, geo, shift: int, emask: int, lut: torch.Tensor, ranks: torch.Tensor, starts,
-                    backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def block_positions(
+    bits: torch.Tensor,
+    geo,
+    shift: int,
+    emask: int,
+    lut: torch.Tensor,
+    ranks: torch.Tensor,
+    starts,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The blocked pass (module docstring): ``(pos, src)``, ``pos`` the reported positions of the listed
     elements, increasing, and ``src[k]`` the index into ``ranks`` of ``pos[k]``'s rank; on ``bits``' device.
     ``geo`` = ``(read_rows, pos_rows, row_ptr, run)``, host int64 arrays (numpy or torch).
@@ -443,8 +526,9 @@ def _triton_block_positions(bits, width, K, shift, emask, lut, host, ranks, st):
     read_d, prow_d, row_ptr_d, run_d, size_d = (a.to(dev) for a in (read, prow, row_ptr, run, size))
     em = effective_mask(width, shift, emask)
     hist = torch.empty(T, K, dtype=torch.int32, device=dev)
-    _block_hist_kernel[(T,)](bits, read_d, row_ptr_d, run_d, size_d, tiles, lut, hist, shift, em, K, KP=KP, BLOCK=BLOCK,
-                             num_warps=NUM_WARPS)
+    _block_hist_kernel[(T,)](
+        bits, read_d, row_ptr_d, run_d, size_d, tiles, lut, hist, shift, em, K, KP=KP, BLOCK=BLOCK, num_warps=NUM_WARPS
+    )
     hist = hist.to(torch.int64)
     tb = tile_block.to(dev)
     pop = torch.zeros(S, K, dtype=torch.int64, device=dev).index_add_(0, tb, hist)
@@ -456,11 +540,33 @@ def _triton_block_positions(bits, width, K, shift, emask, lut, host, ranks, st):
     jhi = torch.searchsorted(sidx, base + hist).contiguous()
     is_bad, most = torch.stack([bad.to(torch.int64), (jhi - jlo).max()]).tolist()  # the one sync before the pass
     if is_bad:
-        raise ValueError("a rank beyond its (block, class) population, or ranks not strictly increasing "
-                         "(wrong base or corrupt input)")
+        raise ValueError(
+            "a rank beyond its (block, class) population, or ranks not strictly increasing "
+            "(wrong base or corrupt input)"
+        )
     out = torch.full((R,), -1, dtype=torch.int64, device=dev)
-    _block_find_kernel[(T,)](bits, read_d, prow_d, row_ptr_d, run_d, size_d, tiles, lut, base, jlo, jhi, sidx, out, shift,
-                             em, K, int(most).bit_length(), KP=KP, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    _block_find_kernel[(T,)](
+        bits,
+        read_d,
+        prow_d,
+        row_ptr_d,
+        run_d,
+        size_d,
+        tiles,
+        lut,
+        base,
+        jlo,
+        jhi,
+        sidx,
+        out,
+        shift,
+        em,
+        K,
+        int(most).bit_length(),
+        KP=KP,
+        BLOCK=BLOCK,
+        num_warps=NUM_WARPS,
+    )
     pos, src = torch.sort(out)
     if bool(pos[0] < 0):  # every listed rank lies in a tile of its block: none is left unfound
         raise ValueError("a listed rank was not found in its block")
@@ -477,11 +583,11 @@ def _torch_block_positions(bits, K, shift, emask, lut, host, ranks, st):
     dev = bits.device
     pos, src = [], []
     for b in range(run.numel()):
-        rr = read[row_ptr[b]:row_ptr[b + 1]]
+        rr = read[row_ptr[b] : row_ptr[b + 1]]
         idx = (rr[:, None] + torch.arange(int(run[b]))[None, :]).reshape(-1).to(dev)
         a, z = int(st[b, 0]), int(st[b, K])
         p, s = _torch_positions(bits[idx], K, shift, emask, lut, ranks[a:z], (st[b] - a).to(dev))
-        pr = prow[row_ptr[b]:row_ptr[b + 1]]
+        pr = prow[row_ptr[b] : row_ptr[b + 1]]
         rep = (pr[:, None] + torch.arange(int(run[b]))[None, :]).reshape(-1).to(dev)
         pos.append(rep[p])
         src.append(s + a)
@@ -493,5 +599,15 @@ def _torch_block_positions(bits, K, shift, emask, lut, host, ranks, st):
     return pos, torch.cat(src)[order]
 
 
-__all__ = ["block_positions", "reference_block_positions", "context_positions", "reference_context_positions", "reference_classes", "reference_class_hist",
-           "class_hist", "effective_mask", "BLOCK", "KP"]
+__all__ = [
+    "BLOCK",
+    "KP",
+    "block_positions",
+    "class_hist",
+    "context_positions",
+    "effective_mask",
+    "reference_block_positions",
+    "reference_class_hist",
+    "reference_classes",
+    "reference_context_positions",
+]

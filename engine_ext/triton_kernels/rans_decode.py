@@ -42,6 +42,7 @@ message; where several chunks fail, the lowest code, as the host's threads repor
 **Parallelism** is the part's: ``chunks x lanes`` rANS chains (a 4096 x 4096 part at 1 % has 10-20 chunks of up
 to 16384 changes, 4 lanes each), each round a chain of dependent loads; a program's time is its chunk's rounds.
 """
+
 from __future__ import annotations
 
 import os
@@ -95,6 +96,7 @@ _TORCH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 if _INTERPRETED or tl is None:  # the interpreter: reductions without a device-function call each (~1 ms a call)
+
     @_device_fn
     def _sum(v, axis):
         """``tl.sum`` without its dtype promotion (every use here sums int64 or int32)."""
@@ -112,6 +114,7 @@ if _INTERPRETED or tl is None:  # the interpreter: reductions without a device-f
     def _cumsum(v):
         return tl.associative_scan(v, 0, tl.standard._sum_combine)
 else:  # a device: Triton's public reductions (the same results on int64 and int32, which is all this sums)
+
     @_device_fn
     def _sum(v, axis):
         return tl.sum(v, axis)
@@ -148,8 +151,9 @@ def _step(data_ptr, tab_ptr, row, x, r, act, last, k):
     need = act & (v < _RANS_L)
     ni = need.to(tl.int64)
     at = tl.minimum(r + 2 * (_cumsum(ni) - ni), last)  # words in lane order
-    word = _sum(tl.load(data_ptr + at[:, None] + k[None, :], mask=need[:, None], other=0).to(tl.int64)
-                << (8 * k[None, :]), 1)
+    word = _sum(
+        tl.load(data_ptr + at[:, None] + k[None, :], mask=need[:, None], other=0).to(tl.int64) << (8 * k[None, :]), 1
+    )
     return ent >> 25, tl.where(need, (v << 16) | word, tl.where(act, v, x)), r + 2 * _sum(ni, 0)
 
 
@@ -172,9 +176,33 @@ def _any(flags):
 
 
 @_jit
-def _rans_decode_kernel(data_ptr, which_ptr, c_start_ptr, lanes_ptr, offs_ptr, nwords_ptr, nbypass_ptr,
-                        c_state_ptr, prev_ptr, c_block_ptr, states_ptr, gend_ptr, gq_ptr, gB_ptr, gsize_ptr, gs_ptr,
-                        qtab_ptr, stab_ptr, ranks_ptr, steps_ptr, err_ptr, K, itembits, last, LANES: tl.constexpr):
+def _rans_decode_kernel(
+    data_ptr,
+    which_ptr,
+    c_start_ptr,
+    lanes_ptr,
+    offs_ptr,
+    nwords_ptr,
+    nbypass_ptr,
+    c_state_ptr,
+    prev_ptr,
+    c_block_ptr,
+    states_ptr,
+    gend_ptr,
+    gq_ptr,
+    gB_ptr,
+    gsize_ptr,
+    gs_ptr,
+    qtab_ptr,
+    stab_ptr,
+    ranks_ptr,
+    steps_ptr,
+    err_ptr,
+    K,
+    itembits,
+    last,
+    LANES: tl.constexpr,
+):
     """Chunk ``which[pid]`` into ``ranks``/``steps`` at its changes' places; ``err[pid]`` its code (0: sound)."""
     pid = tl.program_id(0)
     ch = tl.load(which_ptr + pid)
@@ -269,8 +297,11 @@ def _rans_decode_kernel(data_ptr, which_ptr, c_start_ptr, lanes_ptr, offs_ptr, n
             size = tl.load(gsize_ptr + g + zero)
             bm = (one << B) - 1
         if (used > nbits) | (r > wend) | _any(big | over | zbad):  # the round's first failure, in the CPU's order
-            cq = tl.where(esc & (o + _ESCAPE > nbits), -5, tl.where(big, -6, tl.where(act & (o + w > nbits), -5,
-                          tl.where(over, -6, 0))))
+            cq = tl.where(
+                esc & (o + _ESCAPE > nbits),
+                -5,
+                tl.where(big, -6, tl.where(act & (o + w > nbits), -5, tl.where(over, -6, 0))),
+            )
             o2 = us + _cumsum(lg) - lg
             cs = tl.where(act & (o2 + lg > nbits), -5, tl.where(zbad, -8, 0))
             code = _first(cq.to(tl.int64), ln, LANES)
@@ -279,8 +310,9 @@ def _rans_decode_kernel(data_ptr, which_ptr, c_start_ptr, lanes_ptr, offs_ptr, n
         j += m
     pad = tl.load(data_ptr + wend + (used >> 3), mask=(used < nbits) & ((used & 7) != 0), other=0).to(tl.int64)
     left = (nbits - used >= 8) | ((pad >> (used & 7)) != 0)
-    err = tl.where(err != 0, err, tl.where(r != wend, -2, tl.where(left, -4, tl.where(_any((x != _RANS_L) & (ln < L)),
-                                                                                      -3, 0))))
+    err = tl.where(
+        err != 0, err, tl.where(r != wend, -2, tl.where(left, -4, tl.where(_any((x != _RANS_L) & (ln < L)), -3, 0)))
+    )
     tl.store(err_ptr + pid, err.to(tl.int32))
 
 
@@ -335,21 +367,81 @@ def decode(data: torch.Tensor, plan) -> tuple[torch.Tensor, torch.Tensor]:
     if which.size == 0:
         return ranks, steps
     if data.numel() != int(p.offs[-1] + 2 * p.nwords[-1] + p.nbypass[-1]):  # every read stays inside ``data``
-        raise IntegrityError(f"ctx-rans: {data.numel()} bytes where the plan's part has "
-                             f"{int(p.offs[-1] + 2 * p.nwords[-1] + p.nbypass[-1])}")
+        raise IntegrityError(
+            f"ctx-rans: {data.numel()} bytes where the plan's part has "
+            f"{int(p.offs[-1] + 2 * p.nwords[-1] + p.nbypass[-1])}"
+        )
     cont = which[p.prev[which] > 0]
-    parts = [which, p.c_start, p.lanes, p.offs, p.nwords, p.nbypass, p.c_state, p.prev, p.c_block, p.states, p.gend,
-             p.gq, p.gB, p.gsize, p.gs, p.c_start[cont] - 1, p.prev[cont] - 1]
+    parts = [
+        which,
+        p.c_start,
+        p.lanes,
+        p.offs,
+        p.nwords,
+        p.nbypass,
+        p.c_state,
+        p.prev,
+        p.c_block,
+        p.states,
+        p.gend,
+        p.gq,
+        p.gB,
+        p.gsize,
+        p.gs,
+        p.c_start[cont] - 1,
+        p.prev[cont] - 1,
+    ]
     sizes = [int(a.size) for a in parts]
     host = np.concatenate([np.asarray(a, np.int64).reshape(-1) for a in parts])
-    (which_d, c_start, lanes, offs, nwords, nbypass, c_state, prev, c_block, states, gend, gq, gB, gsize, gs, at,
-     expect) = torch.from_numpy(host).to(dev).split(sizes)  # the plan: one copy
+    (
+        which_d,
+        c_start,
+        lanes,
+        offs,
+        nwords,
+        nbypass,
+        c_state,
+        prev,
+        c_block,
+        states,
+        gend,
+        gq,
+        gB,
+        gsize,
+        gs,
+        at,
+        expect,
+    ) = torch.from_numpy(host).to(dev).split(sizes)  # the plan: one copy
     err = torch.empty(which.size, dtype=torch.int32, device=dev)
     width = _lanes_width(p.lanes[which])  # a chain per lane: 4 in the format's chunks (wider ones: more warps)
     _rans_decode_kernel[(which.size,)](
-        data, which_d, c_start, lanes, offs, nwords, nbypass, c_state, prev, c_block, states, gend, gq, gB, gsize, gs,
-        _on_device(p.qtab, dev), _on_device(p.stab, dev), ranks, steps, err, int(p.K), 8 * itemsize,
-        max(data.numel() - 2, 0), LANES=width, num_warps=1 if width <= 8 else 4)
+        data,
+        which_d,
+        c_start,
+        lanes,
+        offs,
+        nwords,
+        nbypass,
+        c_state,
+        prev,
+        c_block,
+        states,
+        gend,
+        gq,
+        gB,
+        gsize,
+        gs,
+        _on_device(p.qtab, dev),
+        _on_device(p.stab, dev),
+        ranks,
+        steps,
+        err,
+        int(p.K),
+        8 * itemsize,
+        max(data.numel() - 2, 0),
+        LANES=width,
+        num_warps=1 if width <= 8 else 4,
+    )
     bad = (ranks[at] != expect).any() if cont.size else torch.zeros((), dtype=torch.bool, device=dev)
     code, broken = torch.stack([err.min().to(torch.int64), bad.to(torch.int64)]).tolist()  # the one sync
     if code:

@@ -2,6 +2,7 @@
 ``DefaultModelLoader.postprocess_weights`` (every loader's post-processing step in SGLang 0.5.23). The
 SGLang adapter refreshes nothing, so it claims nothing: any copy post-processing derives in a module
 holding checkpoint weights makes them unreproducible (updates writing them are refused)."""
+
 from __future__ import annotations
 
 from ...server.census import CENSUS_ATTR, take

@@ -5,6 +5,7 @@ SGLang hands them, whose members are listed in :data:`TOUCHPOINTS`). Checked on
 :data:`CHECKED_ON` (tests run against SGLang 0.5.23 on the CPU; tests/test_sglang_compat.py
 also finds every touchpoint statically in the installed sources).
 """
+
 from __future__ import annotations
 
 from ..compat import Touchpoint
@@ -26,15 +27,24 @@ TOUCHPOINTS = (
     Touchpoint(_TM, "TokenizerManager.init_request_dispatcher", (), "hook target: controller and routes"),
     Touchpoint(_TM, "TokenizerManager._dispatch_to_scheduler", ("obj",), "private: sends our request to rank 0"),
     Touchpoint(_TM, "TokenizerManager._result_dispatcher", (), "private: routes our reply"),
-    Touchpoint(_TM, "TokenizerManager._update_weight_version_if_provided", ("weight_version",), "private: version label"),
+    Touchpoint(
+        _TM, "TokenizerManager._update_weight_version_if_provided", ("weight_version",), "private: version label"
+    ),
     Touchpoint(_TM, "TokenizerManager.auto_create_handle_loop", (), ""),
     Touchpoint(_TM, "TokenizerManager.model_update_lock", (), "pause mode wait: its writer lock"),
     Touchpoint(_TM, "TokenizerManager.is_pause", (), ""),
     Touchpoint(_TM, "TokenizerManager.pause_generation", ("obj",), ""),
     Touchpoint(_TM, "TokenizerManager.continue_generation", ("obj",), ""),
-    *(Touchpoint(_TM, f"TokenizerManager.{m}", (), "hook target: mark an outside update") for m in (
-        "update_weights_from_disk", "update_weights_from_tensor", "update_weights_from_distributed",
-        "update_weights_from_ipc", "end_weight_update")),
+    *(
+        Touchpoint(_TM, f"TokenizerManager.{m}", (), "hook target: mark an outside update")
+        for m in (
+            "update_weights_from_disk",
+            "update_weights_from_tensor",
+            "update_weights_from_distributed",
+            "update_weights_from_ipc",
+            "end_weight_update",
+        )
+    ),
     Touchpoint("sglang.srt.managers.communicator", "FanOutCommunicator", (), "awaits our reply like SGLang's own"),
     Touchpoint("sglang.srt.managers.io_struct", "wrap_as_pickle", ("obj",), "envelope for our messages"),
     Touchpoint("sglang.srt.managers.io_struct", "PauseGenerationReqInput", (), ""),
@@ -42,14 +52,24 @@ TOUCHPOINTS = (
     Touchpoint("sglang.utils", "TypeBasedDispatcher", (), ""),
     Touchpoint("sglang.srt.runtime_context", "get_parallel", (), "TP group and rank"),
     Touchpoint("sglang.srt.runtime_context", "get_model", (), "model path and revision"),
-    Touchpoint("sglang.srt.model_loader.loader", "DefaultModelLoader.postprocess_weights", ("model", "target_device"),
-               "every loader's post-processing step: wrapped by the post-processing census (census.py)"),
-    Touchpoint("sglang.srt.entrypoints.http_server", "get_global_state", (), "the TokenizerManager of the HTTP process"),
+    Touchpoint(
+        "sglang.srt.model_loader.loader",
+        "DefaultModelLoader.postprocess_weights",
+        ("model", "target_device"),
+        "every loader's post-processing step: wrapped by the post-processing census (census.py)",
+    ),
+    Touchpoint(
+        "sglang.srt.entrypoints.http_server", "get_global_state", (), "the TokenizerManager of the HTTP process"
+    ),
     Touchpoint("sglang.srt.entrypoints.http_server", "app", (), "our routes are added to it"),
     Touchpoint("sglang.srt.utils.auth", "auth_level", (), "ADMIN_OPTIONAL on our routes"),
     # ServerArgs is assembled from field groups at import time; the keys are declared here:
-    Touchpoint("sglang.srt.arg_groups.fields.serving", "Serving.api_key", (), "server_args.api_key opens our routes too"),
-    Touchpoint("sglang.srt.arg_groups.fields.serving", "Serving.admin_api_key", (), "so does server_args.admin_api_key"),
+    Touchpoint(
+        "sglang.srt.arg_groups.fields.serving", "Serving.api_key", (), "server_args.api_key opens our routes too"
+    ),
+    Touchpoint(
+        "sglang.srt.arg_groups.fields.serving", "Serving.admin_api_key", (), "so does server_args.admin_api_key"
+    ),
 )
 
 
@@ -75,8 +95,13 @@ def scheduler_model(scheduler):
     from sglang.srt.runtime_context import get_model, get_parallel
 
     tp = get_parallel().tp_group
-    return (scheduler.tp_worker.model_runner.model, get_model().model_path, getattr(get_model(), "revision", None),
-            tp.rank_in_group, tp.cpu_group)
+    return (
+        scheduler.tp_worker.model_runner.model,
+        get_model().model_path,
+        getattr(get_model(), "revision", None),
+        tp.rank_in_group,
+        tp.cpu_group,
+    )
 
 
 def flush_cache(scheduler) -> bool:

@@ -15,6 +15,7 @@ weights, their KV recomputed, since the radix cache is flushed); ``wait`` holds 
 TokenizerManager's model-update writer lock (new requests wait, running ones
 drain); ``abort`` aborts running requests (SGLang's ``abort`` pause).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -73,8 +74,11 @@ class SglangRanks:
     async def after_update(self, version: int) -> None:
         bad = [r for r in await self.call(AFTER_UPDATE, version=version) if not r.ok]
         if bad:
-            log.warning("engine_ext: cache flush/version after v%s incomplete on some ranks: %s", version,
-                        "; ".join(f"rank {r.rank}: {r.error}" for r in bad))
+            log.warning(
+                "engine_ext: cache flush/version after v%s incomplete on some ranks: %s",
+                version,
+                "; ".join(f"rank {r.rank}: {r.error}" for r in bad),
+            )
         compat.set_weight_version(self.tm, str(version))
 
 

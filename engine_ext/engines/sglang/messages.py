@@ -8,6 +8,7 @@ structs (``sglang.srt.managers.io_struct.wrap_as_pickle``), so neither SGLang's
 msgpack decoder nor its type registry has to know them. Plain dataclasses of plain
 data: importable from every process, nothing to unpickle but dicts and strings.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -18,6 +18,7 @@ registers for itself), then applies the registered hooks. This registers:
 
 No patch to SGLang's files is needed; everything goes through its hook registry.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,9 +28,16 @@ log = logging.getLogger("engine_ext")
 SCHEDULER_TARGET = "sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher"
 TOKENIZER_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.init_request_dispatcher"
 # SGLang's own weight updates: after one, our fingerprints are re-read before the next op.
-OUTSIDE_UPDATE_TARGETS = tuple(f"sglang.srt.managers.tokenizer_manager.TokenizerManager.{m}" for m in (
-    "update_weights_from_disk", "update_weights_from_tensor", "update_weights_from_distributed",
-    "update_weights_from_ipc", "end_weight_update"))
+OUTSIDE_UPDATE_TARGETS = tuple(
+    f"sglang.srt.managers.tokenizer_manager.TokenizerManager.{m}"
+    for m in (
+        "update_weights_from_disk",
+        "update_weights_from_tensor",
+        "update_weights_from_distributed",
+        "update_weights_from_ipc",
+        "end_weight_update",
+    )
+)
 _registered = False
 
 

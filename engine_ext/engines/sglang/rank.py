@@ -14,18 +14,19 @@ column-parallel weights on dim 0 and row-parallel ones on dim 1, pads and shards
 the vocabulary, and ties ``lm_head`` to the embedding; the probe learns all of it
 from the loader, with no per-model table.
 """
+
 from __future__ import annotations
 
 import logging
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from ...errors import UnsupportedError
-from ...store.checkpoint import served_checkpoint
 from ...server.protocol import RankReply
 from ...server.rank import RankUpdater, run_op
+from ...store.checkpoint import served_checkpoint
 from . import compat
 from .messages import RankOpReply, RankOpReq
 
@@ -52,7 +53,9 @@ def derived_weight_error(model: torch.nn.Module) -> str | None:
     return None
 
 
-def build_updater(model: torch.nn.Module, model_path: str, *, revision: str | None = None, rank: int = 0) -> RankUpdater:
+def build_updater(
+    model: torch.nn.Module, model_path: str, *, revision: str | None = None, rank: int = 0
+) -> RankUpdater:
     """A RankUpdater over ``model`` whose loader is the model's own ``load_weights``."""
     error = derived_weight_error(model)
     if error:
@@ -67,8 +70,9 @@ def build_updater(model: torch.nn.Module, model_path: str, *, revision: str | No
 
         return unreproducible(model, maps)  # the adapter refreshes no derived copy: it claims none
 
-    return RankUpdater(model, load, ckpt.specs(), ckpt.load, refresh=None, rank=rank,
-                       find_unreproducible=find_unreproducible)
+    return RankUpdater(
+        model, load, ckpt.specs(), ckpt.load, refresh=None, rank=rank, find_unreproducible=find_unreproducible
+    )
 
 
 AFTER_UPDATE = "after_update"  # scheduler op beside the updater's: cache flush and weight version
@@ -81,9 +85,17 @@ class RankAgent:
     and ``set_version`` are the scheduler's own (radix cache reset, weight version).
     """
 
-    def __init__(self, model: torch.nn.Module, model_path: str, *, rank: int = 0, group=None,
-                 revision: str | None = None, flush_cache: Callable[[], bool] | None = None,
-                 set_version: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_path: str,
+        *,
+        rank: int = 0,
+        group=None,
+        revision: str | None = None,
+        flush_cache: Callable[[], bool] | None = None,
+        set_version: Callable[[str], None] | None = None,
+    ):
         self.model, self.model_path, self.revision = model, model_path, revision
         self.rank, self.group = rank, group
         self.flush_cache, self.set_version = flush_cache, set_version
@@ -132,9 +144,15 @@ def agent_for_scheduler(scheduler) -> RankAgent:
     agent = scheduler.__dict__.get("_engine_ext_agent")
     if agent is None:
         model, model_path, revision, rank, group = compat.scheduler_model(scheduler)
-        agent = RankAgent(model, model_path, rank=rank, group=group, revision=revision,
-                          flush_cache=lambda: compat.flush_cache(scheduler),
-                          set_version=lambda v: compat.record_weight_version(scheduler, v))
+        agent = RankAgent(
+            model,
+            model_path,
+            rank=rank,
+            group=group,
+            revision=revision,
+            flush_cache=lambda: compat.flush_cache(scheduler),
+            set_version=lambda v: compat.record_weight_version(scheduler, v),
+        )
         scheduler.__dict__["_engine_ext_agent"] = agent
     return agent
 

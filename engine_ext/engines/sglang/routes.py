@@ -6,6 +6,7 @@ Same body, answers, statuses and ``ENGINE_EXT_SOURCES`` rule as the vLLM endpoin
 ``ADMIN_OPTIONAL`` like SGLang's own weight-update routes (so ``--admin-api-key``
 guards them when set); ``ENGINE_EXT_TOKEN`` adds our own bearer check on top.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +18,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from ...server.controller import Auth
-from ...server.protocol import ROUTE
 from ...server.http import bounded_body, cold_checkpoint, get_answer, post_answer, wants_audit
+from ...server.protocol import ROUTE
 from . import compat, engine
 
 log = logging.getLogger("engine_ext")
@@ -44,8 +45,13 @@ async def post_update(request: Request) -> JSONResponse:
 
 
 async def get_update(request: Request) -> JSONResponse:
-    status, body = await get_answer(_auth(), _controller, request.headers.get("authorization"),
-                                    wants_audit(request.query_params), cold_checkpoint(request.query_params))
+    status, body = await get_answer(
+        _auth(),
+        _controller,
+        request.headers.get("authorization"),
+        wants_audit(request.query_params),
+        cold_checkpoint(request.query_params),
+    )
     return JSONResponse(body, status)
 
 

@@ -16,6 +16,7 @@ door; online the API server's endpoint takes over vLLM's routes and drives its o
 controller, and a backend reached anyway (a direct RPC) finds the committed state on the
 ranks (:meth:`~engine_ext.server.controller.Controller.sync`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -111,8 +112,9 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
     def init_transfer_engine(self, init_info: DeltaInitInfo) -> None:
         """Narrow the sources and trusted keys (refused, nothing changed, if it would widen them), then
         every rank probes its layout and fingerprints its weights (once)."""
-        wanted = {k: v for k, v in (("sources", init_info.sources), ("trusted_keys", init_info.trusted_keys))
-                  if v is not None}
+        wanted = {
+            k: v for k, v in (("sources", init_info.sources), ("trusted_keys", init_info.trusted_keys)) if v is not None
+        }
 
         async def init(ctl: Controller):
             policy = narrow(wanted, Policy(ctl.sources, ctl.trust))

@@ -1,5 +1,6 @@
 """vLLM's side of the post-processing census (:mod:`engine_ext.server.census`): where it is taken, and
 what the plugin's patches claim (the copies they refresh after every write)."""
+
 from __future__ import annotations
 
 import torch
@@ -52,4 +53,4 @@ def claimed(module: torch.nn.Module) -> set[tuple]:
     return keys
 
 
-__all__ = ["wrap_post_processing", "claimed"]
+__all__ = ["claimed", "wrap_post_processing"]

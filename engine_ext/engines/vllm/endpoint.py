@@ -17,6 +17,7 @@ plugins attach after vLLM's routers, so ours are put ahead of vLLM's in the app'
 list (Starlette takes the first match). The workers' weight-update session (vLLM keeps
 one) still opens and closes through the engine client.
 """
+
 from __future__ import annotations
 
 import json
@@ -73,11 +74,13 @@ def split_front_end(args: Namespace) -> SplitFrontEnd | None:
     count = getattr(args, "api_server_count", None) or 1
     if count <= 1:
         return None
-    return SplitFrontEnd(f"engine_ext needs one API-server process: this server runs {count} (--api-server-count), "
-                         "and each would keep its own served state (version, fingerprints, history, lock), so an "
-                         "update or a status request would reach only one of them; start vLLM with "
-                         "--api-server-count 1 (updates pause generation for milliseconds, the front end is not "
-                         "their bottleneck)")
+    return SplitFrontEnd(
+        f"engine_ext needs one API-server process: this server runs {count} (--api-server-count), "
+        "and each would keep its own served state (version, fingerprints, history, lock), so an "
+        "update or a status request would reach only one of them; start vLLM with "
+        "--api-server-count 1 (updates pause generation for milliseconds, the front end is not "
+        "their bottleneck)"
+    )
 
 
 def _controller(request: Request):
@@ -96,14 +99,20 @@ def _auth(request: Request) -> Auth:
 
 
 async def post_update(request: Request) -> JSONResponse:
-    status, body = await post_answer(_auth(request), _controller(request), request.headers.get("authorization"),
-                                     bounded_body(request))
+    status, body = await post_answer(
+        _auth(request), _controller(request), request.headers.get("authorization"), bounded_body(request)
+    )
     return JSONResponse(body, status)
 
 
 async def get_update(request: Request) -> JSONResponse:
-    status, body = await get_answer(_auth(request), _controller(request), request.headers.get("authorization"),
-                                    wants_audit(request.query_params), cold_checkpoint(request.query_params))
+    status, body = await get_answer(
+        _auth(request),
+        _controller(request),
+        request.headers.get("authorization"),
+        wants_audit(request.query_params),
+        cold_checkpoint(request.query_params),
+    )
     door = getattr(request.app.state, "engine_ext_native", None)
     if status == 200 and door is not None:
         body["native"] = door.status()
@@ -143,7 +152,9 @@ class NativeDoor:
 
     async def start(self, ctl: Controller, body: dict) -> dict:
         if self.session:
-            raise SessionError("start_weight_update called while a weight update is active; call finish_weight_update first")
+            raise SessionError(
+                "start_weight_update called while a weight update is active; call finish_weight_update first"
+            )
         try:
             await self.engine_client.start_weight_update()
         except RuntimeError as e:
@@ -185,8 +196,12 @@ class NativeDoor:
         return {"session": self.session, **transfer_api.describe(self.policy, self.server)}
 
 
-NATIVE_ROUTES = {"/init_weight_transfer_engine": NativeDoor.init, "/start_weight_update": NativeDoor.start,
-                 "/update_weights": NativeDoor.update, "/finish_weight_update": NativeDoor.finish}
+NATIVE_ROUTES = {
+    "/init_weight_transfer_engine": NativeDoor.init,
+    "/start_weight_update": NativeDoor.start,
+    "/update_weights": NativeDoor.update,
+    "/finish_weight_update": NativeDoor.finish,
+}
 
 
 def native_route(step):
@@ -195,10 +210,14 @@ def native_route(step):
             refused = getattr(request.app.state, "engine_ext_refused", None)
             if refused is not None:
                 raise refused
-            door, ctl = getattr(request.app.state, "engine_ext_native", None), getattr(request.app.state, "engine_ext", None)
+            door, ctl = (
+                getattr(request.app.state, "engine_ext_native", None),
+                getattr(request.app.state, "engine_ext", None),
+            )
             if door is None or ctl is None:
-                return JSONResponse({"ok": False, "reason": "unavailable",
-                                     "error": "engine_ext is not initialised on this server"}, 503)
+                return JSONResponse(
+                    {"ok": False, "reason": "unavailable", "error": "engine_ext is not initialised on this server"}, 503
+                )
             raw = await bounded_body(request)()  # never held whole past the limit
             try:
                 body = json.loads(raw) if raw.strip() else {}
@@ -227,8 +246,14 @@ def put_ahead(app: FastAPI, ours: list[APIRoute]) -> None:
     routes = app.router.routes
     for route in ours:
         routes.remove(route)
-        at = next((i for i, r in enumerate(routes) if isinstance(r, APIRoute) and r.path == route.path
-                   and r.methods & route.methods), len(routes))
+        at = next(
+            (
+                i
+                for i, r in enumerate(routes)
+                if isinstance(r, APIRoute) and r.path == route.path and r.methods & route.methods
+            ),
+            len(routes),
+        )
         routes.insert(at, route)
 
 
@@ -248,7 +273,9 @@ class EndpointPlugin:
             for path, step in NATIVE_ROUTES.items():
                 app.add_api_route(path, native_route(step), methods=["POST"])
             put_ahead(app, [r for r in app.router.routes[n:] if isinstance(r, APIRoute)])
-            log.info("engine_ext: vLLM's weight-transfer routes %s run through engine_ext's controller", list(NATIVE_ROUTES))
+            log.info(
+                "engine_ext: vLLM's weight-transfer routes %s run through engine_ext's controller", list(NATIVE_ROUTES)
+            )
 
     async def init_state(self, engine_client, state, args: Namespace) -> None:
         # vLLM's own --api-key (or VLLM_API_KEY) opens our route too; its middleware guards /v1 only.
@@ -260,13 +287,15 @@ class EndpointPlugin:
             log.error("engine_ext: the update routes refuse every request: %s", state.engine_ext_refused)
             return
         model_dir = getattr(args, "model", None)
-        ctl = Controller(EngineClientRanks(engine_client),
-                         version=initial_version(model_dir if model_dir and os.path.isdir(model_dir) else None))
+        ctl = Controller(
+            EngineClientRanks(engine_client),
+            version=initial_version(model_dir if model_dir and os.path.isdir(model_dir) else None),
+        )
         state.engine_ext = ctl
         if compat.dev_mode() and compat.weight_transfer_backend(args) in BACKEND_NAMES:
             state.engine_ext_native = NativeDoor(engine_client, Policy(ctl.sources, ctl.trust))
         try:
             await ctl.start()
-        except Exception:  # noqa: BLE001 - keep serving; the route answers with the reason
+        except Exception:
             log.exception("engine_ext: start-up probe failed; /update_weights_delta will refuse updates")
         ctl.start_following()  # ENGINE_EXT_FOLLOW: pull mode, in the API server's event loop

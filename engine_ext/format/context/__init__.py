@@ -28,6 +28,7 @@ loads no numba: vLLM 0.32 CPU's plugin processes read manifests, and its kernel-
 ``sys.modules`` dies on numba's llvmlite (tests/test_compat.py). The coder itself is imported by module
 (``from engine_ext.format.context import codec``) where it runs.
 """
+
 from __future__ import annotations
 
 from .symbols import MAX_STEP_TABLES, alphabet, supports

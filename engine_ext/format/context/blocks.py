@@ -8,9 +8,11 @@ base alone. Where the shards end depends on the layer (column- or row-parallel, 
 vocabulary, fused experts), which the tensor's name tells: :func:`block_policy`. A
 policy is one byte in the part's header, so the decoder needs no name.
 """
+
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -41,7 +43,11 @@ def block_policy(name: str, shape) -> int | None:
     any other tensor along both leading dimensions. None: never context coded (a tensor a
     rank holds several ranges of)."""
     parts = name.split(".")
-    module = parts[-2] if len(parts) > 1 and parts[-1] in ("weight", "bias", "weight_scale_inv", "weight_scale") else parts[-1]
+    module = (
+        parts[-2]
+        if len(parts) > 1 and parts[-1] in ("weight", "bias", "weight_scale_inv", "weight_scale")
+        else parts[-1]
+    )
     nd = len(shape)
     if module in SPLIT_UNEVENLY or (nd == 2 and module == "gate_up_proj"):
         return None
@@ -107,7 +113,7 @@ class Blocks:
 
 def _runs(shape, box) -> np.ndarray:
     """Part-flat starts of a box's runs along the last dimension, ascending."""
-    strides = np.array([math.prod(shape[d + 1:]) for d in range(len(shape))], dtype=np.int64)
+    strides = np.array([math.prod(shape[d + 1 :]) for d in range(len(shape))], dtype=np.int64)
     starts = np.array([box[0][-1]], dtype=np.int64)
     for d in range(len(shape) - 2, -1, -1):
         starts = (np.arange(box[0][d], box[1][d], dtype=np.int64)[:, None] * strides[d] + starts[None, :]).reshape(-1)
@@ -127,13 +133,16 @@ def _blocks(full: tuple, box: Box | None, policy: int) -> Blocks:
     shape = tuple(b - a for a, b in zip(*box))
     cuts = []
     for d in range(len(full)):
-        tensor_cuts = shard_cuts(full[d], d == 0 and bool(policy & 8), d == 1 and bool(policy & 16)) \
-            if d < 3 and policy >> d & 1 else []
+        tensor_cuts = (
+            shard_cuts(full[d], d == 0 and bool(policy & 8), d == 1 and bool(policy & 16))
+            if d < 3 and policy >> d & 1
+            else []
+        )
         cuts.append([c - box[0][d] for c in tensor_cuts if box[0][d] < c < box[1][d]])
     edges = [[0, *c, n] for c, n in zip(cuts, shape)]
     boxes = [((), ())]
     for e in edges:
-        boxes = [(s + (a,), t + (b,)) for s, t in boxes for a, b in zip(e, e[1:])]
+        boxes = [(s + (a,), t + (b,)) for s, t in boxes for a, b in itertools.pairwise(e)]
     runs = [_runs(shape, b) for b in boxes]
     row_ptr = np.concatenate([[0], np.cumsum([r.size for r in runs])]).astype(np.int64)
     run = np.array([b[1][-1] - b[0][-1] for b in boxes], dtype=np.int64)

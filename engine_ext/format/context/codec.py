@@ -42,8 +42,10 @@ u8 step table per class with changes, then u32 words. Every count, size and symb
 bounded before use; a wrong base decodes to ranks beyond a class's population (refused)
 or to a result whose fingerprint the caller refuses.
 """
+
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import struct
@@ -54,16 +56,33 @@ import numpy as np
 import torch
 
 from ...errors import IntegrityError, PartlyHeldError
-from . import rans_stage, rans_stage_kernels
 from ..chunks import Box
+from . import rans_stage, rans_stage_kernels
 from .blocks import MAX_POLICY, Blocks, part_blocks
-from .models import (EXACT, EXPONENT, INT, ITEMSIZE, QMAX, UINT, alphabet, best_table, class_key, class_lut, count_params,
-                     exponents, quotient_probs, step_bins, supports, table_weights, unzigzag, zigzag)
-from .scan_kernels import exponent_histogram, pool as scan_pool, ranks as block_ranks, scan
+from .models import (
+    INT,
+    QMAX,
+    UINT,
+    best_table,
+    class_key,
+    class_lut,
+    count_params,
+    exponents,
+    quotient_probs,
+    step_bins,
+    table_weights,
+    unzigzag,
+    zigzag,
+)
+from .scan_kernels import exponent_histogram, scan
+from .scan_kernels import pool as scan_pool
+from .scan_kernels import ranks as block_ranks
+from .symbols import EXACT, EXPONENT, ITEMSIZE, alphabet, supports
 
 RANGE_MAGIC = b"X2"
 MAX_CLASSES = 16
 CLASS_COST_BITS = 40  # header bits one more class costs (edge, population, count, table, block counts)
+
 
 # ---------------------------------------------------------------- model pieces
 def _bin_entropy(k: float, n: float) -> float:
@@ -78,7 +97,9 @@ def choose_edges(pop: np.ndarray, chg: np.ndarray) -> list[int]:
     """Exponent edges of the classes from the populations and changes per exponent value:
     one class per exponent present, neighbours merged while a merge costs fewer mask bits
     than a class's header (and down to ``MAX_CLASSES``). Encoder only."""
-    groups = [[int(e), float(pop[e]), float(chg[e])] for e in np.flatnonzero(pop)]  # [first exponent, population, changes]
+    groups = [
+        [int(e), float(pop[e]), float(chg[e])] for e in np.flatnonzero(pop)
+    ]  # [first exponent, population, changes]
 
     def merge_cost(i):
         a, b = groups[i], groups[i + 1]
@@ -104,7 +125,9 @@ def sample(flat: torch.Tensor) -> np.ndarray:
     """Up to SAMPLE_RUNS evenly spaced runs of SAMPLE_RUN elements of a flat tensor (any device), as numpy."""
     n = flat.numel()
     if n > SAMPLE_RUNS * SAMPLE_RUN:
-        flat = torch.cat([flat[a:a + SAMPLE_RUN] for a in np.linspace(0, n - SAMPLE_RUN, SAMPLE_RUNS).astype(np.int64).tolist()])
+        flat = torch.cat(
+            [flat[a : a + SAMPLE_RUN] for a in np.linspace(0, n - SAMPLE_RUN, SAMPLE_RUNS).astype(np.int64).tolist()]
+        )
     return flat.cpu().numpy()
 
 
@@ -154,7 +177,7 @@ class _Reader:
     def take(self, n: int) -> bytes:
         if n < 0 or self.at + n > len(self.data):
             raise IntegrityError("context header truncated")
-        b = self.data[self.at:self.at + n]
+        b = self.data[self.at : self.at + n]
         self.at += n
         return b
 
@@ -167,7 +190,7 @@ class _Reader:
         return out
 
     def words(self) -> np.ndarray:
-        rest = self.data[self.at:]
+        rest = self.data[self.at :]
         if len(rest) % 4:
             raise IntegrityError("context stream is not whole 32-bit words")
         return np.frombuffer(rest, dtype="<u4").astype(np.uint32)
@@ -206,8 +229,9 @@ class Arranged:
         return head
 
 
-def arrange(dtype_name: str, tensor_shape, box: Box | None, policy: int, base_bits: np.ndarray,
-            positions: np.ndarray) -> Arranged:
+def arrange(
+    dtype_name: str, tensor_shape, box: Box | None, policy: int, base_bits: np.ndarray, positions: np.ndarray
+) -> Arranged:
     """Classes, blocks and ranks of a part's changes (``positions``: sorted part-local row-major indices),
     given the part's ``base_bits`` (flat)."""
     shift, mask = EXPONENT[dtype_name]
@@ -229,8 +253,16 @@ def arrange(dtype_name: str, tensor_shape, box: Box | None, policy: int, base_bi
     return Arranged(edges, pops, bl, lut[exp_at].astype(np.int64), blk, by_position)
 
 
-def encode(dtype_name: str, tensor_shape, box: Box | None, policy: int, base_bits: np.ndarray,
-           positions: np.ndarray, steps: np.ndarray, step_tables: list[bytes]) -> CodedPart:
+def encode(
+    dtype_name: str,
+    tensor_shape,
+    box: Box | None,
+    policy: int,
+    base_bits: np.ndarray,
+    positions: np.ndarray,
+    steps: np.ndarray,
+    step_tables: list[bytes],
+) -> CodedPart:
     """The ``ctx-rans`` bytes (format 9, :mod:`engine_ext.format.context.rans_stage`) of one part's changes (``box``
     of the tensor, None: all of it; its blocks cut by ``policy``): ``positions`` (sorted part-local row-major
     indices), ``steps`` (nonzero ordered-space steps there), given the part's ``base_bits`` (flat) and the
@@ -247,8 +279,20 @@ def encode(dtype_name: str, tensor_shape, box: Box | None, policy: int, base_bit
     table_of_class = np.full(K, -1, np.int64)
     for c in np.flatnonzero(k.sum(axis=1)):
         table_of_class[c] = best_table(np.bincount(sym[cls == c], minlength=alphabet(dtype_name)), step_tables)
-    return CodedPart(rans_stage.encode(bytes(a.head(rans_stage.MAGIC, policy)), a.bl, a.pops, k, a.rank[order], sym,
-                                       lg, z & ((np.int64(1) << lg) - 1), table_of_class, step_tables))
+    return CodedPart(
+        rans_stage.encode(
+            bytes(a.head(rans_stage.MAGIC, policy)),
+            a.bl,
+            a.pops,
+            k,
+            a.rank[order],
+            sym,
+            lg,
+            z & ((np.int64(1) << lg) - 1),
+            table_of_class,
+            step_tables,
+        )
+    )
 
 
 # ---------------------------------------------------------------- decode
@@ -280,12 +324,14 @@ def parse_positions_header(data: bytes, nnz: int, numel: int, dtype_name: str) -
         raise IntegrityError(f"context header: {K} classes (expected 1..{MAX_CLASSES}), block policy {policy}")
     edges = list(r.take(K - 1))
     _, mask = EXPONENT[dtype_name]
-    if any(not 0 < e <= mask for e in edges) or any(a >= b for a, b in zip(edges, edges[1:])):
+    if any(not 0 < e <= mask for e in edges) or any(a >= b for a, b in itertools.pairwise(edges)):
         raise IntegrityError("context header: class edges not increasing within the exponent range")
     pops = r.varints(K, numel)
     totals = r.varints(K, nnz)
     if int(pops.sum()) != numel or (totals > pops).any():
-        raise IntegrityError("context header: class populations do not make up the part, or hold fewer elements than changes")
+        raise IntegrityError(
+            "context header: class populations do not make up the part, or hold fewer elements than changes"
+        )
     if int(totals.sum()) != nnz:
         raise IntegrityError(f"context header holds {int(totals.sum())} changes, the manifest {nnz}")
     return Header(magic, policy, edges, pops, totals, r.at)
@@ -324,7 +370,9 @@ def decode_ranks(h: Header, bl: Blocks, dec, m) -> tuple[np.ndarray, np.ndarray]
     return k, ranks
 
 
-def decode_steps(data: bytes, totals: np.ndarray, step_tables: list[bytes], dtype_name: str, dec_factory, m) -> np.ndarray:
+def decode_steps(
+    data: bytes, totals: np.ndarray, step_tables: list[bytes], dtype_name: str, dec_factory, m
+) -> np.ndarray:
     """The steps in (class, block, rank) order."""
     r = _Reader(data)
     live = np.flatnonzero(totals)
@@ -333,8 +381,13 @@ def decode_steps(data: bytes, totals: np.ndarray, step_tables: list[bytes], dtyp
         raise IntegrityError(f"context steps: a step table beyond the version's {len(step_tables)}")
     dec = dec_factory(r.words())
     itemsize = ITEMSIZE[dtype_name]
-    sym = np.concatenate([dec.decode(m.Categorical(table_weights(step_tables[t]), perfect=False), int(totals[c]))
-                          for c, t in zip(live, choice)] or [np.empty(0, np.int32)]).astype(np.int64)
+    sym = np.concatenate(
+        [
+            dec.decode(m.Categorical(table_weights(step_tables[t]), perfect=False), int(totals[c]))
+            for c, t in zip(live, choice)
+        ]
+        or [np.empty(0, np.int32)]
+    ).astype(np.int64)
     if sym.size and sym.max() >= alphabet(dtype_name):
         raise IntegrityError("context steps: a symbol beyond the alphabet")
     z = sym.copy()
@@ -375,8 +428,17 @@ PARALLEL_CHANGES = 1 << 15  # parts with this many changes decode their chunks o
 _CORES = os.cpu_count() or 1
 
 
-def decode_streams(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_data: bytes, nnz: int,
-                   step_tables: list[bytes], want=None, head: tuple[Header, Blocks] | None = None) -> Streams:
+def decode_streams(
+    dtype_name: str,
+    tensor_shape,
+    box: Box | None,
+    pos_data: bytes,
+    val_data: bytes,
+    nnz: int,
+    step_tables: list[bytes],
+    want=None,
+    head: tuple[Header, Blocks] | None = None,
+) -> Streams:
     """The entropy-coded streams of a part, decoded without its base (small: O(changes)): of the blocks in
     ``want`` only (default all; format 9 decodes no others, format 5 decodes all), ``head`` its
     :func:`part_header` where the caller has it."""
@@ -388,14 +450,16 @@ def decode_streams(dtype_name: str, tensor_shape, box: Box | None, pos_data: byt
         data = np.frombuffer(pos_data, np.uint8)
         workers = _CORES
         if nnz < PARALLEL_CHANGES or workers == 1:
-            starts, ranks, steps = rans_stage.decode_part(data, h.at, bl, h.pops, h.totals, INT[itemsize], step_tables, want)
+            starts, ranks, steps = rans_stage.decode_part(
+                data, h.at, bl, h.pops, h.totals, INT[itemsize], step_tables, want
+            )
             return Streams(bl, h.edges, ranks, starts, steps)
         p = rans_stage.plan(data, h.at, bl, h.pops, h.totals, INT[itemsize], step_tables, want)
         ranks, steps = rans_stage.decode(data, p, workers, scan_pool())
         return Streams(bl, h.edges, ranks, p.starts, steps)
     m, queue = constriction.stream.model, constriction.stream.queue  # format 5: constriction's range coder
     try:  # the range decoder refuses some invalid words with its own exceptions
-        k, ranks = decode_ranks(h, bl, queue.RangeDecoder(_Reader(pos_data[h.at:]).words()), m)
+        k, ranks = decode_ranks(h, bl, queue.RangeDecoder(_Reader(pos_data[h.at :]).words()), m)
         steps = decode_steps(val_data, h.totals, step_tables, dtype_name, queue.RangeDecoder, m)
     except (AssertionError, ValueError, RuntimeError, OverflowError) as e:
         raise IntegrityError(f"corrupt context stream ({type(e).__name__}: {e})") from None
@@ -431,8 +495,16 @@ def held_blocks(bl: Blocks, base_of) -> dict | None:
     return held
 
 
-def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_data: bytes, nnz: int,
-           base_of, step_tables: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+def decode(
+    dtype_name: str,
+    tensor_shape,
+    box: Box | None,
+    pos_data: bytes,
+    val_data: bytes,
+    nnz: int,
+    base_of,
+    step_tables: list[bytes],
+) -> tuple[np.ndarray, np.ndarray]:
     """(sorted part-local positions, steps) of the changes in the blocks the caller holds.
 
     ``base_of(box)`` gives the flat raw bits (numpy, row-major) of a box of the part's base
@@ -447,8 +519,17 @@ def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_
     held = held_blocks(bl, base_of)
     if not held:
         return empty
-    st = decode_streams(dtype_name, tensor_shape, box, pos_data, val_data, nnz, step_tables,
-                        None if -1 in held else np.fromiter(held, np.int64), (h, bl))
+    st = decode_streams(
+        dtype_name,
+        tensor_shape,
+        box,
+        pos_data,
+        val_data,
+        nnz,
+        step_tables,
+        None if -1 in held else np.fromiter(held, np.int64),
+        (h, bl),
+    )
     starts, ranks_b, steps = st.starts, st.ranks, st.steps
     if -1 in held:
         u = np.ascontiguousarray(held[-1]).view(UINT[itemsize]).reshape(-1)
@@ -465,8 +546,8 @@ def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_
             if u.size != bl.sizes[b]:
                 raise IntegrityError("the base of a context-coded block has the wrong size")
             one = part_blocks(ext, None, 0)  # the block alone, as a part of one block
-            sb = starts[b:b + 1] - starts[b, 0]
-            p, src = scan(u, shift, mask, lut, one, ranks_b[starts[b, 0]:starts[b, -1]], sb)
+            sb = starts[b : b + 1] - starts[b, 0]
+            p, src = scan(u, shift, mask, lut, one, ranks_b[starts[b, 0] : starts[b, -1]], sb)
             coords = np.unravel_index(p, ext)
             out_pos.append(np.ravel_multi_index(tuple(c + a for c, a in zip(coords, sub[0])), bl.shape))
             out_val.append(steps[starts[b, 0] + src])
@@ -477,5 +558,7 @@ def decode(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, val_
     return pos, vals
 
 
-CUT_BLOCK = ("this rank's shard cuts a context-coded block (a layout its block policy does not anticipate: "
-             "publish with ENGINE_EXT_CONTEXT_CODER=0)")
+CUT_BLOCK = (
+    "this rank's shard cuts a context-coded block (a layout its block policy does not anticipate: "
+    "publish with ENGINE_EXT_CONTEXT_CODER=0)"
+)

@@ -8,6 +8,7 @@ integers and IEEE ``+ - * /`` only (no ``exp``, ``log`` or ``pow``), so that eve
 builds bit-identical models; what only the encoder computes (a table's codes, the choice
 of a table) may use anything.
 """
+
 from __future__ import annotations
 
 import functools
@@ -15,7 +16,7 @@ import functools
 import numba
 import numpy as np
 
-from .symbols import EXACT, EXPONENT, ITEMSIZE, MAX_STEP_TABLES, STEP_TABLE_MIN, alphabet, supports
+from .symbols import EXACT, EXPONENT, ITEMSIZE, MAX_STEP_TABLES, STEP_TABLE_MIN, alphabet
 
 QMAX = 48  # Golomb quotients >= QMAX escape to 48 raw bits
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
@@ -166,11 +167,13 @@ def golomb_params(k: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     """:func:`golomb_param` of arrays (any shape)."""
     k, n = np.broadcast_arrays(np.asarray(k, np.int64), np.asarray(n, np.int64))
     b, key = np.empty(k.shape, np.int64), np.empty(k.shape, np.int64)
-    _golomb_params(np.ascontiguousarray(k).reshape(-1), np.ascontiguousarray(n).reshape(-1), b.reshape(-1), key.reshape(-1))
+    _golomb_params(
+        np.ascontiguousarray(k).reshape(-1), np.ascontiguousarray(n).reshape(-1), b.reshape(-1), key.reshape(-1)
+    )
     return b, key
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def quotient_probs(key: int) -> np.ndarray:
     """The geometric law of Golomb quotients ``0..QMAX-1`` plus the escape, for a table key:
     ``rho = (1 - x / 2^b)^(2^b)`` by squaring (b capped at 4: the law barely moves above)."""

@@ -27,6 +27,7 @@ Encoding runs once per version on the publisher; decoding is the hot path on eve
 lookup, one multiply-add and at most one 16-bit read per symbol, ``nogil`` so chunks decode on
 every core (``bench/rans_bench.py`` measures it against constriction's categorical coder).
 """
+
 from __future__ import annotations
 
 import numba
@@ -148,8 +149,14 @@ def encode(symbols: np.ndarray, freq: np.ndarray, lanes: int = 32) -> tuple[np.n
     return words, states
 
 
-def decode(words: np.ndarray, states: np.ndarray, n: int, freq: np.ndarray,
-           symbol_of: np.ndarray | None = None, cum: np.ndarray | None = None) -> np.ndarray:
+def decode(
+    words: np.ndarray,
+    states: np.ndarray,
+    n: int,
+    freq: np.ndarray,
+    symbol_of: np.ndarray | None = None,
+    cum: np.ndarray | None = None,
+) -> np.ndarray:
     """The ``n`` symbols of a stream; :class:`IntegrityError` where the stream is short, long, or a lane does
     not end at the encoder's initial state. ``symbol_of``/``cum``: tables built once per alphabet (else here)."""
     freq = np.asarray(freq, np.uint32)
@@ -161,10 +168,14 @@ def decode(words: np.ndarray, states: np.ndarray, n: int, freq: np.ndarray,
     out = np.empty(n, np.uint16)
     code = _decode(np.ascontiguousarray(words, dtype=np.uint16), states, n, freq, cum, symbol_of, out)
     if code:
-        raise IntegrityError({-1: "rANS: the stream ends before its symbols do",
-                              -2: "rANS: words left over after the last symbol",
-                              -3: "rANS: a lane does not end at the encoder's initial state"}[code])
+        raise IntegrityError(
+            {
+                -1: "rANS: the stream ends before its symbols do",
+                -2: "rANS: words left over after the last symbol",
+                -3: "rANS: a lane does not end at the encoder's initial state",
+            }[code]
+        )
     return out
 
 
-__all__ = ["M", "PROB_BITS", "RANS_L", "decode", "encode", "coding_tables", "normalize"]
+__all__ = ["PROB_BITS", "RANS_L", "M", "coding_tables", "decode", "encode", "normalize"]

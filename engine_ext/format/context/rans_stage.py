@@ -36,6 +36,7 @@ its changes; every lane ends at the encoder's initial state, every word and bypa
 the padding is zero; quotients and ranks stay inside their block; a chunk that continues a
 (block, class) starts where the previous chunk ended; no step is zero.
 """
+
 from __future__ import annotations
 
 import functools
@@ -70,7 +71,7 @@ def _rows(weights_list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     slots = np.zeros((T, rans.M), np.int32)
     for t, w in enumerate(weights_list):
         f = rans.normalize(w).astype(np.int64)
-        freq[t, :f.size] = f
+        freq[t, : f.size] = f
         cum[t, 1:] = np.cumsum(freq[t])
         sym = np.repeat(np.arange(f.size), f)
         slots[t] = freq[t, sym] | ((np.arange(rans.M) - cum[t, sym]) << 13) | (sym << 25)
@@ -149,8 +150,18 @@ def _golomb(g: np.ndarray, B: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     return np.minimum(q, QMAX), q, g & ((np.int64(1) << B) - 1)
 
 
-def encode(head: bytes, bl: Blocks, pops: np.ndarray, k: np.ndarray, ranks: np.ndarray, zsym: np.ndarray,
-           zlow_bits: np.ndarray, zlow: np.ndarray, table_of_class: np.ndarray, step_tables: list[bytes]) -> bytes:
+def encode(
+    head: bytes,
+    bl: Blocks,
+    pops: np.ndarray,
+    k: np.ndarray,
+    ranks: np.ndarray,
+    zsym: np.ndarray,
+    zlow_bits: np.ndarray,
+    zlow: np.ndarray,
+    table_of_class: np.ndarray,
+    step_tables: list[bytes],
+) -> bytes:
     """A part's bytes after ``head`` (magic, K, policy, edges, populations, totals): ``k`` [K, S] changes per
     (class, block); ``ranks`` and the step bins (``zsym``, ``zlow_bits``, ``zlow``) in block, class, rank
     order; ``table_of_class`` the step table of each class (-1: no changes)."""
@@ -168,7 +179,7 @@ def encode(head: bytes, bl: Blocks, pops: np.ndarray, k: np.ndarray, ranks: np.n
         B, _ = count_params(expected)
         zz = ((dev << 1) ^ (dev >> 63)).astype(np.int64)
         buf = np.empty(16 * zz.size + 16 + int(((zz >> B.reshape(-1)).clip(0, QMAX) // 8).sum()), np.uint8)
-        out += buf[:rans_stage_kernels.encode_counts(zz, B.reshape(-1).astype(np.int64), buf)].tobytes()
+        out += buf[: rans_stage_kernels.encode_counts(zz, B.reshape(-1).astype(np.int64), buf)].tobytes()
     # block-major: block b, class c at first[b, c]
     per_block = k.sum(axis=0)
     first = np.zeros((S, K + 1), np.int64)
@@ -190,8 +201,25 @@ def encode(head: bytes, bl: Blocks, pops: np.ndarray, k: np.ndarray, ranks: np.n
     buf = np.empty(16 * n + 64 * len(lanes) + 16, np.uint8)
     nwords, nbypass = np.zeros(len(lanes), np.int64), np.zeros(len(lanes), np.int64)
     states = np.zeros(int(lanes.sum()), np.int64)
-    used = rans_stage_kernels.encode_chunks(qs, key[group_c, group_b], q, gB, low, zsym, QKEYS + table_of_class[group_c],
-                                            zlow_bits, zlow, bounds, lanes, freq, cum, buf, nwords, nbypass, states)
+    used = rans_stage_kernels.encode_chunks(
+        qs,
+        key[group_c, group_b],
+        q,
+        gB,
+        low,
+        zsym,
+        QKEYS + table_of_class[group_c],
+        zlow_bits,
+        zlow,
+        bounds,
+        lanes,
+        freq,
+        cum,
+        buf,
+        nwords,
+        nbypass,
+        states,
+    )
     directory = np.stack([np.diff(bounds), lanes, nwords, nbypass, prev], axis=1).tolist()
     directory[0] = directory[0][:4]  # the first chunk begins its (block, class): no rank before it
     directory[-1] = directory[-1][1:3] + directory[-1][4:]  # the last chunk's changes and bypass size: what remains
@@ -248,11 +276,19 @@ class Plan:
             raise IntegrityError(_error(11))
 
 
-_PLAN_ERRORS = {1: "truncated step tables", 2: "a step table beyond the version's", 3: "truncated counts",
-                4: "corrupt counts", 5: "a block count outside the block", 6: "more changes than elements in a block",
-                7: "a truncated or bad chunk directory", 8: "chunks of no changes, bad lanes, or not the part's changes",
-                9: "chunk bytes that do not make up the rest of the part", 10: "a lane state below its lower bound",
-                11: "a chunk does not continue its (block, class) where the previous ended"}
+_PLAN_ERRORS = {
+    1: "truncated step tables",
+    2: "a step table beyond the version's",
+    3: "truncated counts",
+    4: "corrupt counts",
+    5: "a block count outside the block",
+    6: "more changes than elements in a block",
+    7: "a truncated or bad chunk directory",
+    8: "chunks of no changes, bad lanes, or not the part's changes",
+    9: "chunk bytes that do not make up the rest of the part",
+    10: "a lane state below its lower bound",
+    11: "a chunk does not continue its (block, class) where the previous ended",
+}
 
 
 def _error(code: int, n_step_tables: int = 0) -> str:
@@ -270,29 +306,96 @@ def _wanted(S: int, want) -> np.ndarray:
     return wanted
 
 
-def plan(data: np.ndarray, at: int, bl: Blocks, pops: np.ndarray, totals: np.ndarray, step_dtype,
-         step_tables: list[bytes], want=None) -> Plan:
+def plan(
+    data: np.ndarray,
+    at: int,
+    bl: Blocks,
+    pops: np.ndarray,
+    totals: np.ndarray,
+    step_dtype,
+    step_tables: list[bytes],
+    want=None,
+) -> Plan:
     """The :class:`Plan` of a part whose header ended at ``data[at]`` (uint8): the chunks of the blocks in ``want``
     (default all). One compiled pass over the header's rest and the directory (a reader plans every part)."""
-    code, stab, k, c_start, lanes, offs, nwords, nbypass, c_state, prev, c_block, states, which, starts, gend, gq, gB, \
-        gsize, gs = rans_stage_kernels.plan_part(data, at, bl.sizes, pops, totals, len(step_tables), _wanted(bl.S, want),
-                                                 rans_quotient_tables()[2])
+    (
+        code,
+        _stab,
+        _k,
+        c_start,
+        lanes,
+        offs,
+        nwords,
+        nbypass,
+        c_state,
+        prev,
+        c_block,
+        states,
+        which,
+        starts,
+        gend,
+        gq,
+        gB,
+        gsize,
+        gs,
+    ) = rans_stage_kernels.plan_part(
+        data, at, bl.sizes, pops, totals, len(step_tables), _wanted(bl.S, want), rans_quotient_tables()[2]
+    )
     if code:
         raise IntegrityError(_error(int(code), len(step_tables)))
-    return Plan(starts, which, c_start, lanes, offs, nwords, nbypass, c_state, prev, c_block, states, pops.size, gend, gq,
-                gB, gsize, gs, rans_quotient_tables()[2], rans_step_tables(tuple(step_tables))[2], np.dtype(step_dtype))
+    return Plan(
+        starts,
+        which,
+        c_start,
+        lanes,
+        offs,
+        nwords,
+        nbypass,
+        c_state,
+        prev,
+        c_block,
+        states,
+        pops.size,
+        gend,
+        gq,
+        gB,
+        gsize,
+        gs,
+        rans_quotient_tables()[2],
+        rans_step_tables(tuple(step_tables))[2],
+        np.dtype(step_dtype),
+    )
 
 
-def decode_part(data: np.ndarray, at: int, bl: Blocks, pops: np.ndarray, totals: np.ndarray, step_dtype,
-                step_tables: list[bytes], want=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def decode_part(
+    data: np.ndarray,
+    at: int,
+    bl: Blocks,
+    pops: np.ndarray,
+    totals: np.ndarray,
+    step_dtype,
+    step_tables: list[bytes],
+    want=None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(starts, ranks, steps) of a part on the host on one thread: :func:`plan` and :func:`decode` in one compiled
     call (a small part's fixed cost is mostly crossings into compiled code)."""
     n = int(totals.sum())
     alloc = np.empty if want is None else np.zeros  # every entry written, or the unwanted chunks' left zero
     ranks, steps = alloc(n, np.int64), alloc(n, step_dtype)
-    code, starts = rans_stage_kernels.decode_part(data, at, bl.sizes, pops, totals, len(step_tables), _wanted(bl.S, want),
-                                                  rans_quotient_tables()[2], rans_step_tables(tuple(step_tables))[2],
-                                                  8 * steps.itemsize, ranks, steps)
+    code, starts = rans_stage_kernels.decode_part(
+        data,
+        at,
+        bl.sizes,
+        pops,
+        totals,
+        len(step_tables),
+        _wanted(bl.S, want),
+        rans_quotient_tables()[2],
+        rans_step_tables(tuple(step_tables))[2],
+        8 * steps.itemsize,
+        ranks,
+        steps,
+    )
     if code:
         raise IntegrityError(_error(int(code), len(step_tables)))
     return starts, ranks, steps
@@ -304,14 +407,44 @@ def decode(data: np.ndarray, p: Plan, workers: int = 1, pool=None) -> tuple[np.n
     alloc = np.empty if p.which.size == p.lanes.size else np.zeros  # all chunks written, or the others' left zero
     ranks, steps = alloc(p.n, np.int64), alloc(p.n, p.step_dtype)
     which, changes = p.which, np.diff(p.c_start)
-    groups = [which] if workers <= 1 or pool is None or which.size < 2 else \
-        [g for g in np.array_split(which, np.searchsorted(np.cumsum(changes[which]),
-                                                          np.linspace(0, changes[which].sum(), workers + 1)[1:-1])) if g.size]
+    groups = (
+        [which]
+        if workers <= 1 or pool is None or which.size < 2
+        else [
+            g
+            for g in np.array_split(
+                which,
+                np.searchsorted(np.cumsum(changes[which]), np.linspace(0, changes[which].sum(), workers + 1)[1:-1]),
+            )
+            if g.size
+        ]
+    )
 
     def run(g):
-        return rans_stage_kernels.decode_chunks(data, g, p.c_start, p.lanes, p.offs, p.nwords, p.nbypass, p.c_state,
-                                                p.prev, p.c_block, p.states, p.K, p.gend, p.gq, p.gB, p.gsize, p.gs, p.qtab,
-                                                p.stab, p.itembits, ranks, steps)
+        return rans_stage_kernels.decode_chunks(
+            data,
+            g,
+            p.c_start,
+            p.lanes,
+            p.offs,
+            p.nwords,
+            p.nbypass,
+            p.c_state,
+            p.prev,
+            p.c_block,
+            p.states,
+            p.K,
+            p.gend,
+            p.gq,
+            p.gB,
+            p.gsize,
+            p.gs,
+            p.qtab,
+            p.stab,
+            p.itembits,
+            ranks,
+            steps,
+        )
 
     codes = list(pool.map(run, groups)) if len(groups) > 1 else [run(g) for g in groups]
     if any(codes):
@@ -320,5 +453,15 @@ def decode(data: np.ndarray, p: Plan, workers: int = 1, pool=None) -> tuple[np.n
     return ranks, steps
 
 
-__all__ = ["CHUNK_CHANGES", "LANES", "MAGIC", "Plan", "decode", "encode", "gap_params", "plan", "rans_quotient_tables",
-           "rans_step_tables"]
+__all__ = [
+    "CHUNK_CHANGES",
+    "LANES",
+    "MAGIC",
+    "Plan",
+    "decode",
+    "encode",
+    "gap_params",
+    "plan",
+    "rans_quotient_tables",
+    "rans_step_tables",
+]

@@ -2,6 +2,7 @@
 encoder, the reader's plan of a part (header rest, counts, directory; every size checked), and the chunk
 decoder, one table load and one multiply-add per symbol. ``nogil``: a reader spreads chunks over its cores.
 """
+
 from __future__ import annotations
 
 import numba
@@ -41,8 +42,9 @@ def _enc(x, f, c, tmp, w):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True)
-def encode_chunks(qs, qkey, gq, gb, glow, ss, stab, sl, slow, bounds, lanes, freq, cum, out,
-                   nwords, nbypass, states):  # pragma: no cover - compiled
+def encode_chunks(
+    qs, qkey, gq, gb, glow, ss, stab, sl, slow, bounds, lanes, freq, cum, out, nwords, nbypass, states
+):  # pragma: no cover - compiled
     """Every chunk's words then bypass into ``out`` (returns its length); per change ``j``: quotient symbol
     ``qs`` under table ``qkey``, quotient ``gq`` (its escape), ``gb`` low bits ``glow``; step symbol ``ss``
     under table ``stab`` (an index into freq/cum), ``sl`` low bits ``slow``. Chunk ``c``: changes
@@ -103,8 +105,30 @@ def _refill(data, bp, bend, acc, have):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True)
-def decode_chunks(data, which, c_start, c_lanes, c_off, c_words, c_bypass, c_state, c_prev, c_block, states, K,
-                   gend, gq, gB, gsize, gs, qtab, stab, itembits, ranks, steps):  # pragma: no cover - compiled
+def decode_chunks(
+    data,
+    which,
+    c_start,
+    c_lanes,
+    c_off,
+    c_words,
+    c_bypass,
+    c_state,
+    c_prev,
+    c_block,
+    states,
+    K,
+    gend,
+    gq,
+    gB,
+    gsize,
+    gs,
+    qtab,
+    stab,
+    itembits,
+    ranks,
+    steps,
+):  # pragma: no cover - compiled
     """Decode chunks ``which`` (the directory's arrays, per chunk; ``c_off`` the byte offset of its words) into
     ranks and steps at their block-major places. Per (block, class) group ``g`` (block-major): its end ``gend``,
     the row of its quotient table ``gq`` in ``qtab``, its low bits ``gB``, its block's size ``gsize`` and the row
@@ -260,8 +284,27 @@ def varints(data, at, n, limit, out):  # pragma: no cover - compiled
 @numba.njit(nogil=True, cache=True)
 def _failed(code, K, S):  # pragma: no cover - compiled
     z = np.zeros(0, np.int64)
-    return (np.int64(code), z, np.zeros((K, S), np.int64), z, z, z, z, z, z, z, z, z, z, np.zeros((S, K + 1), np.int64),
-            z, z, z, z, z)
+    return (
+        np.int64(code),
+        z,
+        np.zeros((K, S), np.int64),
+        z,
+        z,
+        z,
+        z,
+        z,
+        z,
+        z,
+        z,
+        z,
+        z,
+        np.zeros((S, K + 1), np.int64),
+        z,
+        z,
+        z,
+        z,
+        z,
+    )
 
 
 @numba.njit(nogil=True, cache=True)
@@ -345,19 +388,28 @@ def plan_part(data, at, sizes, pops, totals, ntables, want, qtab):  # pragma: no
         return _failed(7, K, S)
     C = one[0]
     c_start = np.zeros(C + 1, np.int64)
-    lanes, nwords, nbypass, prev = (np.zeros(C, np.int64), np.zeros(C, np.int64), np.zeros(C, np.int64),
-                                    np.zeros(C, np.int64))
+    lanes, nwords, nbypass, prev = (
+        np.zeros(C, np.int64),
+        np.zeros(C, np.int64),
+        np.zeros(C, np.int64),
+        np.zeros(C, np.int64),
+    )
     entry = np.zeros(5, np.int64)
     total_lanes, total_bytes = 0, 0
     for ch in range(C):  # the first chunk lists no rank before it (it begins its group); the last chunk no changes
-        if ch < C - 1:    # and no bypass size (what remains)
+        if ch < C - 1:  # and no bypass size (what remains)
             at = varints(data, at, 5 - (ch == 0), max(N, numel + 1), entry)
             if ch == 0:
                 entry[4] = 0
         else:
             at = varints(data, at, 3 - (ch == 0), max(N, numel + 1), entry[2:])
-            entry[0], entry[1], entry[2], entry[3], entry[4] = n - c_start[ch], entry[2], entry[3], 0, \
-                0 if ch == 0 else entry[4]
+            entry[0], entry[1], entry[2], entry[3], entry[4] = (
+                n - c_start[ch],
+                entry[2],
+                entry[3],
+                0,
+                0 if ch == 0 else entry[4],
+            )
         if at < 0:
             return _failed(7, K, S)
         if entry[0] < 1 or not 1 <= entry[1] <= 64 or entry[2] > N or entry[3] > N:
@@ -377,7 +429,12 @@ def plan_part(data, at, sizes, pops, totals, ntables, want, qtab):  # pragma: no
     states = np.zeros(total_lanes, np.int64)
     for i in range(total_lanes):
         o = st + 4 * i
-        states[i] = np.int64(data[o]) | (np.int64(data[o + 1]) << 8) | (np.int64(data[o + 2]) << 16) | (np.int64(data[o + 3]) << 24)
+        states[i] = (
+            np.int64(data[o])
+            | (np.int64(data[o + 1]) << 8)
+            | (np.int64(data[o + 2]) << 16)
+            | (np.int64(data[o + 3]) << 24)
+        )
         if states[i] < rans.RANS_L:
             return _failed(10, K, S)
     # per chunk: byte offset of its words, first lane state, the blocks it starts and ends in; which to decode
@@ -404,8 +461,13 @@ def plan_part(data, at, sizes, pops, totals, ntables, want, qtab):  # pragma: no
             nwhich += 1
     # per (block, class) group, block-major: its end, quotient table row, low bits, block size, step table row
     G = S * K
-    gend, gq, gB, gsize, gs = (np.zeros(G, np.int64), np.zeros(G, np.int64), np.zeros(G, np.int64),
-                               np.zeros(G, np.int64), np.zeros(G, np.int64))
+    gend, gq, gB, gsize, gs = (
+        np.zeros(G, np.int64),
+        np.zeros(G, np.int64),
+        np.zeros(G, np.int64),
+        np.zeros(G, np.int64),
+        np.zeros(G, np.int64),
+    )
     starts = np.zeros((S, K + 1), np.int64)
     end = 0
     for b in range(S):
@@ -417,20 +479,80 @@ def plan_part(data, at, sizes, pops, totals, ntables, want, qtab):  # pragma: no
             gend[g] = end
             B, key = golomb_param(k[c, b], max(pops[c] * sizes[b] // numel, k[c, b]))
             gq[g], gB[g], gsize[g], gs[g] = key * rans.M, B, sizes[b], stab[c] * rans.M
-    return (np.int64(0), stab, k, c_start, lanes, offs, nwords, nbypass, c_state, prev, c_block, states, which[:nwhich],
-            starts, gend, gq, gB, gsize, gs)
+    return (
+        np.int64(0),
+        stab,
+        k,
+        c_start,
+        lanes,
+        offs,
+        nwords,
+        nbypass,
+        c_state,
+        prev,
+        c_block,
+        states,
+        which[:nwhich],
+        starts,
+        gend,
+        gq,
+        gB,
+        gsize,
+        gs,
+    )
 
 
 @numba.njit(nogil=True, cache=True)
 def decode_part(data, at, sizes, pops, totals, ntables, want, qtab, stab, itembits, ranks, steps):  # pragma: no cover
     """:func:`_plan` then :func:`_decode_chunks` and the continuation check in one compiled call (no plan crosses
     into Python: a part's fixed cost); (0 or an error code, starts)."""
-    code, _, _, c_start, lanes, offs, nwords, nbypass, c_state, prev, c_block, states, which, starts, gend, gq, gB, gsize, \
-        gs = plan_part(data, at, sizes, pops, totals, ntables, want, qtab)
+    (
+        code,
+        _,
+        _,
+        c_start,
+        lanes,
+        offs,
+        nwords,
+        nbypass,
+        c_state,
+        prev,
+        c_block,
+        states,
+        which,
+        starts,
+        gend,
+        gq,
+        gB,
+        gsize,
+        gs,
+    ) = plan_part(data, at, sizes, pops, totals, ntables, want, qtab)
     if code:
         return code, starts
-    code = decode_chunks(data, which, c_start, lanes, offs, nwords, nbypass, c_state, prev, c_block, states, pops.shape[0],
-                          gend, gq, gB, gsize, gs, qtab, stab, itembits, ranks, steps)
+    code = decode_chunks(
+        data,
+        which,
+        c_start,
+        lanes,
+        offs,
+        nwords,
+        nbypass,
+        c_state,
+        prev,
+        c_block,
+        states,
+        pops.shape[0],
+        gend,
+        gq,
+        gB,
+        gsize,
+        gs,
+        qtab,
+        stab,
+        itembits,
+        ranks,
+        steps,
+    )
     if code:
         return code, starts
     for ch in which:

@@ -7,6 +7,7 @@ every element of the part once; :func:`scan` spreads blocks over the cores (nogi
 a thread pool, so any numba threading layer does). A Triton pass for GPU ranks is in
 ``engine_ext.triton_kernels.context_scan``.
 """
+
 from __future__ import annotations
 
 import os
@@ -110,7 +111,7 @@ def scan(u, shift, mask, lut, bl, ranks, starts, which=None):
     groups = [g for g in np.split(which, bounds) if g.size]
 
     def one(g):
-        rows = np.concatenate([bl.rows[bl.row_ptr[b]:bl.row_ptr[b + 1]] for b in g])
+        rows = np.concatenate([bl.rows[bl.row_ptr[b] : bl.row_ptr[b + 1]] for b in g])
         row_ptr = np.concatenate([[0], np.cumsum(bl.row_ptr[g + 1] - bl.row_ptr[g])]).astype(np.int64)
         n = int((starts[g, -1] - starts[g, 0]).sum())
         pos, src = np.empty(n, np.int64), np.empty(n, np.int64)
