@@ -143,19 +143,7 @@ class DeltaWeightTransfer:
         pub = self.publisher
         uri = pub.publish(iterator)  # taken whole, each tensor cast as taken (ties found on the tensors as given)
         pub.wait()
-        t1 = time.perf_counter()
-        result = self._push(uri, pub.fingerprint)
-        self.syncs.append(
-            SyncStats(
-                pub.version,
-                max((r.fetched_bytes or 0) for r in result.replicas),
-                pub.last_nbytes,
-                t1 - t0,
-                time.perf_counter() - t1,
-                pub.last_changed / max(pub.last_numel, 1),
-            )
-        )
-        return result
+        return self._push_recorded(pub, uri, t0, published_bytes=pub.last_nbytes)
 
     def send_shards(self, model) -> FleetResult | None:
         """On every trainer rank (``sharded=True``): publish the rows this rank holds of ``model`` (an
@@ -177,13 +165,17 @@ class DeltaWeightTransfer:
             )
         if pub.rank != 0:
             return None
+        return self._push_recorded(pub, uri, t0, published_bytes=pub.model_nbytes)
+
+    def _push_recorded(self, pub, uri: str, t0: float, published_bytes: int) -> FleetResult:
+        """Bring every server to ``uri`` and record the sync's figures (``t0``: when publishing began)."""
         t1 = time.perf_counter()
         result = self._push(uri, pub.fingerprint)
         self.syncs.append(
             SyncStats(
                 pub.version,
                 max((r.fetched_bytes or 0) for r in result.replicas),
-                pub.model_nbytes,
+                published_bytes,
                 t1 - t0,
                 time.perf_counter() - t1,
                 pub.last_changed / max(pub.last_numel, 1),

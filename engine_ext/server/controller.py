@@ -250,14 +250,14 @@ class Controller:
             return False
         replies = check_replies(await self.ranks.call("status"))
         try:
-            commits, _, _, label = committed_state(replies)
-            moved = commits != self.state.commits
+            committed = committed_state(replies)
+            moved = committed.commits != self.state.commits
         except ApplyError as e:  # a commit reached only some ranks: the version is unknown, the fingerprints tell
             log.error("engine_ext: %s; the version is forgotten on every rank", e)
             await self._forget(replies)
             moved = True
         if not moved:
-            self.state.label = label
+            self.state.label = committed.label
             return False
         fresh = ServedState.from_setup(await self.ranks.call("setup"), None)
         before = self.state.version
@@ -296,7 +296,7 @@ class Controller:
         on every rank, beside the version (``weight_version`` in :meth:`status`)."""
         async with self._lock:
             replies = check_replies(await self.ranks.call("set_label", label=label))
-            _, _, _, self.state.label = committed_state(replies)
+            self.state.label = committed_state(replies).label
 
     async def fresh_status(self) -> dict:
         """:meth:`status`, re-read from the ranks first unless an update holds the lock."""

@@ -76,10 +76,20 @@ def check_replies(replies: list[RankReply]) -> list[RankReply]:
     return replies
 
 
-def committed_state(replies: list[RankReply]) -> tuple[int, int | None, str | None, str | None]:
-    """(commits, version, manifest SHA-256, label) that every rank carries; :class:`ApplyError` when
-    the ranks disagree (a commit reached only some of them: no update can be planned safely)."""
-    seen = {(r.commits, r.version, r.manifest, r.label) for r in replies}
+@dataclass(frozen=True)
+class CommittedState:
+    """What every rank carries of the updates committed on it."""
+
+    commits: int  # updates committed since start-up
+    version: int | None  # the last one's version
+    manifest: str | None  # its manifest's SHA-256
+    label: str | None  # the engine's weight-version label
+
+
+def committed_state(replies: list[RankReply]) -> CommittedState:
+    """The :class:`CommittedState` every rank carries; :class:`ApplyError` when the ranks disagree (a
+    commit reached only some of them: no update can be planned safely)."""
+    seen = {CommittedState(r.commits, r.version, r.manifest, r.label) for r in replies}
     if len(seen) != 1:
         raise ApplyError(
             "the ranks carry different committed states (a commit reached only some of them): "
@@ -172,10 +182,12 @@ class ServedState:
         names = sorted({n for r in replies for n in r.fingerprints} - set(tied))
         tensors = {n: s for n, s in replies[0].tensors.items() if n not in tied}
         state = cls(version, combine_fingerprints(replies, names), tensors, layout)
-        commits, held, manifest, label = committed_state(replies)
-        if commits:
-            state.version, state.manifests = held, ((manifest,) if manifest else ())
-        state.commits, state.label = commits, label
+        committed = committed_state(replies)
+        if committed.commits:
+            state.version = committed.version
+            state.manifests = (committed.manifest,) if committed.manifest else ()
+        state.commits = committed.commits
+        state.label = committed.label
         return state
 
     @property
@@ -410,7 +422,9 @@ class UpdateTransaction:
         replies = check_replies(await self.ranks.call("commit", version=version, manifest=sha))
         self.state.tensor_fps, self.state.version = self.new_fps, version
         self.state.manifests = (sha,)
-        self.state.commits, _, _, self.state.label = committed_state(replies)
+        committed = committed_state(replies)
+        self.state.commits = committed.commits
+        self.state.label = committed.label
 
     async def adopt(self) -> None:
         """Under the lock, when the served weights already are the target's (same fingerprint) but
@@ -420,7 +434,9 @@ class UpdateTransaction:
         version, sha = self.target.manifest.version, self.target.sha256
         replies = check_replies(await self.ranks.call("commit", version=version, manifest=sha))
         self.state.version, self.state.manifests = version, (sha,)
-        self.state.commits, _, _, self.state.label = committed_state(replies)
+        committed = committed_state(replies)
+        self.state.commits = committed.commits
+        self.state.label = committed.label
 
     async def rollback(self) -> None:
         """Failed after a write: every rank restores the exact old bits (a no-op where nothing is pending)."""

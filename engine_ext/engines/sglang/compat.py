@@ -8,12 +8,24 @@ also finds every touchpoint statically in the installed sources).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from ..compat import Touchpoint
 
 CHECKED_ON = {"0.5.23": "tests run against SGLang 0.5.23 (CPU) and a static check of its sources"}
 
 _TM = "sglang.srt.managers.tokenizer_manager"
 _SCHED = "sglang.srt.managers.scheduler"
+# SGLang's own weight updates (TokenizerManager methods): the plugin hooks each, since after one our
+# fingerprints are re-read before the next op
+OUTSIDE_UPDATE_METHODS = (
+    "update_weights_from_disk",
+    "update_weights_from_tensor",
+    "update_weights_from_distributed",
+    "update_weights_from_ipc",
+    "end_weight_update",
+)
 # Declarations, alike in shape across both engines' compat modules on purpose (the `duplicates` tool pairs
 # them): each engine lists its own names, checked against its own sources by engines.compat.check.
 TOUCHPOINTS = (
@@ -37,13 +49,7 @@ TOUCHPOINTS = (
     Touchpoint(_TM, "TokenizerManager.continue_generation", ("obj",), ""),
     *(
         Touchpoint(_TM, f"TokenizerManager.{m}", (), "hook target: mark an outside update")
-        for m in (
-            "update_weights_from_disk",
-            "update_weights_from_tensor",
-            "update_weights_from_distributed",
-            "update_weights_from_ipc",
-            "end_weight_update",
-        )
+        for m in OUTSIDE_UPDATE_METHODS
     ),
     Touchpoint("sglang.srt.managers.communicator", "FanOutCommunicator", (), "awaits our reply like SGLang's own"),
     Touchpoint("sglang.srt.managers.io_struct", "wrap_as_pickle", ("obj",), "envelope for our messages"),
@@ -90,17 +96,28 @@ def register_after_hook(target: str, fn) -> None:
 # --------------------------------------------------------------------------- scheduler side
 
 
-def scheduler_model(scheduler):
-    """(model, model path, revision, TP rank, TP CPU group) of a Scheduler."""
-    from sglang.srt.runtime_context import get_model, get_parallel
+@dataclass(frozen=True)
+class SchedulerModel:
+    """What a rank agent is built from: a Scheduler's model and its place in tensor parallelism."""
+
+    model: Any  # the served torch module
+    model_path: str  # the checkpoint it loaded
+    revision: str | None
+    tp_rank: int
+    tp_cpu_group: Any  # the TP group's CPU (gloo) process group
+
+
+def scheduler_model(scheduler) -> SchedulerModel:
+    """The :class:`SchedulerModel` of a Scheduler."""
+    from sglang.srt.runtime_context import get_model, get_parallel  # SGLang: only in its own processes
 
     tp = get_parallel().tp_group
-    return (
-        scheduler.tp_worker.model_runner.model,
-        get_model().model_path,
-        getattr(get_model(), "revision", None),
-        tp.rank_in_group,
-        tp.cpu_group,
+    return SchedulerModel(
+        model=scheduler.tp_worker.model_runner.model,
+        model_path=get_model().model_path,
+        revision=getattr(get_model(), "revision", None),
+        tp_rank=tp.rank_in_group,
+        tp_cpu_group=tp.cpu_group,
     )
 
 

@@ -23,20 +23,15 @@ from __future__ import annotations
 
 import logging
 
+from .compat import OUTSIDE_UPDATE_METHODS  # names only: it imports nothing of SGLang
+
 log = logging.getLogger("engine_ext")
 
 SCHEDULER_TARGET = "sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher"
 TOKENIZER_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.init_request_dispatcher"
 # SGLang's own weight updates: after one, our fingerprints are re-read before the next op.
 OUTSIDE_UPDATE_TARGETS = tuple(
-    f"sglang.srt.managers.tokenizer_manager.TokenizerManager.{m}"
-    for m in (
-        "update_weights_from_disk",
-        "update_weights_from_tensor",
-        "update_weights_from_distributed",
-        "update_weights_from_ipc",
-        "end_weight_update",
-    )
+    f"sglang.srt.managers.tokenizer_manager.TokenizerManager.{m}" for m in OUTSIDE_UPDATE_METHODS
 )
 _registered = False
 

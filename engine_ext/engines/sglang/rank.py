@@ -143,13 +143,13 @@ def agent_for_scheduler(scheduler) -> RankAgent:
     """The scheduler's RankAgent, built on first use from its own model and groups."""
     agent = scheduler.__dict__.get("_engine_ext_agent")
     if agent is None:
-        model, model_path, revision, rank, group = compat.scheduler_model(scheduler)
+        found = compat.scheduler_model(scheduler)
         agent = RankAgent(
-            model,
-            model_path,
-            rank=rank,
-            group=group,
-            revision=revision,
+            found.model,
+            found.model_path,
+            rank=found.tp_rank,
+            group=found.tp_cpu_group,
+            revision=found.revision,
             flush_cache=lambda: compat.flush_cache(scheduler),
             set_version=lambda v: compat.record_weight_version(scheduler, v),
         )

@@ -229,6 +229,28 @@ def encode(
 
 
 # ---------------------------------------------------------------- decode
+# The plan's arrays in the order the compiled planner returns them (after its error code and its own tables):
+# numba returns tuples, so this order is where the two sides meet
+PLAN_ARRAYS = (
+    "c_start",
+    "lanes",
+    "offs",
+    "nwords",
+    "nbypass",
+    "c_state",
+    "prev",
+    "c_block",
+    "states",
+    "which",
+    "starts",
+    "gend",
+    "gq",
+    "gB",
+    "gsize",
+    "gs",
+)
+
+
 @dataclass
 class Plan:
     """A part's chunks as its header and directory list them (host work, O(chunks), every size checked): what a
@@ -318,52 +340,17 @@ def plan(
 ) -> Plan:
     """The :class:`Plan` of a part whose header ended at ``data[at]`` (uint8): the chunks of the blocks in ``want``
     (default all). One compiled pass over the header's rest and the directory (a reader plans every part)."""
-    (
-        code,
-        _stab,
-        _k,
-        c_start,
-        lanes,
-        offs,
-        nwords,
-        nbypass,
-        c_state,
-        prev,
-        c_block,
-        states,
-        which,
-        starts,
-        gend,
-        gq,
-        gB,
-        gsize,
-        gs,
-    ) = rans_stage_kernels.plan_part(
+    code, _stab, _k, *arrays = rans_stage_kernels.plan_part(
         data, at, bl.sizes, pops, totals, len(step_tables), _wanted(bl.S, want), rans_quotient_tables()[2]
     )
     if code:
         raise IntegrityError(_error(int(code), len(step_tables)))
     return Plan(
-        starts,
-        which,
-        c_start,
-        lanes,
-        offs,
-        nwords,
-        nbypass,
-        c_state,
-        prev,
-        c_block,
-        states,
-        pops.size,
-        gend,
-        gq,
-        gB,
-        gsize,
-        gs,
-        rans_quotient_tables()[2],
-        rans_step_tables(tuple(step_tables))[2],
-        np.dtype(step_dtype),
+        **dict(zip(PLAN_ARRAYS, arrays, strict=True)),
+        K=pops.size,
+        qtab=rans_quotient_tables()[2],
+        stab=rans_step_tables(tuple(step_tables))[2],
+        step_dtype=np.dtype(step_dtype),
     )
 
 
