@@ -374,20 +374,8 @@ def decode(data: torch.Tensor, plan) -> tuple[torch.Tensor, torch.Tensor]:
     cont = which[p.prev[which] > 0]
     parts = [
         which,
-        p.c_start,
-        p.lanes,
-        p.offs,
-        p.nwords,
-        p.nbypass,
-        p.c_state,
-        p.prev,
-        p.c_block,
-        p.states,
-        p.gend,
-        p.gq,
-        p.gB,
-        p.gsize,
-        p.gs,
+        *p.chunk_arrays(),
+        *p.group_arrays(),
         p.c_start[cont] - 1,
         p.prev[cont] - 1,
     ]

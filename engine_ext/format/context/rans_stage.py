@@ -283,6 +283,24 @@ class Plan:
     stab: np.ndarray
     step_dtype: np.dtype
 
+    def chunk_arrays(self) -> tuple[np.ndarray, ...]:
+        """The per-chunk arrays, in the order the decoders (numba and Triton) take them."""
+        return (
+            self.c_start,
+            self.lanes,
+            self.offs,
+            self.nwords,
+            self.nbypass,
+            self.c_state,
+            self.prev,
+            self.c_block,
+            self.states,
+        )
+
+    def group_arrays(self) -> tuple[np.ndarray, ...]:
+        """The per-(block, class) arrays, in the order the decoders take them."""
+        return (self.gend, self.gq, self.gB, self.gsize, self.gs)
+
     @property
     def n(self) -> int:
         return int(self.c_start[-1])
@@ -411,21 +429,9 @@ def decode(data: np.ndarray, p: Plan, workers: int = 1, pool=None) -> tuple[np.n
         return rans_stage_kernels.decode_chunks(
             data,
             g,
-            p.c_start,
-            p.lanes,
-            p.offs,
-            p.nwords,
-            p.nbypass,
-            p.c_state,
-            p.prev,
-            p.c_block,
-            p.states,
+            *p.chunk_arrays(),
             p.K,
-            p.gend,
-            p.gq,
-            p.gB,
-            p.gsize,
-            p.gs,
+            *p.group_arrays(),
             p.qtab,
             p.stab,
             p.itembits,
