@@ -71,8 +71,7 @@ def decode_all(ch, encs, tables):
     for (_, shape, ob, pos, _, _), e in zip(ch, encs):
         if e.pos_coder in CONTEXT_CODERS:  # what a rank runs, the base read from memory
             base = ob.numpy()
-            context_codec.decode("bfloat16", shape, None, e.pos, e.val, pos.numel(),
-                                 lambda box: context_blocks.box_of(base, shape, box), tables)
+            context_codec.decode(context_codec.StoredPart("bfloat16", shape, None, e.pos, e.val, pos.numel(), tables), lambda box: context_blocks.box_of(base, shape, box))
         else:
             codec.decode_positions(e.pos_coder, e.pos, pos.numel(), ob.numel())
             codec.decode_values(e.val_coder, e.val, pos.numel(), BF16)
@@ -194,7 +193,7 @@ def decode_costs(tensors: int = 4, rows: int = 4096, cols: int = 4096, densities
             keep = context_codec.PARALLEL_CHANGES
             context_codec.PARALLEL_CHANGES = 1 << 62 if one_thread else keep
             try:
-                context_codec.decode_streams("bfloat16", shape, None, encs[i].pos, encs[i].val, pos.numel(), tables)
+                context_codec.decode_streams(context_codec.StoredPart("bfloat16", shape, None, encs[i].pos, encs[i].val, pos.numel(), tables))
             finally:
                 context_codec.PARALLEL_CHANGES = keep
 
@@ -218,7 +217,7 @@ def decode_costs(tensors: int = 4, rows: int = 4096, cols: int = 4096, densities
     e = context_codec.encode("bfloat16", shape, None, policy, ob.numpy(), pos.numpy(), step_between(o, nb, True).numpy(),
                              tables)
     n = pos.numel()
-    one = lambda: context_codec.decode_streams("bfloat16", shape, None, e.pos, e.val, n, tables)  # noqa: E731
+    one = lambda: context_codec.decode_streams(context_codec.StoredPart("bfloat16", shape, None, e.pos, e.val, n, tables))  # noqa: E731
     one()
     part_s = best(lambda: [one() for _ in range(1000)], 5) / 1000
     return out, (part_s, n, "ctx-rans", context_blocks.part_blocks(shape, None, policy).S)

@@ -32,6 +32,20 @@ class WeightSyncError(RuntimeError):
     """A sync did not bring every replica to the trainer's version (those that failed keep serving what they had)."""
 
 
+def publish_committed(publisher, model, version: int | None = None, *, holders: str = "replicas") -> str:
+    """Publish this rank's ``model`` with a (sharded) publisher and wait until its part is stored; the uri.
+    On every rank, a version some rank failed raises :class:`WeightSyncError` (nothing was committed: the
+    ``holders`` keep the last committed version, and the next one is an anchor)."""
+    uri = publisher.publish(model, version)
+    publisher.wait()
+    if publisher.version in publisher.aborted:
+        raise WeightSyncError(
+            f"v{publisher.version} was not published (nothing committed; the {holders} keep the last "
+            f"committed version): {publisher.aborted[publisher.version]}"
+        )
+    return uri
+
+
 @dataclass
 class ReplicaResult:
     """One replica's outcome. ``ok``: it answered 200 with the fleet's target version."""

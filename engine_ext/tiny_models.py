@@ -24,6 +24,7 @@ holds; :func:`save_trainer_layout` writes a served dir under the names that mode
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -31,10 +32,11 @@ import shutil
 import sys
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from safetensors.torch import load_file, save_file
+from typing_extensions import Unpack  # typing's own from Python 3.11 (torch requires typing_extensions)
 
 from .format.quantize import quantization_config, quantizer
 from .trainer.publisher import clean_state_dict
@@ -105,28 +107,19 @@ def _config(
             },
             **common,
         )
+    # Qwen's MoE layers in every layer: 8 experts, top 2
+    qwen_moe = {
+        "tie_word_embeddings": False,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": moe,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
     if kind in ("qwen3-moe", "qwen3-moe-fused"):
-        return transformers.Qwen3MoeConfig(
-            tie_word_embeddings=False,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=moe,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            head_dim=head_dim,
-            **common,
-        )
-    if kind == "qwen2-moe":
-        return transformers.Qwen2MoeConfig(
-            tie_word_embeddings=False,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=moe,
-            shared_expert_intermediate_size=hidden,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            **common,
-        )
+        return transformers.Qwen3MoeConfig(**qwen_moe, head_dim=head_dim, **common)
+    if kind == "qwen2-moe":  # and a shared expert with its sigmoid gate
+        return transformers.Qwen2MoeConfig(**qwen_moe, shared_expert_intermediate_size=hidden, **common)
     if kind in ("qwen2", "qwen2-tied"):
         return transformers.Qwen2Config(tie_word_embeddings=(kind == "qwen2-tied"), **common)
     if kind == "qwen3":  # Qwen3 0.6-4B: q/k RMS norms, tied embeddings
@@ -265,10 +258,13 @@ def write_tokenizer(path: str | os.PathLike, vocab: int, words: list[str] | tupl
     fast.save_pretrained(str(path))
 
 
+DEFAULT_VOCAB = 1024
+
+
 def build(
     kind: str = "qwen2",
     *,
-    vocab: int = 1024,
+    vocab: int = DEFAULT_VOCAB,
     hidden: int = 128,
     layers: int = 2,
     heads: int = 4,
@@ -293,19 +289,21 @@ def build(
     return model
 
 
+class Shape(TypedDict, total=False):
+    """A tiny model's sizes and initialisation: :func:`build`'s keywords, which :func:`make_model` passes on."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    seed: int
+    std: float
+    moe_intermediate: int | None
+
+
 def make_model(
-    path: str | os.PathLike,
-    kind: str = "qwen2",
-    *,
-    vocab: int = 1024,
-    hidden: int = 128,
-    layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 2,
-    seed: int = 0,
-    std: float = 0.02,
-    words: list[str] | tuple[str, ...] = (),
-    moe_intermediate: int | None = None,
+    path: str | os.PathLike, kind: str = "qwen2", *, words: list[str] | tuple[str, ...] = (), **shape: Unpack[Shape]
 ) -> Path:
     """Write a tiny random ``kind`` model (bf16) with tokenizer into ``path``; return it.
 
@@ -318,21 +316,11 @@ def make_model(
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model = build(
-        kind,
-        vocab=vocab,
-        hidden=hidden,
-        layers=layers,
-        heads=heads,
-        kv_heads=kv_heads,
-        seed=seed,
-        std=std,
-        moe_intermediate=moe_intermediate,
-    ).to(torch.bfloat16)
+    model = build(kind, **shape).to(torch.bfloat16)
     model.save_pretrained(str(path), safe_serialization=True)
     if kind == "qwen3-moe-fused":
         save_state_dict(path, fuse_experts(load_state_dict(path)), path)
-    finish_dir(path, kind, vocab, words)
+    finish_dir(path, kind, shape.get("vocab", DEFAULT_VOCAB), words)
     return path
 
 
@@ -439,6 +427,25 @@ def perturb(sd: dict, gen: torch.Generator, density: float = 0.03) -> dict:
 
 # --------------------------------------------------------------------------- any architecture, by class name
 
+# Qwen3.5's text layers (the 0.8B dense model's and the 35B-A3B MoE's): 3 Gated DeltaNet layers per full-attention
+# layer (gated output, q/k norms, partial rotary 0.25, interleaved mrope); attention heads x head dim = 2 x hidden;
+# linear heads 128 wide (vLLM's CPU GDN kernel takes no other), conv 4
+_QWEN3_5_LAYERS = {
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "head_dim": 64,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [3, 3, 2],  # the Hub's [11, 11, 10] of 64 / 2
+        "mrope_interleaved": True,
+    },
+}
 # What a tiny config of any transformers architecture gets, where its config has the attribute. Widths are
 # small, multiples of 32 where vLLM's CPU kernels need them (the grouped MoE GEMM; its padded path is
 # tests/test_moe.py's, at TP 2).
@@ -617,45 +624,11 @@ HUB_SHAPES: dict[str, dict[str, Any]] = {
         "routed_scaling_factor": 1.0,
         "tie_word_embeddings": True,
     },
-    # Qwen/Qwen3.5-0.8B's text model: 3 Gated DeltaNet layers per full-attention layer (gated output, q/k norms,
-    # partial rotary 0.25, interleaved mrope); attention heads x head dim = 2 x hidden; linear heads 128 wide
-    # (vLLM's CPU GDN kernel takes no other), conv 4; tied
-    "Qwen3_5ForCausalLM": {
-        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        "head_dim": 64,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "tie_word_embeddings": True,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [3, 3, 2],
-            "mrope_interleaved": True,
-        },  # the Hub's [11, 11, 10] of 64 / 2
-    },
+    # Qwen/Qwen3.5-0.8B's text model: its layers (_QWEN3_5_LAYERS); tied
+    "Qwen3_5ForCausalLM": {**_QWEN3_5_LAYERS, "tie_word_embeddings": True},
     # Qwen/Qwen3.5-35B-A3B's text model: the same layers, MoE in every layer (256 experts, top 8, and a gated shared
     # expert); untied
-    "Qwen3_5MoeForCausalLM": {
-        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        "head_dim": 64,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "tie_word_embeddings": False,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [3, 3, 2],
-            "mrope_interleaved": True,
-        },
-    },
+    "Qwen3_5MoeForCausalLM": {**_QWEN3_5_LAYERS, "tie_word_embeddings": False},
 }
 
 
@@ -704,7 +677,7 @@ def tiny_config(arch: str):
         if k != "layer_types" and isinstance(v, list) and len(v) == default.num_hidden_layers and k not in kw:
             kw[k] = v[: kw["num_hidden_layers"]]
     kw["tie_word_embeddings"] = bool(getattr(default, "tie_word_embeddings", False))
-    kw.update(HUB_SHAPES.get(arch, {}))
+    kw.update(copy.deepcopy(HUB_SHAPES.get(arch, {})))  # a config may adjust its nested dicts in place
     if isinstance(kw.get("layer_types"), list):
         kw["num_hidden_layers"] = len(kw["layer_types"])
     cfg = cfg_cls(**kw)

@@ -414,8 +414,7 @@ def section_b(dev, smoke, log):
             out = []
             for e, ob, (pos, _, _) in zip(encs, bases, changes):
                 base = ob.numpy()
-                out.append(context_codec.decode("bfloat16", shape, None, e.pos, e.val, pos.numel(),
-                                                lambda box, base=base: context_blocks.box_of(base, shape, box), tables))
+                out.append(context_codec.decode(context_codec.StoredPart("bfloat16", shape, None, e.pos, e.val, pos.numel(), tables), lambda box, base=base: context_blocks.box_of(base, shape, box)))
             return out
 
         on_dev = [b.to(dev) for b in bases]
@@ -424,14 +423,12 @@ def section_b(dev, smoke, log):
             out = []
             for e, b, (pos, _, _) in zip(encs, on_dev, changes):
                 view = b.view(shape)
-                out.append(context_decode.decode("bfloat16", shape, None, e.pos, e.val, pos.numel(),
-                                                 lambda box, view=view: view[tuple(slice(a, z) for a, z in zip(*box))],
-                                                 tables))
+                out.append(context_decode.decode(context_codec.StoredPart("bfloat16", shape, None, e.pos, e.val, pos.numel(), tables), lambda box, view=view: view[tuple(slice(a, z) for a, z in zip(*box))]))
             return out
 
         def streams():
             for e, (pos, _, _) in zip(encs, changes):
-                context_codec.decode_streams("bfloat16", shape, None, e.pos, e.val, pos.numel(), tables)
+                context_codec.decode_streams(context_codec.StoredPart("bfloat16", shape, None, e.pos, e.val, pos.numel(), tables))
 
         want = host()  # warm-ups (numba, Triton compile)
         got = device()
@@ -499,7 +496,7 @@ def _rans_streams(dev, smoke, log):
         data = e if isinstance(e, bytes) else e.pos  # ctx-rans: the part in one segment
         d = np.frombuffer(data, np.uint8)
         h, bl = context_codec.part_header("bfloat16", shape, None, data, pos.numel())
-        p = rans_stage.plan(d, h.at, bl, h.pops, h.totals, np.int16, tables)
+        p = rans_stage.plan(d, h, bl, np.int16, tables)
         plans.append((d, p, h, bl, torch.from_numpy(d.copy()).to(dev)))
     nnz = sum(p.n for _, p, *_ in plans)
     cores = os.cpu_count() or 1
@@ -512,7 +509,7 @@ def _rans_streams(dev, smoke, log):
 
     def plan_all():
         for d, _, h, bl, _ in plans:
-            rans_stage.plan(d, h.at, bl, h.pops, h.totals, np.int16, tables)
+            rans_stage.plan(d, h, bl, np.int16, tables)
 
     want, got = host(1), device()  # warm-ups (numba, Triton's compile)
     exact = all(np.array_equal(w[0], g[0].cpu().numpy()) and np.array_equal(w[1], g[1].cpu().numpy())

@@ -154,9 +154,9 @@ def _warm_up(c: Corpus) -> None:
         m = Manifest.from_json(raw)
         reader.fetch_selected(store, m, None, workers=2, bases=reader.TensorBases(c.a))
     for p in v2_pool():
-        cc.decode(p["dtype"], p["shape"], p["box"], p["e"].pos, p["e"].val, p["pos"].size,
+        cc.decode(cc.StoredPart(p["dtype"], p["shape"], p["box"], p["e"].pos, p["e"].val, p["pos"].size, p["tables"]),
                   lambda sub, p=p: cb.box_of(p["base"], p["shape"] if p["box"] is None else
-                                             tuple(b - a for a, b in zip(*p["box"])), sub), p["tables"])
+                                             tuple(b - a for a, b in zip(*p["box"])), sub))
 
 
 @functools.lru_cache(maxsize=4)

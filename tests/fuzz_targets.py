@@ -714,7 +714,7 @@ def check_v2_streams(case: V2Case) -> None:
                 return None
         return cb.box_of(base, full, sub)
 
-    out, exc = judge(lambda: cc.decode(name, shape, box, case.pos, case.val, case.nnz, base_of, case.tables),
+    out, exc = judge(lambda: cc.decode(cc.StoredPart(name, shape, box, case.pos, case.val, case.nnz, case.tables), base_of),
                      (IntegrityError,), 3.0, 48 * (base.size + min(case.nnz, 10 * base.size)) + 32 * (len(case.pos) + len(case.val)) + (16 << 20),
                      "v2 decode")
     if exc is not None:

@@ -64,7 +64,7 @@ def test_round_trip_exact(dtype, shape, policy):
     pos, steps, base = _changes(old, new)
     name = _name(dtype)
     e, tables = _encode(name, shape, base, pos, steps, policy)
-    got_pos, got_steps = cc.decode(name, shape, None, e.pos, e.val, pos.size, lambda box: cb.box_of(base, shape, box), tables)
+    got_pos, got_steps = cc.decode(cc.StoredPart(name, shape, None, e.pos, e.val, pos.size, tables), lambda box: cb.box_of(base, shape, box))
     assert np.array_equal(got_pos, pos) and np.array_equal(got_steps, steps)
 
 
@@ -75,7 +75,7 @@ def test_big_parts_look_classes_up_by_the_top_bits(dtype):
     old, new = _pair(shape, dtype, density=0.005)
     pos, steps, base = _changes(old, new)
     e, tables = _encode(_name(dtype), shape, base, pos, steps, 0b0011)
-    got = cc.decode(_name(dtype), shape, None, e.pos, e.val, pos.size, lambda box: cb.box_of(base, shape, box), tables)
+    got = cc.decode(cc.StoredPart(_name(dtype), shape, None, e.pos, e.val, pos.size, tables), lambda box: cb.box_of(base, shape, box))
     assert np.array_equal(got[0], pos) and np.array_equal(got[1], steps)
 
 
@@ -157,7 +157,7 @@ def test_every_shard_decodes_from_its_own_base(name, shape, world, how):
                 raise PartlyHeldError(f"box {box} is cut by the shard")
             return None
 
-        got_pos, got_steps = cc.decode("bfloat16", shape, None, e.pos, e.val, pos.size, base_of, tables)
+        got_pos, got_steps = cc.decode(cc.StoredPart("bfloat16", shape, None, e.pos, e.val, pos.size, tables), base_of)
         mine = np.zeros(pos.size, dtype=bool)
         for h in held:
             mine |= np.all((coords >= np.array(h[0])) & (coords < np.array(h[1])), axis=1)
@@ -178,11 +178,11 @@ def test_a_rank_decodes_only_the_chunks_of_its_blocks(monkeypatch):
     e, tables = _encode("bfloat16", shape, base, pos, steps, 0b0001)
     h, bl = cc.part_header("bfloat16", shape, None, e.pos, pos.size)
     data = np.frombuffer(e.pos, np.uint8)
-    every = cr.plan(data, h.at, bl, h.pops, h.totals, np.int16, tables)
+    every = cr.plan(data, h, bl, np.int16, tables)
     assert bl.S == 8 and every.which.size >= 8
     rows = 512 // 8
     for r in range(8):
-        mine = cr.plan(data, h.at, bl, h.pops, h.totals, np.int16, tables, want=[r])
+        mine = cr.plan(data, h, bl, np.int16, tables, want=[r])
         assert 1 <= mine.which.size < every.which.size  # only the chunks that hold block r
         held = ((r * rows, 0), ((r + 1) * rows, 128))
 
@@ -193,7 +193,7 @@ def test_a_rank_decodes_only_the_chunks_of_its_blocks(monkeypatch):
                 return None
             raise PartlyHeldError("the box is cut by the shard")
 
-        got_pos, got_steps = cc.decode("bfloat16", shape, None, e.pos, e.val, pos.size, base_of, tables)
+        got_pos, got_steps = cc.decode(cc.StoredPart("bfloat16", shape, None, e.pos, e.val, pos.size, tables), base_of)
         keep = (pos // 128 >= r * rows) & (pos // 128 < (r + 1) * rows)
         assert np.array_equal(got_pos, pos[keep]) and np.array_equal(got_steps, steps[keep])
 
@@ -275,7 +275,7 @@ def test_hostile_bytes_fail_cleanly(layout):
     e = LAYOUTS[layout]("bfloat16", shape, None, 0b1011, base, pos, steps, tables)
 
     def dec(p, v, nnz=pos.size, tabs=tables):
-        return cc.decode("bfloat16", shape, None, p, v, nnz, lambda box: cb.box_of(base, shape, box), tabs)
+        return cc.decode(cc.StoredPart("bfloat16", shape, None, p, v, nnz, tabs), lambda box: cb.box_of(base, shape, box))
 
     for bad in (b"", b"X", b"X1" + e.pos[2:], e.pos[:7], e.pos[:2] + b"\x00" + e.pos[3:],
                 e.pos[:2] + b"\x11" + e.pos[3:], e.pos[:3] + b"\x20" + e.pos[4:], e.pos + b"\x00"):

@@ -23,13 +23,13 @@ pytestmark = pytest.mark.usefixtures("ctx_interp")
 
 def _both(name, shape, e, nnz, tables, base_of):
     """(host decode, device decode) of one encoded part; ``base_of(box)`` gives numpy bits."""
-    host = cc.decode(name, shape, None, e.pos, e.val, nnz, base_of, tables)
+    host = cc.decode(cc.StoredPart(name, shape, None, e.pos, e.val, nnz, tables), base_of)
 
     def on_device(box):
         got = base_of(box)
         return None if got is None else torch.from_numpy(np.ascontiguousarray(got).copy())
 
-    dev = cdev.decode(name, shape, None, e.pos, e.val, nnz, on_device, tables)
+    dev = cdev.decode(cc.StoredPart(name, shape, None, e.pos, e.val, nnz, tables), on_device)
     return host, dev
 
 
@@ -173,12 +173,12 @@ def test_a_wrong_base_or_corrupt_stream_is_refused():
     e, tables = _encode("bfloat16", shape, base, pos, steps, 0b1011)
     zeros = np.zeros_like(base)  # every element in one class: ranks beyond the others' populations
     with pytest.raises(IntegrityError, match="beyond their class"):
-        cdev.decode("bfloat16", shape, None, e.pos, e.val, pos.size, lambda box: torch.from_numpy(cb.box_of(zeros, shape, box).copy()), tables)
+        cdev.decode(cc.StoredPart("bfloat16", shape, None, e.pos, e.val, pos.size, tables), lambda box: torch.from_numpy(cb.box_of(zeros, shape, box).copy()))
     with pytest.raises(IntegrityError, match="wrong size"):
-        cdev.decode("bfloat16", shape, None, e.pos, e.val, pos.size, lambda box: torch.zeros(5, dtype=torch.int16), tables)
+        cdev.decode(cc.StoredPart("bfloat16", shape, None, e.pos, e.val, pos.size, tables), lambda box: torch.zeros(5, dtype=torch.int16))
     with pytest.raises(IntegrityError):
-        cdev.decode("bfloat16", shape, None, e.pos[:9], e.val, pos.size, lambda box: None, tables)
-    got = cdev.decode("bfloat16", shape, None, e.pos, e.val, pos.size, lambda box: None, tables)
+        cdev.decode(cc.StoredPart("bfloat16", shape, None, e.pos[:9], e.val, pos.size, tables), lambda box: None)
+    got = cdev.decode(cc.StoredPart("bfloat16", shape, None, e.pos, e.val, pos.size, tables), lambda box: None)
     assert got[0].numel() == got[1].numel() == 0  # a rank that holds none of the part
 
 

@@ -45,7 +45,7 @@ def _plan(name, shape, data, nnz, tables, want=None):
     h, bl = cc.part_header(name, shape, None, data, nnz)
     assert h.magic == cr.MAGIC
     d = np.frombuffer(data, np.uint8)
-    return d, cr.plan(d, h.at, bl, h.pops, h.totals, INT[ITEMSIZE[name]], tables, want), bl
+    return d, cr.plan(d, h, bl, INT[ITEMSIZE[name]], tables, want), bl
 
 
 def _both(rd, d, p):
@@ -345,12 +345,11 @@ def test_context_device_decodes_ctx_rans_streams_on_the_device(rd, ctx_interp, l
         return got if numpy else torch.from_numpy(np.ascontiguousarray(got).copy())
 
     for only in (None, rank1):
-        host = cc.decode("bfloat16", shape, None, data, b"", pos.size, lambda b: base_of(b, True, only), tables)
+        host = cc.decode(cc.StoredPart("bfloat16", shape, None, data, b"", pos.size, tables), lambda b: base_of(b, True, only))
         with monkeypatch.context() as m:
             m.setattr(cdev, "decode_streams", lambda *a, **k: pytest.fail("the streams were decoded on the host"))
-            dev = cdev.decode("bfloat16", shape, None, data, b"", pos.size, lambda b: base_of(b, False, only), tables)
-        torch_backend = cdev.decode("bfloat16", shape, None, data, b"", pos.size, lambda b: base_of(b, False, only),
-                                    tables, backend="torch")
+            dev = cdev.decode(cc.StoredPart("bfloat16", shape, None, data, b"", pos.size, tables), lambda b: base_of(b, False, only))
+        torch_backend = cdev.decode(cc.StoredPart("bfloat16", shape, None, data, b"", pos.size, tables), lambda b: base_of(b, False, only), backend="torch")
         for got in (dev, torch_backend):
             assert got[0].dtype == torch.int64 and got[1].dtype == torch.int16
             assert np.array_equal(got[0].numpy(), host[0]) and np.array_equal(got[1].numpy(), host[1])
@@ -358,13 +357,13 @@ def test_context_device_decodes_ctx_rans_streams_on_the_device(rd, ctx_interp, l
     assert len(launches) == 2
     monkeypatch.setattr(rd, "CPU_TOO", False)  # a base on the CPU: the host's decoder is the CPU's own
     assert not rd.serves("cpu")
-    got = cdev.decode("bfloat16", shape, None, data, b"", pos.size, lambda b: base_of(b, False), tables)
+    got = cdev.decode(cc.StoredPart("bfloat16", shape, None, data, b"", pos.size, tables), lambda b: base_of(b, False))
     assert np.array_equal(got[0].numpy(), pos) and len(launches) == 2
     monkeypatch.setattr(rd, "CPU_TOO", True)
     _, p, _ = _plan("bfloat16", shape, data, pos.size, tables)
     bad = bytearray(data)
     bad[int(p.offs[0]) - 1] ^= 0x01  # the last lane's state
     with pytest.raises(IntegrityError, match="corrupt chunk"):
-        cdev.decode("bfloat16", shape, None, bytes(bad), b"", pos.size, lambda b: base_of(b, False), tables)
+        cdev.decode(cc.StoredPart("bfloat16", shape, None, bytes(bad), b"", pos.size, tables), lambda b: base_of(b, False))
     with pytest.raises(IntegrityError, match="no values segment"):
-        cdev.decode("bfloat16", shape, None, data, b"\0", pos.size, lambda b: base_of(b, False), tables)
+        cdev.decode(cc.StoredPart("bfloat16", shape, None, data, b"\0", pos.size, tables), lambda b: base_of(b, False))

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..fleet import Fleet, FleetResult, WeightSyncError
+from ..fleet import Fleet, FleetResult, WeightSyncError, publish_committed
 from ..format import fingerprint as fpr
 from ..format.dtypes import served_dtype
 from ..trainer.checkpoint_layout import transformers_model
@@ -156,13 +156,7 @@ class DeltaWeightTransfer:
             raise ValueError("send_shards needs DeltaWeightTransfer(..., sharded=True)")
         t0 = time.perf_counter()
         pub = self.publisher
-        uri = pub.publish(model)
-        pub.wait()
-        if pub.version in pub.aborted:
-            raise WeightSyncError(
-                f"v{pub.version} was not published (nothing committed; the servers keep the last "
-                f"committed version): {pub.aborted[pub.version]}"
-            )
+        uri = publish_committed(pub, model, holders="servers")
         if pub.rank != 0:
             return None
         return self._push_recorded(pub, uri, t0, published_bytes=pub.model_nbytes)

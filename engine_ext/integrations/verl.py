@@ -51,10 +51,10 @@ from verl.utils.ray_utils import auto_await
 
 from .. import settings
 from ..errors import DeltaError
-from ..fleet import Fleet, FleetResult, WeightSyncError
+from ..fleet import Fleet, FleetResult, WeightSyncError, publish_committed
 from ..format import fingerprint as fpr
 from ..format.manifest import ANCHOR, DELTA, Manifest, manifest_key
-from ..trainer.publisher import DeltaPublisher
+from ..trainer.publisher import DeltaPublisher, open_publisher
 from ..trainer.sharded import ShardedPublisher
 
 log = logging.getLogger("engine_ext")
@@ -222,13 +222,7 @@ class EngineExtCheckpointEngine(CheckpointEngine):
 
     def _publish_shards(self, module: torch.nn.Module, global_steps: int | None, t0: float) -> dict:
         pub = self._open(ShardedPublisher)
-        uri = pub.publish(module, self._version(pub, global_steps))
-        pub.wait()
-        if pub.version in pub.aborted:
-            raise WeightSyncError(
-                f"v{pub.version} was not published (nothing committed; the replicas keep the last "
-                f"committed version): {pub.aborted[pub.version]}"
-            )
+        uri = publish_committed(pub, module, self._version(pub, global_steps))
         if pub.rank != 0:
             return {}
         return self._metrics(pub, uri, pub.model_nbytes, time.perf_counter() - t0)
@@ -236,14 +230,7 @@ class EngineExtCheckpointEngine(CheckpointEngine):
     def _open(self, kind):
         if self._publisher is None:
             o = self.options
-            self._publisher = kind(
-                o.store,
-                o.model,
-                anchor_every=o.anchor_every,
-                signing_key=o.signing_key,
-                dtype=o.torch_dtype,
-                **o.publisher,
-            )
+            self._publisher = open_publisher(kind, o, o.torch_dtype)
         return self._publisher
 
     @staticmethod

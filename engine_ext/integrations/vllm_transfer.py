@@ -53,7 +53,7 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 from ..errors import DeltaError, UpdateRefused
 from ..format.dtypes import BY_TORCH
 from ..format.manifest import ANCHOR, DELTA, Manifest, manifest_key
-from ..trainer.publisher import DeltaPublisher
+from ..trainer.publisher import DeltaPublisher, open_publisher
 from ..trainer.sharded import ShardedPublisher
 from .shard_source import ShardSource
 
@@ -110,22 +110,9 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
         self.publisher: DeltaPublisher | None = None
         self.sharded = isinstance(source, ShardSource)  # every rank publishes its own rows
         if self.sharded:  # on every rank, at the same point (it opens the publishers' own gloo group)
-            self.publisher = ShardedPublisher(
-                init_info.store,
-                init_info.model,
-                signing_key=init_info.signing_key,
-                anchor_every=init_info.anchor_every,
-                dtype=init_info.dtype,
-                **init_info.publisher,
-            )
+            self.publisher = open_publisher(ShardedPublisher, init_info, init_info.dtype)
         elif self.is_sender:
-            self.publisher = DeltaPublisher(
-                init_info.store,
-                init_info.model,
-                signing_key=init_info.signing_key,
-                anchor_every=init_info.anchor_every,
-                **init_info.publisher,
-            )
+            self.publisher = open_publisher(DeltaPublisher, init_info, init_info.dtype)
         self.sends: list[SendStats] = []
 
     @classmethod

@@ -30,7 +30,7 @@ import urllib.parse
 
 from ..errors import SourceError
 from ..format.latest import LATEST_KEY
-from .base import Store, _check_key
+from .base import Connection, Store, _check_key
 from .versions import publish_version
 
 __all__ = [
@@ -85,6 +85,8 @@ def open_store(root: str | os.PathLike, **options) -> Store:
         if p.netloc not in ("", "localhost"):
             raise SourceError(f"file:// URI with a remote host is not supported: {root!r}")
         return _backend("file")(urllib.parse.unquote(p.path) or "/", file_uri=True, **options)
+    if scheme in ("http", "https", "s3", "hf"):  # network stores: connect_timeout=, retries= ... make their Connection
+        return _backend(scheme)(root, **Connection.take(options))
     if scheme in BACKENDS:
         return _backend(scheme)(root, **options)
     raise SourceError(f"unsupported store URI {root!r}: use a local path, file://, http(s)://, s3:// or hf://buckets/")

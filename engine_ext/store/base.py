@@ -16,6 +16,8 @@ import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from typing import Any
 
 from ..errors import ConflictError, FetchTimeoutError, ForbiddenSourceError, IntegrityError, NotFoundError, SourceError
 from ..format.latest import MAX_LATEST_BYTES
@@ -170,6 +172,28 @@ class Store:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"
+
+
+@dataclass(frozen=True)
+class Connection:
+    """How a network store (HTTP, S3) reaches its server: timeouts in seconds, how many times a failed request is
+    sent again, and how many connections it keeps open (each concurrent range read takes one). ``open_store``
+    takes each field by name (``open_store(uri, retries=1)``): :meth:`take`."""
+
+    connect_timeout: float = 5.0
+    read_timeout: float = 60.0
+    retries: int = 5
+    pool_size: int = 32
+
+    @classmethod
+    def take(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """``options`` with the fields of a connection named in them folded into ``connection``."""
+        names = {f.name for f in fields(cls)}
+        rest = {k: v for k, v in options.items() if k not in names}
+        given = {k: v for k, v in options.items() if k in names}
+        if given:
+            rest["connection"] = cls(**given)
+        return rest
 
 
 class NetworkStore(Store):

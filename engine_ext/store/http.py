@@ -8,7 +8,7 @@ from collections.abc import Callable
 from .. import settings
 from ..errors import ConflictError, ForbiddenSourceError, IntegrityError, NotFoundError, SourceError
 from ..format.latest import MAX_LATEST_BYTES
-from .base import _CONTENT_RANGE, NetworkStore, ReadCut, _check_key, _short, _too_large
+from .base import _CONTENT_RANGE, Connection, NetworkStore, ReadCut, _check_key, _short, _too_large
 
 
 class HttpStore(NetworkStore):
@@ -23,7 +23,8 @@ class HttpStore(NetworkStore):
     server. Redirects are followed only below the store's root (:meth:`_may_redirect`),
     and ``token`` (or ``ENGINE_EXT_HTTP_TOKEN``) is sent as ``Authorization: Bearer``
     only to URLs below the root. ``writable=True`` enables ``write`` by HTTP PUT;
-    atomicity then is the server's to guarantee.
+    atomicity then is the server's to guarantee. ``connection``: timeouts, retries and pool size (a
+    :class:`Connection`, shared with the S3 store).
     """
 
     MAX_REDIRECTS = 5
@@ -33,13 +34,10 @@ class HttpStore(NetworkStore):
         root: str,
         *,
         token: str | None = None,
-        connect_timeout: float = 5.0,
-        read_timeout: float = 60.0,
-        retries: int = 5,
         backoff: float = 0.25,
         max_object_bytes: int | None = None,
         writable: bool = False,
-        pool_size: int = 32,
+        connection: Connection | None = None,
     ):
         import requests
         from requests.adapters import HTTPAdapter
@@ -49,16 +47,17 @@ class HttpStore(NetworkStore):
         if parts.query or parts.fragment:
             raise SourceError(f"HTTP store root {root!r} must not carry a query or fragment")
         self.uri = root.rstrip("/")
-        self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
+        c = connection or Connection()
+        self.connect_timeout, self.read_timeout = c.connect_timeout, c.read_timeout
         self.max_object_bytes = max_object_bytes
         self.writable = writable
-        self.retries, self.backoff = retries, backoff
+        self.retries, self.backoff = c.retries, backoff
         self.session = requests.Session()
         retry = Retry(
-            total=retries,
-            connect=retries,
-            read=retries,
-            status=retries,
+            total=c.retries,
+            connect=c.retries,
+            read=c.retries,
+            status=c.retries,
             other=0,
             redirect=0,
             backoff_factor=backoff,
@@ -68,7 +67,7 @@ class HttpStore(NetworkStore):
             raise_on_status=False,
             respect_retry_after_header=True,
         )
-        adapter = HTTPAdapter(max_retries=retry, pool_connections=4, pool_maxsize=pool_size)
+        adapter = HTTPAdapter(max_retries=retry, pool_connections=4, pool_maxsize=c.pool_size)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
         # No transparent gzip: Content-Length and byte ranges must refer to the stored bytes.

@@ -406,13 +406,13 @@ def _decode_context(p: _Part, data: memoryview, bases: Bases | None) -> tuple[to
         return read(t.name, tuple(a + s for a, s in zip(start, sub[0])), tuple(a + s for a, s in zip(start, sub[1])))
 
     n = e.positions.length
-    args = (t.dtype, tuple(t.shape), box, bytes(data[:n]), bytes(data[n:]), e.nnz, base_of, list(p.tables))
+    part = ctx_codec.StoredPart(t.dtype, tuple(t.shape), box, bytes(data[:n]), bytes(data[n:]), e.nnz, list(p.tables))
     if device is None:
-        pos, vals = (torch.from_numpy(a) for a in ctx_codec.decode(*args))
+        pos, vals = (torch.from_numpy(a) for a in ctx_codec.decode(part, base_of))
     else:
         from ..triton_kernels import context_decode  # Triton: loaded only where a base lives on a device
 
-        pos, vals = context_decode.decode(*args)
+        pos, vals = context_decode.decode(part, base_of)
     if box is not None:
         pos = chunks.to_global(pos, t.shape, box)
     return pos, vals

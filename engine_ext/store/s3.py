@@ -10,29 +10,19 @@ from collections.abc import Callable
 from .. import settings
 from ..errors import ConflictError, IntegrityError, NotFoundError, SourceError
 from ..format.latest import MAX_LATEST_BYTES
-from .base import _CONTENT_RANGE, NetworkStore, ReadCut, _check_key, _check_prefix, _short, _too_large
+from .base import _CONTENT_RANGE, Connection, NetworkStore, ReadCut, _check_key, _check_prefix, _short, _too_large
 
 _S3_CLIENTS: dict[tuple, object] = {}
 _S3_LOCK = threading.Lock()
 
 
-def _s3_client(endpoint_url, region, addressing_style, connect_timeout, read_timeout, retries, pool_size):
+def _s3_client(endpoint_url, region, addressing_style, connection: Connection):
     """boto3 clients are thread-safe and slow to build: share one per configuration."""
     # Credentials are resolved when a client is built: key on the env that feeds them too.
     creds = tuple(
         os.environ.get(v) for v in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
     )
-    key = (
-        endpoint_url,
-        region,
-        addressing_style,
-        connect_timeout,
-        read_timeout,
-        retries,
-        pool_size,
-        os.getpid(),
-        creds,
-    )
+    key = (endpoint_url, region, addressing_style, connection, os.getpid(), creds)
     with _S3_LOCK:
         if key not in _S3_CLIENTS:
             try:
@@ -42,10 +32,10 @@ def _s3_client(endpoint_url, region, addressing_style, connect_timeout, read_tim
                 raise SourceError("s3:// stores need boto3: pip install 'engine-ext[s3]'") from None
             cfg = Config(
                 region_name=region,
-                connect_timeout=connect_timeout,
-                read_timeout=read_timeout,
-                retries={"max_attempts": retries + 1, "mode": "standard"},
-                max_pool_connections=pool_size,
+                connect_timeout=connection.connect_timeout,
+                read_timeout=connection.read_timeout,
+                retries={"max_attempts": connection.retries + 1, "mode": "standard"},
+                max_pool_connections=connection.pool_size,
                 s3={"addressing_style": addressing_style},
             )
             _S3_CLIENTS[key] = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=cfg)
@@ -70,13 +60,10 @@ class S3Store(NetworkStore):
         endpoint_url: str | None = None,
         region: str | None = None,
         addressing_style: str | None = None,
-        connect_timeout: float = 5.0,
-        read_timeout: float = 60.0,
-        retries: int = 5,
-        pool_size: int = 32,
         max_object_bytes: int | None = None,
         multipart_threshold: int = 64 << 20,
         multipart_chunksize: int = 64 << 20,
+        connection: Connection | None = None,
     ):
         parts = urllib.parse.urlsplit(root)
         if parts.scheme != "s3" or not parts.netloc:
@@ -87,8 +74,9 @@ class S3Store(NetworkStore):
         self.endpoint_url = endpoint_url or settings.current().s3_endpoint or os.environ.get("AWS_ENDPOINT_URL") or None
         region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
         style = addressing_style or ("path" if self.endpoint_url else "auto")
-        self.client = _s3_client(self.endpoint_url, region, style, connect_timeout, read_timeout, retries, pool_size)
-        self.retries = retries
+        c = connection or Connection()
+        self.client = _s3_client(self.endpoint_url, region, style, c)
+        self.retries = c.retries
         self.max_object_bytes = max_object_bytes
         self.multipart = (multipart_threshold, multipart_chunksize)
         self.list_page_size = 1000

@@ -27,6 +27,7 @@ import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -453,3 +454,30 @@ class DeltaPublisher:
         b.add_anchor(infos, anchor.tensors.__getitem__, fingerprint, workers=self.workers)
         if not self._fps:  # the first version, fingerprinted as it was written: the diffs' base
             self._fps = {t.name: fpr.parse(t.fingerprint) for t in b.manifest.tensors}
+
+
+class PublisherOptions(Protocol):
+    """What an integration's options say of the publisher it opens (verl's ``VerlSyncOptions``, vLLM's
+    ``DeltaTrainerInitInfo``): the one mapping from them to a publisher's arguments is :func:`open_publisher`."""
+
+    store: str
+    model: str
+    signing_key: str | None
+    anchor_every: int
+    publisher: dict[str, Any]  # more DeltaPublisher arguments
+
+
+PublisherKind = TypeVar("PublisherKind", bound=DeltaPublisher)
+
+
+def open_publisher(kind: type[PublisherKind], options: PublisherOptions, dtype: torch.dtype | None) -> PublisherKind:
+    """A publisher of ``kind`` (:class:`DeltaPublisher` or a sharded one) as ``options`` describe it, casting the
+    trainer's floating-point weights to ``dtype`` (None: as they are)."""
+    return kind(
+        options.store,
+        options.model,
+        signing_key=options.signing_key,
+        anchor_every=options.anchor_every,
+        dtype=dtype,
+        **options.publisher,
+    )

@@ -96,6 +96,18 @@ def _col(row, c):
 
 
 @triton.jit
+def _dest(row, off, c0, c1, c2, c3):
+    """The destination offset of box coordinates (c0..c3): the segment's offset plus their destination strides."""
+    return (
+        off
+        + c0 * _col(row, C_DSTRIDE)
+        + c1 * _col(row, C_DSTRIDE + 1)
+        + c2 * _col(row, C_DSTRIDE + 2)
+        + c3 * _col(row, C_DSTRIDE + 3)
+    )
+
+
+@triton.jit
 def _apply_kernel(
     tab_ptr,
     blk_ptr,
@@ -150,13 +162,7 @@ def _apply_kernel(
                 + (c2 + _col(row, C_START + 2)) * _col(row, C_CSTRIDE + 2)
                 + (c3 + _col(row, C_START + 3)) * _col(row, C_CSTRIDE + 3)
             )
-            dst = (
-                off
-                + c0 * _col(row, C_DSTRIDE)
-                + c1 * _col(row, C_DSTRIDE + 1)
-                + c2 * _col(row, C_DSTRIDE + 2)
-                + c3 * _col(row, C_DSTRIDE + 3)
-            )
+            dst = _dest(row, off, c0, c1, c2, c3)
         m = valid
         vidx = i
     else:
@@ -186,13 +192,7 @@ def _apply_kernel(
                 & (c3 >= 0)
                 & (c3 < _col(row, C_EXT + 3))
             )
-            dst = (
-                off
-                + c0 * _col(row, C_DSTRIDE)
-                + c1 * _col(row, C_DSTRIDE + 1)
-                + c2 * _col(row, C_DSTRIDE + 2)
-                + c3 * _col(row, C_DSTRIDE + 3)
-            )
+            dst = _dest(row, off, c0, c1, c2, c3)
         vidx = q
     dst = tl.where(m, dst, 0)
 
@@ -249,33 +249,10 @@ def blocks_for(counts: list[int], device) -> torch.Tensor:
     return torch.stack([seg, item0], 1).to(device)
 
 
-def apply_segments(table: torch.Tensor, blocks: torch.Tensor, undo: torch.Tensor | None, width: int) -> torch.Tensor:
-    """Apply every segment of ``table`` (rows for one dtype width); returns per-segment
-    ``[S, 2]`` int64 (fingerprint change mod 2^64, counted elements). ``undo``: ``n``
-    slots per segment at its ``C_UNDO`` (None: no undo kept)."""
-    nblk = blocks.shape[0]
-    part = torch.empty(nblk, 2, dtype=torch.int64, device=table.device)
-    buf = undo if undo is not None else torch.empty(1, dtype=INT_OF_WIDTH[width], device=table.device)
-    _apply_kernel[(nblk,)](
-        table,
-        blocks,
-        buf,
-        part,
-        W=width,
-        ZM=-1 if width == 64 else (1 << width) - 1,
-        NC=NCOL,
-        SAVE_UNDO=undo is not None,
-        ROLLBACK=False,
-        BLOCK=BLOCK,
-        num_warps=4,
-    )
-    acc = torch.zeros(table.shape[0], 2, dtype=torch.int64, device=table.device)
-    acc.index_add_(0, blocks[:, 0], part)  # int64 sums wrap mod 2^64
-    return acc
-
-
-def rollback_segments(table: torch.Tensor, blocks: torch.Tensor, undo: torch.Tensor, width: int) -> None:
-    """Write the old bits saved by :func:`apply_segments` back."""
+def _launch(
+    table: torch.Tensor, blocks: torch.Tensor, undo: torch.Tensor, width: int, *, save_undo: bool, rollback: bool
+) -> torch.Tensor:
+    """One launch of :func:`_apply_kernel` over ``blocks``: per block, [fingerprint change, counted elements]."""
     part = torch.empty(blocks.shape[0], 2, dtype=torch.int64, device=table.device)
     _apply_kernel[(blocks.shape[0],)](
         table,
@@ -285,11 +262,28 @@ def rollback_segments(table: torch.Tensor, blocks: torch.Tensor, undo: torch.Ten
         W=width,
         ZM=-1 if width == 64 else (1 << width) - 1,
         NC=NCOL,
-        SAVE_UNDO=False,
-        ROLLBACK=True,
+        SAVE_UNDO=save_undo,
+        ROLLBACK=rollback,
         BLOCK=BLOCK,
         num_warps=4,
     )
+    return part
+
+
+def apply_segments(table: torch.Tensor, blocks: torch.Tensor, undo: torch.Tensor | None, width: int) -> torch.Tensor:
+    """Apply every segment of ``table`` (rows for one dtype width); returns per-segment
+    ``[S, 2]`` int64 (fingerprint change mod 2^64, counted elements). ``undo``: ``n``
+    slots per segment at its ``C_UNDO`` (None: no undo kept)."""
+    buf = undo if undo is not None else torch.empty(1, dtype=INT_OF_WIDTH[width], device=table.device)
+    part = _launch(table, blocks, buf, width, save_undo=undo is not None, rollback=False)
+    acc = torch.zeros(table.shape[0], 2, dtype=torch.int64, device=table.device)
+    acc.index_add_(0, blocks[:, 0], part)  # int64 sums wrap mod 2^64
+    return acc
+
+
+def rollback_segments(table: torch.Tensor, blocks: torch.Tensor, undo: torch.Tensor, width: int) -> None:
+    """Write the old bits saved by :func:`apply_segments` back."""
+    _launch(table, blocks, undo, width, save_undo=False, rollback=True)
 
 
 def check_positions(table: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ import torch
 
 from ..errors import IntegrityError
 from ..format.context import rans_stage
-from ..format.context.codec import decode_streams, held_blocks, part_header
+from ..format.context.codec import StoredPart, decode_streams, held_blocks
 from ..format.context.models import EXPONENT, INT, ITEMSIZE, class_lut
 from . import context_scan, rans_decode  # modules, not names: tests reload them under Triton's interpreter
 
@@ -54,17 +54,7 @@ def _runs(shape, off: int, ext) -> np.ndarray:
     return off + np.arange(rows, dtype=np.int64) * int(ext[-1])
 
 
-def decode(
-    dtype_name: str,
-    tensor_shape,
-    box,
-    pos_data: bytes,
-    val_data: bytes,
-    nnz: int,
-    base_of,
-    step_tables: list[bytes],
-    backend: str = "triton",
-) -> tuple[torch.Tensor, torch.Tensor]:
+def decode(part: StoredPart, base_of, backend: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted part-local positions int64, steps) of the changes in the blocks the caller holds,
     on the base's device: :func:`engine_ext.format.context.codec.decode` with ``base_of(box)``
     giving the flat raw bits of a box as a torch tensor on its device (None: none of it held;
@@ -72,8 +62,9 @@ def decode(
 
     ``backend``: "triton" (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``) or "torch"
     (the pass in plain torch, any device)."""
-    h, bl = part_header(dtype_name, tensor_shape, box, pos_data, nnz)
+    h, bl = part.header()
     K = h.K
+    dtype_name = part.dtype_name
     itemsize = ITEMSIZE[dtype_name]
     shift, mask = EXPONENT[dtype_name]
     lut = torch.from_numpy(class_lut(h.edges, dtype_name))
@@ -85,15 +76,15 @@ def decode(
     if (
         h.magic == rans_stage.MAGIC and backend == "triton" and rans_decode.serves(on)
     ):  # ctx-rans: streams on the device
-        if val_data:
+        if part.val_data:
             raise IntegrityError("a ctx-rans part has no values segment")
-        data = np.frombuffer(pos_data, np.uint8)
-        p = rans_stage.plan(data, h.at, bl, h.pops, h.totals, INT[itemsize], step_tables, want)  # host: O(chunks)
+        data = np.frombuffer(part.pos_data, np.uint8)
+        p = rans_stage.plan(data, h, bl, INT[itemsize], part.step_tables, want)  # host: O(chunks)
         with _one_at_a_time_if_interpreted():  # the bytes cross once; ranks and steps are born on the device
             ranks, steps = rans_decode.decode(torch.from_numpy(data.copy()).to(on), p)
         all_starts = p.starts
     else:
-        st = decode_streams(dtype_name, tensor_shape, box, pos_data, val_data, nnz, step_tables, want, (h, bl))
+        st = decode_streams(part, want, (h, bl))
         ranks, steps, all_starts = torch.from_numpy(st.ranks), torch.from_numpy(st.steps), st.starts
     if -1 in held:
         bits = held[-1].reshape(-1)

