@@ -1,43 +1,53 @@
-"""One Kimi-K2-size step's critical path, phase by phase, on this host (issue 42).
+"""One Kimi-K2-size step's critical path, phase by phase, on this host (issues 42 and 52).
 
-    python bench/k2_step.py                # K2: 61 layers x 384 experts (about 4 minutes, 8 GB)
+    python bench/k2_step.py                # K2: 61 layers x 384 experts (about 10 minutes, 8 GB, 4 GB of disk)
     python bench/k2_step.py --layers 4     # a slice of it, quicker
+    python bench/k2_step.py --no-moto      # without the S3 store (its upload takes minutes at full size)
     python bench/k2_step.py --json out.json
 
 A 1T fp8 MoE (DeepSeek-V3 / Kimi-K2 shapes: 61 layers x 384 experts x 3 matrices of 2048 x 7168,
 fp8 e4m3 with fp32 128 x 128 block scales; 140,790 tensors) takes one delta changing 0.3 % of
-every weight. The path from the trainer's last optimizer step to every rank serving it:
+every weight. The path from the trainer's last optimizer step to every rank serving it, for one
+expert-parallel rank of 16 and one tensor-parallel rank of 8, from four stores: a local directory, HTTP on
+loopback (the test server, ``tests/servers.py``), the same with 20 ms added to every request (an object
+store's first byte: :class:`PerRequest`, which also counts requests), and S3 (``moto_server`` on loopback):
 
-1. **commit** (rank 0 of the sharded publisher, measured at full size): the 16 ranks' part manifests
-   (one per expert-parallel rank, each listing its experts' cells; rank 0 also the dense tensors)
-   are joined (``merge_parts``), validated, written as format 10 (tables and name index) and signed.
-   The data blobs are not written: the ranks wrote them before, in parallel.
-2. **manifest and signature** (every reader; measured): the signed manifest read and verified.
-3. **driver** (one per replica; measured): the whole manifest read once (every tensor table and the
+1. **commit** (rank 0 of the sharded publisher, full size): the 16 ranks' part manifests (one per
+   expert-parallel rank, each listing its experts' cells; rank 0 also the dense tensors) are joined
+   (``merge_parts``), validated, written as format 10 (tables and name index) and signed. The data
+   blobs are not written: the ranks wrote them before, in parallel.
+2. **manifest and signature** (every reader; full size): the signed manifest read and verified.
+3. **driver** (one per replica; full size): the whole manifest read once (every tensor table and the
    name index), the checks that need every entry (tensor set, model fingerprints, overlaps).
-4. **rank metadata** (measured): one expert-parallel rank of 16 and one tensor-parallel rank of 8
-   read the name index, the tables holding their tensors and the cell tables of the cells they fetch,
-   from a local store and from the HTTP store on loopback.
-5. **fetch, decode, apply** (measured on one layer's data, then extrapolated to 61 layers): real
-   weights of that rank's share of one layer (EP 16: its 24 experts whole; TP 8: its slices of 24
-   experts, x16 for the layer's 384) are published by ``DeltaPublisher`` (anchor, then a delta of
-   0.3 % +-1 ULP fp8 changes: synthetic, not training data), then fetched by range (local store
-   and HTTP on loopback: the test server, ``tests/servers.py``), decoded, and applied in place by the
-   rank code the engines run (``RankUpdater.apply``: undo log and fingerprints; the pause). Dense
-   tensors (attention, router, norms: 0.3 % of the bytes) and the block scales are left out of the
-   data. Random +-1-ULP changes do not pay for the context coder: the publisher codes them v1 (pco).
+4. **rank metadata** (full size): the name index, the tables holding the rank's tensors and the cell
+   tables of the cells it fetches.
+5. **fetch** (full size): the rank's byte ranges of the data blobs, read as the rank reads them (close
+   ranges as one request, 8 at a time) and hashed. The blobs are laid out as the publisher lays them out
+   for ``ENGINE_EXT_READER_TP`` (``engine_ext/trainer/blob_layout.py``), with the sizes a 0.3 % step
+   codes to (1.2 B per change); their contents are zeros (sparse files): the bytes are real only below.
+6. **decode, 7. apply** (one layer's real data, times the layers): real weights of that rank's share of one
+   layer (EP 16: its 24 experts whole; TP 8: its slices of 24 experts, x16 for the layer's 384) are
+   published by ``DeltaPublisher`` (anchor, then a delta of 0.3 % +-1 ULP fp8 changes: synthetic, not
+   training data), read from a local store, decoded, and applied in place by the rank code the engines run
+   (``RankUpdater.apply``: undo log and fingerprints; the pause). Dense tensors (attention, router,
+   norms: 0.3 % of the bytes) and the block scales are left out of the data. Random +-1-ULP changes do not
+   pay for the context coder: the publisher codes them v1 (pco).
 
-Each phase is printed with its share of the 5 s goal (docs/SCALE.md): figures marked ``measured``
-ran at full size; ``x61`` ones are one layer's measured cost times 61 (``x976``: x16 experts, x61 layers).
+Each phase is printed with its share of the 5 s goal (docs/SCALE.md), and the rows a GPU node runs the
+same (1-5) are summed against theirs (3.65 s); decode and apply are the GPU's on a real deployment.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
+import hashlib
 import json
+import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -47,10 +57,15 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE), str(HERE.parent / "tests")]
 
 import manifest_size as ms  # noqa: E402
-from engine_ext.store import open_store  # noqa: E402
+from engine_ext import settings  # noqa: E402
+from engine_ext.format.chunks import meets  # noqa: E402
+from engine_ext.store import Store, open_store  # noqa: E402
+from engine_ext.store.reader import TensorBases, _decode_parts, _parts, _read_ranges  # noqa: E402
 from engine_ext.store.reader import load_cells, open_held, open_manifest  # noqa: E402
 from engine_ext.store.signing import Signer, Trust, generate_key  # noqa: E402
 from engine_ext.trainer.builder import commit, merge_parts  # noqa: E402
+from engine_ext.trainer.publisher import DeltaPublisher  # noqa: E402
+from fake_ranks import make_rank  # noqa: E402
 
 BUDGET = {"commit": 0.5, "manifest": 0.05, "driver": 0.3, "metadata": 0.3, "fetch": 2.5, "decode": 1.15, "apply": 0.2}
 GOAL_S = 5.0  # publish to every replica serving (SCALE.md); the apply is the pause (goal 0.2 s)
@@ -62,10 +77,60 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
-def full_size(layers: int, experts: int, root: Path, key: str) -> dict:
-    """Phases 1-4 on the whole model's manifest (no data blobs): commit, manifest, driver, rank metadata."""
-    from servers import serve_http
+class PerRequest(Store):
+    """A store that counts its requests and adds ``latency`` seconds to each: an object store answers a
+    request in tens of milliseconds however small it is. A real store (HTTP on loopback) does the reading."""
 
+    def __init__(self, inner: Store, latency: float = 0.0):
+        self.inner, self.latency, self.uri = inner, latency, inner.uri
+        self.requests, self._lock = 0, threading.Lock()
+
+    def _request(self) -> None:
+        with self._lock:
+            self.requests += 1
+        if self.latency:
+            time.sleep(self.latency)
+
+    def read(self, key: str, max_bytes: int | None = None) -> bytes:
+        self._request()
+        return self.inner.read(key, max_bytes)
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        self._request()
+        return self.inner.read_range(key, start, length)
+
+    def key_uri(self, key: str) -> str:
+        return self.inner.key_uri(key)
+
+
+@contextlib.contextmanager
+def stores(root: Path, moto: bool):
+    """{name: PerRequest store} over ``root``: the local directory, HTTP on loopback, the same with 20 ms a
+    request, and (``moto``) moto_server's S3 on loopback with ``root``'s files uploaded."""
+    from servers import serve_http, serve_s3
+
+    with contextlib.ExitStack() as stack:
+        srv = stack.enter_context(serve_http(root))
+        out = {"local": PerRequest(open_store(str(root))), "http": PerRequest(open_store(f"{srv.url}/")),
+               "http+20ms": PerRequest(open_store(f"{srv.url}/"), 0.020)}
+        if moto:
+            s3 = stack.enter_context(serve_s3())
+            os.environ.update(s3.env)
+            stack.enter_context(settings.override(s3_endpoint=s3.endpoint_url))
+            bucket = open_store(f"s3://{s3.make_bucket()}/k2")
+            t0 = time.perf_counter()
+            for f in sorted(root.iterdir()):
+                bucket.write_file(f.name, f)
+            print(f"moto: {sum(f.stat().st_size for f in root.iterdir()) / (1 << 30):.1f} GiB uploaded in "
+                  f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            out["moto"] = PerRequest(bucket)
+        yield out
+
+
+def full_size(layers: int, experts: int, root: Path, key: str, moto: bool) -> dict:
+    """Phases 1-5 at full size, on the whole model's manifest: commit, manifest, driver, rank metadata, and the
+    ranks' fetch of their bytes from blobs laid out as the publisher lays them out (sizes and offsets real,
+    contents zeros: the data phases' bytes are measured on one layer, :func:`one_layer`)."""
     shapes = ms.moe_tensors(layers, experts)
     names = [n for n, _, _ in shapes]
     ep = 16
@@ -82,6 +147,10 @@ def full_size(layers: int, experts: int, root: Path, key: str) -> dict:
     signer = Signer([key])
     _, out["commit_s"] = timed(functools.partial(commit, store, merged, signer))
     _, out["validate_s"] = timed(merged.validate)  # inside commit too: its share, timed apart
+    for b in merged.blobs:  # the ranks' data blobs, written before the commit (sparse files of their sizes)
+        with open(root / b.key, "wb") as f:
+            f.truncate(b.size)
+    out["blobs"], out["delta_bytes"] = len(merged.blobs), sum(b.size for b in merged.blobs)
     del merged  # rank 0's: the readers below are other processes
     gc.collect()
     trust = Trust.from_public_keys([key + ".pub"])
@@ -97,8 +166,6 @@ def full_size(layers: int, experts: int, root: Path, key: str) -> dict:
         return raw
 
     def rank_metadata(st, want):  # what RankUpdater.fetch does before it fetches data (selection: its rule)
-        from engine_ext.format.chunks import meets
-
         m, n = open_held(st, raw, set(want))
         sel = {}
         for t in m.tensors:
@@ -109,20 +176,26 @@ def full_size(layers: int, experts: int, root: Path, key: str) -> dict:
         n += load_cells(st, m, {k for k, v in sel.items() if v is None or v})
         return m, sel, n + len(raw)
 
-    def data_bytes(m, sel):
-        return sum(t.length for t in m.tensors if t.nnz and t.grid is None) + sum(
-            c.length for t in m.tensors if t.chunks for c in t.chunks if sel[t.name] is None or c.cell in sel[t.name])
+    def fetch(st, m, sel):  # the rank's parts by range, each hashed as it arrives (zeros: not compared)
+        parts = _parts(m, sel)
+        _, read = _read_ranges(st, m, [(p.blob, p.offset, p.length) for p in parts], 8,
+                               lambda k, piece: hashlib.sha256(piece))
+        return read
 
-    with serve_http(root) as srv:
-        for where, st in (("local", store), ("http", open_store(f"{srv.url}/"))):
+    with stores(root, moto) as by_name_store:
+        for where, st in by_name_store.items():
             _, out[f"manifest_{where}_s"] = timed(lambda: manifest_and_signature(st))
             m, out[f"driver_{where}_s"] = timed(lambda: open_manifest(st, raw))
             assert len(m.tensors) == len(shapes)
             del m  # the driver's: the ranks are other processes
             gc.collect()
             for rank, want in wants.items():
+                st.requests = 0
                 (m, sel, read), out[f"{rank}_metadata_{where}_s"] = timed(lambda: rank_metadata(st, want))
-                out[f"{rank}_metadata_bytes"], out[f"{rank}_data_bytes"] = read, data_bytes(m, sel)
+                out[f"{rank}_metadata_bytes"], out[f"{rank}_metadata_{where}_requests"] = read, st.requests
+                st.requests = 0
+                out[f"{rank}_fetch_bytes"], out[f"{rank}_fetch_{where}_s"] = timed(lambda: fetch(st, m, sel))
+                out[f"{rank}_fetch_{where}_requests"] = st.requests
                 del m
                 gc.collect()
     return out
@@ -141,14 +214,8 @@ def fp8_step(shape, density: float, g: torch.Generator) -> tuple[torch.Tensor, t
 
 
 def one_layer(experts: int, density: float, root: Path) -> dict:
-    """Phase 5 on real weights: one layer's share of an EP 16 rank (24 experts) and a TP 8 rank (its
-    slices of the same 24 experts), fetched (local, HTTP), decoded and applied by the rank code."""
-    from servers import serve_http
-
-    from engine_ext.store.reader import TensorBases, _decode_parts, _parts, _read_ranges
-    from engine_ext.trainer.publisher import DeltaPublisher
-    from fake_ranks import make_rank
-    import hashlib
+    """Phases 6 and 7 on real weights: one layer's share of an EP 16 rank (24 experts) and a TP 8 rank (its
+    slices of the same 24 experts), read from a local store, decoded and applied by the rank code."""
 
     g = torch.Generator().manual_seed(0)
     base, new = {}, {}
@@ -170,29 +237,20 @@ def one_layer(experts: int, density: float, root: Path) -> dict:
     rows = [n for n in base if "down_proj" not in n]
     ranks = {"ep16": make_rank(0, base, sharded=(), world=1),
              "tp8": make_rank(0, base, sharded=tuple(base), by_column=tuple(n for n in base if n not in rows), world=8)}
-    with serve_http(root) as srv:
-        for rank, up in ranks.items():
-            up.setup()
-            for where, st in (("local", store), ("http", open_store(f"{srv.url}/"))):
-                mm, _ = open_held(st, (root / "v00000001.json").read_bytes(), up.held())
-                sel = up.selection(mm)
-                load_cells(st, mm, sel)
-                parts = _parts(mm, sel)
-                sha = {(p.blob, p.offset): p.sha256 for p in parts}
-
-                def check(k, piece):
-                    assert hashlib.sha256(piece).hexdigest() == sha[k]
-
-                (data, read), out[f"{rank}_fetch_{where}_s"] = timed(
-                    lambda: _read_ranges(st, mm, [(p.blob, p.offset, p.length) for p in parts], 8, check))
-                out[f"{rank}_fetch_bytes"] = read
-            deltas, out[f"{rank}_decode_s"] = timed(lambda: _decode_parts(parts, data.__getitem__, 8, TensorBases(base)))
-            out[f"{rank}_changes"] = sum(d.nnz for d in deltas)
-            _, out[f"{rank}_apply_s"] = timed(lambda: up.apply(deltas))
-            up.commit(1)
-            for name in list(base)[:3]:  # bit-exact: the rank's share equals the new version's
-                held = up.module.param(name)
-                assert torch.equal(held.view(torch.uint8), _share(new[name], up.module, name).view(torch.uint8)), name
+    for rank, up in ranks.items():
+        up.setup()
+        mm, _ = open_held(store, (root / "v00000001.json").read_bytes(), up.held())
+        sel = up.selection(mm)
+        load_cells(store, mm, sel)
+        parts = _parts(mm, sel)
+        data, _ = _read_ranges(store, mm, [(p.blob, p.offset, p.length) for p in parts], 8)
+        deltas, out[f"{rank}_decode_s"] = timed(lambda: _decode_parts(parts, data.__getitem__, 8, TensorBases(base)))
+        out[f"{rank}_changes"] = sum(d.nnz for d in deltas)
+        _, out[f"{rank}_apply_s"] = timed(lambda: up.apply(deltas))
+        up.commit(1)
+        for name in list(base)[:3]:  # bit-exact: the rank's share equals the new version's
+            held = up.module.param(name)
+            assert torch.equal(held.view(torch.uint8), _share(new[name], up.module, name).view(torch.uint8)), name
     return out
 
 
@@ -205,24 +263,28 @@ def _share(t: torch.Tensor, module, name: str) -> torch.Tensor:
     return t[:p.shape[0]]
 
 
-def table(full: dict, layer: dict, layers: int, experts: int, sample: int) -> list[tuple]:
-    """(phase, EP 16 local, EP 16 HTTP, TP 8 local, TP 8 HTTP, how, budget) in seconds; the data phases are
-    one layer's sample times the layers (and the experts per sample: a TP rank holds a slice of each)."""
-    x_ep, x_tp = layers * (experts // 16) / sample, layers * experts / sample
-    both = lambda k: (full[f"{k}_local_s"], full[f"{k}_http_s"]) * 2  # noqa: E731 - the same for either rank
-    rows = [("commit (rank 0: merge, validate, tables, sign)", *(full["merge_s"] + full["commit_s"],) * 4, "measured", BUDGET["commit"]),
-            ("manifest + signature", *both("manifest"), "measured", BUDGET["manifest"]),
-            ("driver: the whole manifest, once per replica", *both("driver"), "measured", BUDGET["driver"]),
-            ("rank metadata: index, own tables, own cell tables", full["ep16_metadata_local_s"], full["ep16_metadata_http_s"],
-             full["tp8_metadata_local_s"], full["tp8_metadata_http_s"], "measured", BUDGET["metadata"]),
-            ("fetch the rank's bytes", layer["ep16_fetch_local_s"] * x_ep, layer["ep16_fetch_http_s"] * x_ep,
-             layer["tp8_fetch_local_s"] * x_tp, layer["tp8_fetch_http_s"] * x_tp, f"x{x_ep:g} / x{x_tp:g}", BUDGET["fetch"]),
-            ("decode", *(layer["ep16_decode_s"] * x_ep,) * 2, *(layer["tp8_decode_s"] * x_tp,) * 2,
-             f"x{x_ep:g} / x{x_tp:g}", BUDGET["decode"]),
-            ("apply in place (the pause)", *(layer["ep16_apply_s"] * x_ep,) * 2, *(layer["tp8_apply_s"] * x_tp,) * 2,
-             f"x{x_ep:g} / x{x_tp:g}", BUDGET["apply"])]
-    total = tuple(sum(r[i] for r in rows) for i in range(1, 5))
-    return rows + [("total: publish to serving", *total, "", GOAL_S)]
+SAME_ON_GPU = ("commit", "manifest", "driver", "metadata", "fetch")  # phases a GPU node runs as this host does
+
+
+def table(full: dict, layer: dict, rank: str, where: list[str], layers: int, experts: int, sample: int) -> list[tuple]:
+    """One rank's rows: (phase, seconds per store in ``where``, how it was measured, its share of the goal).
+    Decode and apply are one layer's sample (local) times the layers (and the experts per sample: a TP rank
+    holds a slice of each); everything else ran at full size."""
+    x = layers * (experts // 16) / sample if rank == "ep16" else layers * experts / sample
+    per_store = lambda k: tuple(full[f"{k.format(w=w)}"] for w in where)  # noqa: E731
+    rows = [("commit (rank 0: merge, validate, tables, sign)", "commit", (full["merge_s"] + full["commit_s"],) * len(where), "full size"),
+            ("manifest + signature", "manifest", per_store("manifest_{w}_s"), "full size"),
+            ("driver: the whole manifest, once per replica", "driver", per_store("driver_{w}_s"), "full size"),
+            ("rank metadata: index, own tables, own cell tables", "metadata", per_store(rank + "_metadata_{w}_s"), "full size"),
+            ("fetch the rank's bytes", "fetch", per_store(rank + "_fetch_{w}_s"), "full size (zeros)")]
+    same = tuple(sum(r[2][i] for r in rows) for i in range(len(where)))
+    rows.append(("**phases a GPU node runs the same**", "same", same, "", sum(BUDGET[k] for k in SAME_ON_GPU)))
+    rows = [r if len(r) == 5 else (*r, BUDGET[r[1]]) for r in rows]
+    rows += [("decode (CPU)", "decode", (layer[f"{rank}_decode_s"] * x,) * len(where), f"one layer x{x:g}", BUDGET["decode"]),
+             ("apply in place (CPU: the pause)", "apply", (layer[f"{rank}_apply_s"] * x,) * len(where), f"one layer x{x:g}",
+              BUDGET["apply"])]
+    total = tuple(same[i] + rows[-2][2][i] + rows[-1][2][i] for i in range(len(where)))
+    return rows + [("**total: publish to serving**", "total", total, "", GOAL_S)]
 
 
 def main() -> None:
@@ -231,6 +293,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=384)
     ap.add_argument("--sample-experts", type=int, default=24, help="experts of the one layer whose data is real")
     ap.add_argument("--density", type=float, default=0.003)
+    ap.add_argument("--no-moto", action="store_true", help="leave out the S3 store (moto_server): its upload is slow")
     ap.add_argument("--json", help="write every figure here")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="k2-step-") as tmp:
@@ -238,25 +301,29 @@ def main() -> None:
         key = str(tmp / "k2.key")
         generate_key(key)
         (tmp / "full").mkdir()
-        full = full_size(a.layers, a.experts, tmp / "full", key)
+        full = full_size(a.layers, a.experts, tmp / "full", key, moto=not a.no_moto)
         (tmp / "layer").mkdir()
         layer = one_layer(a.sample_experts, a.density, tmp / "layer")
-    rows = table(full, layer, a.layers, a.experts, a.sample_experts)
+    where = ["local", "http", "http+20ms"] + ([] if a.no_moto else ["moto"])
     mb = 1 << 20
-    print(f"{full['tensors']:,} tensors, {full['cells']:,} cells; signed manifest {full['manifest_bytes'] / 1024:.0f} KiB; "
-          f"commit {full['merge_s']:.2f} s merge + {full['commit_s']:.2f} s (of which validate {full['validate_s']:.2f} s)")
-    for rank in ("ep16", "tp8"):
-        meta, data = full[f"{rank}_metadata_bytes"], full[f"{rank}_data_bytes"]
-        print(f"{rank}: metadata {meta / mb:.1f} MiB for {data / mb:.1f} MiB of data ({100 * meta / data:.1f} %)")
+    print(f"{full['tensors']:,} tensors, {full['cells']:,} cells; a {full['delta_bytes'] / (1 << 30):.2f} GiB delta in "
+          f"{full['blobs']} blobs laid out for TP {settings.current().reader_tp}; signed manifest "
+          f"{full['manifest_bytes'] / 1024:.0f} KiB; commit {full['merge_s']:.2f} s merge + {full['commit_s']:.2f} s "
+          f"(of which validate {full['validate_s']:.2f} s)")
     print(f"one layer's sample ({a.sample_experts} experts): {layer['changes']:,} changes, {layer['delta_bytes'] / mb:.1f} MiB "
-          f"({layer['delta_bytes'] / max(1, layer['changes']):.2f} B per change); EP 16 rank fetched "
-          f"{layer['ep16_fetch_bytes'] / mb:.1f} MiB, TP 8 rank {layer['tp8_fetch_bytes'] / mb:.1f} MiB; parts by coder "
-          f"{layer['coders']}")
-    print("| phase | EP 16, local | EP 16, HTTP | TP 8, local | TP 8, HTTP | how | budget s |\n|---|---:|---:|---:|---:|---|---:|")
-    for name, *secs, how, budget in rows:
-        print(f"| {name} | " + " | ".join(f"{x:.2f}" for x in secs) + f" | {how} | {'' if budget is None else budget} |")
+          f"({layer['delta_bytes'] / max(1, layer['changes']):.2f} B per change); parts by coder {layer['coders']}")
+    tables = {}
+    for rank, title in (("ep16", "EP 16 rank"), ("tp8", "TP 8 rank")):
+        meta, data = full[f"{rank}_metadata_bytes"], full[f"{rank}_fetch_bytes"]
+        reqs = ", ".join(f"{w} {full[f'{rank}_metadata_{w}_requests']} + {full[f'{rank}_fetch_{w}_requests']}" for w in where)
+        print(f"\n{title}: metadata {meta / mb:.1f} MiB ({100 * meta / data:.1f} % of its data), data {data / mb:.0f} MiB; "
+              f"requests (metadata + fetch): {reqs}")
+        print(f"| phase | {' | '.join(where)} | how | share s |\n|---|{'---:|' * len(where)}---|---:|")
+        tables[rank] = table(full, layer, rank, where, a.layers, a.experts, a.sample_experts)
+        for name, _, secs, how, budget in tables[rank]:
+            print(f"| {name} | " + " | ".join(f"{x:.2f}" for x in secs) + f" | {how} | {budget:g} |")
     if a.json:
-        Path(a.json).write_text(json.dumps({"full": full, "layer": layer, "rows": rows}, indent=1))
+        Path(a.json).write_text(json.dumps({"full": full, "layer": layer, "tables": tables}, indent=1))
 
 
 if __name__ == "__main__":

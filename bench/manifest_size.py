@@ -23,10 +23,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from engine_ext import settings  # noqa: E402
 from engine_ext.format import chunks  # noqa: E402
 from engine_ext.format import fingerprint as fpr  # noqa: E402
 from engine_ext.format import tables as tables_mod  # noqa: E402
 from engine_ext.format.manifest import Blob, Chunk, Manifest, Segment, TensorEntry  # noqa: E402
+from engine_ext.trainer import blob_layout  # noqa: E402
 
 
 def moe_tensors(layers: int, experts: int, hidden: int = 7168, inter: int = 2048, block: int = 128):
@@ -48,19 +50,23 @@ def moe_tensors(layers: int, experts: int, hidden: int = 7168, inter: int = 2048
     return out
 
 
-def delta_manifest(tensors, density: float = 0.003, bytes_per_change: float = 1.2, part: str = "") -> Manifest:
+def delta_manifest(tensors, density: float = 0.003, bytes_per_change: float = 1.2, part: str = "",
+                   reader_tp: int | None = None) -> Manifest:
     """One delta version's manifest: every tensor changed at ``density`` (at least one element),
-    big ones cut into the default grid's cells, bytes laid out one after another in 256 MB blobs
-    (named after ``part``: a sharded version's parts each name their own)."""
-    blobs, at, entries = [], [0], []
+    big ones cut into the default grid's cells, bytes laid out in 256 MB blobs as the publisher lays them
+    out for readers of TP ``reader_tp`` (default ``ENGINE_EXT_READER_TP``: :mod:`engine_ext.trainer.blob_layout`),
+    blobs named after ``part`` (a sharded version's parts each name their own)."""
+    shares = settings.current().reader_tp if reader_tp is None else reader_tp
+    blobs, entries, open_blob = [], [], [blob_layout.Sections.for_shares(shares)]
     sha = hashlib.sha256(b"x").hexdigest()
 
-    def place(n: int) -> tuple[int, int]:
-        if not blobs or at[0] + n > 256 << 20:
+    def place(n: int, section: int) -> tuple[int, int]:
+        if not blobs or open_blob[0].size() + n > 256 << 20:
+            open_blob[0].finish()
+            open_blob[0] = blob_layout.Sections.for_shares(shares)
             blobs.append(Blob(f"v00000002.{part}{len(blobs)}.{sha[:32]}.bin", 0, sha))
-            at[0] = 0
-        offset, at[0] = at[0], at[0] + n
-        blobs[-1].size = at[0]
+        offset = open_blob[0].add(n, section)
+        blobs[-1].size = open_blob[0].size()
         return len(blobs) - 1, offset
 
     for k, (name, dtype, shape) in enumerate(tensors):
@@ -72,9 +78,10 @@ def delta_manifest(tensors, density: float = 0.003, bytes_per_change: float = 1.
         cuts = chunks.grid(shape)
         if cuts is None:
             n = max(2, int(nnz * bytes_per_change))
-            blob, offset = place(n)
+            blob, offset = place(n, blob_layout.COMMON)
             entries.append(TensorEntry(name, dtype, shape, nnz, fp, base, blob=blob, offset=offset, sha256=sha,
                                        positions=Segment("pco", n // 2), values=Segment("pco", n - n // 2, "rel")))
+            open_blob[0].place(entries[-1], blob_layout.COMMON)
             continue
         cells = []
         boxes = chunks.boxes(cuts, shape)
@@ -83,9 +90,12 @@ def delta_manifest(tensors, density: float = 0.003, bytes_per_change: float = 1.
             if not cn:
                 continue
             n = max(2, int(cn * bytes_per_change))
-            blob, offset = place(n)
+            section = blob_layout.cell_section(name, shape, cuts, c, shares)
+            blob, offset = place(n, section)
             cells.append(Chunk(c, cn, blob, offset, sha, Segment("pco", n // 2), Segment("pco", n - n // 2, "rel")))
+            open_blob[0].place(cells[-1], section)
         entries.append(TensorEntry(name, dtype, shape, nnz, fp, base, grid=cuts, chunks=cells))
+    open_blob[0].finish()
     m = Manifest(kind="delta", model="kimi-k2-like", version=2, base_version=1, anchor_version=0,
                  fingerprint="", base_fingerprint="", base_manifests=[sha], blobs=blobs, tensors=entries)
     m.fingerprint = fpr.fmt(fpr.model_fingerprint((t.name, fpr.parse(t.fingerprint)) for t in entries))

@@ -60,6 +60,13 @@ def _verify_derived(s: str) -> str:
     return v
 
 
+def _shares(s: str) -> int:
+    n = int(s)
+    if not 1 <= n <= 64 or n & (n - 1):
+        raise ValueError(f"a power of two from 1 to 64, got {s!r}")
+    return n
+
+
 def _reader_device(s: str) -> str:
     v = s.strip().lower()
     if v not in ("gpu", "cpu"):
@@ -242,6 +249,16 @@ VARIABLES: tuple[Variable, ...] = (
         "take v2 on big parts; `0`: bytes first (metered or slow links: v2 wherever it saves 10 %)",
     ),
     Variable(
+        "ENGINE_EXT_READER_TP",
+        "reader_tp",
+        _shares,
+        8,
+        "publisher: the tensor-parallel degree delta blobs are laid out for: each blob holds the parts every "
+        "rank reads whole, then each share's cells of every tensor, so that a rank of this TP degree (or of a "
+        "smaller power of two) reads two ranges per blob, and a rank holding whole tensors one per share "
+        "(engine_ext/trainer/blob_layout.py); `1`: parts in the order they are encoded",
+    ),
+    Variable(
         "ENGINE_EXT_INLINE_ENTRIES",
         "inline_entries",
         int,
@@ -279,6 +296,7 @@ class Settings:
     context_coder: bool = True
     reader_device: str = "gpu"
     reader_mbps: float = 100.0
+    reader_tp: int = 8
     inline_entries: int = 4096
 
     @classmethod

@@ -22,6 +22,8 @@ from engine_ext.format.manifest import Manifest
 from engine_ext.server.protocol import UpdateRequest
 from engine_ext.trainer.publisher import DeltaPublisher
 from engine_ext.store.reader import TensorBases, fetch_selected, read_manifest
+from engine_ext import settings
+from engine_ext.store.local import LocalStore
 from engine_ext.store.sources import Sources
 from engine_ext.store import open_store
 from fake_ranks import FakeRanks, make_rank
@@ -128,3 +130,64 @@ def test_each_rank_fetches_only_its_rows(tmp_path, world):
         want = states[3]["w"][up.rank * rows:(up.rank + 1) * rows]
         assert torch.equal(up.module.w.view(torch.int16), want.view(torch.int16))
         assert torch.equal(up.module.b.view(torch.int16), states[3]["b"].view(torch.int16))
+
+
+class CountingStore(LocalStore):
+    """A local store that counts range requests: what a rank's fetch costs an object store (a real store,
+    counted, not a mock)."""
+
+    def __init__(self, root: str):
+        super().__init__(root)
+        self.requests = 0
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        self.requests += 1
+        return super().read_range(key, start, length)
+
+
+def _tp_share(name: str, shape, rank: int, world: int) -> tuple[tuple, tuple]:
+    """What rank ``rank`` of ``world`` holds of a tensor, as the engines shard it: the columns of row-parallel
+    layers (o_proj, down_proj), the rows of the others, norms whole."""
+    if len(shape) == 1:
+        return (0,), tuple(shape)
+    dim = 1 if "o_proj" in name or "down_proj" in name else 0
+    n = shape[dim] // world
+    start, stop = [0, 0], list(shape)
+    start[dim], stop[dim] = rank * n, (rank + 1) * n
+    return tuple(start), tuple(stop)
+
+
+@pytest.mark.parametrize("layout_tp", [8, 1])
+def test_a_tp_rank_reads_its_share_in_two_ranges_per_blob(tmp_path, layout_tp):
+    """Blobs laid out for TP 8 (the default) give a rank of TP 2, 4 or 8 its cells of every tensor in two ranges
+    per blob (the parts every rank reads, then its share), each part still verified; laid out in encoding order
+    (``ENGINE_EXT_READER_TP=1``) a rank of TP 8 reads one range per cell it needs."""
+    g = torch.Generator().manual_seed(3)
+    shapes = {"model.layers.0.self_attn.o_proj.weight": (256, 512), "model.layers.0.mlp.gate_proj.weight": (512, 256),
+              "model.layers.0.mlp.down_proj.weight": (256, 512), "model.norm.weight": (256,)}
+    states = noisy_versions({n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}, 1, g)
+    with settings.override(reader_tp=layout_tp), DeltaPublisher(str(tmp_path), anchor_every=0, chunk_min_cell=1024) as pub:
+        for sd in states:
+            pub.publish(sd)
+    store = CountingStore(str(tmp_path))
+    m = read_manifest(store, "v00000001.json")
+    assert len(m.blobs) == 1 and all(len(t.chunks) == 64 for t in m.tensors if t.grid)
+    whole, _ = fetch_selected(store, m, bases=TensorBases(states[0]))
+    for world in (2, 4, 8):
+        for rank in (0, world - 1):
+            held = {n: _tp_share(n, s, rank, world) for n, s in shapes.items()}
+            selection = {t.name: None if t.grid is None else
+                         {i for i, box in enumerate(t.boxes()) if chunks.meets(box, *held[t.name])} for t in m.tensors}
+            store.requests = 0
+            mine, _ = fetch_selected(store, m, selection, bases=TensorBases(states[0]))
+            cells = sum(len(c) for c in selection.values() if c is not None)
+            assert store.requests <= (2 if layout_tp == 8 else cells), (world, rank, store.requests)
+            for got in mine:  # the rank's changes are the whole delta's inside its share
+                full, shape, (start, stop) = next(t for t in whole if t.name == got.name), shapes[got.name], held[got.name]
+                coords = [full.positions // shape[1], full.positions % shape[1]] if len(shape) == 2 else [full.positions]
+                inside = torch.ones_like(full.positions, dtype=torch.bool)
+                for c, a, b in zip(coords, start, stop):
+                    inside &= (c >= a) & (c < b)
+                assert torch.equal(got.positions, full.positions[inside]) and torch.equal(got.values, full.values[inside])
+    if layout_tp == 1:
+        assert store.requests > 8  # rank 7 of 8: its cells scattered over the blob

@@ -15,6 +15,7 @@ its 3584 x 3584 projections 4 x 4, small tensors none.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -22,9 +23,8 @@ import numpy as np
 import torch
 
 GRID = 8  # most parts along one dimension
-MIN_CELL = (
-    1 << 18
-)  # fewest elements per cell a publisher cuts to (each cell costs ~0.1 ms to decode and ~350 manifest bytes)
+# fewest elements per cell a publisher cuts to (each cell costs ~0.1 ms to decode and ~350 manifest bytes)
+MIN_CELL = 1 << 18
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, stop) per dimension
 
 
@@ -48,13 +48,22 @@ def grid(shape, min_cell: int = MIN_CELL, parts: int = GRID) -> list[list[int]] 
     return cuts if math.prod(len(c) - 1 for c in cuts) > 1 else None
 
 
-def boxes(cuts: list[list[int]], shape) -> list[Box]:
-    """The cells of a grid, row-major: cell ``i * (len(cuts[1]) - 1) + j`` is row part i, column part j."""
-    shape = tuple(int(s) for s in shape)
+def boxes(cuts: list[list[int]], shape) -> tuple[Box, ...]:
+    """The cells of a grid, row-major: cell ``i * (len(cuts[1]) - 1) + j`` is row part i, column part j.
+    Computed once per grid and shape (a 1T MoE's 140 k tensors share a handful; readers ask per tensor), the
+    publisher's grids of at most 64 cells cached; bigger ones, which only a hostile manifest lists, are not."""
+    key = tuple(tuple(c) for c in cuts), tuple(int(s) for s in shape)
+    return _small_boxes(*key) if math.prod(len(c) - 1 for c in cuts) <= GRID * GRID else _boxes(*key)
+
+
+def _boxes(cuts: tuple[tuple[int, ...], ...], shape: tuple[int, ...]) -> tuple[Box, ...]:
     out = [((), ())]
-    for d, c in enumerate(cuts):
+    for c in cuts:
         out = [(s + (a,), e + (b,)) for s, e in out for a, b in itertools.pairwise(c)]
-    return [(s + (0,) * (len(shape) - len(cuts)), e + shape[len(cuts) :]) for s, e in out]
+    return tuple((s + (0,) * (len(shape) - len(cuts)), e + shape[len(cuts) :]) for s, e in out)
+
+
+_small_boxes = functools.lru_cache(maxsize=1024)(_boxes)  # at most 1024 x 64 boxes held
 
 
 def valid_cuts(cuts, shape) -> bool:

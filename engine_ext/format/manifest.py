@@ -141,7 +141,7 @@ class TensorEntry:
     chunks: list[Chunk] | None = None  # format 3: the changes per grid cell; then no tensor-level bytes
     cells: TableRef | None = None  # format 7: where ``chunks`` lie instead (None once they are read)
 
-    def boxes(self) -> list:
+    def boxes(self) -> tuple:
         """The cells of ``grid`` as (start, stop) boxes, in cell order."""
         return chunks.boxes(self.grid, self.shape)
 

@@ -52,6 +52,7 @@ from ..store import Store, publish_version
 from ..store.base import _TMP_PREFIX
 from ..store.checkpoint import SafetensorsWriter
 from ..store.signing import Signer
+from .blob_layout import COMMON, OpenBlob, cell_section
 
 BLOB_TARGET = 256 << 20  # start a new blob past this size, so readers can fetch in parallel
 LATEST_TTL_S = 7 * 24 * 3600.0  # a signed LATEST older than this is stale (re-publish to refresh)
@@ -80,7 +81,10 @@ class VersionBuilder:
         base_manifests: list[str] | None = None,
         spool_in: Store | None = None,
         part: int | None = None,
+        reader_tp: int | None = None,
     ):
+        """``reader_tp``: the tensor-parallel degree readers' cells are grouped for inside each delta blob
+        (:mod:`~engine_ext.trainer.blob_layout`; default ``ENGINE_EXT_READER_TP``; 1: in encoding order)."""
         self.manifest = Manifest(
             kind=kind,
             model=model,
@@ -103,8 +107,8 @@ class VersionBuilder:
         self.digests: dict[
             str, tuple[str, int, str | None]
         ] = {}  # blob file -> (SHA-256, size, digest kind), as written
-        self._cur = None  # open file of the current delta blob
-        self._cur_sha = None
+        self.reader_tp = settings.current().reader_tp if reader_tp is None else reader_tp
+        self._open: OpenBlob | None = None  # the delta blob being filled
 
     # -- deltas ---------------------------------------------------------------
     def add_step_tables(self, dtype: str, tables: list[bytes]) -> None:
@@ -121,7 +125,7 @@ class VersionBuilder:
         if nnz == 0:
             return self.add_unchanged(name, dtype, shape, fp)
         data = enc.pos + enc.val
-        offset = self._append(data)
+        blob, offset = self._append(data, COMMON)
         entry = TensorEntry(
             name,
             dtype.name,
@@ -129,32 +133,38 @@ class VersionBuilder:
             nnz,
             fpr.fmt(fp),
             fpr.fmt(base_fp),
-            blob=len(self.files) - 1,
+            blob=blob,
             offset=offset,
             sha256=hashlib.sha256(data).hexdigest(),
             positions=Segment(enc.pos_coder, len(enc.pos)),
             values=Segment(enc.val_coder, len(enc.val), enc.mode),
         )
+        self._place(entry, COMMON)
         self.manifest.tensors.append(entry)
 
-    def _append(self, data: bytes) -> int:
-        """Append ``data`` to the current delta blob (a new one past ``blob_target``); its offset there."""
-        if self._cur is None or self._cur.tell() >= self.blob_target:
-            self._close_cur()
+    def _append(self, data: bytes, section: int) -> tuple[int, int]:
+        """Append ``data`` to ``section`` of the current delta blob (a new one past ``blob_target``): (the blob,
+        its offset in the section; :meth:`_place` makes it the blob's)."""
+        if self._open is None or self._open.layout.size() >= self.blob_target:
+            self._close_blob()
             path = os.path.join(self.tmp.name, f"{len(self.files)}.bin")
             self.files.append(path)
-            self._cur = open(path, "wb")  # noqa: SIM115 - appended to until full, then _close_cur()
-            self._cur_sha = hashlib.sha256()
-        offset = self._cur.tell()
-        self._cur.write(data)
-        self._cur_sha.update(data)
-        return offset
+            self._open = OpenBlob.for_shares(len(self.files) - 1, path, self.reader_tp)
+        return self._open.index, self._open.append(data, section)
 
-    def _close_cur(self):
-        if self._cur is not None:
-            self.digests[self._cur.name] = (self._cur_sha.hexdigest(), self._cur.tell(), None)
-            self._cur.close()
-            self._cur = None
+    def _place(self, part: TensorEntry | Chunk, section: int) -> None:
+        assert self._open is not None
+        self._open.layout.place(part, section)
+
+    def _close_blob(self) -> None:
+        """Write the delta blob being filled, its sections in order (the parts' offsets made final)."""
+        if self._open is not None:
+            path = self._open.path
+            with open(path, "wb") as f:
+                sha = self._open.write(f)
+                size = f.tell()
+            self.digests[path] = (sha, size, None)
+            self._open = None
 
     def add_encoded(
         self, name: str, dtype: DType, shape, nnz: int, enc: Encoded | ChunkedEncoded, base_fp: int, fp: int
@@ -181,18 +191,19 @@ class VersionBuilder:
         chunks = []
         for cell, n, enc in cells:
             data = enc.pos + enc.val
-            offset = self._append(data)
-            chunks.append(
-                Chunk(
-                    cell,
-                    n,
-                    len(self.files) - 1,
-                    offset,
-                    hashlib.sha256(data).hexdigest(),
-                    Segment(enc.pos_coder, len(enc.pos)),
-                    Segment(enc.val_coder, len(enc.val), enc.mode),
-                )
+            section = cell_section(name, shape, cuts, cell, self.reader_tp)
+            blob, offset = self._append(data, section)
+            chunk = Chunk(
+                cell,
+                n,
+                blob,
+                offset,
+                hashlib.sha256(data).hexdigest(),
+                Segment(enc.pos_coder, len(enc.pos)),
+                Segment(enc.val_coder, len(enc.val), enc.mode),
             )
+            self._place(chunk, section)
+            chunks.append(chunk)
         self.manifest.tensors.append(
             TensorEntry(name, dtype.name, list(shape), nnz, fpr.fmt(fp), fpr.fmt(base_fp), grid=cuts, chunks=chunks)
         )
@@ -335,7 +346,7 @@ class VersionBuilder:
     # -- finish ---------------------------------------------------------------
     def _blob_keys(self) -> list[tuple[str, str]]:
         """Name every blob by its version, rank part, index and content; list them in the manifest."""
-        self._close_cur()
+        self._close_blob()
         m = self.manifest
         version_tag = (
             f"v{m.version:08d}"

@@ -36,18 +36,31 @@ VOCAB = {"embed_tokens", "lm_head", "wte", "word_embeddings", "embed_in", "embed
 SPLIT_UNEVENLY = {"qkv_proj", "c_attn", "query_key_value", "W_pack", "c_fc", "c_proj"}
 
 
+def module_of(name: str) -> str:
+    """The layer a checkpoint tensor belongs to, as the sets above name it: ``o_proj`` of
+    ``model.layers.0.self_attn.o_proj.weight``."""
+    parts = name.split(".")
+    if len(parts) > 1 and parts[-1] in ("weight", "bias", "weight_scale_inv", "weight_scale"):
+        return parts[-2]
+    return parts[-1]
+
+
+def shard_dim(name: str, shape) -> int:
+    """The dimension tensor parallelism cuts a checkpoint tensor along (as :func:`block_policy` reads the
+    engines): 1 for row-parallel matrices and fused experts' column-parallel side, else 0."""
+    module, nd = module_of(name), len(shape)
+    if nd >= 3:
+        return 1 if module in COLUMN_PARALLEL or module == "gate_up_proj" else 0
+    return 1 if nd == 2 and module in ROW_PARALLEL else 0
+
+
 def block_policy(name: str, shape) -> int | None:
     """The block policy of a tensor from its name, as the engines shard it: column-parallel
     layers along dimension 0, row-parallel ones along 1 (their bias whole), vocabularies along
     0 padded, fused experts [E, out, in] along the experts and the sharded side; norms whole;
     any other tensor along both leading dimensions. None: never context coded (a tensor a
     rank holds several ranges of)."""
-    parts = name.split(".")
-    module = (
-        parts[-2]
-        if len(parts) > 1 and parts[-1] in ("weight", "bias", "weight_scale_inv", "weight_scale")
-        else parts[-1]
-    )
+    module = module_of(name)
     nd = len(shape)
     if module in SPLIT_UNEVENLY or (nd == 2 and module == "gate_up_proj"):
         return None
