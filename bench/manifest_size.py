@@ -27,6 +27,7 @@ from engine_ext import settings  # noqa: E402
 from engine_ext.format import chunks  # noqa: E402
 from engine_ext.format import fingerprint as fpr  # noqa: E402
 from engine_ext.format import tables as tables_mod  # noqa: E402
+from engine_ext.format.context.blocks import shard_dim  # noqa: E402
 from engine_ext.format.manifest import Blob, Chunk, Manifest, Segment, TensorEntry  # noqa: E402
 from engine_ext.trainer import blob_layout  # noqa: E402
 
@@ -53,7 +54,7 @@ def moe_tensors(layers: int, experts: int, hidden: int = 7168, inter: int = 2048
 def delta_manifest(tensors, density: float = 0.003, bytes_per_change: float = 1.2, part: str = "",
                    reader_tp: int | None = None) -> Manifest:
     """One delta version's manifest: every tensor changed at ``density`` (at least one element),
-    big ones cut into the default grid's cells, bytes laid out in 256 MB blobs as the publisher lays them
+    big ones cut into the publisher's grid's cells, bytes laid out in 256 MB blobs as the publisher lays them
     out for readers of TP ``reader_tp`` (default ``ENGINE_EXT_READER_TP``: :mod:`engine_ext.trainer.blob_layout`),
     blobs named after ``part`` (a sharded version's parts each name their own)."""
     shares = settings.current().reader_tp if reader_tp is None else reader_tp
@@ -75,7 +76,7 @@ def delta_manifest(tensors, density: float = 0.003, bytes_per_change: float = 1.
             numel *= s
         nnz = max(1, int(numel * density))
         fp, base = fpr.fmt(k * 7919 + 1), fpr.fmt(k * 104729 + 3)
-        cuts = chunks.grid(shape)
+        cuts = chunks.grid(shape, along=shard_dim(name, shape))  # as the publisher cuts it (DeltaEncoder.cuts)
         if cuts is None:
             n = max(2, int(nnz * bytes_per_change))
             blob, offset = place(n, blob_layout.COMMON)

@@ -66,6 +66,45 @@ def test_two_and_four_way_shards_fall_on_cuts():
     assert [len(c) - 1 for c in chunks.grid((3584, 3584))] == [4, 4] and [len(c) - 1 for c in chunks.grid((18944, 3584))] == [8, 8]
 
 
+@hsettings(max_examples=200, deadline=None)
+@given(st.integers(1, 20_000), st.integers(1, 20_000), st.sampled_from([0, 1]))
+def test_a_grid_along_the_shard_dimension_gives_tp_8_its_eighth(rows, cols, along):
+    """A matrix whose shard dimension the publisher knows is cut into as many cells, of the same sizes, as
+    the default grid, with up to 8 parts along that dimension: every share of 2, 4 and 8 ranks falls on its
+    cuts wherever the dimension holds that many parts."""
+    shape = (rows, cols)
+    usual, aligned = chunks.grid(shape, 1024), chunks.grid(shape, 1024, along=along)
+    if usual is None:
+        assert aligned is None
+        return
+    k = max(len(c) - 1 for c in usual)  # the default grid's parts per dimension (before a short one is clamped)
+    assert chunks.valid_cuts(aligned, shape) and math.prod(len(c) - 1 for c in aligned) <= k * k
+    if aligned == usual:  # where the aligned one would cut cells under the minimum (small, odd shapes)
+        return
+    assert min(map(chunks.box_numel, chunks.boxes(aligned, shape))) >= 1024
+    parts = len(aligned[along]) - 1
+    assert shape[along] % parts == 0 and (parts == min(8, k * k) or shape[along] % (2 * parts))
+    for world in (2, 4, 8):
+        if world <= parts:  # every rank's share starts on a cut
+            assert all(r * shape[along] // world in aligned[along] for r in range(world))
+    assert chunks.grid((2048, 7168), along=0) == [chunks._cuts(2048, 8), chunks._cuts(7168, 2)]  # an expert: 8 x 2
+
+
+def test_the_publisher_cuts_known_layers_along_their_shard_dimension(tmp_path):
+    """q_proj (column-parallel) is cut into row parts, o_proj (row-parallel) into column parts, a layer the
+    names do not place into the default grid: a TP 4 rank of the first two fetches a quarter of their bytes."""
+    g = torch.Generator().manual_seed(5)
+    shapes = {"model.layers.0.self_attn.q_proj.weight": (128, 64), "model.layers.0.self_attn.o_proj.weight": (64, 128),
+              "model.layers.0.mystery.weight": (128, 64)}
+    states = noisy_versions({n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}, 1, g)
+    with DeltaPublisher(str(tmp_path), anchor_every=0, chunk_min_cell=1024) as pub:
+        for sd in states:
+            pub.publish(sd)
+    m = read_manifest(open_store(str(tmp_path)), "v00000001.json")
+    parts = {t.name.split(".")[-2]: [len(c) - 1 for c in t.grid] for t in m.tensors}
+    assert parts == {"q_proj": [4, 1], "o_proj": [1, 4], "mystery": [2, 2]}
+
+
 def _states(seed=0, steps=2):
     g = torch.Generator().manual_seed(seed)
     sd = {"w": torch.randn(512, 256, generator=g).to(torch.bfloat16), "b": torch.randn(64, generator=g).to(torch.bfloat16)}

@@ -7,11 +7,12 @@ of 2, 4 and 8 ranks). Laid out in the order tensors are encoded, a rank's cells 
 blob: one range per cell for a tensor cut along dimension 1, some thousands per layer of a large MoE, each a
 request to the store (tens of milliseconds each from an object store).
 
-So a delta blob is written in *sections*: first the parts every rank reads whole (tensors not cut into
-cells), then, for share ``k`` of ``shares`` in turn, every tensor's cells that start in share ``k``. A rank
-of TP ``shares`` then reads two ranges per blob (the common section and its own), a rank of a smaller power
-of two adjacent sections (two ranges too), and a rank holding whole tensors (expert parallelism) one range per
-section at most. The sections are held in memory until the blob is closed (at most the blob target).
+So a delta blob is written in *sections*: first the parts every rank may read whole (tensors not cut into
+cells, and those whose shard dimension the name does not say: fused experts, unknown layers), then, for
+share ``k`` of ``shares`` in turn, every matrix's cells that start in share ``k``. A rank of TP ``shares``
+then reads two ranges per blob (the common section and its own), a rank of a smaller power of two adjacent
+sections (two ranges too), and a rank holding whole tensors (expert parallelism) the ranges of its tensors
+in each section. The sections are held in memory until the blob is closed (at most the blob target).
 Nothing in the format changes: every part keeps its own blob and offset, and readers follow them.
 """
 
@@ -27,10 +28,13 @@ COMMON = 0  # the section of parts every rank reads whole
 
 
 def cell_section(name: str, shape, cuts: list[list[int]], cell: int, shares: int) -> int:
-    """The section of cell ``cell`` of ``name``'s grid ``cuts`` (row-major over its cells): 1 + the share
-    (of ``shares``, along the tensor's shard dimension) its first element falls in."""
-    dim = min(shard_dim(name, shape), len(cuts) - 1)
-    cols = len(cuts[1]) - 1 if len(cuts) > 1 else 1
+    """The section of cell ``cell`` of ``name``'s grid ``cuts`` (row-major over its cells): 1 + the share (of
+    ``shares``, along the dimension the engines shard the matrix along) its first element falls in; COMMON
+    where the name does not say that dimension (every rank may read all of it: kept contiguous)."""
+    dim = shard_dim(name, shape)
+    if dim is None or len(shape) != 2 or len(cuts) != 2:
+        return COMMON
+    cols = len(cuts[1]) - 1
     part = cell // cols if dim == 0 else cell % cols
     return 1 + cuts[dim][part] * shares // int(shape[dim])
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..format import chunks, codec
+from ..format.context.blocks import shard_dim
 from ..format.dtypes import DType
 from .builder import VersionBuilder
 
@@ -56,9 +57,8 @@ class TensorChange:
     base_fp: int  # the tensor's fingerprint in the base
     fp: int  # and in the new version
     context: ContextBase | None = None  # None: the context coder is not tried on it
-    cuts: list[list[int]] | None = (
-        None  # the grid it is cut into (None: the usual, :func:`engine_ext.format.chunks.grid`)
-    )
+    # the grid it is cut into (None: the publisher's, :meth:`DeltaEncoder.cuts`)
+    cuts: list[list[int]] | None = None
     early: Future | None = None  # :meth:`DeltaEncoder.start`'s, while the next tensors were diffed
 
     def context_pays(self) -> bool:
@@ -142,8 +142,16 @@ class DeltaEncoder:
             self.mode,
             self.chunk_min_cell,
             context,
-            change.cuts,
+            self.cuts(change),
         )
+
+    def cuts(self, change: TensorChange) -> list[list[int]] | None:
+        """The grid a change is cut into: its own (a sharded trainer's rows), else the default grid with its
+        parts along the dimension the engines shard the tensor, where its name says which
+        (:func:`engine_ext.format.chunks.grid`'s ``along``: a TP rank then fetches its share, not twice it)."""
+        if change.cuts is not None or self.chunk_min_cell is None:
+            return change.cuts
+        return chunks.grid(change.shape, self.chunk_min_cell, along=shard_dim(change.name, change.shape))
 
     def start(self, change: TensorChange) -> None:
         """Start a change's encode on the pool as soon as it is diffed (it overlaps the next tensors' diff).

@@ -70,7 +70,8 @@ def publish(store: Path, key: Path) -> None:
 
     # bytes first (v2 wherever it saves 10 %); a manifest of more entries than INLINE_ENTRIES[v] keeps them in
     # tables (format 7; an anchor hashed by pieces is format 8 either way), v1 inline (format 5); delta blobs laid
-    # out in sections for 8 TP shares (engine_ext/trainer/blob_layout.py; store-f8 and store-f9 in encoding order)
+    # out for 8 TP shares (engine_ext/trainer/blob_layout.py: these names place no shard dimension, so every part
+    # is in the common section, in encoding order)
     with DeltaPublisher(str(store), signing_key=str(key), **PUBLISHER) as pub:
         for v, sd in enumerate(states()):
             with settings.override(reader_mbps=0.0, inline_entries=INLINE_ENTRIES[v], reader_tp=8):

@@ -45,13 +45,19 @@ def module_of(name: str) -> str:
     return parts[-1]
 
 
-def shard_dim(name: str, shape) -> int:
-    """The dimension tensor parallelism cuts a checkpoint tensor along (as :func:`block_policy` reads the
-    engines): 1 for row-parallel matrices and fused experts' column-parallel side, else 0."""
+def shard_dim(name: str, shape) -> int | None:
+    """The dimension tensor parallelism cuts a checkpoint tensor along, as the engines shard the layer its
+    name says (:func:`block_policy` reads them alike): 0 for column-parallel matrices and vocabularies, 1 for
+    row-parallel ones; for fused experts [E, out, in] 1 on the column-parallel side, else 0 (the experts).
+    None where the name does not say (norms, unknown layers, tensors of one dimension)."""
     module, nd = module_of(name), len(shape)
     if nd >= 3:
         return 1 if module in COLUMN_PARALLEL or module == "gate_up_proj" else 0
-    return 1 if nd == 2 and module in ROW_PARALLEL else 0
+    if nd != 2:
+        return None
+    if module in ROW_PARALLEL:
+        return 1
+    return 0 if module in COLUMN_PARALLEL or module in VOCAB else None
 
 
 def block_policy(name: str, shape) -> int | None:

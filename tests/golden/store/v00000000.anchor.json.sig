@@ -1,1 +1,1 @@
-{"signatures": [{"keyid": "a578660691bc67c4", "sig": "f88768664b8b7ac3a0466e78ddb4c4582e36ed41c1b35f8fff4fd8b5c4cafd68c320d29ced1f0484891a720d2b90116938b0e8ef7dd8a424c42fc0c47559a105"}]}
+{"signatures": [{"keyid": "a578660691bc67c4", "sig": "a5d0fcb3867261afa41bf9dc1161376fa5db90a6bc740b6b7fff839d6d8b058eaaeb32b75bc7cbefaf41aa38eefe3cf0c8b7cfaf6171b1d277bbe91edbb55107"}]}
