@@ -58,7 +58,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE), str(HERE.parent / "tests")]
 
 import manifest_size as ms  # noqa: E402
 from engine_ext import settings  # noqa: E402
-from engine_ext.format.chunks import meets  # noqa: E402
+from engine_ext.format.chunks import cells_meeting  # noqa: E402
 from engine_ext.store import Store, open_store  # noqa: E402
 from engine_ext.store.reader import TensorBases, _decode_parts, _parts, _read_ranges  # noqa: E402
 from engine_ext.store.reader import load_cells, open_held, open_manifest  # noqa: E402
@@ -171,8 +171,8 @@ def full_size(layers: int, experts: int, root: Path, key: str, moto: bool) -> di
         for t in m.tensors:
             if t.nnz:
                 whole = any(a == (0,) * len(t.shape) and tuple(z) == tuple(t.shape) for a, z in want[t.name])
-                sel[t.name] = None if t.grid is None or whole else {
-                    i for i, b in enumerate(t.boxes()) if any(meets(b, a, z) for a, z in want[t.name])}
+                sel[t.name] = None if t.grid is None or whole else set().union(
+                    *(cells_meeting(t.grid, t.shape, a, z) for a, z in want[t.name]))
         n += load_cells(st, m, {k for k, v in sel.items() if v is None or v})
         return m, sel, n + len(raw)
 

@@ -56,6 +56,19 @@ def test_split_local_global_round_trip(shape, data):
     assert (sorted(np.concatenate(seen).tolist()) if seen else []) == pos.tolist()  # each position in one cell
 
 
+@hsettings(max_examples=300, deadline=None)
+@given(shapes, st.data())
+def test_cells_meeting_a_box_are_those_meets_finds(shape, data):
+    """The cells a rank fetches, found by bisection, are exactly the cells :func:`chunks.meets` says meet its box."""
+    cuts = chunks.grid(shape, min_cell=1, parts=data.draw(st.sampled_from([2, 4, 8])))
+    if cuts is None:
+        return
+    start = tuple(data.draw(st.integers(-1, n)) for n in shape)
+    stop = tuple(data.draw(st.integers(a, n + 1)) for a, n in zip(start, shape))
+    want = {i for i, box in enumerate(chunks.boxes(cuts, shape)) if chunks.meets(box, start, stop)}
+    assert chunks.cells_meeting(cuts, shape, start, stop) == want
+
+
 def test_two_and_four_way_shards_fall_on_cuts():
     cuts = chunks.grid((8192, 2048))
     for world in (2, 4, 8):

@@ -18,6 +18,7 @@ fetches an eighth of them, not a quarter.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import math
@@ -166,3 +167,19 @@ def to_global(local: torch.Tensor, shape, box: Box) -> torch.Tensor:
 def meets(box: Box, start, stop) -> bool:
     """Whether ``box`` shares an element with the box ``[start, stop)``."""
     return all(max(a, c) < min(b, d) for a, b, c, d in zip(box[0], box[1], start, stop))
+
+
+def cells_meeting(cuts: list[list[int]], shape, start, stop) -> set[int]:
+    """The cells of the grid ``cuts`` over ``shape`` that share an element with the box ``[start, stop)``:
+    the parts along each cut dimension that the box's range meets, crossed (what testing every cell with
+    :func:`meets` gives, found by bisection: a rank picks its cells of 140 k tensors per K2 version)."""
+    if any(max(a, 0) >= min(b, n) for a, b, n in zip(start, stop, shape)):
+        return set()
+    parts = [
+        range(bisect.bisect_right(c, max(start[d], 0)) - 1, bisect.bisect_left(c, min(stop[d], c[-1])))
+        for d, c in enumerate(cuts)
+    ]
+    if len(parts) == 1:
+        return set(parts[0])
+    cols = len(cuts[1]) - 1
+    return {i * cols + j for i in parts[0] for j in parts[1]}

@@ -45,6 +45,7 @@ from ..errors import (
     VerifyError,
 )
 from ..format import fingerprint as fpr
+from ..format.chunks import cells_meeting
 from ..format.delta import TensorDelta, apply_tensor
 from ..format.dtypes import DType
 from .apply import apply_delta
@@ -362,8 +363,6 @@ class RankUpdater:
         meet its boxes (a set, maybe empty: it holds the tensor but none of its changes), or
         None for the whole tensor (not cut, or reloaded densely)}. Its keys are also the
         tensors whose fingerprints it reports after the apply."""
-        from ..format.chunks import meets
-
         out = {}
         for t in m.tensors:
             if not t.nnz:
@@ -381,7 +380,7 @@ class RankUpdater:
             ):
                 out[t.name] = None  # not cut, or held whole (an expert-parallel rank's expert): every cell
                 continue
-            out[t.name] = {i for i, box in enumerate(t.boxes()) if any(meets(box, p.start, p.stop) for p in pieces)}
+            out[t.name] = set().union(*(cells_meeting(t.grid, t.shape, p.start, p.stop) for p in pieces))
         return out
 
     def fetch(self, txn: str, store: str, route: list[dict], timeout_s: float) -> RankReply:
