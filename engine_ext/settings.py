@@ -254,8 +254,8 @@ VARIABLES: tuple[Variable, ...] = (
         _shares,
         8,
         "publisher: the tensor-parallel degree delta blobs are laid out for: each blob holds the parts every "
-        "rank reads whole, then each share's cells of every tensor, so that a rank of this TP degree (or of a "
-        "smaller power of two) reads two ranges per blob, and a rank holding whole tensors one per share "
+        "rank may read whole, then each share's cells of the matrices whose layer names say their shard "
+        "dimension, so that a rank of this TP degree (or of a smaller power of two) reads two ranges per blob "
         "(engine_ext/trainer/blob_layout.py); `1`: parts in the order they are encoded",
     ),
     Variable(
