@@ -22,6 +22,7 @@ import hashlib
 import io
 from dataclasses import dataclass, field
 
+from ..format import chunks
 from ..format.context.blocks import shard_dim
 
 COMMON = 0  # the section of parts every rank reads whole
@@ -34,9 +35,8 @@ def cell_section(name: str, shape, cuts: list[list[int]], cell: int, shares: int
     dim = shard_dim(name, shape)
     if dim is None or len(shape) != 2 or len(cuts) != 2:
         return COMMON
-    cols = len(cuts[1]) - 1
-    part = cell // cols if dim == 0 else cell % cols
-    return 1 + cuts[dim][part] * shares // int(shape[dim])
+    start = chunks.boxes(cuts, shape)[cell][0]
+    return 1 + start[dim] * shares // int(shape[dim])
 
 
 @dataclass
