@@ -29,14 +29,16 @@ engines' shards).
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..errors import IntegrityError, ManifestError
-from . import chunks
+from . import cells, chunks
 from . import context as codec_v2
 from . import fingerprint as fpr
 from .dtypes import dtype_by_name
@@ -348,32 +350,26 @@ class Manifest:
             raise ManifestError(f"{where}: missing or bad sha256")
         per_blob[ref.blob].append((ref.offset, ref.offset + ref.length, where))
 
-    def _check_chunks(self, t: TensorEntry, where: str, per_blob: list) -> None:
-        """A chunked tensor's cells: each a cell of its grid at most once, counts that add up, bytes in range."""
+    def _check_inline_chunks(self, cut: list[TensorEntry]) -> tuple[np.ndarray, Callable[[int], str]]:
+        """The chunks of every cut tensor listed inline (``cut``, each entry checked): as cell records, by
+        the rules a cell table's records meet (:mod:`engine_ext.format.cells`: one numpy pass per rule over
+        all of them; a Kimi-K2 commit checks over a million). Returns the records and how an error names
+        record i, for the overlap check across the whole manifest."""
+        everyone = [c for t in cut for c in t.chunks]
+        counts = np.array([len(t.chunks) for t in cut], np.int64)
+        owner = np.repeat(np.arange(len(cut)), counts)
 
-        def bad(msg):
-            raise ManifestError(_cut(msg))
+        def where(i: int) -> str:
+            return _cut(f"tensor {cut[owner[i]].name!r} cell {everyone[i].cell!r}", 200)
 
-        if not isinstance(t.chunks, list) or not t.chunks:
-            bad(f"{where}: a chunked tensor needs a non-empty chunk list")
-        cells = t.boxes()
-        seen, total = set(), 0
-        for c in t.chunks:
-            cw = f"{where} cell {c.cell!r}"
-            if not _is_int(c.cell) or not 0 <= c.cell < len(cells) or c.cell in seen:
-                bad(f"{cw}: no such cell, or listed twice")
-            seen.add(c.cell)
-            n = chunks.box_numel(cells[c.cell])
-            if not _is_int(c.nnz) or not 0 < c.nnz <= n:
-                bad(f"{cw}: nnz {c.nnz!r} outside [1, {n}]")
-            total += c.nnz
-            self._check_bytes(cw, c, n, t.dtype, per_blob)
-        if total != t.nnz:
-            bad(f"{where}: chunks hold {total} changes, the tensor {t.nnz}")
+        rec = cells.records(everyone, where)
+        cells.check(self, cut, counts, rec, where)
+        return rec, where
 
-    def check_tensor(self, t: TensorEntry, names: set, per_blob: list) -> None:
+    def check_tensor(self, t: TensorEntry, names: set, per_blob: list, cut: list) -> None:
         """One tensor entry: its name (not in ``names``, then added), dtype, shape, counts, fingerprints and
-        bytes (their ranges appended to ``per_blob``); a cut tensor's chunks, or its cell table's place."""
+        bytes (their ranges appended to ``per_blob``); a cut tensor's cell table's place, or its inline
+        chunks' list (the tensor appended to ``cut``: :meth:`_check_inline_chunks` checks them all at once)."""
 
         def bad(msg):
             raise ManifestError(_cut(msg))
@@ -418,11 +414,14 @@ class Manifest:
             if not 1 <= t.cells.count <= min(math.prod(len(c) - 1 for c in t.grid), t.nnz):
                 bad(f"{where}: a cell table of {t.cells.count} cells")
             return
-        self._check_chunks(t, where, per_blob)
+        if not isinstance(t.chunks, list) or not t.chunks:
+            bad(f"{where}: a chunked tensor needs a non-empty chunk list")
+        cut.append(t)
 
-    def validate(self) -> None:
+    def validate(self) -> np.ndarray | None:
         """Raise ManifestError unless every field is consistent and within limits (format 7 before its
-        tables are read: every field but the tensors')."""
+        tables are read: every field but the tensors'). Returns the cell records of the chunks listed
+        inline, as checked (:func:`engine_ext.format.tables.tabulate` writes them: a commit makes them once)."""
 
         def bad(msg):
             raise ManifestError(_cut(msg))
@@ -462,7 +461,12 @@ class Manifest:
         for b in self.blobs:
             if not isinstance(b.key, str) or not _KEY_RE.fullmatch(b.key) or b.key.startswith("."):
                 bad(f"bad blob key {b.key!r:.100}")
-            if not _is_int(b.size) or b.size < 0 or not isinstance(b.sha256, str) or not _SHA_RE.fullmatch(b.sha256):
+            if (
+                not _is_int(b.size)
+                or not 0 <= b.size <= cells.MAX_OFFSET
+                or not isinstance(b.sha256, str)
+                or not _SHA_RE.fullmatch(b.sha256)
+            ):
                 bad(f"bad blob entry {b.key!r}")
             if b.digest is not None and (b.digest != PIECES or self.format_version < PIECE_DIGESTS):
                 bad(f"blob {b.key!r}: digest {b.digest!r:.40} (only {PIECES!r}, from format {PIECE_DIGESTS})")
@@ -491,17 +495,20 @@ class Manifest:
             elif self.format_version >= INDEXED:
                 bad(f"a format-{INDEXED} manifest with tensor tables needs a name index")
             if not self.resolved:
-                return _no_overlap(per_blob)
+                _no_overlap(per_blob)
+                return None
             if self.held is None and sum(r.count for r in self.tables) != len(self.tensors):
                 bad(f"the tensor tables hold {sum(r.count for r in self.tables)} tensors, {len(self.tensors)} read")
         elif self.index is not None:
             bad("only a manifest with tensor tables has a name index")
         names: set = set()
+        cut: list[TensorEntry] = []
         for t in self.tensors:
-            self.check_tensor(t, names, per_blob)
-        _no_overlap(per_blob)
+            self.check_tensor(t, names, per_blob, cut)
+        records, where = self._check_inline_chunks(cut)
+        _no_overlap(per_blob, records, where)
         if self.held is not None:  # a rank's own tensors: the model's fingerprints need every one (the driver's read)
-            return
+            return records
         tensor_fps = [(t.name, fpr.parse(t.fingerprint)) for t in self.tensors]
         if fpr.fmt(fpr.model_fingerprint(tensor_fps)) != self.fingerprint:
             bad("model fingerprint does not match the tensors' fingerprints")
@@ -509,6 +516,7 @@ class Manifest:
             base = fpr.model_fingerprint((t.name, fpr.parse(t.base_fingerprint)) for t in self.tensors)
             if fpr.fmt(base) != self.base_fingerprint:
                 bad("base model fingerprint does not match the tensors' base fingerprints")
+        return records
 
 
 def listed_ranges(tensors: list[TensorEntry], blob: int) -> list[tuple[int, int]]:
@@ -529,13 +537,21 @@ def _check_format(format, version) -> None:
         )
 
 
-def _no_overlap(per_blob: list) -> None:
-    """Refuse byte ranges ((start, end, what) per blob) that overlap."""
-    for ranges in per_blob:
-        ranges.sort()
-        for (_, end, a), (start, _, b) in itertools.pairwise(ranges):
-            if start < end:
-                raise ManifestError(_cut(f"{a} and {b} overlap in their blob"))
+def _no_overlap(per_blob: list, chunks: np.ndarray | None = None, chunk_where=None) -> None:
+    """Refuse byte ranges that overlap: ``per_blob``'s ((start, end, what) per blob: whole tensors' bytes
+    and tables) and the ``chunks``' (cell records; ``chunk_where(i)`` names record i), all in one sort."""
+    listed = [(b, s, e) for b, ranges in enumerate(per_blob) for s, e, _ in ranges]
+    whats = [w for ranges in per_blob for _, _, w in ranges]
+    if chunks is None:
+        chunks = np.zeros(0, cells.CELL_RECORD)
+    ends = chunks["offset"] + chunks["positions_length"] + chunks["values_length"]
+    blob = np.concatenate([np.array([b for b, _, _ in listed], np.int64), chunks["blob"].astype(np.int64)])
+    start = np.concatenate([np.array([s for _, s, _ in listed], np.int64), chunks["offset"].astype(np.int64)])
+    end = np.concatenate([np.array([e for _, _, e in listed], np.int64), ends.astype(np.int64)])
+    pair = cells.first_overlap(blob, start, end)
+    if pair is not None:
+        a, b = (whats[i] if i < len(whats) else chunk_where(i - len(whats)) for i in pair)
+        raise ManifestError(_cut(f"{a} and {b} overlap in their blob"))
 
 
 def dtype_by_name_checked(name, where):

@@ -18,19 +18,17 @@ its SHA-256 and count before it is parsed; the entries are then checked as inlin
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import itertools
 import json
-import operator
 from collections.abc import Callable
 
 import numpy as np
 
 from ..errors import IntegrityError, ManifestError
 from .bulk import collector_paused as _collector_paused
-from .chunks import box_numel, boxes
-from .dtypes import dtype_by_name
+from . import cells
+from .cells import CELL_CODERS, CELL_MODES, CELL_RECORD
 from .fingerprint import name_key
 from .manifest import (
     CELL_RECORD_BYTES,
@@ -46,25 +44,6 @@ from .manifest import (
     tensor_from_json,
 )
 
-# A cell table's record (format 7): one chunk in 75 bytes, little-endian (JSON would take ~220).
-CELL_RECORD = np.dtype(
-    [
-        ("cell", "<u4"),
-        ("nnz", "<u8"),
-        ("blob", "<u4"),
-        ("offset", "<u8"),
-        ("positions_length", "<u8"),
-        ("values_length", "<u8"),
-        ("positions_coder", "u1"),
-        ("values_coder", "u1"),
-        ("mode", "u1"),
-        ("sha256", "V32"),
-    ]
-)
-CELL_CODERS = ("none", "all", "raw", "pco", "zstd", "ctx", "ctx-rans")  # a coder's byte in a record: its index
-CELL_MODES = (None, "abs", "rel")
-_CODER_INDEX = {c: i for i, c in enumerate(CELL_CODERS)}
-_MODE_INDEX = {md: i for i, md in enumerate(CELL_MODES)}
 assert CELL_RECORD.itemsize == CELL_RECORD_BYTES  # what the manifest's checks count with
 
 # Format 10. A tensor table: u32 names bytes, u32 shapes bytes, ``count`` records, the names (UTF-8, in
@@ -115,34 +94,42 @@ PER_TABLE = 64  # tensors per table: what a rank reads in vain around its own (~
 
 
 def tabulate(
-    m: Manifest, put: Callable[[bytes], tuple[int, int]], per_table: int | None = None, binary: bool = True
+    m: Manifest,
+    put: Callable[[bytes], tuple[int, int]],
+    per_table: int | None = None,
+    binary: bool = True,
+    records: np.ndarray | None = None,
 ) -> Manifest:
     """A (finished, validated) manifest in tables: every cut tensor's chunks in a cell table, then the
     tensor entries in tables of ``per_table`` (default: :data:`PER_TABLE`, more where the tables would
     exceed MAX_TENSOR_TABLES) and their name index (format 10; ``binary=False``: JSON tables, format 7, no
     index, kept for tests of old readers), each handed to ``put(bytes) -> (blob, offset)`` (which
-    appends it to a blob the returned manifest lists). ``m`` is unchanged."""
+    appends it to a blob the returned manifest lists). ``records``: the cell records of ``m``'s chunks, as
+    its ``validate()`` returned them (else made here). ``m`` is unchanged."""
 
     def ref(raw: bytes, count: int) -> TableRef:
         blob, offset = put(raw)
         return TableRef(blob, offset, len(raw), hashlib.sha256(raw).hexdigest(), count)
 
     cut = [t.chunks for t in m.tensors if t.chunks is not None]
-    raw = cell_table([c for chunks in cut for c in chunks])  # every record at once, then each tensor's range
+    if records is None:
+        records = cells.records([c for chunks in cut for c in chunks], lambda i: f"chunk {i}")
+    raw = records.tobytes()  # every record at once, then each tensor's range
     at = np.cumsum([0] + [len(c) for c in cut]).tolist()
     refs = iter(
         [ref(raw[a * CELL_RECORD.itemsize : b * CELL_RECORD.itemsize], b - a) for a, b in itertools.pairwise(at)]
     )
-    cells = [next(refs) if t.chunks is not None else t.cells for t in m.tensors]
+    table_refs = [next(refs) if t.chunks is not None else t.cells for t in m.tensors]
     per = per_table or (max(PER_TABLE, -(-len(m.tensors) // MAX_TENSOR_TABLES)) if binary else 4096)
     starts = range(0, len(m.tensors), per)
     if binary:
         tables = [
-            ref(tensor_table(m.tensors[i : i + per], cells[i : i + per]), len(m.tensors[i : i + per])) for i in starts
+            ref(tensor_table(m.tensors[i : i + per], table_refs[i : i + per]), len(m.tensors[i : i + per]))
+            for i in starts
         ]
         index = ref(name_index([[t.name for t in m.tensors[i : i + per]] for i in starts]), len(m.tensors))
     else:
-        rows = [_json_row(t, c) for t, c in zip(m.tensors, cells)]
+        rows = [_json_row(t, c) for t, c in zip(m.tensors, table_refs)]
         tables, index = (
             [
                 ref(json.dumps(rows[i : i + per], separators=(",", ":")).encode(), len(rows[i : i + per]))
@@ -447,26 +434,10 @@ def set_cells(m: Manifest, items: list[tuple[TensorEntry, bytes]], keep: dict | 
         t.chunks, t.cells = c, None
 
 
-def cell_table(chunks: list[Chunk]) -> bytes:
-    """Chunks as cell table records: one :data:`CELL_RECORD` each, in order (a field at a time: a
-    Kimi-K2 version writes over a million)."""
-    rec = np.zeros(len(chunks), CELL_RECORD)
-    n, coder, mode = len(chunks), _CODER_INDEX, _MODE_INDEX
-    for f in ("cell", "nnz", "blob", "offset"):
-        rec[f] = np.fromiter(map(operator.attrgetter(f), chunks), np.uint64, n)
-    rec["positions_length"] = np.fromiter((c.positions.length for c in chunks), np.uint64, n)
-    rec["values_length"] = np.fromiter((c.values.length for c in chunks), np.uint64, n)
-    rec["positions_coder"] = np.fromiter((coder[c.positions.coder] for c in chunks), np.uint8, n)
-    rec["values_coder"] = np.fromiter((coder[c.values.coder] for c in chunks), np.uint8, n)
-    rec["mode"] = np.fromiter((mode[c.values.mode] for c in chunks), np.uint8, n)
-    rec["sha256"] = np.frombuffer(bytes.fromhex("".join([c.sha256 for c in chunks])), "V32")
-    return rec.tobytes()
-
-
 def read_cells(m: Manifest, items: list[tuple[TensorEntry, bytes]], keep: list | None = None) -> list[list[Chunk]]:
     """The chunks of each tensor's cell table (``items``: (tensor, bytes)), the bytes checked against the
-    table's length and SHA-256, then every record by the rules inline chunks meet (Manifest._check_chunks,
-    _check_bytes), over all records of all tables at once: a rank reads ~70,000 of them per Kimi-K2
+    table's length and SHA-256, then every record by the rules inline chunks meet (:func:`cells.check`), over all records of all
+    tables at once: a rank reads ~70,000 of them per Kimi-K2
     version. The coders' rules are checked once per distinct (positions, values, mode, dtype). ``keep``:
     per tensor, the cells whose chunks are made (None: all)."""
     for t, raw in items:
@@ -478,57 +449,18 @@ def read_cells(m: Manifest, items: list[tuple[TensorEntry, bytes]], keep: list |
     rec = np.frombuffer(b"".join(raw for _, raw in items), CELL_RECORD)
     counts = np.array([t.cells.count for t, _ in items], np.int64)
     owner = np.repeat(np.arange(len(items)), counts)
-
-    def check(bad, msg: str) -> None:
-        if bad.any():
-            raise ManifestError(f"tensor {items[owner[int(np.argmax(bad))]][0].name!r}: cell table: {msg}")
-
-    pc, vc, mode = rec["positions_coder"], rec["values_coder"], rec["mode"]
-    check((pc >= len(CELL_CODERS)) | (vc >= len(CELL_CODERS)) | (mode >= len(CELL_MODES)), "unknown coder or mode")
-    dtypes = sorted({t.dtype for t, _ in items})
-    dt = np.array([dtypes.index(t.dtype) for t, _ in items], np.int64)[owner]
-    for p, v, md, d in {tuple(x) for x in np.stack([pc, vc, mode, dt], 1).tolist()}:
-        m.check_coders(
-            "a cell table", Segment(CELL_CODERS[p], 0), Segment(CELL_CODERS[v], 0, CELL_MODES[md]), dtypes[d]
-        )
-    numels = [_cell_numels(tuple(t.shape), t.grid) for t, _ in items]
-    first = np.cumsum([0] + [len(x) for x in numels])[:-1]
-    cell, nnz = rec["cell"].astype(np.int64), rec["nnz"]
-    check(cell >= np.array([len(x) for x in numels])[owner], "a cell that is not in the grid")
-    key = owner * (1 << 32) + cell
-    o = np.argsort(key, kind="stable")
-    twice = np.zeros(len(key), bool)
-    twice[o[1:]] = key[o[1:]] == key[o[:-1]]
-    check(twice, "a cell listed twice")
-    box = np.concatenate(numels)[first[owner] + cell]
-    check((nnz == 0) | (nnz > box), "a cell's nnz is outside [1, its elements]")
-    held = np.add.reduceat(nnz, np.cumsum(counts) - counts, dtype=np.uint64)
-    check(
-        (held != np.array([t.nnz for t, _ in items], np.uint64))[owner],
-        "its chunks hold another count of changes than the tensor",
-    )
-    plen, vlen, offset, blob = rec["positions_length"], rec["values_length"], rec["offset"], rec["blob"]
-    every = pc == CELL_CODERS.index("all")
-    check(
-        (every != (nnz == box)) | (every & (plen != 0)),
-        "positions coder 'all' iff every element changes, with no bytes",
-    )
-    check(
-        (pc == CELL_CODERS.index("ctx-rans")) & (vlen != 0), "'ctx-rans' keeps its bytes all in the positions segment"
-    )
-    size = np.array([dtype_by_name(d).itemsize for d in dtypes], np.uint64)[dt]
-    check((vc == CELL_CODERS.index("raw")) & (vlen != nnz * size), "raw values must be nnz * itemsize bytes")
-    check(blob >= len(m.blobs), "bad blob index")
-    big = np.uint64(1 << 62)  # every term bounded first: their sum cannot wrap
-    sizes = np.array([min(b.size, 1 << 62) for b in m.blobs] or [0], np.uint64)
-    check((offset > big) | (plen > big) | (vlen > big), "byte range beyond its blob")
-    check(offset + plen + vlen > sizes[np.minimum(blob, len(sizes) - 1)], "byte range beyond its blob")
+    where = lambda i: f"tensor {items[owner[i]][0].name!r}: cell table"  # noqa: E731
+    cells.check(m, [t for t, _ in items], counts, rec, where)
+    offset, blob = rec["offset"], rec["blob"]
     order = np.lexsort((offset, blob, owner))
-    end = (offset + plen + vlen)[order]
+    end = (offset + rec["positions_length"] + rec["values_length"])[order]
     same = (owner[order][1:] == owner[order][:-1]) & (blob[order][1:] == blob[order][:-1])
-    check(np.r_[False, same & (offset[order][1:] < end[:-1])][np.argsort(order)], "two cells overlap in their blob")
+    overlap = np.r_[False, same & (offset[order][1:] < end[:-1])][np.argsort(order)]
+    if overlap.any():
+        raise ManifestError(f"{where(int(np.argmax(overlap)))}: two cells overlap in their blob")
+    key = owner * (1 << 32) + rec["cell"].astype(np.int64)
     made = np.ones(len(rec), bool)
-    if some := [i for i, cells in enumerate(keep or ()) if cells is not None]:
+    if some := [i for i, kept in enumerate(keep or ()) if kept is not None]:
         want = np.fromiter((i * (1 << 32) + c for i in some for c in keep[i]), np.int64)
         partial = np.isin(owner, some)
         made[partial] = np.isin(key[partial], want)
@@ -553,16 +485,6 @@ def read_cells(m: Manifest, items: list[tuple[TensorEntry, bytes]], keep: list |
     ]
     at = np.cumsum(np.add.reduceat(made, np.cumsum(counts) - counts, dtype=np.int64)).tolist()
     return [chunks[a:b] for a, b in zip([0] + at, at)]
-
-
-@functools.lru_cache(maxsize=1024)
-def _cells_of(shape: tuple, grid: tuple) -> np.ndarray:
-    return np.array([box_numel(b) for b in boxes([list(c) for c in grid], shape)], np.uint64)
-
-
-def _cell_numels(shape: tuple, grid) -> np.ndarray:
-    """The elements of each cell of ``grid`` (a tensor's, already checked valid), cached per distinct grid."""
-    return _cells_of(shape, tuple(map(tuple, grid)))
 
 
 def read_table(ref: TableRef, raw: bytes, where: str) -> list:
