@@ -37,6 +37,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .. import settings
@@ -406,13 +407,14 @@ def commit(
     entries and chunks (default ``ENGINE_EXT_INLINE_ENTRIES``) is published in tables (format 10), its tensor
     entries and cell tables in one more blob (:func:`_tables_blob`); ``m`` keeps them inline.
     Returns (URI, SHA-256 of the published manifest's bytes, LATEST)."""
-    m.fingerprint = fpr.fmt(fpr.model_fingerprint((t.name, fpr.parse(t.fingerprint)) for t in m.tensors))
-    if m.kind == DELTA:
-        m.base_fingerprint = fpr.fmt(fpr.model_fingerprint((t.name, fpr.parse(t.base_fingerprint)) for t in m.tensors))
-    m.created_unix = time.time()
-    m.format_version = m.lowest_version()
-    with collector_paused():
-        m.validate()
+    with collector_paused():  # a K2 version's manifest holds millions of objects: no full passes over them
+        m.fingerprint = fpr.fmt(fpr.model_fingerprint((t.name, fpr.parse(t.fingerprint)) for t in m.tensors))
+        if m.kind == DELTA:
+            base = fpr.model_fingerprint((t.name, fpr.parse(t.base_fingerprint)) for t in m.tensors)
+            m.base_fingerprint = fpr.fmt(base)
+        m.created_unix = time.time()
+        m.format_version = m.lowest_version()
+        records = m.validate()
     mkey = manifest_key(m.version, m.kind)
     limit = settings.current().inline_entries if inline_limit is None else inline_limit
     in_tables = m.entries > limit
@@ -423,7 +425,7 @@ def commit(
     ) as spool:  # the tables' blob lives there until it is published
         if in_tables:
             with collector_paused():
-                wire, tables = _tables_blob(m, spool)
+                wire, tables = _tables_blob(m, spool, records)
             raw, blobs = wire.to_json(), [*blobs, tables]
         else:
             raw, blobs = m.to_json(), list(blobs)
@@ -448,9 +450,10 @@ def commit(
     return store.key_uri(mkey), sha, latest
 
 
-def _tables_blob(m: Manifest, spool: str) -> tuple[Manifest, tuple[str, str]]:
-    """``m`` in tables (:func:`engine_ext.format.tables.tabulate`) and its tables' blob (key, local file), written
-    in ``spool``: the cell tables, tensor tables and name index one after another, hashed as written."""
+def _tables_blob(m: Manifest, spool: str, records: np.ndarray | None = None) -> tuple[Manifest, tuple[str, str]]:
+    """``m`` in tables (:func:`engine_ext.format.tables.tabulate`; ``records``: its chunks' cell records, as its
+    validation made them) and its tables' blob (key, local file), written in ``spool``: the cell tables, tensor
+    tables and name index one after another, hashed as written."""
     path, digest, blob = os.path.join(spool, "tables.bin"), hashlib.sha256(), len(m.blobs)
     with open(path, "wb") as f:
 
@@ -460,7 +463,7 @@ def _tables_blob(m: Manifest, spool: str) -> tuple[Manifest, tuple[str, str]]:
             digest.update(raw)
             return blob, offset
 
-        wire = tabulate(m, put)
+        wire = tabulate(m, put, records=records)
         size = f.tell()
     sha = digest.hexdigest()
     key = f"v{m.version:08d}{'.anchor' if m.kind == ANCHOR else ''}.{blob}.{sha[:32]}.bin"
@@ -500,11 +503,12 @@ def merge_parts(parts: list[Manifest], names: list[str]) -> Manifest:
         shift = len(m.blobs)
         m.blobs += part.blobs
         for t in part.tensors:
-            t = dataclasses.replace(
-                t,
-                blob=None if t.blob is None else t.blob + shift,
-                chunks=None if t.chunks is None else [dataclasses.replace(c, blob=c.blob + shift) for c in t.chunks],
-            )
+            if shift:  # the part's blob indices, after the blobs of the ranks before it
+                t = dataclasses.replace(
+                    t,
+                    blob=None if t.blob is None else t.blob + shift,
+                    chunks=None if t.chunks is None else [_moved(c, shift) for c in t.chunks],
+                )
             pieces.setdefault(t.name, []).append(t)
     if set(pieces) != set(names):
         raise ValueError(
@@ -536,6 +540,11 @@ def merge_parts(parts: list[Manifest], names: list[str]) -> Manifest:
             )
         )
     return m
+
+
+def _moved(c: Chunk, shift: int) -> Chunk:
+    """``c`` with its blob index ``shift`` on (the constructor: ``dataclasses.replace`` costs 3x more a chunk)."""
+    return Chunk(c.cell, c.nnz, c.blob + shift, c.offset, c.sha256, c.positions, c.values)
 
 
 def sign_latest(latest: Latest, signer: Signer | None) -> bytes:
