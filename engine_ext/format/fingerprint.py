@@ -178,8 +178,23 @@ def _kernels():
 
 def model_fingerprint(tensor_fps: Mapping[str, int] | Iterable[tuple[str, int]]) -> int:
     items = list(tensor_fps.items() if isinstance(tensor_fps, Mapping) else tensor_fps)
-    z = np.array([name_key(n) ^ (fp & MASK64) for n, fp in items], dtype=np.uint64)
-    return int(mix64_np(z).sum(dtype=np.uint64)) & MASK64
+    keys = name_keys([n for n, _ in items])
+    return combined(keys, np.array([fp & MASK64 for _, fp in items], dtype=np.uint64))
+
+
+def name_keys(names: list[str]) -> np.ndarray:
+    """Each name's :func:`name_key`, as uint64 (a reader checking both model fingerprints makes them once)."""
+    return np.array([name_key(n) for n in names], dtype=np.uint64)
+
+
+def combined(keys: np.ndarray, fps: np.ndarray) -> int:
+    """The model fingerprint of tensors with name keys ``keys`` and fingerprints ``fps`` (uint64 each)."""
+    return int(mix64_np(keys ^ fps).sum(dtype=np.uint64)) & MASK64
+
+
+def parse_all(fps: list[str]) -> np.ndarray:
+    """Fingerprints already checked as 16 lower-case hex digits each (:func:`parse`), as uint64, at once."""
+    return np.frombuffer(bytes.fromhex("".join(fps)), ">u8").astype(np.uint64)
 
 
 def fmt(fp: int) -> str:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import IntegrityError, ManifestError
-from . import cells, chunks
+from . import cells, chunks, entries
 from . import context as codec_v2
 from . import fingerprint as fpr
 from .dtypes import dtype_by_name
@@ -286,31 +286,6 @@ class Manifest:
             if not (self.step_tables or {}).get(dtype):
                 bad(f"{where}: context-coded, but the manifest has no step tables for {dtype}")
 
-    def _check_bytes(self, where: str, e, numel: int, dtype: str, per_blob: list) -> None:
-        """The coders, byte range and hash of a changed tensor or chunk ``e`` (``numel`` elements); a cell
-        table's records get the same rules at once (engine_ext.format.tables.read_cells)."""
-
-        def bad(msg):
-            raise ManifestError(_cut(msg))
-
-        p, v = e.positions, e.values
-        if not (_is_int(p.length) and _is_int(v.length) and p.length >= 0 and v.length >= 0):
-            bad(f"{where}: bad segment lengths")
-        self.check_coders(where, p, v, dtype)
-        if (p.coder == "all") != (e.nnz == numel) or (p.coder == "all" and p.length):
-            bad(f"{where}: positions coder 'all' iff every element changes, with no bytes")
-        if p.coder == "ctx-rans" and v.length:
-            bad(f"{where}: 'ctx-rans' needs format {RANS_STREAMS}, its bytes all in the positions segment")
-        if v.coder == "raw" and v.length != e.nnz * dtype_by_name(dtype).itemsize:
-            bad(f"{where}: raw values must be nnz * itemsize bytes")
-        if not _is_int(e.blob) or not 0 <= e.blob < len(self.blobs):
-            bad(f"{where}: bad blob index {e.blob!r}")
-        if not _is_int(e.offset) or e.offset < 0 or e.offset + e.length > self.blobs[e.blob].size:
-            bad(f"{where}: byte range beyond its blob")
-        if not isinstance(e.sha256, str) or not _SHA_RE.fullmatch(e.sha256):
-            bad(f"{where}: missing or bad sha256")
-        per_blob[e.blob].append((e.offset, e.offset + e.length, where))
-
     def _check_step_tables(self) -> None:
         t = self.step_tables
         if self.format_version < 5 or self.kind != DELTA or not isinstance(t, dict) or len(t) > 8:
@@ -365,58 +340,6 @@ class Manifest:
         rec = cells.records(everyone, where)
         cells.check(self, cut, counts, rec, where)
         return rec, where
-
-    def check_tensor(self, t: TensorEntry, names: set, per_blob: list, cut: list) -> None:
-        """One tensor entry: its name (not in ``names``, then added), dtype, shape, counts, fingerprints and
-        bytes (their ranges appended to ``per_blob``); a cut tensor's cell table's place, or its inline
-        chunks' list (the tensor appended to ``cut``: :meth:`_check_inline_chunks` checks them all at once)."""
-
-        def bad(msg):
-            raise ManifestError(_cut(msg))
-
-        where = f"tensor {t.name!r}"
-        if not isinstance(t.name, str) or not t.name or len(t.name) > 1024 or t.name in names:
-            bad(f"bad or duplicate tensor name {t.name!r:.100}")
-        names.add(t.name)
-        dtype_by_name_checked(t.dtype, where)
-        if not isinstance(t.shape, list) or len(t.shape) > MAX_NDIM or not all(_is_int(s) and s >= 0 for s in t.shape):
-            bad(f"{where}: bad shape {t.shape!r}")
-        if t.numel > MAX_NUMEL:
-            bad(f"{where}: {t.numel} elements, over the {MAX_NUMEL} limit")
-        if not _is_int(t.nnz) or not 0 <= t.nnz <= t.numel:
-            bad(f"{where}: nnz {t.nnz!r} outside [0, {t.numel}]")
-        fpr.parse(t.fingerprint)
-        if self.kind == DELTA or t.base_fingerprint is not None:
-            fpr.parse(t.base_fingerprint)
-        if t.nnz == 0:
-            if t.positions.coder != "none" or t.values.coder != "none" or t.length or t.chunks or t.grid:
-                bad(f"{where}: an unchanged tensor carries no bytes")
-            if self.kind == DELTA and t.fingerprint != t.base_fingerprint:
-                bad(f"{where}: unchanged but fingerprints differ")
-            return
-        if t.chunks is None and t.grid is None and t.cells is None:
-            self._check_bytes(where, t, t.numel, t.dtype, per_blob)
-            return
-        if self.format_version < (3 if self.kind == DELTA else CHUNKED_ANCHORS):
-            bad(f"{where}: only format-3 deltas and format-6 anchors come in chunks")
-        if self.kind == ANCHOR and t.nnz != t.numel:
-            bad(f"{where}: a chunked anchor lists every cell ({t.nnz} of {t.numel} elements)")
-        if not chunks.valid_cuts(t.grid, t.shape):
-            bad(f"{where}: a chunked tensor needs a valid grid")
-        if t.positions.coder != "none" or t.values.coder != "none" or t.blob is not None or t.sha256 is not None:
-            bad(f"{where}: a chunked tensor carries its bytes in its chunks only")
-        if t.cells is not None:  # format 7: the chunks are checked when read (set_cells)
-            if t.chunks is not None:
-                bad(f"{where}: chunks both inline and in a cell table")
-            self._check_ref(t.cells, f"{where}: cell table", CELL_RECORD_BYTES, per_blob)
-            if t.cells.length != t.cells.count * CELL_RECORD_BYTES:
-                bad(f"{where}: a cell table of {t.cells.count} records is {t.cells.count * CELL_RECORD_BYTES} bytes")
-            if not 1 <= t.cells.count <= min(math.prod(len(c) - 1 for c in t.grid), t.nnz):
-                bad(f"{where}: a cell table of {t.cells.count} cells")
-            return
-        if not isinstance(t.chunks, list) or not t.chunks:
-            bad(f"{where}: a chunked tensor needs a non-empty chunk list")
-        cut.append(t)
 
     def validate(self) -> np.ndarray | None:
         """Raise ManifestError unless every field is consistent and within limits (format 7 before its
@@ -501,19 +424,16 @@ class Manifest:
                 bad(f"the tensor tables hold {sum(r.count for r in self.tables)} tensors, {len(self.tensors)} read")
         elif self.index is not None:
             bad("only a manifest with tensor tables has a name index")
-        names: set = set()
-        cut: list[TensorEntry] = []
-        for t in self.tensors:
-            self.check_tensor(t, names, per_blob, cut)
+        cut, ranges = entries.check(self, self.tensors)
         records, where = self._check_inline_chunks(cut)
-        _no_overlap(per_blob, records, where)
+        _no_overlap(per_blob, ranges, records, where)
         if self.held is not None:  # a rank's own tensors: the model's fingerprints need every one (the driver's read)
             return records
-        tensor_fps = [(t.name, fpr.parse(t.fingerprint)) for t in self.tensors]
-        if fpr.fmt(fpr.model_fingerprint(tensor_fps)) != self.fingerprint:
+        keys = fpr.name_keys([t.name for t in self.tensors])  # every fingerprint checked well-formed above
+        if fpr.fmt(fpr.combined(keys, fpr.parse_all([t.fingerprint for t in self.tensors]))) != self.fingerprint:
             bad("model fingerprint does not match the tensors' fingerprints")
         if self.kind == DELTA:
-            base = fpr.model_fingerprint((t.name, fpr.parse(t.base_fingerprint)) for t in self.tensors)
+            base = fpr.combined(keys, fpr.parse_all([t.base_fingerprint for t in self.tensors]))
             if fpr.fmt(base) != self.base_fingerprint:
                 bad("base model fingerprint does not match the tensors' base fingerprints")
         return records
@@ -537,21 +457,34 @@ def _check_format(format, version) -> None:
         )
 
 
-def _no_overlap(per_blob: list, chunks: np.ndarray | None = None, chunk_where=None) -> None:
-    """Refuse byte ranges that overlap: ``per_blob``'s ((start, end, what) per blob: whole tensors' bytes
-    and tables) and the ``chunks``' (cell records; ``chunk_where(i)`` names record i), all in one sort."""
+def _no_overlap(
+    per_blob: list, entries: entries.Ranges | None = None, chunks: np.ndarray | None = None, chunk_where=None
+) -> None:
+    """Refuse byte ranges that overlap, all in one sort: ``per_blob``'s ((start, end, what) per blob: the
+    tensor tables and name index), the tensor ``entries``' (their own bytes, their cell tables) and the
+    ``chunks``' (cell records; ``chunk_where(i)`` names record i)."""
     listed = [(b, s, e) for b, ranges in enumerate(per_blob) for s, e, _ in ranges]
     whats = [w for ranges in per_blob for _, _, w in ranges]
     if chunks is None:
         chunks = np.zeros(0, cells.CELL_RECORD)
-    ends = chunks["offset"] + chunks["positions_length"] + chunks["values_length"]
-    blob = np.concatenate([np.array([b for b, _, _ in listed], np.int64), chunks["blob"].astype(np.int64)])
-    start = np.concatenate([np.array([s for _, s, _ in listed], np.int64), chunks["offset"].astype(np.int64)])
-    end = np.concatenate([np.array([e for _, _, e in listed], np.int64), ends.astype(np.int64)])
+    none = np.zeros(0, np.int64)
+    own = (none, none, none) if entries is None else (entries.blob, entries.start, entries.end)
+    ends = chunks["offset"].astype(np.int64) + chunks["positions_length"] + chunks["values_length"]
+    first = (np.array([x[i] for x in listed], np.int64) for i in range(3))
+    blob, start, end = (
+        np.concatenate([a, o.astype(np.int64), c.astype(np.int64)])
+        for a, o, c in zip(first, own, (chunks["blob"], chunks["offset"], ends))
+    )
     pair = cells.first_overlap(blob, start, end)
     if pair is not None:
-        a, b = (whats[i] if i < len(whats) else chunk_where(i - len(whats)) for i in pair)
-        raise ManifestError(_cut(f"{a} and {b} overlap in their blob"))
+        n, k = len(whats), len(own[0])
+
+        def what(i: int) -> str:
+            if i < n:
+                return whats[i]
+            return entries.where(i - n) if i < n + k else chunk_where(i - n - k)
+
+        raise ManifestError(_cut(f"{what(pair[0])} and {what(pair[1])} overlap in their blob"))
 
 
 def dtype_by_name_checked(name, where):
