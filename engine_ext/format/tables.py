@@ -26,8 +26,8 @@ from collections.abc import Callable
 import numpy as np
 
 from ..errors import IntegrityError, ManifestError
-from .bulk import collector_paused as _collector_paused
 from . import cells
+from .bulk import collector_paused as _collector_paused
 from .cells import CELL_CODERS, CELL_MODES, CELL_RECORD
 from .fingerprint import name_key
 from .manifest import (
@@ -226,7 +226,7 @@ def read_tensor_table(ref: TableRef, raw: bytes, where: str, rows=None) -> list[
     """The tensor entries of a format-10 tensor table (``rows``: only those records), its bytes checked
     against the reference's length and SHA-256, then every byte accounted for: the sections' sizes, each
     record's codes, the fields its kind leaves unused all zero, every shape and grid listed used. The
-    entries themselves are then checked by the caller, as inline ones (Manifest.check_tensor)."""
+    entries themselves are then checked by the caller, as inline ones (:func:`engine_ext.format.entries.check`, from Manifest.validate)."""
     _verify(ref, raw, where)
 
     def bad(msg):
@@ -286,6 +286,10 @@ def read_tensor_table(ref: TableRef, raw: bytes, where: str, rows=None) -> list[
     ends = np.cumsum(rec["name_length"], dtype=np.int64).tolist()
     names = raw[at : at + names_len]
     cols = {f: rec[f].tolist() for f in TENSOR_RECORD.names}
+    # one list per distinct shape and grid, shared by the entries that have it (nothing changes an entry's
+    # shape or grid in place; entries.check then checks each distinct one once, by identity)
+    shape_lists = [list(s) if isinstance(s, list) else s for s in shapes]
+    grid_lists = [[list(c) if isinstance(c, list) else c for c in g] if isinstance(g, list) else g for g in grids]
     out = []
     for i in range(n) if rows is None else rows:
         try:
@@ -296,11 +300,11 @@ def read_tensor_table(ref: TableRef, raw: bytes, where: str, rows=None) -> list[
         t = TensorEntry(
             name,
             TABLE_DTYPES[cols["dtype"][i]],
-            list(shapes[cols["shape"][i]]),
+            shape_lists[cols["shape"][i]],
             cols["nnz"][i],
             f"{cols['fingerprint'][i]:016x}",
             f"{cols['base_fingerprint'][i]:016x}" if cols["flags"][i] & HAS_BASE else None,
-            grid=None if g == NO_GRID else [list(c) if isinstance(c, list) else c for c in grids[g]],
+            grid=None if g == NO_GRID else grid_lists[g],
         )
         if k == BYTES:
             t.blob, t.offset, t.sha256 = cols["blob"][i], cols["offset"][i], cols["sha256"][i].hex()
@@ -449,7 +453,7 @@ def read_cells(m: Manifest, items: list[tuple[TensorEntry, bytes]], keep: list |
     rec = np.frombuffer(b"".join(raw for _, raw in items), CELL_RECORD)
     counts = np.array([t.cells.count for t, _ in items], np.int64)
     owner = np.repeat(np.arange(len(items)), counts)
-    where = lambda i: f"tensor {items[owner[i]][0].name!r}: cell table"  # noqa: E731
+    where = lambda i: f"tensor {items[owner[i]][0].name!r}: cell table"
     cells.check(m, [t for t, _ in items], counts, rec, where)
     offset, blob = rec["offset"], rec["blob"]
     order = np.lexsort((offset, blob, owner))
