@@ -173,7 +173,7 @@ def full_size(layers: int, experts: int, root: Path, key: str, moto: bool) -> di
                 whole = any(a == (0,) * len(t.shape) and tuple(z) == tuple(t.shape) for a, z in want[t.name])
                 sel[t.name] = None if t.grid is None or whole else set().union(
                     *(cells_meeting(t.grid, t.shape, a, z) for a, z in want[t.name]))
-        n += load_cells(st, m, {k for k, v in sel.items() if v is None or v})
+        n += load_cells(st, m, {k: v for k, v in sel.items() if v is None or v})  # a Selection, as fetch_selected passes
         return m, sel, n + len(raw)
 
     def fetch(st, m, sel):  # the rank's parts by range, each hashed as it arrives (zeros: not compared)
