@@ -58,6 +58,37 @@ def test_split_local_global_round_trip(shape, data):
 
 @hsettings(max_examples=300, deadline=None)
 @given(shapes, st.data())
+def test_place_is_to_global_of_each_cell_then_sorted(shape, data):
+    """The reader's one-pass placement of decoded cells (any subset a rank selects, any grid: the
+    publisher's, aligned or not, and hand-cut ones with uneven parts) gives exactly what concatenating
+    each cell's :func:`chunks.to_global` and sorting gave, positions and the values beside them."""
+    from engine_ext.format import cell_kernels
+
+    numel = math.prod(shape)
+    if data.draw(st.booleans()):
+        along = data.draw(st.sampled_from([None, 0, 1])) if len(shape) > 1 else None
+        cuts = chunks.grid(shape, min_cell=1, parts=data.draw(st.sampled_from([2, 4, 8])), along=along)
+    else:
+        cuts = [sorted({0, shape[0], *data.draw(st.sets(st.integers(1, shape[0]), max_size=3))})]
+        if len(shape) > 1 and data.draw(st.booleans()):
+            cuts.append(sorted({0, shape[1], *data.draw(st.sets(st.integers(1, shape[1]), max_size=3))}))
+    if cuts is None:
+        return
+    boxes = chunks.boxes(cuts, shape)
+    pos = np.array(sorted(data.draw(st.sets(st.integers(0, numel - 1), min_size=1, max_size=80))), dtype=np.int64)
+    vals = np.arange(len(pos), dtype=np.int16) * 7 - 300
+    split = chunks.split(pos, shape, cuts)
+    kept = [(c, idx) for c, idx in split if data.draw(st.booleans())] or split[:1]
+    local = [chunks.to_local(pos[idx], shape, boxes[c]) for c, idx in kept]
+    got_pos, got_vals = cell_kernels.place(shape, [boxes[c] for c, _ in kept], local, [vals[idx] for _, idx in kept])
+    want = torch.cat([chunks.to_global(torch.from_numpy(q), shape, boxes[c]) for q, (c, _) in zip(local, kept)])
+    want, order = torch.sort(want)
+    assert got_pos.tolist() == want.tolist()
+    assert got_vals.tolist() == np.concatenate([vals[idx] for _, idx in kept])[order.numpy()].tolist()
+
+
+@hsettings(max_examples=300, deadline=None)
+@given(shapes, st.data())
 def test_cells_meeting_a_box_are_those_meets_finds(shape, data):
     """The cells a rank fetches, found by bisection, are exactly the cells :func:`chunks.meets` says meet its box."""
     cuts = chunks.grid(shape, min_cell=1, parts=data.draw(st.sampled_from([2, 4, 8])))

@@ -1,4 +1,4 @@
-"""A cut tensor's changes grouped by grid cell, as the codec codes them, in numba: two passes over the changes.
+"""A cut tensor's changes grouped by grid cell, as the codec codes them, and placed back, in numba.
 
 :func:`engine_ext.format.codec.encode_tensor` codes each cell of a big tensor's grid
 (:mod:`engine_ext.format.chunks`) on its own: box-local positions as gaps, and the values as
@@ -8,6 +8,14 @@ that took a dozen passes over the changes and most of a delta's background time;
 pass finds each change's cell and box-local index, a second writes its gap and values at
 its cell's place. The results are the arrays :func:`chunks.split`, :func:`chunks.to_local`
 and :func:`engine_ext.format.dtypes.step_between` give, so the bytes coded are the same.
+
+A reader does the inverse (:func:`place`): the decoded cells of a tensor, each in box-local
+row-major order, become one run of global positions in ascending order and their values beside
+them. Cells side by side along dimension 1 interleave row by row; concatenating
+:func:`chunks.to_global` of each and sorting (what the reader did) cost a sort of every change and
+most of a K2 rank's decode. Here one pass walks each band of cells (the cells sharing a row range,
+in column order) row by row: the next row to emit is the least row at the head of any of the
+band's cells, so the work is the changes plus the rows that hold any.
 """
 
 from __future__ import annotations
@@ -92,3 +100,60 @@ def group(positions: np.ndarray, new_bits: np.ndarray, old_bits: np.ndarray | No
         key_max,
     )
     return counts, gaps, abs_values, steps if rel else None
+
+
+@numba.njit(nogil=True, cache=True)
+def _place(local, values, bounds, boxes, row_len, inner, out_pos, out_values):
+    n_cells = bounds.size - 1
+    heads = np.empty(n_cells, np.int64)
+    o = 0
+    i = 0
+    while i < n_cells:
+        j = i + 1
+        while j < n_cells and boxes[j, 0] == boxes[i, 0]:  # a band: the cells of one row range
+            j += 1
+        for c in range(i, j):
+            heads[c] = bounds[c]
+        r = np.int64(1) << 62
+        for c in range(i, j):  # the first row any cell of the band holds
+            if heads[c] < bounds[c + 1]:
+                r = min(r, local[heads[c]] // ((boxes[c, 3] - boxes[c, 2]) * inner))
+        while r < np.int64(1) << 62:
+            nxt = np.int64(1) << 62
+            for c in range(i, j):  # row r of each cell, left to right
+                width = (boxes[c, 3] - boxes[c, 2]) * inner
+                start = (boxes[c, 0] + r) * row_len + boxes[c, 2] * inner - r * width
+                h, end, stop = heads[c], bounds[c + 1], (r + 1) * width
+                while h < end and local[h] < stop:
+                    out_pos[o] = start + local[h]
+                    out_values[o] = values[h]
+                    o += 1
+                    h += 1
+                heads[c] = h
+                if h < end:
+                    nxt = min(nxt, local[h] // width)
+            r = nxt
+        i = j
+    return o
+
+
+def place(shape, boxes: list, locals_: list[np.ndarray], values: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(global positions, values): the cells ``boxes`` of a tensor of ``shape`` (in cell order, each
+    ``((row0, col0, ...), (row1, col1, ...))``) with their changes at ``locals_`` (sorted, unique
+    box-local row-major indices, as :func:`engine_ext.format.codec.decode_positions` checks them) and
+    ``values`` (one integer dtype), as one run in ascending global order: what concatenating
+    :func:`chunks.to_global` of each cell and sorting gives, without the sort."""
+    shape = tuple(int(s) for s in shape)
+    cols = shape[1] if len(shape) > 1 else 1
+    inner = int(np.prod(shape[2:], dtype=np.int64)) if len(shape) > 1 else 1
+    box_array = np.empty((len(boxes), 4), np.int64)
+    for k, (lo, hi) in enumerate(boxes):
+        box_array[k] = (lo[0], hi[0], lo[1], hi[1]) if len(shape) > 1 else (lo[0], hi[0], 0, 1)
+    bounds = np.zeros(len(boxes) + 1, np.int64)
+    np.cumsum([len(x) for x in locals_], out=bounds[1:])
+    local = np.concatenate(locals_) if len(locals_) > 1 else locals_[0]
+    vals = np.concatenate(values) if len(values) > 1 else values[0]
+    out_pos = np.empty(int(bounds[-1]), np.int64)
+    out_values = np.empty(int(bounds[-1]), vals.dtype)
+    _place(local, vals, bounds, box_array, cols * inner, inner, out_pos, out_values)
+    return out_pos, out_values

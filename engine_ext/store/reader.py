@@ -28,7 +28,7 @@ import torch
 
 from .. import settings
 from ..errors import BaseMismatchError, IntegrityError, ManifestError, ModelMismatchError, NotFoundError
-from ..format import chunks, codec, tables
+from ..format import chunks, codec, kernel_module, tables
 from ..format import fingerprint as fpr
 from ..format.context import codec as ctx_codec
 from ..format.delta import TensorDelta, apply_tensor
@@ -413,13 +413,11 @@ def _decode_context(p: _Part, data: memoryview, bases: Bases | None) -> tuple[to
         from ..triton_kernels import context_decode  # Triton: loaded only where a base lives on a device
 
         pos, vals = context_decode.decode(part, base_of)
-    if box is not None:
-        pos = chunks.to_global(pos, t.shape, box)
     return pos, vals
 
 
 def _decode_part(p: _Part, data: memoryview, bases: Bases | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(global positions or None for every element, values) of one part."""
+    """(positions, local to the part's box if it has one, or None for every element; values) of one part."""
     t, e, box = p.tensor, p.entry, p.box
     dt = dtype_by_name(t.dtype)
     numel = t.numel if box is None else chunks.box_numel(box)
@@ -431,8 +429,31 @@ def _decode_part(p: _Part, data: memoryview, bases: Bases | None = None) -> tupl
         vals = codec.decode_values(e.values.coder, bytes(data[n:]), e.nnz, dt)
     except IntegrityError as err:
         raise IntegrityError(f"tensor {t.name!r}: {err}") from None
-    if box is not None:
-        pos = chunks.to_global(torch.arange(numel, dtype=torch.int64) if pos is None else pos, t.shape, box)
+    return pos, vals
+
+
+def _join(t: TensorEntry, ps: list[_Part], pieces: list) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(global positions in ascending order, or None for every element; values) of a tensor from its
+    decoded parts ``ps`` (in cell order) and their ``pieces`` (box-local positions, values). On the host,
+    the cells are placed in one pass (:func:`engine_ext.format.cell_kernels.place`); parts decoded on a
+    device (context-coded, where the base lives) are mapped there and sorted."""
+    if ps[0].box is None:
+        return pieces[0]
+    local = [
+        torch.arange(chunks.box_numel(p.box), dtype=torch.int64) if q is None else q for p, (q, _) in zip(ps, pieces)
+    ]
+    kernels = kernel_module("cell_kernels")
+    if kernels is not None and all(v.device.type == "cpu" for _, v in pieces):
+        pos, vals = kernels.place(
+            t.shape, [p.box for p in ps], [q.numpy() for q in local], [v.numpy() for _, v in pieces]
+        )
+        return torch.from_numpy(pos), torch.from_numpy(vals)
+    pieces = _on_one_device([(chunks.to_global(q, t.shape, p.box), v) for p, q, (_, v) in zip(ps, local, pieces)])
+    pos = torch.cat([q for q, _ in pieces])
+    vals = torch.cat([v for _, v in pieces])
+    if len(t.grid) > 1:  # cells side by side along dimension 1 interleave by row
+        pos, order = torch.sort(pos)
+        vals = vals[order]
     return pos, vals
 
 
@@ -477,17 +498,9 @@ def _decode_parts(parts: list[_Part], data_of, workers: int, bases: Bases | None
         if bases is not None and any(p.entry.positions.coder in CONTEXT_CODERS for p in ps):
             bases.verify(t.name, base)  # before any context decoding: a wrong base decodes to garbage
         for p in ps:
-            by_mode.setdefault(p.entry.values.mode, []).append(_decode_part(p, data_of((p.blob, p.offset)), bases))
-        for mode, pieces in by_mode.items():
-            pieces = _on_one_device(pieces)
-            if len(pieces) == 1:
-                pos, vals = pieces[0]
-            else:
-                pos = torch.cat([q for q, _ in pieces])
-                vals = torch.cat([v for _, v in pieces])
-                if len(t.grid) > 1:  # cells side by side along dimension 1 interleave by row
-                    pos, order = torch.sort(pos)
-                    vals = vals[order]
+            by_mode.setdefault(p.entry.values.mode, []).append((p, _decode_part(p, data_of((p.blob, p.offset)), bases)))
+        for mode, decoded in by_mode.items():
+            pos, vals = _join(t, [p for p, _ in decoded], [piece for _, piece in decoded])
             if pos is not None and pos.numel() == t.numel:  # sorted, unique: every element, in order
                 pos = None
             out.append(
