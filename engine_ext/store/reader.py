@@ -18,6 +18,7 @@ Corrupt, truncated or hostile input fails fast with an :mod:`engine_ext.errors` 
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -511,7 +512,11 @@ def _decode_parts(parts: list[_Part], data_of, workers: int, bases: Bases | None
         return out
 
     groups = list(by_tensor.values())
-    with ThreadPoolExecutor(max(1, min(workers, len(groups) or 1))) as pool:
+    # decoding is CPU work (pcodec and the placing kernel release the GIL): more threads than cores only
+    # hand the GIL around (a K2 EP rank's layer: 77 ns per change on 8 threads, 43 on 2, on 2 cores)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = min(workers, len(groups), cores)
+    with ThreadPoolExecutor(max(1, threads)) as pool:
         return [td for tds in pool.map(one, groups) for td in tds]
 
 
