@@ -140,6 +140,46 @@ def test_hostile_positions():
     _fast(codec.decode_positions, "lz4", data, 3, 1000)
 
 
+@pytest.mark.parametrize("gap_dtype", [np.uint32, np.uint64])
+def test_gap_kernel_accepts_and_refuses_as_the_numpy_reference(gap_dtype):
+    """codec_kernels.positions (one pass) against the three numpy passes it replaced, on good gaps and on
+    each bad kind at the start, middle and end: a 0 gap after the first, a sum at numel, a huge gap."""
+    from engine_ext.format import codec_kernels
+
+    def reference(gaps, numel):
+        if gap_dtype == np.uint64 and int(gaps.max()) >= numel:
+            return None
+        if len(gaps) > 1 and gaps[1:].min() == 0:
+            return None
+        pos = np.cumsum(gaps, dtype=np.int64)
+        return None if pos[-1] >= numel else pos
+
+    rng = np.random.default_rng(1)
+    numel = 5000
+    good = np.diff(np.sort(rng.choice(numel, 300, replace=False)), prepend=0).astype(gap_dtype)
+    cases = [good, good[:1], np.zeros(1, gap_dtype), np.array([numel - 1], gap_dtype)]
+    for at in (0, 1, 150, 299):
+        for bad in (0, numel - int(good[:at].sum()), np.iinfo(gap_dtype).max):
+            g = good.copy()
+            g[at] = bad
+            cases.append(g)
+    for gaps in cases:
+        want = reference(gaps, numel)
+        got, status, _ = codec_kernels.positions(gaps, numel)
+        assert (status == codec_kernels.OK) == (want is not None), gaps[:4]
+        if want is not None:
+            assert np.array_equal(got, want)
+
+
+def test_narrow8_refuses_exactly_the_values_outside_8_bits():
+    from engine_ext.format import codec_kernels
+
+    wide = np.arange(-128, 128, dtype=np.int16)
+    assert np.array_equal(codec_kernels.narrow8(wide), wide.astype(np.int8))
+    for bad in (-129, 128, -32768, 32767):
+        assert codec_kernels.narrow8(np.array([0, 5, bad, 1], np.int16)) is None
+
+
 def test_zstd_bomb_refused_fast():
     bomb = zstandard.ZstdCompressor(level=1).compress(b"\x00" * (256 << 20))  # 256 MiB from ~8 KB
     assert len(bomb) < 100_000

@@ -456,6 +456,14 @@ def decode_positions(coder: str, data: bytes, nnz: int, numel: int) -> torch.Ten
         raise IntegrityError(f"unknown positions coder {coder!r}")
     if nnz == 0:
         return torch.empty(0, dtype=torch.int64)
+    kernels = kernel_module("codec_kernels")
+    if kernels is not None:  # the checks and the running sum in one pass
+        pos, status, at = kernels.positions(gaps, numel)
+        if status == kernels.REPEATED:
+            raise IntegrityError("repeated position")
+        if status == kernels.BEYOND:
+            raise IntegrityError(f"position {at} (counting from 0) at or beyond the tensor's {numel} elements")
+        return torch.from_numpy(pos)
     if gdt == np.uint64 and int(gaps.max()) >= numel:  # the int64 sum below could wrap
         raise IntegrityError("position gap beyond the tensor")
     if nnz > 1 and gaps[1:].min() == 0:
@@ -475,9 +483,14 @@ def decode_values(coder: str, data: bytes, nnz: int, dtype: DType) -> torch.Tens
     elif coder == "pco":
         wide = _pco_decode(data, np.int16 if dtype.bits == 8 else np_int, nnz, "values")
         if dtype.bits == 8:
-            if nnz and (wide.min() < -128 or wide.max() > 127):
+            kernels = kernel_module("codec_kernels")
+            if kernels is not None:  # checked and narrowed in one pass
+                narrow = kernels.narrow8(wide)
+            else:
+                narrow = wide.astype(np.int8) if not nnz or -128 <= wide.min() <= wide.max() <= 127 else None
+            if narrow is None:
                 raise IntegrityError("8-bit values out of range")
-            wide = wide.astype(np.int8)
+            wide = narrow
         vals = wide
     elif coder == "zstd":
         raw = _zstd_decode(data, nnz * dtype.itemsize, "values")
