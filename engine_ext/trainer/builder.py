@@ -27,7 +27,6 @@ which joins the parts (:func:`merge_parts`) and commits the one signed manifest
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import math
 import os
@@ -478,7 +477,9 @@ def merge_parts(parts: list[Manifest], names: list[str]) -> Manifest:
     blobs in rank order, each tensor's pieces joined (``names``, in manifest order, must be exactly
     the tensors the parts list). A tensor one rank wrote whole is taken as it is; one written in row
     slices gets the sum of their partial fingerprints (sums over elements at global indices) and
-    their chunks, which must share one grid. Unvalidated: :func:`commit` validates the whole."""
+    their chunks, which must share one grid. Unvalidated: :func:`commit` validates the whole. The parts are
+    consumed: their entries and chunks move into the result, blob indices shifted in place (a million new
+    chunks cost a K2 commit 1.6 s)."""
     head = parts[0]
     m = Manifest(
         kind=head.kind,
@@ -503,12 +504,11 @@ def merge_parts(parts: list[Manifest], names: list[str]) -> Manifest:
         shift = len(m.blobs)
         m.blobs += part.blobs
         for t in part.tensors:
-            if shift:  # the part's blob indices, after the blobs of the ranks before it
-                t = dataclasses.replace(
-                    t,
-                    blob=None if t.blob is None else t.blob + shift,
-                    chunks=None if t.chunks is None else [_moved(c, shift) for c in t.chunks],
-                )
+            if shift:  # the part's blob indices, after the blobs of the ranks before it: shifted in place
+                if t.blob is not None:
+                    t.blob += shift
+                for c in t.chunks or ():
+                    c.blob += shift
             pieces.setdefault(t.name, []).append(t)
     if set(pieces) != set(names):
         raise ValueError(
@@ -540,11 +540,6 @@ def merge_parts(parts: list[Manifest], names: list[str]) -> Manifest:
             )
         )
     return m
-
-
-def _moved(c: Chunk, shift: int) -> Chunk:
-    """``c`` with its blob index ``shift`` on (the constructor: ``dataclasses.replace`` costs 3x more a chunk)."""
-    return Chunk(c.cell, c.nnz, c.blob + shift, c.offset, c.sha256, c.positions, c.values)
 
 
 def sign_latest(latest: Latest, signer: Signer | None) -> bytes:
