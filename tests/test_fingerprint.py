@@ -131,3 +131,15 @@ def test_the_one_pass_diff_in_blocks_and_ranges(dtype, block, threads, monkeypat
         kept = old.clone()[1:] if name == "edges" else old.clone()  # the kept copy unaligned too
         again = diff_kernels.changed(kept.numpy(), new.numpy(), update=True, block=block, threads=threads)
         assert all(np.array_equal(a, b) for a, b in zip(got, again)) and torch.equal(kept, new), name
+
+
+def test_parse_all_takes_and_refuses_what_parse_does():
+    """parse_all (one regex over the joined fingerprints: a commit and a driver parse 140 k at once) gives
+    parse's values and refuses, naming it, any fingerprint parse refuses, wherever it lies in the list."""
+    good = [fpr.fmt(x) for x in (0, 1, 2**64 - 1, 0x0123456789ABCDEF)]
+    assert fpr.parse_all(good).tolist() == [fpr.parse(s) for s in good]
+    assert fpr.parse_all([]).dtype == np.uint64
+    for bad in ("0123456789ABCDEF", "0" * 15, "0" * 17, " " + "0" * 15, "0x" + "0" * 14, "-" + "0" * 15, None, 5):
+        for at in (0, 2, 4):
+            with pytest.raises(ValueError, match="bad fingerprint"):
+                fpr.parse_all(good[:at] + [bad] + good[at:])

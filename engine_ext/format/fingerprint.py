@@ -193,8 +193,13 @@ def combined(keys: np.ndarray, fps: np.ndarray) -> int:
 
 
 def parse_all(fps: list[str]) -> np.ndarray:
-    """Fingerprints already checked as 16 lower-case hex digits each (:func:`parse`), as uint64, at once."""
-    return np.frombuffer(bytes.fromhex("".join(fps)), ">u8").astype(np.uint64)
+    """Fingerprints written as 16 lower-case hex digits each, as uint64, at once; raises ValueError on the
+    first that :func:`parse` refuses (one regex over them joined, not one per fingerprint)."""
+    joined = "".join(s if isinstance(s, str) and len(s) == 16 else "?" for s in fps)
+    if len(joined) != 16 * len(fps) or not _HEX_RUN.fullmatch(joined):
+        for s in fps:
+            parse(s)  # raises, naming it
+    return np.frombuffer(bytes.fromhex(joined), ">u8").astype(np.uint64)
 
 
 def fmt(fp: int) -> str:
@@ -202,6 +207,7 @@ def fmt(fp: int) -> str:
 
 
 _HEX16 = re.compile(r"[0-9a-f]{16}")
+_HEX_RUN = re.compile(r"[0-9a-f]*")
 
 
 def parse(s: str) -> int:

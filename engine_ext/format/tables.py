@@ -138,9 +138,9 @@ def tabulate(
             None,
         )
     out = dataclasses.replace(m, tensors=[], tables=tables, index=index)
-    out.format_version = max(
-        m.lowest_version(), out.lowest_version()
-    )  # 10 (7 in JSON, 8 with a pieces digest, 9 with ctx-rans)
+    # binary: 10, the newest, whatever m holds (no scan of its million chunks for ctx-rans); JSON: 7, or 8
+    # with a pieces digest, 9 with ctx-rans
+    out.format_version = out.lowest_version() if binary else max(m.lowest_version(), out.lowest_version())
     return out
 
 

@@ -407,9 +407,10 @@ def commit(
     entries and cell tables in one more blob (:func:`_tables_blob`); ``m`` keeps them inline.
     Returns (URI, SHA-256 of the published manifest's bytes, LATEST)."""
     with collector_paused():  # a K2 version's manifest holds millions of objects: no full passes over them
-        m.fingerprint = fpr.fmt(fpr.model_fingerprint((t.name, fpr.parse(t.fingerprint)) for t in m.tensors))
+        keys = fpr.name_keys([t.name for t in m.tensors])  # once for both fingerprints
+        m.fingerprint = fpr.fmt(fpr.combined(keys, fpr.parse_all([t.fingerprint for t in m.tensors])))
         if m.kind == DELTA:
-            base = fpr.model_fingerprint((t.name, fpr.parse(t.base_fingerprint)) for t in m.tensors)
+            base = fpr.combined(keys, fpr.parse_all([t.base_fingerprint for t in m.tensors]))
             m.base_fingerprint = fpr.fmt(base)
         m.created_unix = time.time()
         m.format_version = m.lowest_version()
