@@ -341,10 +341,12 @@ class Manifest:
         cells.check(self, cut, counts, rec, where)
         return rec, where
 
-    def validate(self) -> np.ndarray | None:
+    def validate(self, name_keys: np.ndarray | None = None) -> np.ndarray | None:
         """Raise ManifestError unless every field is consistent and within limits (format 7 before its
         tables are read: every field but the tensors'). Returns the cell records of the chunks listed
-        inline, as checked (:func:`engine_ext.format.tables.tabulate` writes them: a commit makes them once)."""
+        inline, as checked (:func:`engine_ext.format.tables.tabulate` writes them: a commit makes them once).
+        ``name_keys``: the tensors' name keys, in order, where the caller made them (a commit, for its
+        fingerprints: 140 k SHA-256s at K2 size); else made here."""
 
         def bad(msg):
             raise ManifestError(_cut(msg))
@@ -429,7 +431,7 @@ class Manifest:
         _no_overlap(per_blob, ranges, records, where)
         if self.held is not None:  # a rank's own tensors: the model's fingerprints need every one (the driver's read)
             return records
-        keys = fpr.name_keys([t.name for t in self.tensors])  # every fingerprint checked well-formed above
+        keys = fpr.name_keys([t.name for t in self.tensors]) if name_keys is None else name_keys
         if fpr.fmt(fpr.combined(keys, fpr.parse_all([t.fingerprint for t in self.tensors]))) != self.fingerprint:
             bad("model fingerprint does not match the tensors' fingerprints")
         if self.kind == DELTA:

@@ -99,13 +99,15 @@ def tabulate(
     per_table: int | None = None,
     binary: bool = True,
     records: np.ndarray | None = None,
+    name_keys: np.ndarray | None = None,
 ) -> Manifest:
     """A (finished, validated) manifest in tables: every cut tensor's chunks in a cell table, then the
     tensor entries in tables of ``per_table`` (default: :data:`PER_TABLE`, more where the tables would
     exceed MAX_TENSOR_TABLES) and their name index (format 10; ``binary=False``: JSON tables, format 7, no
     index, kept for tests of old readers), each handed to ``put(bytes) -> (blob, offset)`` (which
     appends it to a blob the returned manifest lists). ``records``: the cell records of ``m``'s chunks, as
-    its ``validate()`` returned them (else made here). ``m`` is unchanged."""
+    its ``validate()`` returned them (else made here); ``name_keys``: its tensors' name keys, in order (else
+    made here). ``m`` is unchanged."""
 
     def ref(raw: bytes, count: int) -> TableRef:
         blob, offset = put(raw)
@@ -127,7 +129,8 @@ def tabulate(
             ref(tensor_table(m.tensors[i : i + per], table_refs[i : i + per]), len(m.tensors[i : i + per]))
             for i in starts
         ]
-        index = ref(name_index([[t.name for t in m.tensors[i : i + per]] for i in starts]), len(m.tensors))
+        names = [[t.name for t in m.tensors[i : i + per]] for i in starts]
+        index = ref(name_index(names, name_keys), len(m.tensors))
     else:
         rows = [_json_row(t, c) for t, c in zip(m.tensors, table_refs)]
         tables, index = (
@@ -324,10 +327,12 @@ def read_tensor_table(ref: TableRef, raw: bytes, where: str, rows=None) -> list[
     return out
 
 
-def name_index(groups: list[list[str]]) -> bytes:
+def name_index(groups: list[list[str]], keys: np.ndarray | None = None) -> bytes:
     """The name index of tensor tables holding ``groups`` of names (in table order): one
-    :data:`INDEX_RECORD` per tensor, sorted by (key, table, row); key: the name's 64-bit key."""
-    keys = np.array([name_key(n) for g in groups for n in g], np.uint64)
+    :data:`INDEX_RECORD` per tensor, sorted by (key, table, row); key: the name's 64-bit key (``keys``:
+    those of the names in order, where the caller made them)."""
+    if keys is None:
+        keys = np.array([name_key(n) for g in groups for n in g], np.uint64)
     table = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
     row = np.concatenate([np.arange(len(g)) for g in groups]) if groups else np.zeros(0, np.int64)
     order = np.lexsort((row, table, keys))

@@ -407,14 +407,14 @@ def commit(
     entries and cell tables in one more blob (:func:`_tables_blob`); ``m`` keeps them inline.
     Returns (URI, SHA-256 of the published manifest's bytes, LATEST)."""
     with collector_paused():  # a K2 version's manifest holds millions of objects: no full passes over them
-        keys = fpr.name_keys([t.name for t in m.tensors])  # once for both fingerprints
+        keys = fpr.name_keys([t.name for t in m.tensors])  # once: both fingerprints, the checks, the name index
         m.fingerprint = fpr.fmt(fpr.combined(keys, fpr.parse_all([t.fingerprint for t in m.tensors])))
         if m.kind == DELTA:
             base = fpr.combined(keys, fpr.parse_all([t.base_fingerprint for t in m.tensors]))
             m.base_fingerprint = fpr.fmt(base)
         m.created_unix = time.time()
         m.format_version = m.lowest_version()
-        records = m.validate()
+        records = m.validate(keys)
     mkey = manifest_key(m.version, m.kind)
     limit = settings.current().inline_entries if inline_limit is None else inline_limit
     in_tables = m.entries > limit
@@ -425,7 +425,7 @@ def commit(
     ) as spool:  # the tables' blob lives there until it is published
         if in_tables:
             with collector_paused():
-                wire, tables = _tables_blob(m, spool, records)
+                wire, tables = _tables_blob(m, spool, records, keys)
             raw, blobs = wire.to_json(), [*blobs, tables]
         else:
             raw, blobs = m.to_json(), list(blobs)
@@ -450,9 +450,11 @@ def commit(
     return store.key_uri(mkey), sha, latest
 
 
-def _tables_blob(m: Manifest, spool: str, records: np.ndarray | None = None) -> tuple[Manifest, tuple[str, str]]:
+def _tables_blob(
+    m: Manifest, spool: str, records: np.ndarray | None = None, keys: np.ndarray | None = None
+) -> tuple[Manifest, tuple[str, str]]:
     """``m`` in tables (:func:`engine_ext.format.tables.tabulate`; ``records``: its chunks' cell records, as its
-    validation made them) and its tables' blob (key, local file), written in ``spool``: the cell tables, tensor
+    validation made them; ``keys``: its name keys) and its tables' blob (key, local file), written in ``spool``: the cell tables, tensor
     tables and name index one after another, hashed as written."""
     path, digest, blob = os.path.join(spool, "tables.bin"), hashlib.sha256(), len(m.blobs)
     with open(path, "wb") as f:
@@ -463,7 +465,7 @@ def _tables_blob(m: Manifest, spool: str, records: np.ndarray | None = None) -> 
             digest.update(raw)
             return blob, offset
 
-        wire = tabulate(m, put, records=records)
+        wire = tabulate(m, put, records=records, name_keys=keys)
         size = f.tell()
     sha = digest.hexdigest()
     key = f"v{m.version:08d}{'.anchor' if m.kind == ANCHOR else ''}.{blob}.{sha[:32]}.bin"
