@@ -172,12 +172,19 @@ def _place(local, values, bounds, boxes, row_len, inner, out_pos, out_values):
         j = i + 1
         while j < n_cells and boxes[j, 0] == boxes[i, 0]:  # a band: the cells of one row range
             j += 1
-        if j - i == 1 and (boxes[i, 3] - boxes[i, 2]) * inner == row_len:  # one cell as wide as the tensor
-            start = boxes[i, 0] * row_len
-            for h in range(bounds[i], bounds[i + 1]):
-                out_pos[o] = start + local[h]
-                out_values[o] = values[h]
-                o += 1
+        if j - i == 1:  # one cell in the band (a rank's column share, or cut along rows only): in order already
+            width = (boxes[i, 3] - boxes[i, 2]) * inner
+            start = boxes[i, 0] * row_len + boxes[i, 2] * inner
+            if width == row_len:
+                for h in range(bounds[i], bounds[i + 1]):
+                    out_pos[o] = start + local[h]
+                    out_values[o] = values[h]
+                    o += 1
+            else:
+                for h in range(bounds[i], bounds[i + 1]):
+                    out_pos[o] = start + local[h] // width * (row_len - width) + local[h]
+                    out_values[o] = values[h]
+                    o += 1
         elif bounds[j] - bounds[i] >= 2 * (j - i) * (boxes[i, 1] - boxes[i, 0]):  # two or more per (row, cell)
             o = _merge_rows(local, values, bounds, boxes, i, j, row_len, inner, o, out_pos, out_values)
         else:
