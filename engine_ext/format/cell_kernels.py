@@ -14,8 +14,8 @@ row-major order, become one run of global positions in ascending order and their
 them. Cells side by side along dimension 1 interleave row by row; concatenating
 :func:`chunks.to_global` of each and sorting (what the reader did) cost a sort of every change and
 most of a K2 rank's decode. Here each band of cells (the cells sharing a row range, in column order)
-is placed in one or two passes: row by row where its cells hold many changes per row, else by a
-counting sort on the row (measured on K2's experts: 8 x 2 cells at 0.3 % density hold ~10 changes
+is placed in one or two passes: a band of one cell is in order already and mapped straight; else row
+by row where its cells hold many changes per row, else by a counting sort on the row (measured on K2's experts: 8 x 2 cells at 0.3 % density hold ~10 changes
 per (row, cell), 2 x 8 cells under one).
 """
 
