@@ -462,7 +462,7 @@ def decode_positions(coder: str, data: bytes, nnz: int, numel: int) -> torch.Ten
         if status == kernels.REPEATED:
             raise IntegrityError("repeated position")
         if status == kernels.BEYOND:
-            raise IntegrityError(f"position {at} (counting from 0) at or beyond the tensor's {numel} elements")
+            raise IntegrityError(f"position number {at} (from 0) lies at or beyond the tensor's {numel} elements")
         return torch.from_numpy(pos)
     if gdt == np.uint64 and int(gaps.max()) >= numel:  # the int64 sum below could wrap
         raise IntegrityError("position gap beyond the tensor")
