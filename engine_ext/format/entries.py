@@ -254,12 +254,8 @@ def _ints(values: list, where: Callable[[int], str], what: str) -> np.ndarray:
 
 
 def _fingerprints(fps: list, rows) -> None:
-    """Each of ``fps[rows]`` 16 lower-case hex digits (:func:`fingerprint.parse`), all joined in one match."""
-    picked = [fps[i] for i in rows]
-    if set(map(type, picked)) <= {str} and set(map(len, picked)) <= {16} and _LOWER_HEX.fullmatch("".join(picked)):
-        return
-    for f in picked:
-        fpr.parse(f)
+    """Each of ``fps[rows]`` 16 lower-case hex digits (:func:`fingerprint.parse_all`: all joined in one match)."""
+    fpr.parse_all([fps[i] for i in rows])
 
 
 def _shas(shas: list, where: Callable[[int], str]) -> None:

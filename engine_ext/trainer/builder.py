@@ -454,8 +454,8 @@ def _tables_blob(
     m: Manifest, spool: str, records: np.ndarray | None = None, keys: np.ndarray | None = None
 ) -> tuple[Manifest, tuple[str, str]]:
     """``m`` in tables (:func:`engine_ext.format.tables.tabulate`; ``records``: its chunks' cell records, as its
-    validation made them; ``keys``: its name keys) and its tables' blob (key, local file), written in ``spool``: the cell tables, tensor
-    tables and name index one after another, hashed as written."""
+    validation made them; ``keys``: its name keys) and its tables' blob (key, local file), written in
+    ``spool``: the cell tables, tensor tables and name index one after another, hashed as written."""
     path, digest, blob = os.path.join(spool, "tables.bin"), hashlib.sha256(), len(m.blobs)
     with open(path, "wb") as f:
 
