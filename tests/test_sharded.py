@@ -26,7 +26,7 @@ from engine_ext.format import fingerprint as fpr
 from engine_ext.format import manifest as manifest_mod
 from engine_ext.format.delta import apply_tensor
 from engine_ext.format.dtypes import as_bits
-from engine_ext.format.manifest import Manifest
+from engine_ext.format.manifest import Manifest, manifest_key
 from engine_ext.store import open_store, reader, route
 from engine_ext.trainer.publisher import DeltaPublisher
 from engine_ext.trainer.shards import agree
@@ -158,9 +158,15 @@ def test_world4_resumes_with_an_anchor_and_a_failed_part_aborts_the_version_ever
     v6 = ms["v00000006.json"]
     assert v6["format_version"] == 10 and json.loads((root / "v00000006.json").read_text())["tensors"] == []
     assert ms["v00000008.anchor.json"]["format_version"] == 10 and "v00000008.json" not in ms  # the retry: an anchor
-    for v in (5, 8):  # each rank's anchor part a pieces digest, the tables' blob flat
-        blobs = json.loads((root / f"v{v:08d}.anchor.json").read_text())["blobs"]
-        assert [b.get("digest") for b in blobs] == ["pieces"] * (len(blobs) - 1) + [None] and len(blobs) > 1
+    for v in (5, 6, 8):  # each rank's data blobs (an anchor's: a pieces digest), the tables' blobs flat
+        doc = json.loads((root / manifest_key(v, "anchor" if v != 6 else "delta")).read_text())
+        blobs, tabled = doc["blobs"], {r["blob"] for r in doc["tables"]} | {doc["index"]["blob"]}
+        assert all((b.get("digest") is None) == (i in tabled or v == 6) for i, b in enumerate(blobs)), blobs
+        # rank 0's blob: the name index and the tables of tensors every rank publishes rows of (joined there);
+        # the extras' ranks wrote the tables of the tensors they publish whole into a blob of their own
+        assert ".r" not in blobs[doc["index"]["blob"]]["key"] and doc["index"]["blob"] == len(blobs) - 1
+        own = [r["count"] for r in doc["tables"] if ".r" in blobs[r["blob"]]["key"]]
+        assert sum(own) == 2 and len(ms[manifest_key(v, "anchor" if v != 6 else "delta")]["tensors"]) > 2 + sum(own)
     assert json.loads((root / "LATEST").read_text())["signed"]["version"] == 8
     for v in (5, 6, 8):
         equal(served(str(root), v), reassemble(out, 4, v))

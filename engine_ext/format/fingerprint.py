@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -192,7 +192,7 @@ def combined(keys: np.ndarray, fps: np.ndarray) -> int:
     return int(mix64_np(keys ^ fps).sum(dtype=np.uint64)) & MASK64
 
 
-def parse_all(fps: list[str]) -> np.ndarray:
+def parse_all(fps: Sequence[str | None]) -> np.ndarray:
     """Fingerprints written as 16 lower-case hex digits each, as uint64, at once; raises ValueError on the
     first that :func:`parse` refuses (one regex over them joined, not one per fingerprint)."""
     joined = "".join(s if isinstance(s, str) and len(s) == 16 else "?" for s in fps)
@@ -210,7 +210,7 @@ _HEX16 = re.compile(r"[0-9a-f]{16}")
 _HEX_RUN = re.compile(r"[0-9a-f]*")
 
 
-def parse(s: str) -> int:
+def parse(s: object) -> int:
     """The fingerprint written as 16 lower-case hex digits (exactly: ``int(s, 16)`` alone would also
     take a sign, spaces, underscores, a ``0x`` or upper case, and "-000000000000001" as -1)."""
     if not isinstance(s, str) or not _HEX16.fullmatch(s):

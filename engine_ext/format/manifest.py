@@ -183,7 +183,7 @@ class Manifest:
     index: TableRef | None = None  # format 10: the name index of the (binary) tensor tables
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
-    held = None  # not a field: the names a rank read (format 10, tables.select); ``tensors`` is then a subset
+    held = None  # type: frozenset[str] | None  # not a field: the names a rank read (format 10, tables.select); ``tensors`` is then a subset
 
     @property
     def entries(self) -> int:

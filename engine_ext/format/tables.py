@@ -108,30 +108,14 @@ def tabulate(
     appends it to a blob the returned manifest lists). ``records``: the cell records of ``m``'s chunks, as
     its ``validate()`` returned them (else made here); ``name_keys``: its tensors' name keys, in order (else
     made here). ``m`` is unchanged."""
-
-    def ref(raw: bytes, count: int) -> TableRef:
-        blob, offset = put(raw)
-        return TableRef(blob, offset, len(raw), hashlib.sha256(raw).hexdigest(), count)
-
-    cut = [t.chunks for t in m.tensors if t.chunks is not None]
-    if records is None:
-        records = cells.records([c for chunks in cut for c in chunks], lambda i: f"chunk {i}")
-    raw = records.tobytes()  # every record at once, then each tensor's range
-    at = np.cumsum([0] + [len(c) for c in cut]).tolist()
-    refs = iter(
-        [ref(raw[a * CELL_RECORD.itemsize : b * CELL_RECORD.itemsize], b - a) for a, b in itertools.pairwise(at)]
-    )
-    table_refs = [next(refs) if t.chunks is not None else t.cells for t in m.tensors]
+    ref = _writer(put)
     per = per_table or (max(PER_TABLE, -(-len(m.tensors) // MAX_TENSOR_TABLES)) if binary else 4096)
     starts = range(0, len(m.tensors), per)
     if binary:
-        tables = [
-            ref(tensor_table(m.tensors[i : i + per], table_refs[i : i + per]), len(m.tensors[i : i + per]))
-            for i in starts
-        ]
-        names = [[t.name for t in m.tensors[i : i + per]] for i in starts]
-        index = ref(name_index(names, name_keys), len(m.tensors))
+        tables = binary_tables(m.tensors, put, per, records)
+        index = ref(index_records(_keys(m.tensors, name_keys), [r.count for r in tables]), len(m.tensors))
     else:
+        table_refs = _cell_tables(m.tensors, ref, records)
         rows = [_json_row(t, c) for t, c in zip(m.tensors, table_refs)]
         tables, index = (
             [
@@ -145,6 +129,54 @@ def tabulate(
     # with a pieces digest, 9 with ctx-rans
     out.format_version = out.lowest_version() if binary else max(m.lowest_version(), out.lowest_version())
     return out
+
+
+def _writer(put: Callable[[bytes], tuple[int, int]]) -> Callable[[bytes, int], TableRef]:
+    """``ref(raw, count)``: ``raw`` handed to ``put`` and referenced where it landed, with its SHA-256."""
+
+    def ref(raw: bytes, count: int) -> TableRef:
+        blob, offset = put(raw)
+        return TableRef(blob, offset, len(raw), hashlib.sha256(raw).hexdigest(), count)
+
+    return ref
+
+
+def _cell_tables(
+    tensors: list[TensorEntry], ref: Callable[[bytes, int], TableRef], records: np.ndarray | None
+) -> list[TableRef | None]:
+    """Every cut tensor's chunks as a cell table (``records``: all of theirs, in order, as validation made
+    them; else made here); a tensor already in a cell table keeps its reference, the others get None."""
+    cut = [t.chunks for t in tensors if t.chunks is not None]
+    if records is None:
+        records = cells.records([c for chunks in cut for c in chunks], lambda i: f"chunk {i}")
+    raw = records.tobytes()  # every record at once, then each tensor's range
+    at = np.cumsum([0] + [len(c) for c in cut]).tolist()
+    refs = iter(
+        [ref(raw[a * CELL_RECORD.itemsize : b * CELL_RECORD.itemsize], b - a) for a, b in itertools.pairwise(at)]
+    )
+    return [next(refs) if t.chunks is not None else t.cells for t in tensors]
+
+
+def binary_tables(
+    tensors: list[TensorEntry],
+    put: Callable[[bytes], tuple[int, int]],
+    per_table: int = PER_TABLE,
+    records: np.ndarray | None = None,
+) -> list[TableRef]:
+    """``tensors`` (validated) as format-10 tables handed to ``put(bytes) -> (blob, offset)``: their cell
+    tables (``records``: as for :func:`tabulate`), then tensor tables of ``per_table`` tensors each, in
+    order. Without their name index: the caller writes it over every table of the version
+    (:func:`index_records`), as a sharded version's rank 0 does over its ranks' tables."""
+    ref = _writer(put)
+    cell_refs = _cell_tables(tensors, ref, records)
+    return [
+        ref(tensor_table(tensors[i : i + per_table], cell_refs[i : i + per_table]), len(tensors[i : i + per_table]))
+        for i in range(0, len(tensors), per_table)
+    ]
+
+
+def _keys(tensors: list[TensorEntry], keys: np.ndarray | None) -> np.ndarray:
+    return np.array([name_key(t.name) for t in tensors], np.uint64) if keys is None else keys
 
 
 def _json_row(t: TensorEntry, cells: TableRef | None) -> dict:
@@ -328,13 +360,22 @@ def read_tensor_table(ref: TableRef, raw: bytes, where: str, rows=None) -> list[
 
 
 def name_index(groups: list[list[str]], keys: np.ndarray | None = None) -> bytes:
-    """The name index of tensor tables holding ``groups`` of names (in table order): one
-    :data:`INDEX_RECORD` per tensor, sorted by (key, table, row); key: the name's 64-bit key (``keys``:
-    those of the names in order, where the caller made them)."""
+    """The name index of tensor tables holding ``groups`` of names (in table order): see
+    :func:`index_records` (``keys``: those of the names in order, where the caller made them)."""
     if keys is None:
         keys = np.array([name_key(n) for g in groups for n in g], np.uint64)
-    table = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
-    row = np.concatenate([np.arange(len(g)) for g in groups]) if groups else np.zeros(0, np.int64)
+    return index_records(keys, [len(g) for g in groups])
+
+
+def index_records(keys: np.ndarray, counts: list[int]) -> bytes:
+    """The name index of tensor tables of ``counts`` tensors each (in table order) whose names have
+    ``keys`` (uint64, in table then row order): one :data:`INDEX_RECORD` per tensor, sorted by (key,
+    table, row), a name's key being its 64-bit :func:`~engine_ext.format.fingerprint.name_key`."""
+    counts_ = np.asarray(counts, np.int64)
+    if len(keys) != int(counts_.sum()):
+        raise ValueError(f"{len(keys)} name keys for tables of {int(counts_.sum())} tensors")
+    table = np.repeat(np.arange(len(counts_)), counts_)
+    row = np.arange(len(keys)) - np.repeat(np.cumsum(counts_) - counts_, counts_)
     order = np.lexsort((row, table, keys))
     rec = np.zeros(len(keys), INDEX_RECORD)
     rec["key"], rec["table"], rec["row"] = keys[order], table[order], row[order]

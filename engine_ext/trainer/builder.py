@@ -109,6 +109,7 @@ class VersionBuilder:
         ] = {}  # blob file -> (SHA-256, size, digest kind), as written
         self.reader_tp = settings.current().reader_tp if reader_tp is None else reader_tp
         self._open: OpenBlob | None = None  # the delta blob being filled
+        self._named: list[tuple[str, str]] | None = None  # the blobs' (key, local file), once named
 
     # -- deltas ---------------------------------------------------------------
     def add_step_tables(self, dtype: str, tables: list[bytes]) -> None:
@@ -344,15 +345,14 @@ class VersionBuilder:
         )
 
     # -- finish ---------------------------------------------------------------
-    def _blob_keys(self) -> list[tuple[str, str]]:
-        """Name every blob by its version, rank part, index and content; list them in the manifest."""
+    def name_blobs(self) -> list[tuple[str, str]]:
+        """Name every blob by its version, rank part, index and content and list them in the manifest
+        (once: later calls return the same); returns their (key, local file)."""
+        if self._named is not None:
+            return self._named
         self._close_blob()
         m = self.manifest
-        version_tag = (
-            f"v{m.version:08d}"
-            + (".anchor" if m.kind == ANCHOR else "")
-            + ("" if self.part is None else f".r{self.part}")
-        )
+        version_tag = blob_tag(m.version, m.kind, self.part)
         keys = []
         for i, path in enumerate(self.files):
             ext = "safetensors" if path.endswith(".safetensors") else "bin"
@@ -360,27 +360,37 @@ class VersionBuilder:
             key = f"{version_tag}.{i}.{sha[:32]}.{ext}"
             m.blobs.append(Blob(key, size, sha, digest))
             keys.append((key, path))
+        self._named = keys
         return keys
 
     def publish(self, store: Store, signer: Signer | None = None, latest_ttl_s: float = LATEST_TTL_S) -> str:
         """Hash blobs, finish the manifest, sign it (with ``signer``), publish; returns the
         manifest's URI. ``LATEST`` is signed too and stays valid for ``latest_ttl_s``."""
-        keys = self._blob_keys()
+        keys = self.name_blobs()
         uri, self.manifest_sha256, self.latest = commit(store, self.manifest, signer, latest_ttl_s, keys)
         self.tmp.cleanup()
         return uri
 
-    def upload(self, store: Store, workers: int = 4) -> Manifest:
+    def upload(
+        self, store: Store, workers: int = 4, write_tables: Callable[[Manifest, str], tuple] | None = None
+    ) -> Manifest:
         """A sharded version's part: create this rank's blobs in the store (write-once, in parallel) and
-        return its part of the manifest (blob indices its own, fingerprints partial) for :func:`merge_parts`."""
-        keys = self._blob_keys()
+        return its part of the manifest (blob indices its own, fingerprints partial) for :func:`merge_parts`.
+        ``write_tables(part, spool)``: for a version published in tables, writes what the rank tables itself
+        (:func:`engine_ext.trainer.table_parts.write_part`) as one more blob, uploaded with the others;
+        then its result is returned."""
+        keys = list(self.name_blobs())
         try:
+            out = self.manifest
+            if write_tables is not None:
+                out, tables = write_tables(self.manifest, self.tmp.name)
+                keys += [tables] if tables is not None else []
             if keys:
                 with ThreadPoolExecutor(max(1, min(workers, len(keys)))) as pool:
                     list(pool.map(lambda kp: store.create_file(*kp), keys))
         finally:
             self.tmp.cleanup()
-        return self.manifest
+        return out
 
 
 def _cells(rows: Rows, local_rows: int) -> list[tuple[int, int, int]]:
@@ -429,25 +439,65 @@ def commit(
             raw, blobs = wire.to_json(), [*blobs, tables]
         else:
             raw, blobs = m.to_json(), list(blobs)
-        sha = hashlib.sha256(raw).hexdigest()
-        latest = Latest(
-            m.version,
-            mkey,
-            m.fingerprint,
-            m.anchor_version,
-            sha,
-            time.time() + latest_ttl_s if signer is not None else None,
-        )
-        publish_version(
-            store,
-            blobs,
-            mkey,
-            raw,
-            sign_latest(latest, signer),
-            m.version,
-            signature=signer.sign_detached(raw) if signer else None,
-        )
+        sha, latest = publish_manifest(store, m, raw, blobs, signer, latest_ttl_s)
     return store.key_uri(mkey), sha, latest
+
+
+def publish_manifest(
+    store: Store, m: Manifest, raw: bytes, blobs: list[tuple[str, str]], signer: Signer | None, latest_ttl_s: float
+) -> tuple[str, Latest]:
+    """Publish a finished manifest ``m`` as the bytes ``raw``, with ``blobs`` (key, local file) not yet in the
+    store and ``LATEST`` (:func:`engine_ext.store.publish_version`; with a signer, the manifest's detached
+    signature and a signed LATEST valid for ``latest_ttl_s``). Returns (SHA-256 of ``raw``, LATEST)."""
+    sha = hashlib.sha256(raw).hexdigest()
+    latest = Latest(
+        m.version,
+        manifest_key(m.version, m.kind),
+        m.fingerprint,
+        m.anchor_version,
+        sha,
+        time.time() + latest_ttl_s if signer is not None else None,
+    )
+    publish_version(
+        store,
+        blobs,
+        manifest_key(m.version, m.kind),
+        raw,
+        sign_latest(latest, signer),
+        m.version,
+        signature=signer.sign_detached(raw) if signer else None,
+    )
+    return sha, latest
+
+
+def blob_tag(version: int, kind: str, part: int | None = None) -> str:
+    """How a version's blob keys begin: ``v{version}``, ``.anchor`` for an anchor, ``.r{rank}`` for a rank's part."""
+    return f"v{version:08d}" + (".anchor" if kind == ANCHOR else "") + ("" if part is None else f".r{part}")
+
+
+class SpooledBlob:
+    """One blob of tables written to a local file in ``spool`` and hashed as it is written: :meth:`put`
+    appends bytes and says where they landed (blob ``index`` in the manifest, offset), as the table writers
+    want. Its key carries ``name`` (default: ``index``): a rank's blobs are numbered within its part."""
+
+    def __init__(self, spool: str, index: int, name: int | None = None):
+        self.index, self.name, self._digest = index, index if name is None else name, hashlib.sha256()
+        self.path = os.path.join(spool, f"tables.{self.name}.bin")
+        self._file = open(self.path, "wb")  # noqa: SIM115 - closed by close()
+
+    def put(self, raw: bytes) -> tuple[int, int]:
+        offset = self._file.tell()
+        self._file.write(raw)
+        self._digest.update(raw)
+        return self.index, offset
+
+    def close(self, tag: str) -> tuple[Blob, tuple[str, str]]:
+        """The finished blob, named ``{tag}.{name}.{SHA-256 prefix}.bin``, and its (key, local file)."""
+        size = self._file.tell()
+        self._file.close()
+        sha = self._digest.hexdigest()
+        key = f"{tag}.{self.name}.{sha[:32]}.bin"
+        return Blob(key, size, sha), (key, self.path)
 
 
 def _tables_blob(
@@ -456,22 +506,12 @@ def _tables_blob(
     """``m`` in tables (:func:`engine_ext.format.tables.tabulate`; ``records``: its chunks' cell records, as its
     validation made them; ``keys``: its name keys) and its tables' blob (key, local file), written in
     ``spool``: the cell tables, tensor tables and name index one after another, hashed as written."""
-    path, digest, blob = os.path.join(spool, "tables.bin"), hashlib.sha256(), len(m.blobs)
-    with open(path, "wb") as f:
-
-        def put(raw: bytes) -> tuple[int, int]:
-            offset = f.tell()
-            f.write(raw)
-            digest.update(raw)
-            return blob, offset
-
-        wire = tabulate(m, put, records=records, name_keys=keys)
-        size = f.tell()
-    sha = digest.hexdigest()
-    key = f"v{m.version:08d}{'.anchor' if m.kind == ANCHOR else ''}.{blob}.{sha[:32]}.bin"
-    wire.blobs = list(m.blobs) + [Blob(key, size, sha)]
+    out = SpooledBlob(spool, len(m.blobs))
+    wire = tabulate(m, out.put, records=records, name_keys=keys)
+    blob, file = out.close(blob_tag(m.version, m.kind))
+    wire.blobs = list(m.blobs) + [blob]
     wire.validate()  # its header and table references; the entries were validated inline
-    return wire, (key, path)
+    return wire, file
 
 
 @collector_paused()  # a Kimi-K2 version's parts join over a million chunks

@@ -35,18 +35,21 @@ ranks' partial fingerprints prove them, else with an anchor.
 
 from __future__ import annotations
 
+import functools
 import math
 from datetime import timedelta
 
+import numpy as np
 import torch
 
+from .. import settings
 from ..errors import ConflictError, DeltaError
 from ..format import codec
 from ..format import fingerprint as fpr
 from ..format.dtypes import dtype_by_name, served_as
 from ..format.manifest import ANCHOR, DELTA, manifest_key
-from . import lineage
-from .builder import commit, merge_parts
+from . import lineage, table_parts
+from .builder import blob_tag, commit, merge_parts
 from .checkpoint_layout import checkpoint_names, transformers_model
 from .holdings import RankRows
 from .publisher import DeltaPublisher, log
@@ -102,6 +105,8 @@ class ShardedPublisher(DeltaPublisher):
         self.aborted: dict[int, str] = {}  # version -> why it was not committed
         self._needs_anchor = False
         self._broken: GroupFailed | None = None
+        self._split: frozenset[str] | None = None  # the tensors several ranks publish rows of (from the layout)
+        self._keys: np.ndarray | None = None  # every tensor's name key, sorted (rank 0, once)
         super().__init__(store, model, **kwargs)
         # every rank continues from rank 0's view of the store
         self.head, self.next_version = self._broadcast((self.head, self.next_version))
@@ -304,7 +309,7 @@ class ShardedPublisher(DeltaPublisher):
     def _anchor_part(self, anchor: UploadJob):
         b = self._builder(anchor, part=self._part_no())
         self._write_anchor(b, anchor)
-        return b.upload(self.store)
+        return b
 
     def _delta_part(self, delta: UploadJob):
         agreed = []
@@ -316,7 +321,7 @@ class ShardedPublisher(DeltaPublisher):
         try:
             b = self._builder(delta, part=self._part_no())
             self._encoder.write(b, delta.payload, tables)
-            return b.upload(self.store)
+            return b
         except GroupFailed:
             raise
         except Exception:
@@ -334,15 +339,31 @@ class ShardedPublisher(DeltaPublisher):
         return codec.step_tables_from(total)
 
     def _part(self, version: int, kind: str, write) -> None:
-        """Write this rank's part (``write()``: its manifest part, or an exception), hand it to rank 0,
-        which commits the version when every part is in; every rank learns the outcome."""
+        """Write this rank's part (``write()``: its builder, blobs spooled, or an exception), upload it and
+        hand it to rank 0, which commits the version when every part is in; every rank learns the outcome.
+        A version of more entries than a manifest inlines (the parts' entries and chunks summed) is
+        published in tables, each rank writing those of the tensors it publishes whole
+        (:mod:`~engine_ext.trainer.table_parts`)."""
+        b, mine = None, None
         try:
-            mine = write()
+            b = write()
+            b.name_blobs()
+            m = b.manifest
+            view = (len(m.blobs), m.entries, any(not self.layout[t.name].split for t in m.tensors))
         except GroupFailed:
             raise
         except Exception as e:  # noqa: BLE001 - reported to rank 0, which aborts the version on every rank
             log.error("engine_ext: rank %d failed its part of v%d (%s): %s", self.rank, version, kind, e)
-            mine = f"rank {self.rank}: {type(e).__name__}: {e}"
+            b, view, mine = None, None, f"rank {self.rank}: {type(e).__name__}: {e}"
+        views = self._all_gather(view, f"v{version} ({kind})'s parts")
+        if b is not None and None not in views:  # else another rank failed: this one uploads nothing
+            try:
+                mine = b.upload(self.store, write_tables=self._table_writer(views, version, kind))
+            except Exception as e:  # noqa: BLE001 - as above
+                log.error("engine_ext: rank %d failed its part of v%d (%s): %s", self.rank, version, kind, e)
+                mine = f"rank {self.rank}: {type(e).__name__}: {e}"
+        elif b is not None:
+            b.tmp.cleanup()
         parts = self._gather(mine, f"v{version} ({kind})")
         outcome = None
         if self.rank == 0:
@@ -359,20 +380,58 @@ class ShardedPublisher(DeltaPublisher):
         else:
             self._abort(version, why)
 
+    def _table_writer(self, views: list[tuple], version: int, kind: str):
+        """How this rank writes its tables of a version whose parts are ``views`` (every rank's blob count,
+        entries, whether it publishes a tensor whole): None where the version is published inline."""
+        if sum(v[1] for v in views) <= settings.current().inline_entries:
+            return None
+        shift = sum(n + bool(whole) for n, _, whole in views[: self.rank])  # the blobs of the ranks before
+        return functools.partial(
+            table_parts.write_part,
+            split=self._split_names(),
+            shift=shift,
+            tag=blob_tag(version, kind, self._part_no()),
+            per=table_parts.per_table(len(self.layout), self.world),
+        )
+
     def _commit_parts(self, parts: list, version: int, kind: str) -> tuple:
         failed = [p for p in parts if isinstance(p, str)]
-        if failed:
-            return False, "; ".join(failed)[:2000], None, False
+        if failed or None in parts:
+            return False, "; ".join(failed)[:2000] or "a rank did not upload its part", None, False
         try:
-            m = merge_parts(parts, list(self.layout))
             with self._heartbeat.moving_latest():
-                _, sha, latest = commit(self.store, m, self.signer, self.latest_ttl_s)
+                if isinstance(parts[0], table_parts.TablesPart):
+                    _, sha, latest = table_parts.commit_tables(
+                        self.store,
+                        parts,
+                        [n for n in self.layout if n in self._split_names()],
+                        self._model_keys(),
+                        self.signer,
+                        self.latest_ttl_s,
+                        table_parts.per_table(len(self.layout), self.world),
+                    )
+                else:
+                    _, sha, latest = commit(
+                        self.store, merge_parts(parts, list(self.layout)), self.signer, self.latest_ttl_s
+                    )
                 self._heartbeat.wrote(latest)
             self._published(version, sha)
-            return True, "", fpr.parse(m.fingerprint), False
+            return True, "", fpr.parse(latest.fingerprint), False
         except Exception as e:  # noqa: BLE001 - nothing (or, past the manifest, a stale LATEST) was written
             log.error("engine_ext: committing v%d (%s) failed: %s", version, kind, e)
             return False, f"rank 0 could not commit: {type(e).__name__}: {e}", None, isinstance(e, ConflictError)
+
+    def _split_names(self) -> frozenset[str]:
+        """The tensors several ranks publish rows of (rank 0 joins them)."""
+        if self._split is None:
+            self._split = frozenset(n for n, p in self.layout.items() if p.split)
+        return self._split
+
+    def _model_keys(self) -> np.ndarray:
+        """Every tensor's name key, sorted: what the ranks' tables must list (made once: 140 k names at K2 size)."""
+        if self._keys is None:
+            self._keys = np.sort(fpr.name_keys(list(self.layout)))
+        return self._keys
 
     def _abort(self, version: int, why: str) -> None:
         """A part of ``version`` was not committed: unless its other part was (its anchor, published
