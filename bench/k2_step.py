@@ -12,10 +12,13 @@ expert-parallel rank of 16 and one tensor-parallel rank of 8, from four stores: 
 loopback (the test server, ``tests/servers.py``), the same with 20 ms added to every request (an object
 store's first byte: :class:`PerRequest`, which also counts requests), and S3 (``moto_server`` on loopback):
 
-1. **commit** (rank 0 of the sharded publisher, full size): the 16 ranks' part manifests (one per
-   expert-parallel rank, each listing its experts' cells; rank 0 also the dense tensors) are joined
-   (``merge_parts``), validated, written as format 10 (tables and name index) and signed. The data
-   blobs are not written: the ranks wrote them before, in parallel.
+1. **commit** (the sharded publisher, full size): each of the 16 ranks' part manifests (one per
+   expert-parallel rank, each listing its experts' cells; rank 0 also the dense tensors) is validated and
+   written as format-10 tables by its rank (``table_parts.write_part``: timed one after another here, in
+   parallel on a trainer, so the slowest counts), then rank 0 checks the ranks' names, writes the name
+   index and signs (``table_parts.commit_tables``). The data blobs are not written: the ranks wrote them
+   before, in parallel. ``--joined`` also times the commit before (rank 0 joins every part, validates and
+   tables it all: ``merge_parts``, ``commit``), in the same run.
 2. **manifest and signature** (every reader; full size): the signed manifest read and verified.
 3. **driver** (one per replica; full size): the whole manifest read once (every tensor table and the
    name index), the checks that need every entry (tensor set, model fingerprints, overlaps).
@@ -51,6 +54,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -64,7 +68,9 @@ from engine_ext.store import Store, open_store  # noqa: E402
 from engine_ext.store.reader import TensorBases, _decode_parts, _parts, _read_ranges  # noqa: E402
 from engine_ext.store.reader import load_cells, open_held, open_manifest  # noqa: E402
 from engine_ext.store.signing import Signer, Trust, generate_key  # noqa: E402
-from engine_ext.trainer.builder import commit, merge_parts  # noqa: E402
+from engine_ext.format import fingerprint as fpr  # noqa: E402
+from engine_ext.trainer import table_parts  # noqa: E402
+from engine_ext.trainer.builder import LATEST_TTL_S, commit, merge_parts  # noqa: E402
 from engine_ext.trainer.publisher import DeltaPublisher  # noqa: E402
 from fake_ranks import make_rank  # noqa: E402
 
@@ -128,32 +134,54 @@ def stores(root: Path, moto: bool):
         yield out
 
 
-def full_size(layers: int, experts: int, root: Path, key: str, moto: bool) -> dict:
+def full_size(layers: int, experts: int, root: Path, key: str, moto: bool, joined: bool = False) -> dict:
     """Phases 1-5 at full size, on the whole model's manifest: commit, manifest, driver, rank metadata, and the
     ranks' fetch of their bytes from blobs laid out as the publisher lays them out (sizes and offsets real,
     contents zeros: the data phases' bytes are measured on one layer, :func:`one_layer`)."""
     shapes = ms.moe_tensors(layers, experts)
     names = [n for n, _, _ in shapes]
     ep = 16
-    parts = []
-    for r in range(ep):  # rank r: its experts; rank 0 the dense tensors too
-        mine = ms.ep_names(names, experts, ep, r)
-        own = [s for s in shapes if s[0] in mine and (".experts." in s[0] or r == 0)]
-        parts.append(ms.delta_manifest(own, part=f"r{r}."))
-    out: dict = {"tensors": len(shapes)}
-    merged, out["merge_s"] = timed(lambda: merge_parts(parts, names))
-    out["cells"] = sum(len(t.chunks or ()) for t in merged.tensors)
-    parts.clear()  # their chunks: memory the reads below want
+
+    def ep_parts():  # rank r: its experts; rank 0 the dense tensors too
+        owned = [ms.ep_names(names, experts, ep, r) for r in range(ep)]
+        return [ms.delta_manifest([s for s in shapes if s[0] in owned[r] and (".experts." in s[0] or r == 0)],
+                                  part=f"r{r}.") for r in range(ep)]
+
+    parts = ep_parts()
+    out: dict = {"tensors": len(shapes), "cells": sum(len(t.chunks or ()) for p in parts for t in p.tensors)}
+    if joined:  # the commit before issue 52's item 1, side by side: rank 0 joins the parts and tables everything
+        copies = ep_parts()
+        merged, out["joined_merge_s"] = timed(lambda: merge_parts(copies, names))
+        del copies
+        with tempfile.TemporaryDirectory(dir=root.parent) as other:
+            _, out["joined_commit_s"] = timed(functools.partial(commit, open_store(other), merged, Signer([key])))
+        with collector_paused():  # as inside commit: its share, timed apart (unpaused, the collector's passes over
+            _, out["joined_validate_s"] = timed(merged.validate)  # a million chunks would be counted too)
+        del merged
+        gc.collect()
     store = open_store(str(root))
-    signer = Signer([key])
-    _, out["commit_s"] = timed(functools.partial(commit, store, merged, signer))
-    with collector_paused():  # as inside commit: its share, timed apart (unpaused, the collector's passes over
-        _, out["validate_s"] = timed(merged.validate)  # a million chunks would be counted too)
-    for b in merged.blobs:  # the ranks' data blobs, written before the commit (sparse files of their sizes)
-        with open(root / b.key, "wb") as f:
-            f.truncate(b.size)
-    out["blobs"], out["delta_bytes"] = len(merged.blobs), sum(b.size for b in merged.blobs)
-    del merged  # rank 0's: the readers below are other processes
+    per = table_parts.per_table(len(names), ep)
+    model_keys = np.sort(fpr.name_keys(names))  # what the publisher makes once, at its first version
+    tparts, shift, rank_s = [], 0, []
+    with tempfile.TemporaryDirectory(dir=root.parent) as spool:
+        for r, part in enumerate(parts):  # each rank's own tables (in parallel on a real trainer: the slowest counts)
+            (tp, file), s = timed(functools.partial(table_parts.write_part, part, spool, split=frozenset(), shift=shift,
+                                                    tag=f"v00000002.r{r}", per=per))
+            store.create_file(*file)  # uploaded with the rank's data blobs, in parallel: not timed
+            shift += len(tp.part.blobs)
+            tparts.append(tp)
+            rank_s.append(s)
+    parts.clear()
+    out["rank_tables_s"], out["rank_tables_sum_s"] = max(rank_s), sum(rank_s)
+    _, out["commit_s"] = timed(lambda: table_parts.commit_tables(store, tparts, [], model_keys, Signer([key]),
+                                                                 LATEST_TTL_S, per))
+    del tparts
+    doc = json.loads((root / "v00000002.json").read_bytes())
+    for b in doc["blobs"]:  # the ranks' data blobs, written before the commit (sparse files of their sizes)
+        if not (root / b["key"]).exists():
+            with open(root / b["key"], "wb") as f:
+                f.truncate(b["size"])
+    out["blobs"], out["delta_bytes"] = len(doc["blobs"]), sum(b["size"] for b in doc["blobs"])
     gc.collect()
     trust = Trust.from_public_keys([key + ".pub"])
     raw = (root / "v00000002.json").read_bytes()
@@ -274,7 +302,8 @@ def table(full: dict, layer: dict, rank: str, where: list[str], layers: int, exp
     holds a slice of each); everything else ran at full size."""
     x = layers * (experts // 16) / sample if rank == "ep16" else layers * experts / sample
     per_store = lambda k: tuple(full[f"{k.format(w=w)}"] for w in where)  # noqa: E731
-    rows = [("commit (rank 0: merge, validate, tables, sign)", "commit", (full["merge_s"] + full["commit_s"],) * len(where), "full size"),
+    rows = [("commit (the slowest rank's tables, then rank 0's index and signature)", "commit",
+             (full["rank_tables_s"] + full["commit_s"],) * len(where), "full size"),
             ("manifest + signature", "manifest", per_store("manifest_{w}_s"), "full size"),
             ("driver: the whole manifest, once per replica", "driver", per_store("driver_{w}_s"), "full size"),
             ("rank metadata: index, own tables, own cell tables", "metadata", per_store(rank + "_metadata_{w}_s"), "full size"),
@@ -296,6 +325,8 @@ def main() -> None:
     ap.add_argument("--sample-experts", type=int, default=24, help="experts of the one layer whose data is real")
     ap.add_argument("--density", type=float, default=0.003)
     ap.add_argument("--no-moto", action="store_true", help="leave out the S3 store (moto_server): its upload is slow")
+    ap.add_argument("--joined", action="store_true",
+                    help="also time the commit before issue 52 (rank 0 joins every part and tables it), side by side")
     ap.add_argument("--json", help="write every figure here")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="k2-step-") as tmp:
@@ -303,15 +334,18 @@ def main() -> None:
         key = str(tmp / "k2.key")
         generate_key(key)
         (tmp / "full").mkdir()
-        full = full_size(a.layers, a.experts, tmp / "full", key, moto=not a.no_moto)
+        full = full_size(a.layers, a.experts, tmp / "full", key, moto=not a.no_moto, joined=a.joined)
         (tmp / "layer").mkdir()
         layer = one_layer(a.sample_experts, a.density, tmp / "layer")
     where = ["local", "http", "http+20ms"] + ([] if a.no_moto else ["moto"])
     mb = 1 << 20
     print(f"{full['tensors']:,} tensors, {full['cells']:,} cells; a {full['delta_bytes'] / (1 << 30):.2f} GiB delta in "
           f"{full['blobs']} blobs laid out for TP {settings.current().reader_tp}; signed manifest "
-          f"{full['manifest_bytes'] / 1024:.0f} KiB; commit {full['merge_s']:.2f} s merge + {full['commit_s']:.2f} s "
-          f"(of which validate {full['validate_s']:.2f} s)")
+          f"{full['manifest_bytes'] / 1024:.0f} KiB; commit: each rank's tables {full['rank_tables_s']:.2f} s at the "
+          f"slowest ({full['rank_tables_sum_s']:.2f} s for all 16), then rank 0 {full['commit_s']:.2f} s")
+    if a.joined:
+        print(f"the commit before (rank 0 joins and tables every part): {full['joined_merge_s']:.2f} s merge + "
+              f"{full['joined_commit_s']:.2f} s (of which validate {full['joined_validate_s']:.2f} s)")
     print(f"one layer's sample ({a.sample_experts} experts): {layer['changes']:,} changes, {layer['delta_bytes'] / mb:.1f} MiB "
           f"({layer['delta_bytes'] / max(1, layer['changes']):.2f} B per change); parts by coder {layer['coders']}")
     tables = {}

@@ -482,7 +482,7 @@ class SpooledBlob:
 
     def __init__(self, spool: str, index: int, name: int | None = None):
         self.index, self.name, self._digest = index, index if name is None else name, hashlib.sha256()
-        self.path = os.path.join(spool, f"tables.{self.name}.bin")
+        self.path = os.path.join(spool, f"tables.{self.index}.bin")
         self._file = open(self.path, "wb")  # noqa: SIM115 - closed by close()
 
     def put(self, raw: bytes) -> tuple[int, int]:

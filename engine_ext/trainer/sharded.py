@@ -16,7 +16,12 @@ is how a version is committed:
 3. each rank writes its blobs (keys ``…r{rank}…``) and sends rank 0 its part of the
    manifest (partial fingerprints, its chunks); rank 0 joins them
    (:func:`~engine_ext.trainer.builder.merge_parts`) and writes the one signed manifest
-   and ``LATEST`` only when every rank's part is in;
+   and ``LATEST`` only when every rank's part is in. A version of more entries than a
+   manifest inlines is tabled by the ranks instead: each validates the tensors it publishes
+   whole and writes their tables into a blob of its own, and sends rank 0 only their
+   references, name keys and its share of the model fingerprints; rank 0 joins the split
+   tensors alone and writes the name index (:mod:`~engine_ext.trainer.table_parts`: a
+   Kimi-K2 commit no longer touches a million chunks on one rank);
 4. rank 0 tells every rank whether the version was committed.
 
 These run on each publisher's background thread, in version order, over a gloo process
