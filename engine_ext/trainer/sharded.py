@@ -354,7 +354,8 @@ class ShardedPublisher(DeltaPublisher):
             b = write()
             b.name_blobs()
             m = b.manifest
-            view = (len(m.blobs), m.entries, any(not self.layout[t.name].split for t in m.tensors))
+            whole = any(not self.layout[t.name].split for t in m.tensors)
+            view = (len(m.blobs), m.entries, whole, settings.current().inline_entries)
         except GroupFailed:
             raise
         except Exception as e:  # noqa: BLE001 - reported to rank 0, which aborts the version on every rank
@@ -387,10 +388,11 @@ class ShardedPublisher(DeltaPublisher):
 
     def _table_writer(self, views: list[tuple], version: int, kind: str):
         """How this rank writes its tables of a version whose parts are ``views`` (every rank's blob count,
-        entries, whether it publishes a tensor whole): None where the version is published inline."""
-        if sum(v[1] for v in views) <= settings.current().inline_entries:
+        entries, whether it publishes a tensor whole, and its inline limit): None where the version is
+        published inline. Every rank decides by rank 0's limit, so all decide alike."""
+        if sum(v[1] for v in views) <= views[0][3]:
             return None
-        shift = sum(n + bool(whole) for n, _, whole in views[: self.rank])  # the blobs of the ranks before
+        shift = sum(n + bool(whole) for n, _, whole, _ in views[: self.rank])  # the blobs of the ranks before
         return functools.partial(
             table_parts.write_part,
             split=self._split_names(),
