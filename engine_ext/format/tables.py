@@ -458,12 +458,14 @@ def _resolve(m: Manifest, tables: list[bytes], index: bytes | None) -> None:
         if index is None:
             raise ManifestError("a format-10 manifest's name index was not given")
         _verify(m.index, index, "the name index")
-        at = np.cumsum([0] + [r.count for r in m.tables]).tolist()
-        if index != name_index([[t.name for t in tensors[a:b]] for a, b in itertools.pairwise(at)]):
+        keys = np.array([name_key(t.name) for t in tensors], np.uint64)  # once: the index, then the fingerprints
+        if index != index_records(keys, [r.count for r in m.tables]):
             raise ManifestError("the name index is not the one its tensor tables give")
+    else:
+        keys = None
     m.tensors = tensors
     try:
-        parse_checked(m.validate)
+        parse_checked(lambda: m.validate(keys))
     except ManifestError:
         m.tensors = []
         raise
