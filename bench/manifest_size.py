@@ -70,6 +70,7 @@ def delta_manifest(tensors, density: float = 0.003, bytes_per_change: float = 1.
         blobs[-1].size = open_blob[0].size()
         return len(blobs) - 1, offset
 
+    lists: dict[tuple, list] = {}  # one list per distinct shape and grid, as the publisher's VersionBuilder shares
     for k, (name, dtype, shape) in enumerate(tensors):
         numel = 1
         for s in shape:
@@ -77,6 +78,8 @@ def delta_manifest(tensors, density: float = 0.003, bytes_per_change: float = 1.
         nnz = max(1, int(numel * density))
         fp, base = fpr.fmt(k * 7919 + 1), fpr.fmt(k * 104729 + 3)
         cuts = chunks.grid(shape, along=shard_dim(name, shape))  # as the publisher cuts it (DeltaEncoder.cuts)
+        shape = lists.setdefault(("shape", *shape), list(shape))
+        cuts = None if cuts is None else lists.setdefault(("grid", *map(tuple, cuts)), cuts)
         if cuts is None:
             n = max(2, int(nnz * bytes_per_change))
             blob, offset = place(n, blob_layout.COMMON)

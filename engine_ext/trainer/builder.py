@@ -110,6 +110,15 @@ class VersionBuilder:
         self.reader_tp = settings.current().reader_tp if reader_tp is None else reader_tp
         self._open: OpenBlob | None = None  # the delta blob being filled
         self._named: list[tuple[str, str]] | None = None  # the blobs' (key, local file), once named
+        self._lists: dict[tuple, list] = {}  # one list per distinct shape and grid (:meth:`_shared`)
+
+    def _shared(self, shape, grid: list[list[int]] | None = None) -> tuple[list[int], list[list[int]] | None]:
+        """``shape`` and ``grid`` as lists shared by every entry of this version with the same (nothing changes
+        an entry's shape or grid in place): the checks before a commit tell distinct ones apart by identity
+        first (:mod:`engine_ext.format.entries`), and a K2 rank's 9,000 entries have a handful."""
+        s = self._lists.setdefault(("shape", *shape), list(shape))
+        g = None if grid is None else self._lists.setdefault(("grid", *map(tuple, grid)), grid)
+        return s, g
 
     # -- deltas ---------------------------------------------------------------
     def add_step_tables(self, dtype: str, tables: list[bytes]) -> None:
@@ -119,7 +128,7 @@ class VersionBuilder:
     def add_unchanged(self, name: str, dtype: DType, shape, fp: int) -> None:
         f = fpr.fmt(fp)
         self.manifest.tensors.append(
-            TensorEntry(name, dtype.name, list(shape), 0, f, f if self.manifest.kind == DELTA else None)
+            TensorEntry(name, dtype.name, self._shared(shape)[0], 0, f, f if self.manifest.kind == DELTA else None)
         )
 
     def add_delta(self, name: str, dtype: DType, shape, nnz: int, enc: Encoded, base_fp: int, fp: int) -> None:
@@ -130,7 +139,7 @@ class VersionBuilder:
         entry = TensorEntry(
             name,
             dtype.name,
-            list(shape),
+            self._shared(shape)[0],
             nnz,
             fpr.fmt(fp),
             fpr.fmt(base_fp),
@@ -205,8 +214,9 @@ class VersionBuilder:
             )
             self._place(chunk, section)
             chunks.append(chunk)
+        shared_shape, grid = self._shared(shape, cuts)
         self.manifest.tensors.append(
-            TensorEntry(name, dtype.name, list(shape), nnz, fpr.fmt(fp), fpr.fmt(base_fp), grid=cuts, chunks=chunks)
+            TensorEntry(name, dtype.name, shared_shape, nnz, fpr.fmt(fp), fpr.fmt(base_fp), grid=grid, chunks=chunks)
         )
 
     # -- anchors --------------------------------------------------------------
