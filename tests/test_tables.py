@@ -26,6 +26,7 @@ from engine_ext.errors import IntegrityError, ManifestError
 from engine_ext.format import manifest as manifest_mod
 from engine_ext.format.manifest import Manifest
 from engine_ext.format import tables
+from engine_ext.format.fingerprint import name_key
 from engine_ext.format.tables import CELL_RECORD
 from engine_ext.server.controller import Controller
 from engine_ext.server.protocol import UpdateRequest
@@ -399,7 +400,7 @@ def test_binary_tables_and_an_index_that_lie_are_refused(small_tables):
     with pytest.raises(ManifestError, match="not the one"):
         tables.resolve(m, blobs, index)
     name = next(t.name for g in [tables.read_tensor_table(r, b, "t") for r, b in zip(m.tables, blobs)] for t in g
-                if tables.name_key(t.name) == int(np.frombuffer(index, tables.INDEX_RECORD)["key"][0]))
+                if name_key(t.name) == int(np.frombuffer(index, tables.INDEX_RECORD)["key"][0]))
     places, found = tables.lookup(m, index, {name})
     with pytest.raises(ManifestError, match="places"):
         tables.select(m, places, dict(enumerate(blobs)), {name}, found)

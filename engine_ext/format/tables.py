@@ -27,9 +27,9 @@ import numpy as np
 
 from ..errors import IntegrityError, ManifestError
 from . import cells
+from . import fingerprint as fpr
 from .bulk import collector_paused as _collector_paused
 from .cells import CELL_CODERS, CELL_MODES, CELL_RECORD
-from .fingerprint import name_key
 from .manifest import (
     CELL_RECORD_BYTES,
     INDEX_RECORD_BYTES,
@@ -113,7 +113,8 @@ def tabulate(
     starts = range(0, len(m.tensors), per)
     if binary:
         tables = binary_tables(m.tensors, put, per, records)
-        index = ref(index_records(_keys(m.tensors, name_keys), [r.count for r in tables]), len(m.tensors))
+        keys = fpr.name_keys([t.name for t in m.tensors]) if name_keys is None else name_keys
+        index = ref(index_records(keys, [r.count for r in tables]), len(m.tensors))
     else:
         table_refs = _cell_tables(m.tensors, ref, records)
         rows = [_json_row(t, c) for t, c in zip(m.tensors, table_refs)]
@@ -173,10 +174,6 @@ def binary_tables(
         ref(tensor_table(tensors[i : i + per_table], cell_refs[i : i + per_table]), len(tensors[i : i + per_table]))
         for i in range(0, len(tensors), per_table)
     ]
-
-
-def _keys(tensors: list[TensorEntry], keys: np.ndarray | None) -> np.ndarray:
-    return np.array([name_key(t.name) for t in tensors], np.uint64) if keys is None else keys
 
 
 def _json_row(t: TensorEntry, cells: TableRef | None) -> dict:
@@ -359,12 +356,9 @@ def read_tensor_table(ref: TableRef, raw: bytes, where: str, rows=None) -> list[
     return out
 
 
-def name_index(groups: list[list[str]], keys: np.ndarray | None = None) -> bytes:
-    """The name index of tensor tables holding ``groups`` of names (in table order): see
-    :func:`index_records` (``keys``: those of the names in order, where the caller made them)."""
-    if keys is None:
-        keys = np.array([name_key(n) for g in groups for n in g], np.uint64)
-    return index_records(keys, [len(g) for g in groups])
+def name_index(groups: list[list[str]]) -> bytes:
+    """The name index of tensor tables holding ``groups`` of names (in table order): see :func:`index_records`."""
+    return index_records(fpr.name_keys([n for g in groups for n in g]), [len(g) for g in groups])
 
 
 def index_records(keys: np.ndarray, counts: list[int]) -> bytes:
@@ -396,7 +390,7 @@ def lookup(m: Manifest, raw: bytes, names) -> tuple[dict[int, list[int]], frozen
         or (row >= counts[np.minimum(table, len(counts) - 1)]).any()
     ):
         raise ManifestError("the name index is not sorted, or places a name beyond its tables")
-    by_key = {name_key(n): n for n in names}
+    by_key = {fpr.name_key(n): n for n in names}
     want = np.array(sorted(by_key), np.uint64)
     lo, hi = np.searchsorted(keys, want, "left"), np.searchsorted(keys, want, "right")
     hits = np.concatenate(
@@ -458,7 +452,7 @@ def _resolve(m: Manifest, tables: list[bytes], index: bytes | None) -> None:
         if index is None:
             raise ManifestError("a format-10 manifest's name index was not given")
         _verify(m.index, index, "the name index")
-        keys = np.array([name_key(t.name) for t in tensors], np.uint64)  # once: the index, then the fingerprints
+        keys = fpr.name_keys([t.name for t in tensors])  # once: the index, then the fingerprints
         if index != index_records(keys, [r.count for r in m.tables]):
             raise ManifestError("the name index is not the one its tensor tables give")
     else:
