@@ -432,12 +432,11 @@ class Manifest:
         if self.held is not None:  # a rank's own tensors: the model's fingerprints need every one (the driver's read)
             return records
         keys = fpr.name_keys([t.name for t in self.tensors]) if name_keys is None else name_keys
-        if fpr.fmt(fpr.combined(keys, fpr.parse_all([t.fingerprint for t in self.tensors]))) != self.fingerprint:
+        fp, base = fpr.of_entries(keys, self.tensors, self.kind == DELTA)
+        if fpr.fmt(fp) != self.fingerprint:
             bad("model fingerprint does not match the tensors' fingerprints")
-        if self.kind == DELTA:
-            base = fpr.combined(keys, fpr.parse_all([t.base_fingerprint for t in self.tensors]))
-            if fpr.fmt(base) != self.base_fingerprint:
-                bad("base model fingerprint does not match the tensors' base fingerprints")
+        if base is not None and fpr.fmt(base) != self.base_fingerprint:
+            bad("base model fingerprint does not match the tensors' base fingerprints")
         return records
 
 

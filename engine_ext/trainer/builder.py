@@ -428,9 +428,9 @@ def commit(
     Returns (URI, SHA-256 of the published manifest's bytes, LATEST)."""
     with collector_paused():  # a K2 version's manifest holds millions of objects: no full passes over them
         keys = fpr.name_keys([t.name for t in m.tensors])  # once: both fingerprints, the checks, the name index
-        m.fingerprint = fpr.fmt(fpr.combined(keys, fpr.parse_all([t.fingerprint for t in m.tensors])))
-        if m.kind == DELTA:
-            base = fpr.combined(keys, fpr.parse_all([t.base_fingerprint for t in m.tensors]))
+        fp, base = fpr.of_entries(keys, m.tensors, m.kind == DELTA)
+        m.fingerprint = fpr.fmt(fp)
+        if base is not None:
             m.base_fingerprint = fpr.fmt(base)
         m.created_unix = time.time()
         m.format_version = m.lowest_version()

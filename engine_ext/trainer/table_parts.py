@@ -83,8 +83,7 @@ def write_part(
         )
         checked.held = frozenset(t.name for t in whole)  # a subset: the model fingerprints are rank 0's
         records = checked.validate(keys)
-        fp = fpr.combined(keys, fpr.parse_all([t.fingerprint for t in whole]))
-        base = fpr.combined(keys, fpr.parse_all([t.base_fingerprint for t in whole])) if part.kind == DELTA else None
+        fp, base = fpr.of_entries(keys, whole, part.kind == DELTA)
         for t in whole:  # the version's blob indices; chunks go into the tables as their records
             if t.blob is not None:
                 t.blob += shift
@@ -116,10 +115,9 @@ def commit_tables(
     with collector_paused():
         m = merge_parts([p.part for p in parts], split)
         keys = fpr.name_keys(split)
-        fp = fpr.combined(keys, fpr.parse_all([t.fingerprint for t in m.tensors]))
+        fp, base = fpr.of_entries(keys, m.tensors, m.kind == DELTA)
         m.fingerprint = fpr.fmt(fp + sum(p.fingerprint for p in parts))
-        if m.kind == DELTA:
-            base = fpr.combined(keys, fpr.parse_all([t.base_fingerprint for t in m.tensors]))
+        if base is not None:
             m.base_fingerprint = fpr.fmt(base + sum(p.base_fingerprint or 0 for p in parts))
         m.created_unix = time.time()
         m.format_version = INDEXED
