@@ -21,7 +21,11 @@ store's first byte: :class:`PerRequest`, which also counts requests), and S3 (``
    tables it all: ``merge_parts``, ``commit``), in the same run.
 2. **manifest and signature** (every reader; full size): the signed manifest read and verified.
 3. **driver** (one per replica; full size): the whole manifest read once (every tensor table and the
-   name index), the checks that need every entry (tensor set, model fingerprints, overlaps).
+   name index), the checks that need every entry (model fingerprints, overlaps), then what the server's
+   transaction checks before any rank fetches: every tensor against the served model's names, shapes and
+   dtypes, the decode budget, the tensors the version writes. Timed as for every version after a replica's
+   first (the names a model keeps are decoded and hashed once per process: ``tables._KnownNames``); the
+   first version's read is printed beside it.
 4. **rank metadata** (full size): the name index, the tables holding the rank's tensors and the cell
    tables of the cells it fetches.
 5. **fetch** (full size): the rank's byte ranges of the data blobs, read as the rank reads them (close
@@ -69,6 +73,8 @@ from engine_ext.store.reader import TensorBases, _decode_parts, _parts, _read_ra
 from engine_ext.store.reader import load_cells, open_held, open_manifest  # noqa: E402
 from engine_ext.store.signing import Signer, Trust, generate_key  # noqa: E402
 from engine_ext.format import fingerprint as fpr  # noqa: E402
+from engine_ext.format import tables  # noqa: E402
+from engine_ext.store import reader  # noqa: E402
 from engine_ext.trainer import table_parts  # noqa: E402
 from engine_ext.trainer.builder import LATEST_TTL_S, commit, merge_parts  # noqa: E402
 from engine_ext.trainer.publisher import DeltaPublisher  # noqa: E402
@@ -195,6 +201,14 @@ def full_size(layers: int, experts: int, root: Path, key: str, moto: bool, joine
         trust.verify_detached(raw, st.read("v00000002.json.sig"), st.key_uri("v00000002.json"))
         return raw
 
+    expected = {n: (tuple(s), d) for n, d, s in shapes}
+
+    def driver(st):  # what the transaction's plan does with a version before any rank fetches (server/transaction.py)
+        m = open_manifest(st, raw)
+        reader.check_expected(m, expected, "v00000002.json")
+        reader.check_decode_budget(m, 1 << 62)
+        return m, m.columns().changed()
+
     def rank_metadata(st, want):  # what RankUpdater.fetch does before it fetches data (selection: its rule)
         m, n = open_held(st, raw, set(want))
         sel = {}
@@ -213,10 +227,14 @@ def full_size(layers: int, experts: int, root: Path, key: str, moto: bool, joine
         return read
 
     with stores(root, moto) as by_name_store:
+        tables.forget_names()  # as in a fresh process: the first version's read
+        (m, _), out["driver_first_s"] = timed(lambda: driver(by_name_store["local"]))
+        del m
+        gc.collect()
         for where, st in by_name_store.items():
             _, out[f"manifest_{where}_s"] = timed(lambda: manifest_and_signature(st))
-            m, out[f"driver_{where}_s"] = timed(lambda: open_manifest(st, raw))
-            assert len(m.tensors) == len(shapes)
+            (m, written), out[f"driver_{where}_s"] = timed(lambda: driver(st))
+            assert len(m.tensors) == len(shapes) and written and m.tensors._made is None  # no entry object made
             del m  # the driver's: the ranks are other processes
             gc.collect()
             for rank, want in wants.items():
@@ -305,7 +323,8 @@ def table(full: dict, layer: dict, rank: str, where: list[str], layers: int, exp
     rows = [("commit (the slowest rank's tables, then rank 0's index and signature)", "commit",
              (full["rank_tables_s"] + full["commit_s"],) * len(where), "full size"),
             ("manifest + signature", "manifest", per_store("manifest_{w}_s"), "full size"),
-            ("driver: the whole manifest, once per replica", "driver", per_store("driver_{w}_s"), "full size"),
+            ("driver: the whole manifest and the plan's checks, once per replica", "driver", per_store("driver_{w}_s"),
+             f"full size (a replica's first version: {full['driver_first_s']:.2f} s local)"),
             ("rank metadata: index, own tables, own cell tables", "metadata", per_store(rank + "_metadata_{w}_s"), "full size"),
             ("fetch the rank's bytes", "fetch", per_store(rank + "_fetch_{w}_s"), "full size (zeros)")]
     same = tuple(sum(r[2][i] for r in rows) for i in range(len(where)))
@@ -348,18 +367,18 @@ def main() -> None:
               f"{full['joined_commit_s']:.2f} s (of which validate {full['joined_validate_s']:.2f} s)")
     print(f"one layer's sample ({a.sample_experts} experts): {layer['changes']:,} changes, {layer['delta_bytes'] / mb:.1f} MiB "
           f"({layer['delta_bytes'] / max(1, layer['changes']):.2f} B per change); parts by coder {layer['coders']}")
-    tables = {}
+    by_rank = {}
     for rank, title in (("ep16", "EP 16 rank"), ("tp8", "TP 8 rank")):
         meta, data = full[f"{rank}_metadata_bytes"], full[f"{rank}_fetch_bytes"]
         reqs = ", ".join(f"{w} {full[f'{rank}_metadata_{w}_requests']} + {full[f'{rank}_fetch_{w}_requests']}" for w in where)
         print(f"\n{title}: metadata {meta / mb:.1f} MiB ({100 * meta / data:.1f} % of its data), data {data / mb:.0f} MiB; "
               f"requests (metadata + fetch): {reqs}")
         print(f"| phase | {' | '.join(where)} | how | share s |\n|---|{'---:|' * len(where)}---|---:|")
-        tables[rank] = table(full, layer, rank, where, a.layers, a.experts, a.sample_experts)
-        for name, _, secs, how, budget in tables[rank]:
+        by_rank[rank] = table(full, layer, rank, where, a.layers, a.experts, a.sample_experts)
+        for name, _, secs, how, budget in by_rank[rank]:
             print(f"| {name} | " + " | ".join(f"{x:.2f}" for x in secs) + f" | {how} | {budget:g} |")
     if a.json:
-        Path(a.json).write_text(json.dumps({"full": full, "layer": layer, "tables": tables}, indent=1))
+        Path(a.json).write_text(json.dumps({"full": full, "layer": layer, "tables": by_rank}, indent=1))
 
 
 if __name__ == "__main__":

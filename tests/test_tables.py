@@ -22,16 +22,17 @@ import torch
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
 from engine_ext import settings
-from engine_ext.errors import IntegrityError, ManifestError
+from engine_ext.errors import IntegrityError, ManifestError, ModelMismatchError
 from engine_ext.format import manifest as manifest_mod
 from engine_ext.format.manifest import Manifest
-from engine_ext.format import tables
+from engine_ext.format import entries, tables
 from engine_ext.format.fingerprint import name_key
 from engine_ext.format.tables import CELL_RECORD
 from engine_ext.server.controller import Controller
 from engine_ext.server.protocol import UpdateRequest
 from engine_ext.store import open_store
-from engine_ext.store.reader import TensorBases, fetch_selected, load_cells, load_delta, open_held, read_manifest
+from engine_ext.store.reader import TensorBases, check_decode_budget, check_expected, fetch_selected, load_cells, load_delta
+from engine_ext.store.reader import open_held, open_manifest, read_manifest
 from engine_ext.store.sources import Sources
 from engine_ext.trainer.publisher import DeltaPublisher
 from fake_ranks import FakeRanks, make_rank
@@ -370,7 +371,7 @@ def _retabled(root, doc, edit):
     """``doc`` with tensor table 0 and the index re-written from ``edit(entries of every table)`` ->
     (entries per table, index bytes or None: rebuilt): their hashes match, so only their contents can lie."""
     m = Manifest.from_json(json.dumps(doc).encode())
-    groups = [tables.read_tensor_table(r, _raw_of(root, m, r), "t") for r in m.tables]
+    groups = [list(tables.read_tensor_tables([r], [_raw_of(root, m, r)], [0])) for r in m.tables]
     groups, index = edit(groups)
     blobs = [tables.tensor_table(g, [t.cells for t in g]) for g in groups]
     index = index if index is not None else tables.name_index([[t.name for t in g] for g in groups])
@@ -382,6 +383,65 @@ def _retabled(root, doc, edit):
     m.index.count = len(index) // tables.INDEX_RECORD.itemsize
     m.blobs[-1].size = 10 ** 9
     return m, blobs, index
+
+
+def test_the_driver_reads_the_whole_as_columns_and_makes_no_entry(small_tables):
+    """Issue 52, item 2: the whole read (the driver's, once per version) checks 140 k K2 entries as arrays and
+    the plan's checks run on the columns: no TensorEntry is made until one is asked for, and then each says
+    what its columns said (and what the inline entries of the same version say: test_entries). The names of
+    a model are decoded and hashed once per process: a later read of the same names reuses them."""
+    root = small_tables
+    store, raw = open_store(str(root)), (root / "v00000001.json").read_bytes()
+    tables.forget_names()
+    m = open_manifest(store, raw)
+    assert isinstance(m.tensors, tables.TableEntries) and len(m.tensors) == 5
+    served = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in _states(steps=1)[1].items()}
+    check_expected(m, served, "v1")
+    check_decode_budget(m)
+    c = m.columns()
+    assert sorted(c.changed()) == sorted(n for n, nnz in zip(c.names, c.nnz.tolist()) if nnz) and c.changed()
+    assert m.tensors._made is None  # nothing above made an object
+    made = entries.Columns.of_entries(list(m.tensors))  # the objects, then their columns: the same
+    assert made.names == c.names and made.dtype_names() == c.dtype_names() and made.shape_tuples() == c.shape_tuples()
+    for field in ("nnz", "fingerprint", "base", "has_base", "plen", "vlen", "blob", "offset", "cells", "cell_count"):
+        assert np.array_equal(getattr(made, field), getattr(c, field)), field
+    again = open_manifest(store, raw)
+    assert again.columns().names is c.names and again.tensors.name_keys() is m.tensors.name_keys()
+    with pytest.raises(ModelMismatchError, match="'b' is \\[64\\]/bfloat16, the served model has \\[65\\]"):
+        check_expected(again, served | {"b": ((65,), "bfloat16")}, "v1")
+    assert again.tensors._made is None
+
+
+def _with_records(root, m, i: int, edit):
+    """The bytes of every tensor table of ``m``, table ``i``'s records changed by ``edit(records)``, and the
+    references re-hashed (a signed manifest naming lying tables: only their contents can lie)."""
+    blobs = [_raw_of(root, m, r) for r in m.tables]
+    at, n = tables.TABLE_HEAD.itemsize, m.tables[i].count
+    b = bytearray(blobs[i])
+    rec = np.frombuffer(bytes(b[at:at + n * tables.TENSOR_RECORD.itemsize]), tables.TENSOR_RECORD).copy()
+    edit(rec)
+    b[at:at + n * tables.TENSOR_RECORD.itemsize] = rec.tobytes()
+    blobs[i] = bytes(b)
+    m.tables[i].sha256 = hashlib.sha256(blobs[i]).hexdigest()
+    return blobs
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda r: r.__setitem__("dtype", 200), "tensor table 2: a record's code is out of range"),
+    (lambda r: r.__setitem__("nnz", 1 << 63), "outside"),
+    (lambda r: r.__setitem__("shape", 1), "tensor table 2: a record's code is out of range"),
+    (lambda r: r["flags"].__setitem__(0, 0), "fingerprint"),
+], ids=["code", "huge-nnz", "shape", "base-flag"])
+def test_a_lying_record_in_a_later_table_is_refused_naming_it(small_tables, edit, says):
+    """Every table's records are checked as one array: an error still names the table and the entry."""
+    root = small_tables
+    raw = (root / "v00000001.json").read_bytes()
+    m = Manifest.from_json(raw)
+    index = _raw_of(root, m, m.index)
+    blobs = _with_records(root, m, 2, edit)
+    with pytest.raises(ManifestError, match=says):
+        tables.resolve(m, blobs, index)
+    assert m.tensors == []
 
 
 def test_binary_tables_and_an_index_that_lie_are_refused(small_tables):
@@ -399,7 +459,7 @@ def test_binary_tables_and_an_index_that_lie_are_refused(small_tables):
     m, blobs, index = _retabled(root, doc, swapped)
     with pytest.raises(ManifestError, match="not the one"):
         tables.resolve(m, blobs, index)
-    name = next(t.name for g in [tables.read_tensor_table(r, b, "t") for r, b in zip(m.tables, blobs)] for t in g
+    name = next(t.name for g in [list(tables.read_tensor_tables([r], [b], [0])) for r, b in zip(m.tables, blobs)] for t in g
                 if name_key(t.name) == int(np.frombuffer(index, tables.INDEX_RECORD)["key"][0]))
     places, found = tables.lookup(m, index, {name})
     with pytest.raises(ManifestError, match="places"):
@@ -484,7 +544,7 @@ def test_expert_parallel_ranks_read_only_their_own_tensor_tables(tmp_path):
     select = tables.select
 
     def recording(m, places, got, names, found):
-        seen[frozenset(names)] = sorted(t.name for i in places for t in tables.read_tensor_table(m.tables[i], got[i], "t"))
+        seen[frozenset(names)] = sorted(t.name for i in places for t in list(tables.read_tensor_tables([m.tables[i]], [got[i]], [i])))
         return select(m, places, got, names, found)
 
     ctl = Controller(FakeRanks(ranks), Sources([str(tmp_path)]), version=0)

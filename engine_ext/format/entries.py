@@ -2,12 +2,15 @@
 
 A Kimi-K2 version lists 140,790 tensors. Its driver checks them all, each TP rank nearly all, and rank 0's
 commit checks them before it writes them. One Python call per entry (about 15 us) made that 2 s per read
-(issue 52). Here the entries become columns, a field at a time, each refused where it is not the type its
-field needs; the rules then run over the columns. The rules that depend on a shape, a grid or a coder
-combination run once per distinct value: a model has a handful.
+(issue 52). The entries become :class:`Columns`: one array per numeric field, and each categorical field (a
+dtype, a shape, a grid, a coder, a mode) as codes into its distinct values, so a rule that depends on one runs
+once per distinct value (a model has a handful). Columns are made from entry objects (:meth:`Columns.of_entries`:
+inline JSON, a publisher's own entries), which refuses any field that is not the type it needs, or straight
+from a format-10 tensor table's records (:func:`engine_ext.format.tables.read_tensor_tables`), for which no
+object is made: the rules (:func:`check`) are the same for both.
 
-The chunks of a cut tensor are :mod:`engine_ext.format.cells`' (the tensors whose chunks are listed inline
-are returned for it); the overlap of byte ranges across the whole manifest is the caller's
+The chunks of a cut tensor are :mod:`engine_ext.format.cells`' (the rows whose chunks are listed inline are
+returned for it); the overlap of byte ranges across the whole manifest is the caller's
 (:meth:`Manifest.validate`), over the ranges returned here.
 """
 
@@ -28,6 +31,179 @@ from . import manifest as mf  # its constants and rules, read at call time (mani
 from .cells import MAX_OFFSET
 
 _LOWER_HEX = re.compile(r"[0-9a-f]*")
+NONE = -1  # the code of an absent grid, blob or cell table
+
+
+@dataclass
+class Columns:
+    """Tensor entries as columns, in entry order: what :func:`check` runs over and what a reader of the whole
+    model sums over (names, dtypes, shapes, changes, fingerprints) without an object per entry. A categorical
+    field is an int64 code array into its list of distinct values (``-1``: absent); positions and values
+    coders have a vocabulary each."""
+
+    names: list[str]
+    dtype: np.ndarray
+    dtypes: list
+    shape: np.ndarray
+    shapes: list
+    grid: np.ndarray  # -1: no grid
+    grids: list
+    nnz: np.ndarray  # int64
+    fingerprint: np.ndarray  # uint64
+    base: np.ndarray  # uint64, 0 where has_base is False
+    has_base: np.ndarray
+    pcoder: np.ndarray
+    pcoders: list
+    vcoder: np.ndarray
+    vcoders: list
+    mode: np.ndarray
+    modes: list
+    plen: np.ndarray
+    vlen: np.ndarray
+    blob: np.ndarray  # -1: none (a changed whole tensor's bytes)
+    offset: np.ndarray
+    has_sha: np.ndarray  # its bytes' SHA-256 is given (64 lower-case hex digits)
+    chunk_lists: list  # each entry's inline chunk list, or None (always, for a binary table's entries)
+    has_chunks: np.ndarray
+    cells: np.ndarray  # bool: its chunks lie in a cell table (format 7), placed by cell_*
+    cell_blob: np.ndarray
+    cell_offset: np.ndarray
+    cell_length: np.ndarray
+    cell_count: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def where(self, i: int) -> str:
+        """How an error names entry ``i``."""
+        return mf._cut(f"tensor {self.names[i]!r}", 200)
+
+    def changed(self) -> list[str]:
+        """The names of the entries with changes."""
+        return [self.names[i] for i in np.flatnonzero(self.nnz).tolist()]
+
+    def dtype_names(self) -> list[str]:
+        return [self.dtypes[c] for c in self.dtype.tolist()]
+
+    def shape_tuples(self) -> list[tuple]:
+        per = [tuple(s) for s in self.shapes]
+        return [per[c] for c in self.shape.tolist()]
+
+    def itemsizes(self) -> np.ndarray:
+        """Each entry's element size in bytes (its dtype checked: every entry's is, by :func:`check`)."""
+        return _spread_codes(self.dtype, [mf.dtype_by_name_checked(d, "a tensor").itemsize for d in self.dtypes])
+
+    @classmethod
+    def of_entries(cls, tensors: Sequence) -> Columns:
+        """``tensors`` (TensorEntry objects) as columns, a field at a time; a field that is not the type the
+        column needs (hostile JSON: a string where an int goes, a bool, a float) is refused naming the entry."""
+        n = len(tensors)
+
+        def where(i: int) -> str:
+            return mf._cut(f"tensor {tensors[i].name!r}", 200)
+
+        def column(path: str) -> list:
+            return list(map(attrgetter(path), tensors))
+
+        names = column("name")
+        _names(names)
+        fps = column("fingerprint")
+        fpr.parse_all(fps)  # raises ValueError naming the first bad one, as a base's below
+        base = column("base_fingerprint")
+        has_base = np.array([b is not None for b in base], bool)
+        base_fp = np.zeros(n, np.uint64)
+        base_fp[has_base] = fpr.parse_all([b for b in base if b is not None])
+        blob = column("blob")
+        given = [i for i, b in enumerate(blob) if b is not None]
+        blobs = np.full(n, NONE, np.int64)
+        blobs[given] = _ints([blob[i] for i in given], lambda j: where(given[j]), "blob index")
+        sha = column("sha256")
+        has_sha = np.array([s is not None for s in sha], bool)
+        _shas([s for s in sha if s is not None], lambda j: where(int(np.flatnonzero(has_sha)[j])))
+        chunk_lists = column("chunks")
+        refs = column("cells")
+        has_cells = np.array([r is not None for r in refs], bool)
+        rows = np.flatnonzero(has_cells)
+        sub = [refs[i] for i in rows.tolist()]
+        named = lambda j: where(int(rows[j])) + ": cell table"
+        if not all(isinstance(r, mf.TableRef) for r in sub):
+            j = next(j for j, r in enumerate(sub) if not isinstance(r, mf.TableRef))
+            raise ManifestError(f"{named(j)}: a bad table reference")
+        cell = {f: np.zeros(n, np.int64) for f in ("blob", "offset", "length", "count")}
+        for f, col in cell.items():
+            col[rows] = _ints([getattr(r, f) for r in sub], named, f)
+        _shas([r.sha256 for r in sub], named)
+        dtype, dtypes = _codes(column("dtype"), _itself)
+        shape, shapes = _codes(column("shape"))
+        grid, grids = _codes(column("grid"), none=True)
+        pcoder, pcoders = _codes(column("positions.coder"), _itself)
+        vcoder, vcoders = _codes(column("values.coder"), _itself)
+        mode, modes = _codes(column("values.mode"), _itself)
+        return cls(
+            names=names,
+            dtype=dtype,
+            dtypes=dtypes,
+            shape=shape,
+            shapes=shapes,
+            grid=grid,
+            grids=grids,
+            nnz=_ints(column("nnz"), where, "nnz"),
+            fingerprint=fpr.parse_all(fps),
+            base=base_fp,
+            has_base=has_base,
+            pcoder=pcoder,
+            pcoders=pcoders,
+            vcoder=vcoder,
+            vcoders=vcoders,
+            mode=mode,
+            modes=modes,
+            plen=_ints(column("positions.length"), where, "segment length"),
+            vlen=_ints(column("values.length"), where, "segment length"),
+            blob=blobs,
+            offset=_ints(column("offset"), where, "offset"),
+            has_sha=has_sha,
+            chunk_lists=chunk_lists,
+            has_chunks=np.array([c is not None for c in chunk_lists], bool),
+            cells=has_cells,
+            cell_blob=cell["blob"],
+            cell_offset=cell["offset"],
+            cell_length=cell["length"],
+            cell_count=cell["count"],
+        )
+
+
+class ColumnEntries(Sequence):
+    """Tensor entries held as :class:`Columns` (a binary table's, as read): the entry objects are made all
+    together the first time one is asked for (:meth:`make`). A reader of the whole model (the driver) checks
+    and sums over the columns and never asks; a rank that walks its entries does."""
+
+    def __init__(self, columns: Columns):
+        self.columns = columns
+        self._made: list | None = None
+
+    def make(self) -> list:
+        """Every entry as an object (a subclass knows its source)."""
+        raise NotImplementedError
+
+    def _entries(self) -> list:
+        if self._made is None:
+            self._made = self.make()
+        return self._made
+
+    def __len__(self) -> int:
+        return len(self.columns)
+
+    def __getitem__(self, i):
+        return self._entries()[i]
+
+    def __iter__(self):
+        return iter(self._entries())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} tensor entries as columns>"
 
 
 @dataclass
@@ -41,89 +217,61 @@ class Ranges:
     where: Callable[[int], str]
 
 
-def check(m, tensors: Sequence) -> tuple[list, Ranges]:
-    """Refuse (ManifestError) unless every entry of ``tensors`` (``m``'s) is valid on its own and its name
-    unique: name, dtype, shape and size, counts, fingerprints; an unchanged tensor carries nothing; a changed
-    one its coders and byte range, or a valid grid and its chunks' place (a cell table, or a non-empty
-    inline list). Returns the tensors whose chunks are listed inline (for :func:`cells.check`) and the byte
-    ranges the entries claim."""
-    n = len(tensors)
-
-    def where(i: int) -> str:
-        return mf._cut(f"tensor {tensors[i].name!r}", 200)
+def check(m, c: Columns) -> tuple[np.ndarray, Ranges]:
+    """Refuse (ManifestError) unless every entry of ``c`` (``m``'s) is valid on its own and its name unique:
+    name, dtype, shape and size, counts, fingerprints; an unchanged tensor carries nothing; a changed one its
+    coders and byte range, or a valid grid and its chunks' place (a cell table, or a non-empty inline list).
+    Returns the rows whose chunks are listed inline (for :func:`cells.check`) and the byte ranges the entries
+    claim."""
+    n = len(c)
+    where = c.where
 
     def refuse(bad: np.ndarray, msg: str) -> None:
         if bad.any():
             raise ManifestError(mf._cut(f"{where(int(np.argmax(bad)))}: {msg}"))
 
-    def column(path: str) -> list:
-        return list(map(attrgetter(path), tensors))
-
-    _names(column("name"))
-    dtypes = column("dtype")
-    itemsize = _per_distinct(dtypes, lambda d, i: mf.dtype_by_name_checked(d, where(i)).itemsize, where, key=_itself)
-    shapes = column("shape")
-    numel = _per_distinct(shapes, lambda s, i: _shape_numel(s, where(i)), where)
-    nnz = _ints(column("nnz"), where, "nnz")
-    refuse(nnz > numel, "nnz outside [0, its elements]")
-    _fingerprints(column("fingerprint"), range(n))
-    base = column("base_fingerprint")
-    _fingerprints(base, range(n) if m.kind == mf.DELTA else [i for i, b in enumerate(base) if b is not None])
-
-    plen, vlen = (
-        _ints(column("positions.length"), where, "segment length"),
-        _ints(column("values.length"), where, "segment length"),
-    )
-    pcoder, vcoder = column("positions.coder"), column("values.coder")
-    grid, chunk_lists, cell_refs = column("grid"), column("chunks"), column("cells")
-    has_grid = np.array([g is not None for g in grid], bool)
-    has_chunks = np.array([c is not None for c in chunk_lists], bool)
-    has_cells = np.array([c is not None for c in cell_refs], bool)
-    no_coders = np.array([p == "none" and v == "none" for p, v in zip(pcoder, vcoder)], bool)
-    blob, sha = column("blob"), column("sha256")
-    no_bytes = np.array([b is None and s is None for b, s in zip(blob, sha)], bool)
-
-    unchanged = nnz == 0
+    itemsize = _per_code(c.dtype, c.dtypes, lambda d, i: mf.dtype_by_name_checked(d, where(i)).itemsize)
+    numel = _per_code(c.shape, c.shapes, lambda s, i: _shape_numel(s, where(i)))
+    refuse(c.nnz > numel, "nnz outside [0, its elements]")
+    if m.kind == mf.DELTA and not c.has_base.all():
+        refuse(~c.has_base, "bad fingerprint None: a delta's every entry has a base fingerprint")
+    no_coders = _flags(c.pcoder, c.pcoders, lambda x: x == "none") & _flags(c.vcoder, c.vcoders, lambda x: x == "none")
+    has_grid = c.grid != NONE
+    chunks_given = np.array([bool(x) for x in c.chunk_lists], bool) if c.has_chunks.any() else c.has_chunks
+    unchanged = c.nnz == 0
     refuse(
-        unchanged
-        & (~no_coders | (plen + vlen > 0) | np.array([bool(c) or bool(g) for c, g in zip(chunk_lists, grid)], bool)),
+        unchanged & (~no_coders | (c.plen + c.vlen > 0) | chunks_given | _flags(c.grid, c.grids, bool)),
         "an unchanged tensor carries no bytes",
     )
     if m.kind == mf.DELTA:
-        refuse(
-            unchanged & np.array([f != b for f, b in zip(column("fingerprint"), base)], bool),
-            "unchanged but fingerprints differ",
-        )
+        refuse(unchanged & (c.fingerprint != c.base), "unchanged but fingerprints differ")
 
-    whole = ~unchanged & ~has_grid & ~has_chunks & ~has_cells
-    ranges = [_whole_bytes(m, tensors, whole, nnz, numel, itemsize, plen, vlen, blob, sha, where)]
+    whole = ~unchanged & ~has_grid & ~c.has_chunks & ~c.cells
+    ranges = [_whole_bytes(m, c, whole, numel, itemsize)]
     cut_rows = np.flatnonzero(~unchanged & ~whole)
     if len(cut_rows):
         if m.format_version < (3 if m.kind == mf.DELTA else mf.CHUNKED_ANCHORS):
             raise ManifestError(f"{where(int(cut_rows[0]))}: only format-3 deltas and format-6 anchors come in chunks")
         if m.kind == mf.ANCHOR:
-            refuse(~unchanged & ~whole & (nnz != numel), "a chunked anchor lists every cell")
-        cut_grids = [grid[i] for i in cut_rows.tolist()]
-        grids = _per_distinct(
-            cut_grids, lambda g, i: _grid_cells(g, where(int(cut_rows[i]))), lambda i: where(int(cut_rows[i]))
-        )
-        cells = np.zeros(n, np.int64)
-        cells[cut_rows] = grids
+            refuse(~unchanged & ~whole & (c.nnz != numel), "a chunked anchor lists every cell")
+        cut = np.zeros(n, bool)
+        cut[cut_rows] = True
+        refuse(cut & ~has_grid, "a chunked tensor needs a valid grid")
+        cells = _per_code(c.grid, c.grids, lambda g, i: _grid_cells(g, where(i)), rows=cut_rows)
         # each distinct grid cuts a shape of its own: its last cut points are that shape's leading sizes
-        _per_distinct(
-            [(g, s) for g, s in zip(cut_grids, (shapes[i] for i in cut_rows.tolist()))],
-            lambda gs, i: _valid_grid(gs, where(int(cut_rows[i]))),
-            lambda i: where(int(cut_rows[i])),
-            key=lambda gs: (id(gs[0]), id(gs[1])),
-        )
-        refuse(~unchanged & ~whole & ~(no_coders & no_bytes), "a chunked tensor carries its bytes in its chunks only")
-        refuse(has_cells & has_chunks, "chunks both inline and in a cell table")
-        ranges.append(_cell_tables(m, np.flatnonzero(~unchanged & has_cells), nnz, cells, cell_refs, where))
-        inline = np.flatnonzero(~unchanged & ~whole & ~has_cells)
+        pair = c.grid[cut_rows] * len(c.shapes) + c.shape[cut_rows]
+        for p, i in zip(*(x.tolist() for x in np.unique(pair, return_index=True))):
+            if not chunks.valid_cuts(c.grids[p // len(c.shapes)], c.shapes[p % len(c.shapes)]):
+                raise ManifestError(f"{where(int(cut_rows[i]))}: a chunked tensor needs a valid grid")
         refuse(
-            np.isin(np.arange(n), inline) & np.array([not isinstance(c, list) or not c for c in chunk_lists], bool),
-            "a chunked tensor needs a non-empty chunk list",
+            cut & ~(no_coders & (c.blob == NONE) & ~c.has_sha), "a chunked tensor carries its bytes in its chunks only"
         )
+        refuse(c.cells & c.has_chunks, "chunks both inline and in a cell table")
+        ranges.append(_cell_tables(m, c, np.flatnonzero(cut & c.cells), cells))
+        inline = np.flatnonzero(cut & ~c.cells)
+        empty = [i for i in inline.tolist() if not isinstance(c.chunk_lists[i], list) or not c.chunk_lists[i]]
+        if empty:
+            raise ManifestError(f"{where(empty[0])}: a chunked tensor needs a non-empty chunk list")
     else:
         inline = np.zeros(0, np.int64)
     rows = np.concatenate([r[0] for r in ranges])
@@ -134,7 +282,7 @@ def check(m, tensors: Sequence) -> tuple[list, Ranges]:
         part = int(np.searchsorted(at, i, "right")) - 1
         return labels[part](int(rows[i]))
 
-    return [tensors[int(i)] for i in inline], Ranges(
+    return inline, Ranges(
         np.concatenate([r[2] for r in ranges]),
         np.concatenate([r[3] for r in ranges]),
         np.concatenate([r[4] for r in ranges]),
@@ -142,83 +290,78 @@ def check(m, tensors: Sequence) -> tuple[list, Ranges]:
     )
 
 
-def _whole_bytes(m, tensors, rows_mask, nnz, numel, itemsize, plen, vlen, blob, sha, where):
+def _whole_bytes(m, c: Columns, rows_mask, numel, itemsize):
     """A changed tensor's own bytes: coders (once per distinct combination), 'all' iff every element
     changes, 'ctx-rans' in one segment, raw values of nnz * itemsize, a blob and a range inside it, a SHA-256."""
+    where = c.where
 
     def refuse(bad, msg):
         if bad.any():
             raise ManifestError(mf._cut(f"{where(int(np.argmax(bad)))}: {msg}"))
 
     rows = np.flatnonzero(rows_mask)
-    sub = [tensors[int(i)] for i in rows]
-    combos: dict = {}
-    for i, t in zip(rows.tolist(), sub):
-        p, v = t.positions, t.values
+    sizes = (len(c.pcoders), len(c.vcoders), len(c.modes), len(c.dtypes))
+    combo = (
+        np.ravel_multi_index((c.pcoder[rows], c.vcoder[rows], c.mode[rows], c.dtype[rows]), sizes)
+        if len(rows)
+        else rows
+    )
+    for code, i in zip(*(x.tolist() for x in np.unique(combo, return_index=True))):
+        p, v, md, d = np.unravel_index(code, sizes)
+        pc, vc, mode = c.pcoders[p], c.vcoders[v], c.modes[md]
         try:
-            key = (p.coder, v.coder, v.mode, t.dtype)
-            if key not in combos:
-                combos[key] = i
-                m.check_coders(where(i), p, v, t.dtype)
+            m.check_coders(where(int(rows[i])), mf.Segment(pc, 0), mf.Segment(vc, 0, mode), c.dtypes[d])
         except TypeError:  # an unhashable coder or mode (a JSON list or object)
             raise ManifestError(
-                mf._cut(f"{where(i)}: unknown coder or mode {p.coder!r:.40}/{v.coder!r:.40}/{v.mode!r:.40}")
+                mf._cut(f"{where(int(rows[i]))}: unknown coder or mode {pc!r:.40}/{vc!r:.40}/{mode!r:.40}")
             ) from None
-    pc = np.array([t.positions.coder for t in sub], object) if sub else np.zeros(0, object)
-    vc = np.array([t.values.coder for t in sub], object) if sub else np.zeros(0, object)
-    k, p, v = nnz[rows], plen[rows], vlen[rows]
-    every = pc == "all"
+    every = _flags(c.pcoder, c.pcoders, lambda x: x == "all")
     refuse(
-        _spread(rows_mask, (every != (k == numel[rows])) | (every & (p != 0))),
+        rows_mask & ((every != (c.nnz == numel)) | (every & (c.plen != 0))),
         "positions coder 'all' iff every element changes, with no bytes",
     )
     refuse(
-        _spread(rows_mask, (pc == "ctx-rans") & (v != 0)),
+        rows_mask & _flags(c.pcoder, c.pcoders, lambda x: x == "ctx-rans") & (c.vlen != 0),
         f"'ctx-rans' needs format {mf.RANS_STREAMS}, its bytes all in the positions segment",
     )
-    refuse(_spread(rows_mask, (vc == "raw") & (v != k * itemsize[rows])), "raw values must be nnz * itemsize bytes")
-    blobs = _ints([blob[int(i)] for i in rows], lambda j: where(int(rows[j])), "blob index")
-    refuse(_spread(rows_mask, blobs >= len(m.blobs)), "bad blob index")
-    offset = _ints([tensors[int(i)].offset for i in rows], lambda j: where(int(rows[j])), "offset")
-    sizes = np.array([min(b.size, MAX_OFFSET) for b in m.blobs] or [0], np.uint64)
-    end = offset.astype(np.uint64) + p.astype(np.uint64) + v.astype(np.uint64)  # each <= 2**62: no wrap
-    refuse(_spread(rows_mask, end > sizes[np.minimum(blobs, len(sizes) - 1)]), "byte range beyond its blob")
-    _shas([sha[int(i)] for i in rows], lambda j: where(int(rows[j])))
-    return rows, where, blobs, offset, end.astype(np.int64)
+    raw = _flags(c.vcoder, c.vcoders, lambda x: x == "raw")
+    refuse(rows_mask & raw & (c.vlen != c.nnz * itemsize), "raw values must be nnz * itemsize bytes")
+    blob = c.blob[rows]
+    refuse(rows_mask & ((c.blob == NONE) | (c.blob >= len(m.blobs))), "bad blob index")
+    blob_sizes = np.array([min(b.size, MAX_OFFSET) for b in m.blobs] or [0], np.uint64)
+    offset = c.offset[rows]
+    end = offset.astype(np.uint64) + c.plen[rows].astype(np.uint64) + c.vlen[rows].astype(np.uint64)  # each <= 2**62
+    refuse(_spread(rows_mask, end > blob_sizes[np.minimum(blob, len(blob_sizes) - 1)]), "byte range beyond its blob")
+    if not c.has_sha[rows].all():
+        raise ManifestError(f"{where(int(rows[np.argmin(c.has_sha[rows])]))}: missing or bad sha256")
+    return rows, where, blob, offset, end.astype(np.int64)
 
 
-def _cell_tables(m, rows, nnz, cells, refs, where):
+def _cell_tables(m, c: Columns, rows, cells):
     """A cut tensor's cell table's place (format 7): a range of a blob with a flat SHA-256, 75 bytes per
-    record, between 1 and min(its grid's cells, its changes) records, and a SHA-256."""
-    named = lambda j: where(int(rows[j])) + ": cell table"
+    record, between 1 and min(its grid's cells, its changes) records."""
+    named = lambda j: c.where(int(rows[j])) + ": cell table"
 
     def refuse(bad, msg):
         if bad.any():
             raise ManifestError(mf._cut(f"{named(int(np.argmax(bad)))}: {msg}"))
 
-    sub = [refs[int(i)] for i in rows]
-    if not all(isinstance(r, mf.TableRef) for r in sub):
-        refuse(np.array([not isinstance(r, mf.TableRef) for r in sub], bool), "a bad table reference")
-    if len(sub) and m.format_version < mf.TABLES:
+    if len(rows) and m.format_version < mf.TABLES:
         raise ManifestError(f"{named(0)}: only format-7 manifests keep tables in their blobs")
-    blob = _ints([r.blob for r in sub], named, "blob")
-    offset = _ints([r.offset for r in sub], named, "offset")
-    length = _ints([r.length for r in sub], named, "length")
-    count = _ints([r.count for r in sub], named, "count")
+    blob, offset, length, count = (x[rows] for x in (c.cell_blob, c.cell_offset, c.cell_length, c.cell_count))
     sizes = np.array([min(b.size, MAX_OFFSET) for b in m.blobs] or [0], np.uint64)
     end = offset.astype(np.uint64) + length.astype(np.uint64)  # each <= 2**62: no wrap
     refuse((blob >= len(m.blobs)) | (end > sizes[np.minimum(blob, len(sizes) - 1)]), "table beyond its blob")
     flat = np.array([b.digest is not None for b in m.blobs] or [False], bool)
     refuse(flat[np.minimum(blob, len(flat) - 1)], "a blob holding tables has a flat SHA-256")
     refuse(
-        (count < 1) | (count > np.minimum(cells[rows], nnz[rows])),
+        (count < 1) | (count > np.minimum(cells[rows], c.nnz[rows])),
         "a cell table of more records than its grid's cells or its changes",
     )
     refuse(
         length != count * mf.CELL_RECORD_BYTES, f"a cell table's length is not {mf.CELL_RECORD_BYTES} bytes per record"
     )
-    _shas([r.sha256 for r in sub], named)
-    return rows, lambda i: where(i) + ": cell table", blob, offset, end.astype(np.int64)
+    return rows, lambda i: c.where(i) + ": cell table", blob, offset, end.astype(np.int64)
 
 
 def _spread(mask: np.ndarray, sub: np.ndarray) -> np.ndarray:
@@ -226,6 +369,59 @@ def _spread(mask: np.ndarray, sub: np.ndarray) -> np.ndarray:
     out = np.zeros(len(mask), bool)
     out[mask] = sub
     return out
+
+
+def _spread_codes(codes: np.ndarray, per_value: list) -> np.ndarray:
+    """Each row's value, from one value per code (``-1``: 0)."""
+    table = np.array([*per_value, 0], np.int64)
+    return table[codes]
+
+
+def _per_code(codes: np.ndarray, values: list, rule, rows: np.ndarray | None = None) -> np.ndarray:
+    """``rule(value, i)`` once per distinct value the rows (``rows``: those only) use, ``i`` its first row,
+    spread to every row as an int64 array (0 where not computed)."""
+    sub = codes if rows is None else codes[rows]
+    out = [0] * len(values)
+    for code, i in zip(*(x.tolist() for x in np.unique(sub, return_index=True))):
+        if code != NONE:
+            out[code] = rule(values[code], i if rows is None else int(rows[i]))
+    return _spread_codes(codes, out)
+
+
+def _flags(codes: np.ndarray, values: list, test) -> np.ndarray:
+    """Each row's ``test(value)`` as a bool array (False where absent), ``test`` run once per distinct value."""
+    return np.array([bool(test(v)) for v in values] + [False], bool)[codes]
+
+
+def _codes(values: list, key=None, none: bool = False) -> tuple[np.ndarray, list]:
+    """Each value's code into the distinct values (in first-seen order); with ``none``, None is ``-1``. Values are told apart
+    by ``key`` first (cheap: the object's identity by default, entries read from one table share their shape
+    and grid lists), then by content with types (``repr``: a bool or a float is not the int it equals, and a
+    rule must see it)."""
+    key = key or id
+    distinct: list = []
+    codes: list[int] = []
+    by_key: dict = {}
+    by_content: dict = {}
+    for v in values:
+        if none and v is None:
+            codes.append(NONE)
+            continue
+        try:
+            k = key(v)
+            code = by_key.get(k)
+        except TypeError:  # an unhashable value (hostile JSON): told apart by content only
+            k, code = None, None
+        if code is None:
+            content = repr(v)
+            code = by_content.get(content)
+            if code is None:
+                code = by_content[content] = len(distinct)
+                distinct.append(v)
+            if k is not None:
+                by_key[k] = code
+        codes.append(code)
+    return np.array(codes, np.int64), distinct
 
 
 def _names(names: list) -> None:
@@ -253,11 +449,6 @@ def _ints(values: list, where: Callable[[int], str], what: str) -> np.ndarray:
     return out
 
 
-def _fingerprints(fps: list, rows) -> None:
-    """Each of ``fps[rows]`` 16 lower-case hex digits (:func:`fingerprint.parse_all`: all joined in one match)."""
-    fpr.parse_all([fps[i] for i in rows])
-
-
 def _shas(shas: list, where: Callable[[int], str]) -> None:
     if set(map(type, shas)) <= {str} and set(map(len, shas)) <= {64} and _LOWER_HEX.fullmatch("".join(shas)):
         return
@@ -268,39 +459,6 @@ def _shas(shas: list, where: Callable[[int], str]) -> None:
 
 def _itself(v):
     return v
-
-
-def _identity(v) -> int:
-    """The same object: entries read from one tensor table share their shape and grid lists (held alive
-    by the caller's list for the whole check, so no two share an id)."""
-    return id(v)
-
-
-def _per_distinct(values: list, rule, where, key=_identity) -> np.ndarray:
-    """``rule(value, i)`` once per distinct value (``i``: its first row), spread to every row as an array.
-    Values are told apart by ``key`` first (cheap), then by content: the value itself for ``key=_itself``
-    (strings), else its ``repr``, which keeps every element's type (a bool or a float is not the int it
-    equals: the rule must see it)."""
-    out: list[int] = []
-    codes: list[int] = []
-    by_key: dict = {}
-    by_content: dict = {}
-    for i, v in enumerate(values):
-        k = key(v)
-        try:
-            code = by_key.get(k)
-        except TypeError:  # an unhashable value (hostile JSON): the rule refuses it, or it is malformed
-            rule(v, i)
-            raise ManifestError(f"{where(i)}: malformed entry") from None
-        if code is None:
-            content = v if key is _itself else repr(v)
-            code = by_content.get(content)
-            if code is None:
-                code = by_content[content] = len(out)
-                out.append(rule(v, i))
-            by_key[k] = code
-        codes.append(code)
-    return np.array(out, np.int64)[np.array(codes, np.int64)] if values else np.zeros(0, np.int64)
 
 
 def _shape_numel(shape, where: str) -> int:
@@ -317,10 +475,3 @@ def _grid_cells(grid, where: str) -> int:
     if not isinstance(grid, list) or not all(isinstance(c, list) for c in grid):
         raise ManifestError(f"{where}: a chunked tensor needs a valid grid")
     return math.prod(len(c) - 1 for c in grid)
-
-
-def _valid_grid(grid_shape, where: str) -> int:
-    grid, shape = grid_shape
-    if not chunks.valid_cuts(grid, shape):
-        raise ManifestError(f"{where}: a chunked tensor needs a valid grid")
-    return 0

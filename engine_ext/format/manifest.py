@@ -34,6 +34,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -44,6 +45,9 @@ from . import fingerprint as fpr
 from .dtypes import dtype_by_name
 from .json_text import dumps_indent1
 from .pieces import PIECES, cuts
+
+if TYPE_CHECKING:
+    from .entries import Columns
 
 FORMAT = "engine-ext-delta"
 FORMAT_VERSION = 10  # the newest version this code reads and writes
@@ -426,18 +430,25 @@ class Manifest:
                 bad(f"the tensor tables hold {sum(r.count for r in self.tables)} tensors, {len(self.tensors)} read")
         elif self.index is not None:
             bad("only a manifest with tensor tables has a name index")
-        cut, ranges = entries.check(self, self.tensors)
-        records, where = self._check_inline_chunks(cut)
+        columns = self.columns()
+        inline, ranges = entries.check(self, columns)
+        records, where = self._check_inline_chunks([self.tensors[i] for i in inline.tolist()])
         _no_overlap(per_blob, ranges, records, where)
         if self.held is not None:  # a rank's own tensors: the model's fingerprints need every one (the driver's read)
             return records
-        keys = fpr.name_keys([t.name for t in self.tensors]) if name_keys is None else name_keys
-        fp, base = fpr.of_entries(keys, self.tensors, self.kind == DELTA)
-        if fpr.fmt(fp) != self.fingerprint:
+        keys = fpr.name_keys(columns.names) if name_keys is None else name_keys
+        if fpr.fmt(fpr.combined(keys, columns.fingerprint)) != self.fingerprint:
             bad("model fingerprint does not match the tensors' fingerprints")
-        if base is not None and fpr.fmt(base) != self.base_fingerprint:
+        if self.kind == DELTA and fpr.fmt(fpr.combined(keys, columns.base)) != self.base_fingerprint:
             bad("base model fingerprint does not match the tensors' base fingerprints")
         return records
+
+    def columns(self) -> Columns:
+        """The tensor entries as columns: a binary table's as read (no entry object made), else made from the
+        entries (each field refused unless the type its column needs)."""
+        if isinstance(self.tensors, entries.ColumnEntries):
+            return self.tensors.columns
+        return entries.Columns.of_entries(self.tensors)
 
 
 def listed_ranges(tensors: list[TensorEntry], blob: int) -> list[tuple[int, int]]:

@@ -21,15 +21,16 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import struct
 from collections.abc import Callable
 
 import numpy as np
 
 from ..errors import IntegrityError, ManifestError
-from . import cells
+from . import cells, entries
 from . import fingerprint as fpr
 from .bulk import collector_paused as _collector_paused
-from .cells import CELL_CODERS, CELL_MODES, CELL_RECORD
+from .cells import CELL_CODERS, CELL_MODES, CELL_RECORD, MAX_OFFSET
 from .manifest import (
     CELL_RECORD_BYTES,
     INDEX_RECORD_BYTES,
@@ -254,37 +255,137 @@ def tensor_table(tensors: list[TensorEntry], cells: list[TableRef | None]) -> by
     return head + np.array(rows, TENSOR_RECORD).tobytes() + names_raw + extra
 
 
-def read_tensor_table(ref: TableRef, raw: bytes, where: str, rows=None) -> list[TensorEntry]:
-    """The tensor entries of a format-10 tensor table (``rows``: only those records), its bytes checked
-    against the reference's length and SHA-256, then every byte accounted for: the sections' sizes, each
-    record's codes, the fields its kind leaves unused all zero, every shape and grid listed used. The
-    entries themselves are then checked by the caller, as inline ones (:func:`engine_ext.format.entries.check`, from Manifest.validate)."""
+@dataclasses.dataclass
+class _Sections:
+    """A tensor table's sections, its bytes checked against its reference and the sections' sizes against its
+    length. Records are joined into one array for every table at once (a structured concatenate of 2,200
+    tables cost 0.1 s), and the shapes section parsed once per distinct text (tables of alike tensors list
+    the same shapes and grids)."""
+
+    records: bytes
+    names: bytes
+    shapes: bytes
+
+
+def _sections(ref: TableRef, raw: bytes, where: str) -> _Sections:
     _verify(ref, raw, where)
-
-    def bad(msg):
-        raise ManifestError(f"{where}: {msg}")
-
     n, h = ref.count, TABLE_HEAD.itemsize
     if len(raw) < h + n * TENSOR_RECORD.itemsize:
-        bad(f"{len(raw)} bytes for {n} records")
-    head = np.frombuffer(raw, TABLE_HEAD, 1)[0]
-    names_len, extra_len = int(head["names"]), int(head["shapes"])
+        raise ManifestError(f"{where}: {len(raw)} bytes for {n} records")
+    names_len, extra_len = struct.unpack_from("<II", raw)  # TABLE_HEAD
     at = h + n * TENSOR_RECORD.itemsize
     if len(raw) != at + names_len + extra_len:
-        bad(f"{len(raw)} bytes, its sections account for {at + names_len + extra_len}")
-    rec = np.frombuffer(raw, TENSOR_RECORD, n, h)
+        raise ManifestError(f"{where}: {len(raw)} bytes, its sections account for {at + names_len + extra_len}")
+    return _Sections(raw[h:at], raw[at : at + names_len], raw[at + names_len :])
+
+
+def _shape_lists(raw: bytes, where: str) -> tuple[list, list]:
+    """A shapes section: compact JSON {"shapes": [...], "grids": [...]} (each value checked by the entries' rules)."""
     try:
-        extra = json.loads(raw[at + names_len :])
+        extra = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
-        bad("its shapes are not valid JSON")
+        raise ManifestError(f"{where}: its shapes are not valid JSON") from None
     if (
         not isinstance(extra, dict)
         or set(extra) != {"shapes", "grids"}
         or not all(isinstance(extra[k], list) for k in extra)
     ):
-        bad("its shapes are not {shapes, grids}")
-    shapes, grids = extra["shapes"], extra["grids"]
-    kind, grid = rec["kind"], rec["grid"]
+        raise ManifestError(f"{where}: its shapes are not {{shapes, grids}}")
+    return extra["shapes"], extra["grids"]
+
+
+class TableEntries(entries.ColumnEntries):
+    """Entries read from format-10 tensor tables: columns at once, objects when first asked for."""
+
+    def __init__(self, columns: entries.Columns, records: np.ndarray, signature: bytes | None, keys: np.ndarray | None):
+        super().__init__(columns)
+        self.records = records
+        self._signature, self._keys = signature, keys
+
+    def name_keys(self) -> np.ndarray:
+        """The entries' name keys, made once (and kept for the next whole read of the same names)."""
+        if self._keys is None:
+            self._keys = fpr.name_keys(self.columns.names)
+            if self._signature is not None:
+                _KNOWN.put(self._signature, self.columns.names, self._keys)
+        return self._keys
+
+    def make(self) -> list[TensorEntry]:
+        c, rec = self.columns, self.records
+        cols = {f: rec[f].tolist() for f in ("kind", "blob", "offset", "positions_length", "values_length", "count")}
+        sha = rec["sha256"].tolist()
+        pcoder, vcoder, mode = c.pcoder.tolist(), c.vcoder.tolist(), c.mode.tolist()
+        fps = [f"{x:016x}" for x in c.fingerprint.tolist()]
+        bases = [f"{x:016x}" if has else None for x, has in zip(c.base.tolist(), c.has_base.tolist())]
+        shapes = [list(x) if isinstance(x, list) else x for x in c.shapes]  # one list per distinct shape and grid,
+        grids = [[list(y) if isinstance(y, list) else y for y in g] if isinstance(g, list) else g for g in c.grids]
+        dtypes, out = c.dtype_names(), []  # shared by the entries that have it (nothing changes one in place)
+        for i, (name, shape, grid, nnz) in enumerate(zip(c.names, c.shape.tolist(), c.grid.tolist(), c.nnz.tolist())):
+            t = TensorEntry(
+                name,
+                dtypes[i],
+                shapes[shape],
+                nnz,
+                fps[i],
+                bases[i],
+                grid=None if grid == entries.NONE else grids[grid],
+            )
+            kind = cols["kind"][i]
+            if kind == BYTES:
+                t.blob, t.offset, t.sha256 = cols["blob"][i], cols["offset"][i], sha[i].hex()
+                t.positions = Segment(CELL_CODERS[pcoder[i]], cols["positions_length"][i])
+                t.values = Segment(CELL_CODERS[vcoder[i]], cols["values_length"][i], CELL_MODES[mode[i]])
+            elif kind == CELLS:
+                t.cells = TableRef(
+                    cols["blob"][i], cols["offset"][i], cols["positions_length"][i], sha[i].hex(), cols["count"][i]
+                )
+            out.append(t)
+        return out
+
+
+def read_tensor_tables(
+    refs: list[TableRef], raws: list[bytes], numbers: list[int], rows=None, only: frozenset | None = None
+) -> TableEntries:
+    """The tensor entries of format-10 tensor tables (``numbers``: the tables' places in the manifest, for
+    errors; ``rows``: per table, only those records; ``only``: only the entries of these names), as columns: each table's bytes checked against its
+    reference's length and SHA-256, then every byte accounted for, over all the tables' records at once: the
+    sections' sizes, each record's codes, the fields its kind leaves unused all zero, every shape and grid a
+    table lists used by one of its records, every name UTF-8. The entries are then checked by the caller as
+    inline ones are (:func:`engine_ext.format.entries.check`, from Manifest.validate); no object is made
+    until one is asked for (:class:`TableEntries`)."""
+    parts = [_sections(ref, raw, f"tensor table {i}") for ref, raw, i in zip(refs, raws, numbers)]
+    counts = np.array([ref.count for ref in refs], np.int64)
+    table = np.repeat(np.arange(len(parts)), counts)
+    rec = np.frombuffer(b"".join(p.records for p in parts), TENSOR_RECORD)
+
+    def refuse(bad: np.ndarray, msg: str) -> None:
+        if bad.any():
+            raise ManifestError(f"tensor table {numbers[int(table[int(np.argmax(bad))])]}: {msg}")
+
+    firsts = np.cumsum(counts) - counts
+    names_length = np.add.reduceat(rec["name_length"], firsts, dtype=np.int64) if len(rec) else counts
+    if (names_length != [len(p.names) for p in parts]).any():
+        i = int(np.argmax(names_length != [len(p.names) for p in parts]))
+        raise ManifestError(f"tensor table {numbers[i]}: its records' name lengths do not sum to its names' bytes")
+    texts: dict[bytes, int] = {}  # each distinct shapes section, parsed once; its place among them per table
+    text_of = np.array([texts.setdefault(p.shapes, len(texts)) for p in parts], np.int64)
+    first_with = {t: i for i, t in reversed(list(enumerate(text_of.tolist())))}
+    lists = [_shape_lists(text, f"tensor table {numbers[first_with[t]]}") for text, t in texts.items()]
+    n_shapes = np.array([len(s) for s, _ in lists], np.int64)[text_of]
+    n_grids = np.array([len(g) for _, g in lists], np.int64)[text_of]
+    kind, grid, shape = rec["kind"], rec["grid"].astype(np.int64), rec["shape"].astype(np.int64)
+    no_grid = grid == NO_GRID
+    refuse(
+        (rec["dtype"] >= len(TABLE_DTYPES))
+        | (kind > CELLS)
+        | (rec["flags"] > HAS_BASE)
+        | (shape >= n_shapes[table])
+        | (~no_grid & (grid >= n_grids[table]))
+        | (rec["positions_coder"] >= len(CELL_CODERS))
+        | (rec["values_coder"] >= len(CELL_CODERS))
+        | (rec["mode"] >= len(CELL_MODES)),
+        "a record's code is out of range",
+    )
     unused = (
         (rec["blob"] != 0)
         | (rec["offset"] != 0)
@@ -293,67 +394,155 @@ def read_tensor_table(ref: TableRef, raw: bytes, where: str, rows=None) -> list[
         | (rec["positions_length"] != 0)
     )
     rest = (rec["values_coder"] != 0) | (rec["values_length"] != 0) | (rec["mode"] != 0)
-    if (
-        rec["name_length"].sum(dtype=np.int64) != names_len
-        or (rec["dtype"] >= len(TABLE_DTYPES)).any()
-        or (kind > CELLS).any()
-        or (rec["flags"] > HAS_BASE).any()
-        or (rec["shape"] >= len(shapes)).any()
-        or ((grid != NO_GRID) & (grid >= len(grids))).any()
-        or (rec["positions_coder"] >= len(CELL_CODERS)).any()
-        or (rec["values_coder"] >= len(CELL_CODERS)).any()
-        or (rec["mode"] >= len(CELL_MODES)).any()
-    ):
-        bad("a record's code is out of range, or the names' length differs")
-    if (
-        ((kind == UNCHANGED) & (unused | rest | (rec["count"] != 0) | (grid != NO_GRID))).any()
-        or ((kind == BYTES) & ((rec["count"] != 0) | (grid != NO_GRID))).any()
-        or ((kind == CELLS) & (rest | (rec["positions_coder"] != 0) | (grid == NO_GRID))).any()
-    ):
-        bad("a record sets fields its kind does not use")
-    if ((kind == UNCHANGED) != (rec["nnz"] == 0)).any():
-        bad("a record's kind says unchanged where it has changes, or the other way round")
-    if np.unique(rec["shape"]).size != len(shapes) or np.unique(grid[grid != NO_GRID]).size != len(grids):
-        bad("it lists a shape or grid no record uses")
-    ends = np.cumsum(rec["name_length"], dtype=np.int64).tolist()
-    names = raw[at : at + names_len]
-    cols = {f: rec[f].tolist() for f in TENSOR_RECORD.names}
-    # one list per distinct shape and grid, shared by the entries that have it (nothing changes an entry's
-    # shape or grid in place; entries.check then checks each distinct one once, by identity)
-    shape_lists = [list(s) if isinstance(s, list) else s for s in shapes]
-    grid_lists = [[list(c) if isinstance(c, list) else c for c in g] if isinstance(g, list) else g for g in grids]
-    out = []
-    for i in range(n) if rows is None else rows:
-        try:
-            name = names[ends[i] - cols["name_length"][i] : ends[i]].decode()
-        except UnicodeDecodeError:
-            bad(f"record {i}: its name is not UTF-8")
-        k, g = cols["kind"][i], cols["grid"][i]
-        t = TensorEntry(
-            name,
-            TABLE_DTYPES[cols["dtype"][i]],
-            shape_lists[cols["shape"][i]],
-            cols["nnz"][i],
-            f"{cols['fingerprint'][i]:016x}",
-            f"{cols['base_fingerprint'][i]:016x}" if cols["flags"][i] & HAS_BASE else None,
-            grid=None if g == NO_GRID else grid_lists[g],
+    refuse(
+        ((kind == UNCHANGED) & (unused | rest | (rec["count"] != 0) | ~no_grid))
+        | ((kind == BYTES) & ((rec["count"] != 0) | ~no_grid))
+        | ((kind == CELLS) & (rest | (rec["positions_coder"] != 0) | no_grid)),
+        "a record sets fields its kind does not use",
+    )
+    refuse(
+        (kind == UNCHANGED) != (rec["nnz"] == 0),
+        "a record's kind says unchanged where it has changes, or the other way round",
+    )
+    for used, listed in ((table * NO_GRID + shape, n_shapes), ((table * NO_GRID + grid)[~no_grid], n_grids)):
+        per_table = np.bincount(np.unique(used) // NO_GRID, minlength=len(parts))
+        if (per_table != listed).any():
+            i = int(np.argmax(per_table != listed))
+            raise ManifestError(f"tensor table {numbers[i]}: it lists a shape or grid no record uses")
+    # a record's shape (grid) code: its place among every distinct section's shapes, then among the distinct shapes
+    shapes, shape_code = _distinct([s for s, _ in lists])
+    grids, grid_code = _distinct([g for _, g in lists])
+    shape = shape_code[np.cumsum([0, *(len(s) for s, _ in lists)])[text_of][table] + shape]
+    place = np.cumsum([0, *(len(g) for _, g in lists)])[text_of][table] + grid
+    grid = np.where(no_grid, entries.NONE, np.append(grid_code, 0)[np.where(no_grid, len(grid_code), place)])
+    names_raw = b"".join(p.names for p in parts)
+    keep = (
+        np.arange(len(rec))
+        if rows is None
+        else np.concatenate(
+            [np.zeros(0, np.int64)] + [np.asarray(r, np.int64) + first for r, first in zip(rows, firsts)]
         )
-        if k == BYTES:
-            t.blob, t.offset, t.sha256 = cols["blob"][i], cols["offset"][i], cols["sha256"][i].hex()
-            t.positions = Segment(CELL_CODERS[cols["positions_coder"][i]], cols["positions_length"][i])
-            t.values = Segment(
-                CELL_CODERS[cols["values_coder"][i]], cols["values_length"][i], CELL_MODES[cols["mode"][i]]
-            )
-        elif k == CELLS:
-            t.cells = TableRef(
-                cols["blob"][i],
-                cols["offset"][i],
-                cols["positions_length"][i],
-                cols["sha256"][i].hex(),
-                cols["count"][i],
-            )
-        out.append(t)
-    return out
+    )
+    signature = names_raw + rec["name_length"].tobytes() if rows is None else None
+    known = _KNOWN.get(signature)
+    if known is not None:
+        names, keys = known
+    else:
+        names, keys = _decode_names(names_raw, rec["name_length"], keep, lambda i: numbers[int(table[keep[i]])]), None
+    if only is not None:  # a rank's: the index placed its names on these rows (another name may share a key)
+        mine = [j for j, name in enumerate(names) if name in only]
+        keep, names = keep[mine], [names[j] for j in mine]
+    if rows is not None or only is not None:
+        rec, shape, grid = rec[keep], shape[keep], grid[keep]
+    return TableEntries(_columns(rec, names, shape, shapes, grid, grids), rec, signature, keys)
+
+
+def _decode_names(raw: bytes, lengths: np.ndarray, keep: np.ndarray, table_of) -> list[str]:
+    """The names of rows ``keep`` from the tables' names' bytes (``table_of(i)``: row i's table, for errors)."""
+    ends = np.cumsum(lengths, dtype=np.int64)
+    starts, stops = (ends - lengths)[keep].tolist(), ends[keep].tolist()
+    if raw.isascii():  # one decode, then slices (a byte is a character)
+        text = raw.decode("ascii")
+        return [text[a:b] for a, b in zip(starts, stops)]
+    names = []
+    for i, (a, b) in enumerate(zip(starts, stops)):
+        try:
+            names.append(raw[a:b].decode())
+        except UnicodeDecodeError:
+            raise ManifestError(f"tensor table {table_of(i)}: a record's name is not UTF-8") from None
+    return names
+
+
+class _KnownNames:
+    """The names of the last whole read of tensor tables and their name keys. A driver reads every version
+    of one model, whose names stay the same: decoding 140 k names and hashing each (a name key is the start
+    of its SHA-256) took 0.3 s of its 0.7 s per K2 version. Known by the names' bytes and lengths, compared
+    whole (7 MB: a millisecond); a different model or a renamed tensor is simply read anew."""
+
+    def __init__(self) -> None:
+        self._last: tuple[bytes, list[str], np.ndarray] | None = None
+
+    def clear(self) -> None:
+        self._last = None
+
+    def get(self, signature: bytes | None) -> tuple[list[str], np.ndarray] | None:
+        last = self._last
+        return None if signature is None or last is None or last[0] != signature else (last[1], last[2])
+
+    def put(self, signature: bytes, names: list[str], keys: np.ndarray) -> None:
+        keys.flags.writeable = False  # shared by every read that finds it
+        self._last = (signature, names, keys)
+
+
+_KNOWN = _KnownNames()
+
+
+def forget_names() -> None:
+    """Forget the names of the last whole read: the next reads as a fresh process's first (benchmarks)."""
+    _KNOWN.clear()
+
+
+def _distinct(lists: list[list]) -> tuple[list, np.ndarray]:
+    """The distinct values of the tables' shapes (or grids) lists, by content with types (each table lists its
+    own), and each listed value's code among them, in list order."""
+    by_content: dict[str, int] = {}
+    distinct: list = []
+    codes = []
+    for v in (v for values in lists for v in values):
+        code = by_content.setdefault(repr(v), len(by_content))
+        if code == len(distinct):
+            distinct.append(v)
+        codes.append(code)
+    return distinct, np.array(codes, np.int64)
+
+
+def _columns(rec: np.ndarray, names: list[str], shape, shapes, grid, grids) -> entries.Columns:
+    """Records' columns: a kind's unused fields are zero (checked), so a coder of 0 is "none"."""
+    kind, n = rec["kind"], len(rec)
+    has_bytes, has_cells = kind == BYTES, kind == CELLS
+    where = lambda i: f"tensor {names[i]!r}"
+    blob, offset = rec["blob"].astype(np.int64), _bounded(rec["offset"], where, "offset")
+    plen = _bounded(rec["positions_length"], where, "segment length")
+    zero = np.zeros(n, np.int64)
+    return entries.Columns(
+        names=names,
+        dtype=rec["dtype"].astype(np.int64),
+        dtypes=list(TABLE_DTYPES),
+        shape=shape,
+        shapes=shapes,
+        grid=grid,
+        grids=grids,
+        nnz=_bounded(rec["nnz"], where, "nnz"),
+        fingerprint=rec["fingerprint"].astype(np.uint64),
+        base=rec["base_fingerprint"].astype(np.uint64),
+        has_base=(rec["flags"] & HAS_BASE).astype(bool),
+        pcoder=rec["positions_coder"].astype(np.int64),
+        pcoders=list(CELL_CODERS),
+        vcoder=rec["values_coder"].astype(np.int64),
+        vcoders=list(CELL_CODERS),
+        mode=rec["mode"].astype(np.int64),
+        modes=list(CELL_MODES),
+        plen=np.where(has_bytes, plen, 0),
+        vlen=_bounded(rec["values_length"], where, "segment length"),
+        blob=np.where(has_bytes, blob, entries.NONE),
+        offset=np.where(has_bytes, offset, 0),
+        has_sha=has_bytes,
+        chunk_lists=[None] * n,
+        has_chunks=np.zeros(n, bool),
+        cells=has_cells,
+        cell_blob=np.where(has_cells, blob, zero),
+        cell_offset=np.where(has_cells, offset, zero),
+        cell_length=np.where(has_cells, plen, zero),
+        cell_count=rec["count"].astype(np.int64),
+    )
+
+
+def _bounded(values: np.ndarray, where, what: str) -> np.ndarray:
+    """A uint64 field as int64, refused past 2**62 (as a JSON entry's would be)."""
+    if (values > MAX_OFFSET).any():
+        i = int(np.argmax(values > MAX_OFFSET))
+        raise ManifestError(f"{where(i)}: {what} {int(values[i])} outside [0, {MAX_OFFSET}]")
+    return values.astype(np.int64)
 
 
 def name_index(groups: list[list[str]]) -> bytes:
@@ -405,13 +594,19 @@ def lookup(m: Manifest, raw: bytes, names) -> tuple[dict[int, list[int]], frozen
 
 def select(m: Manifest, places: dict[int, list[int]], tables: dict[int, bytes], names, found: frozenset) -> None:
     """Take a format-10 manifest's entries of ``names`` only (a rank's own) from the tables the index
-    placed them in (``places``, ``found``: :func:`lookup`), each table checked as :func:`read_tensor_table` does and each entry
-    as inline ones; the manifest is then partial (``m.held``): checks over every tensor refuse it. A name
-    the index placed on a record of another name is refused (the index and its tables disagree)."""
+    placed them in (``places``, ``found``: :func:`lookup`), each table checked as :func:`read_tensor_tables`
+    does and each entry as inline ones; the manifest is then partial (``m.held``): checks over every tensor
+    refuse it. A name the index placed on a record of another name is refused (the index and its tables
+    disagree)."""
     names = frozenset(names)
     with _collector_paused():
-        got = _select(m, places, tables, names)
-        if missed := found - {t.name for t in got}:
+        order = list(places)
+        got = parse_checked(
+            lambda: read_tensor_tables(
+                [m.tables[i] for i in order], [tables[i] for i in order], order, [places[i] for i in order], names
+            )
+        )
+        if missed := found - set(got.columns.names):
             raise ManifestError(f"the name index places {sorted(missed)[:3]} on records of other names")
         m.tensors, m.held = got, names
         try:
@@ -419,14 +614,6 @@ def select(m: Manifest, places: dict[int, list[int]], tables: dict[int, bytes], 
         except ManifestError:
             m.tensors, m.held = [], None
             raise
-
-
-def _select(m: Manifest, places: dict[int, list[int]], tables: dict[int, bytes], names: frozenset) -> list[TensorEntry]:
-    got = []
-    for i, rows in places.items():
-        entries = parse_checked(lambda: read_tensor_table(m.tables[i], tables[i], f"tensor table {i}", rows))  # noqa: B023 - called at once
-        got += [t for t in entries if t.name in names]
-    return got
 
 
 def resolve(m: Manifest, tables: list[bytes], index: bytes | None = None) -> None:
@@ -442,21 +629,19 @@ def resolve(m: Manifest, tables: list[bytes], index: bytes | None = None) -> Non
 
 
 def _resolve(m: Manifest, tables: list[bytes], index: bytes | None) -> None:
-    tensors = []
-    for i, (ref, raw) in enumerate(zip(m.tables, tables)):
-        if m.index is None:
+    keys = None
+    if m.index is None:  # format 7: JSON tables
+        tensors = []
+        for i, (ref, raw) in enumerate(zip(m.tables, tables)):
             tensors += parse_checked(lambda: [tensor_from_json(t) for t in read_table(ref, raw, f"tensor table {i}")])  # noqa: B023 - called at once
-        else:
-            tensors += parse_checked(lambda: read_tensor_table(ref, raw, f"tensor table {i}"))  # noqa: B023 - called at once
-    if m.index is not None:
+    else:
         if index is None:
             raise ManifestError("a format-10 manifest's name index was not given")
+        tensors = parse_checked(lambda: read_tensor_tables(m.tables, tables, list(range(len(tables)))))
         _verify(m.index, index, "the name index")
-        keys = fpr.name_keys([t.name for t in tensors])  # once: the index, then the fingerprints
+        keys = tensors.name_keys()  # once: the index, then the fingerprints
         if index != index_records(keys, [r.count for r in m.tables]):
             raise ManifestError("the name index is not the one its tensor tables give")
-    else:
-        keys = None
     m.tensors = tensors
     try:
         parse_checked(lambda: m.validate(keys))

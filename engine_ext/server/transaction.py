@@ -340,7 +340,11 @@ class UpdateTransaction:
 
     def written(self) -> set[str]:
         """Tensors some link of the route writes: an anchor's every tensor, a delta's changed ones."""
-        return {t.name for link in self.chain for t in link.manifest.tensors if t.nnz or link.manifest.kind == ANCHOR}
+        written: set[str] = set()
+        for link in self.chain:
+            c = link.manifest.columns()
+            written.update(c.names if link.manifest.kind == ANCHOR else c.changed())
+        return written
 
     def _check_manifests(self, links) -> None:
         for link in links:
@@ -392,15 +396,16 @@ class UpdateTransaction:
     def changed(self) -> list[str]:
         """Tensors the route changes (every tensor for a route through an anchor)."""
         if any(link.manifest.kind == ANCHOR for link in self.chain):
-            return [t.name for t in self.chain[-1].manifest.tensors]
-        return sorted({t.name for link in self.chain for t in link.manifest.tensors if t.nnz})
+            return list(self.chain[-1].manifest.columns().names)
+        return sorted({name for link in self.chain for name in link.manifest.columns().changed()})
 
     def verify(self) -> None:
         """Paused, after every rank applied: the fingerprints combined over ranks must equal every
         per-tensor fingerprint and the model fingerprint the last manifest promises (a wrong base,
         a misapplied element or a rank that missed its part shows here)."""
         last = self.chain[-1].manifest
-        want = {t.name: fpr.parse(t.fingerprint) for t in last.tensors}
+        c = last.columns()
+        want = dict(zip(c.names, c.fingerprint.tolist()))
         got = combine_fingerprints(self.replies, self.changed())
         bad = [f"{n}: {fpr.fmt(f)} != {fpr.fmt(want[n])}" for n, f in got.items() if f != want[n]]
         if bad:
@@ -491,7 +496,7 @@ class UpdateTransaction:
             base_version=self.base_version,
             fingerprint=fpr.fmt(self.state.model_fingerprint),
             tensors=len(self.changed()),
-            elements=sum(t.nnz for link in self.chain for t in link.manifest.tensors),
+            elements=sum(int(link.manifest.columns().nnz.sum()) for link in self.chain),
             written=int(sum(r.written for r in self.replies)),
             payload_bytes=sum(link.manifest.payload_bytes for link in self.chain),
             fetched_bytes=self.fetched_bytes,
