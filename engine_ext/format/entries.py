@@ -28,6 +28,7 @@ from ..errors import ManifestError
 from . import chunks
 from . import fingerprint as fpr
 from . import manifest as mf  # its constants and rules, read at call time (manifest imports this module)
+from .bulk import collector_paused
 from .cells import MAX_OFFSET
 
 _LOWER_HEX = re.compile(r"[0-9a-f]*")
@@ -63,6 +64,7 @@ class Columns:
     blob: np.ndarray  # -1: none (a changed whole tensor's bytes)
     offset: np.ndarray
     has_sha: np.ndarray  # its bytes' SHA-256 is given (64 lower-case hex digits)
+    sha: np.ndarray  # the SHA-256 as 32 bytes ("V32"), zero where not given
     chunk_lists: list  # each entry's inline chunk list, or None (always, for a binary table's entries)
     has_chunks: np.ndarray
     cells: np.ndarray  # bool: its chunks lie in a cell table (format 7), placed by cell_*
@@ -119,7 +121,10 @@ class Columns:
         blobs[given] = _ints([blob[i] for i in given], lambda j: where(given[j]), "blob index")
         sha = column("sha256")
         has_sha = np.array([s is not None for s in sha], bool)
-        _shas([s for s in sha if s is not None], lambda j: where(int(np.flatnonzero(has_sha)[j])))
+        given_sha = [s for s in sha if s is not None]
+        _shas(given_sha, lambda j: where(int(np.flatnonzero(has_sha)[j])))
+        sha_bytes = np.zeros(n, "V32")
+        sha_bytes[has_sha] = np.frombuffer(bytes.fromhex("".join(given_sha)), "V32")
         chunk_lists = column("chunks")
         refs = column("cells")
         has_cells = np.array([r is not None for r in refs], bool)
@@ -162,6 +167,7 @@ class Columns:
             blob=blobs,
             offset=_ints(column("offset"), where, "offset"),
             has_sha=has_sha,
+            sha=sha_bytes,
             chunk_lists=chunk_lists,
             has_chunks=np.array([c is not None for c in chunk_lists], bool),
             cells=has_cells,
@@ -187,7 +193,8 @@ class ColumnEntries(Sequence):
 
     def _entries(self) -> list:
         if self._made is None:
-            self._made = self.make()
+            with collector_paused():  # 140 k objects at once (1 s more with the collector running)
+                self._made = self.make()
         return self._made
 
     def __len__(self) -> int:

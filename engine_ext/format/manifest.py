@@ -345,12 +345,13 @@ class Manifest:
         cells.check(self, cut, counts, rec, where)
         return rec, where
 
-    def validate(self, name_keys: np.ndarray | None = None) -> np.ndarray | None:
+    def validate(self, name_keys: np.ndarray | None = None, columns: Columns | None = None) -> np.ndarray | None:
         """Raise ManifestError unless every field is consistent and within limits (format 7 before its
         tables are read: every field but the tensors'). Returns the cell records of the chunks listed
         inline, as checked (:func:`engine_ext.format.tables.tabulate` writes them: a commit makes them once).
         ``name_keys``: the tensors' name keys, in order, where the caller made them (a commit, for its
-        fingerprints: 140 k SHA-256s at K2 size); else made here."""
+        fingerprints: 140 k SHA-256s at K2 size); else made here. ``columns``: the tensors' columns, where the
+        caller made them (a rank writing its tables uses them again); else :meth:`columns`."""
 
         def bad(msg):
             raise ManifestError(_cut(msg))
@@ -430,7 +431,7 @@ class Manifest:
                 bad(f"the tensor tables hold {sum(r.count for r in self.tables)} tensors, {len(self.tensors)} read")
         elif self.index is not None:
             bad("only a manifest with tensor tables has a name index")
-        columns = self.columns()
+        columns = self.columns() if columns is None else columns
         inline, ranges = entries.check(self, columns)
         records, where = self._check_inline_chunks([self.tensors[i] for i in inline.tolist()])
         _no_overlap(per_blob, ranges, records, where)

@@ -164,16 +164,20 @@ def binary_tables(
     put: Callable[[bytes], tuple[int, int]],
     per_table: int = PER_TABLE,
     records: np.ndarray | None = None,
+    columns: entries.Columns | None = None,
 ) -> list[TableRef]:
     """``tensors`` (validated) as format-10 tables handed to ``put(bytes) -> (blob, offset)``: their cell
     tables (``records``: as for :func:`tabulate`), then tensor tables of ``per_table`` tensors each, in
-    order. Without their name index: the caller writes it over every table of the version
-    (:func:`index_records`), as a sharded version's rank 0 does over its ranks' tables."""
+    order (``columns``: theirs, as validation made them; else made here). Without their name index: the
+    caller writes it over every table of the version (:func:`index_records`), as a sharded version's rank 0
+    does over its ranks' tables."""
     ref = _writer(put)
     cell_refs = _cell_tables(tensors, ref, records)
+    c = entries.Columns.of_entries(tensors) if columns is None else columns
+    rec = _tensor_records(c, cell_refs)
     return [
-        ref(tensor_table(tensors[i : i + per_table], cell_refs[i : i + per_table]), len(tensors[i : i + per_table]))
-        for i in range(0, len(tensors), per_table)
+        ref(_tensor_table(c, rec, i, min(i + per_table, len(c))), min(per_table, len(c) - i))
+        for i in range(0, len(c), per_table)
     ]
 
 
@@ -192,67 +196,73 @@ def _json_row(t: TensorEntry, cells: TableRef | None) -> dict:
 
 def tensor_table(tensors: list[TensorEntry], cells: list[TableRef | None]) -> bytes:
     """A format-10 tensor table of ``tensors`` (``cells[i]``: where tensor i's cell table lies, or None)."""
-    shapes: dict[tuple, int] = {}
-    grids: dict[tuple, int] = {}
-    rows, names, zero = [], [], bytes(32)
-    for t, c in zip(tensors, cells):
-        name = t.name.encode()
-        names.append(name)
-        shape = shapes.setdefault(tuple(t.shape), len(shapes))
-        grid = NO_GRID if t.grid is None else grids.setdefault(tuple(map(tuple, t.grid)), len(grids))
-        base = t.base_fingerprint
-        head = (len(name), TABLE_DTYPES.index(t.dtype))
-        fps = (t.nnz, int(t.fingerprint, 16), 0 if base is None else int(base, 16))
-        flags = 0 if base is None else HAS_BASE
-        if c is not None:
-            rows.append(
-                (
-                    *head,
-                    CELLS,
-                    flags,
-                    shape,
-                    grid,
-                    *fps,
-                    c.blob,
-                    c.offset,
-                    bytes.fromhex(c.sha256),
-                    0,
-                    c.length,
-                    0,
-                    0,
-                    0,
-                    c.count,
-                )
-            )
-        elif t.nnz:
-            p, v = t.positions, t.values
-            rows.append(
-                (
-                    *head,
-                    BYTES,
-                    flags,
-                    shape,
-                    grid,
-                    *fps,
-                    t.blob,
-                    t.offset,
-                    bytes.fromhex(t.sha256),
-                    CELL_CODERS.index(p.coder),
-                    p.length,
-                    CELL_CODERS.index(v.coder),
-                    v.length,
-                    CELL_MODES.index(v.mode),
-                    0,
-                )
-            )
-        else:
-            rows.append((*head, UNCHANGED, flags, shape, grid, *fps, 0, 0, zero, 0, 0, 0, 0, 0, 0))
+    c = entries.Columns.of_entries(tensors)
+    return _tensor_table(c, _tensor_records(c, cells), 0, len(c))
+
+
+def _tensor_records(c: entries.Columns, cells: list[TableRef | None]) -> np.ndarray:
+    """Validated entries' :data:`TENSOR_RECORD` records, a field at a time (``shape`` and ``grid``: the codes of
+    ``c``, which each table makes its own)."""
+    n = len(c)
+    rec = np.zeros(n, TENSOR_RECORD)
+    in_cells = np.array([r is not None for r in cells], bool)
+    own = (c.nnz != 0) & ~in_cells
+    rec["name_length"] = [len(x.encode()) for x in c.names]
+    rec["dtype"] = np.array([TABLE_DTYPES.index(d) for d in c.dtypes], np.uint8)[c.dtype]
+    rec["kind"] = np.where(in_cells, CELLS, np.where(own, BYTES, UNCHANGED))
+    rec["flags"] = np.where(c.has_base, HAS_BASE, 0)
+    rec["shape"], rec["grid"] = c.shape, np.where(c.grid == entries.NONE, NO_GRID, c.grid)
+    rec["nnz"], rec["fingerprint"], rec["base_fingerprint"] = c.nnz, c.fingerprint, c.base
+    rec["blob"] = np.where(own, c.blob, 0)
+    rec["offset"] = np.where(own, c.offset, 0)
+    rec["sha256"] = np.where(own, c.sha, np.zeros(n, "V32"))
+    rec["positions_coder"] = np.where(own, _code_of(c.pcoder, c.pcoders, CELL_CODERS), 0)
+    rec["positions_length"] = np.where(own, c.plen, 0)
+    rec["values_coder"] = np.where(own, _code_of(c.vcoder, c.vcoders, CELL_CODERS), 0)
+    rec["values_length"] = np.where(own, c.vlen, 0)
+    rec["mode"] = np.where(own, _code_of(c.mode, c.modes, CELL_MODES), 0)
+    rows = np.flatnonzero(in_cells)
+    refs = [cells[i] for i in rows.tolist()]
+    for f, values in (
+        ("blob", [r.blob for r in refs]),
+        ("offset", [r.offset for r in refs]),
+        ("positions_length", [r.length for r in refs]),
+        ("count", [r.count for r in refs]),
+    ):
+        rec[f][rows] = values
+    rec["sha256"][rows] = np.frombuffer(bytes.fromhex("".join(r.sha256 for r in refs)), "V32")
+    return rec
+
+
+def _code_of(codes: np.ndarray, values: list, table: tuple) -> np.ndarray:
+    """A column's codes as their values' places in a record's ``table`` (coders, modes)."""
+    return np.array([table.index(v) for v in values] + [0], np.uint8)[codes]
+
+
+def _tensor_table(c: entries.Columns, rec: np.ndarray, a: int, b: int) -> bytes:
+    """Rows ``a:b`` as one tensor table: their records, with shape and grid codes into the table's own
+    distinct shapes and grids (in order of first use), the names, the shapes section."""
+    out = rec[a:b].copy()
+    shapes, out["shape"] = _first_use(c.shape[a:b])
+    has_grid = c.grid[a:b] != entries.NONE
+    grids, local = _first_use(c.grid[a:b][has_grid])
+    out["grid"][has_grid] = local
     extra = json.dumps(
-        {"shapes": [list(s) for s in shapes], "grids": [[list(c) for c in g] for g in grids]}, separators=(",", ":")
+        {"shapes": [list(c.shapes[s]) for s in shapes], "grids": [[list(x) for x in c.grids[g]] for g in grids]},
+        separators=(",", ":"),
     ).encode()
-    names_raw = b"".join(names)
+    names_raw = "".join(c.names[a:b]).encode()
     head = np.array([(len(names_raw), len(extra))], TABLE_HEAD).tobytes()
-    return head + np.array(rows, TENSOR_RECORD).tobytes() + names_raw + extra
+    return head + out.tobytes() + names_raw + extra
+
+
+def _first_use(codes: np.ndarray) -> tuple[list[int], np.ndarray]:
+    """The distinct codes in order of first use, and each row's place among them."""
+    distinct, first, inverse = np.unique(codes, return_index=True, return_inverse=True)
+    order = np.argsort(first)
+    rank = np.empty(len(order), np.int64)
+    rank[order] = np.arange(len(order))
+    return distinct[order].tolist(), rank[inverse]
 
 
 @dataclasses.dataclass
@@ -527,6 +537,7 @@ def _columns(rec: np.ndarray, names: list[str], shape, shapes, grid, grids) -> e
         blob=np.where(has_bytes, blob, entries.NONE),
         offset=np.where(has_bytes, offset, 0),
         has_sha=has_bytes,
+        sha=np.where(has_bytes, rec["sha256"], np.zeros(n, "V32")),
         chunk_lists=[None] * n,
         has_chunks=np.zeros(n, bool),
         cells=has_cells,

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..format import entries
 from ..format import fingerprint as fpr
 from ..format.bulk import collector_paused
 from ..format.latest import Latest
@@ -82,15 +83,18 @@ def write_part(
             format_version=INDEXED,
         )
         checked.held = frozenset(t.name for t in whole)  # a subset: the model fingerprints are rank 0's
-        records = checked.validate(keys)
-        fp, base = fpr.of_entries(keys, whole, part.kind == DELTA)
+        columns = entries.Columns.of_entries(whole)  # once: the checks, the fingerprints, the tables
+        records = checked.validate(keys, columns)
+        fp = fpr.combined(keys, columns.fingerprint)
+        base = fpr.combined(keys, columns.base) if part.kind == DELTA else None
         for t in whole:  # the version's blob indices; chunks go into the tables as their records
             if t.blob is not None:
                 t.blob += shift
+        columns.blob = np.where(columns.blob == entries.NONE, entries.NONE, columns.blob + shift)
         if records is not None:
             records["blob"] += shift
         out = SpooledBlob(spool, shift + len(part.blobs), name=len(part.blobs))  # named as the rank's blobs are
-        tables = binary_tables(whole, out.put, per, records)
+        tables = binary_tables(whole, out.put, per, records, columns)
     blob, file = out.close(tag)
     part.blobs.append(blob)
     return TablesPart(part, tables, keys, fp, base), file
