@@ -211,12 +211,14 @@ def full_size(layers: int, experts: int, root: Path, key: str, moto: bool, joine
 
     def rank_metadata(st, want):  # what RankUpdater.fetch does before it fetches data (selection: its rule)
         m, n = open_held(st, raw, set(want))
-        sel = {}
+        sel, meeting = {}, {}
         for t in m.tensors:
             if t.nnz:
                 whole = any(a == (0,) * len(t.shape) and tuple(z) == tuple(t.shape) for a, z in want[t.name])
-                sel[t.name] = None if t.grid is None or whole else set().union(
-                    *(cells_meeting(t.grid, t.shape, a, z) for a, z in want[t.name]))
+                key = (id(t.grid), tuple(t.shape), tuple(want[t.name]))
+                if not (t.grid is None or whole) and key not in meeting:
+                    meeting[key] = frozenset().union(*(cells_meeting(t.grid, t.shape, a, z) for a, z in want[t.name]))
+                sel[t.name] = None if t.grid is None or whole else meeting[key]
         n += load_cells(st, m, {k: v for k, v in sel.items() if v is None or v})  # a Selection, as fetch_selected passes
         return m, sel, n + len(raw)
 

@@ -360,10 +360,11 @@ class RankUpdater:
 
     def selection(self, m) -> dict:
         """What of manifest ``m`` this rank needs: {changed tensor it holds: the grid cells that
-        meet its boxes (a set, maybe empty: it holds the tensor but none of its changes), or
+        meet its boxes (a frozenset, maybe empty: it holds the tensor but none of its changes), or
         None for the whole tensor (not cut, or reloaded densely)}. Its keys are also the
         tensors whose fingerprints it reports after the apply."""
-        out = {}
+        out: dict = {}
+        meeting: dict = {}  # (grid, shape, boxes) -> cells: a TP rank's 70 k cut tensors have a few dozen
         for t in m.tensors:
             if not t.nnz:
                 continue
@@ -380,7 +381,10 @@ class RankUpdater:
             ):
                 out[t.name] = None  # not cut, or held whole (an expert-parallel rank's expert): every cell
                 continue
-            out[t.name] = set().union(*(cells_meeting(t.grid, t.shape, p.start, p.stop) for p in pieces))
+            key = (id(t.grid), tuple(t.shape), tuple((tuple(p.start), tuple(p.stop)) for p in pieces))
+            if key not in meeting:  # grids are shared lists (a table's entries share them): alive meanwhile
+                meeting[key] = frozenset().union(*(cells_meeting(t.grid, t.shape, p.start, p.stop) for p in pieces))
+            out[t.name] = meeting[key]
         return out
 
     def fetch(self, txn: str, store: str, route: list[dict], timeout_s: float) -> RankReply:
