@@ -24,7 +24,7 @@ store's first byte: :class:`PerRequest`, which also counts requests), and S3 (``
    name index), the checks that need every entry (model fingerprints, overlaps), then what the server's
    transaction checks before any rank fetches: every tensor against the served model's names, shapes and
    dtypes, the decode budget, the tensors the version writes. Timed as for every version after a replica's
-   first (the names a model keeps are decoded and hashed once per process: ``tables._KnownNames``); the
+   first (the names a model keeps are decoded and hashed once per process: ``tensor_records._KnownNames``); the
    first version's read is printed beside it.
 4. **rank metadata** (full size): the name index, the tables holding the rank's tensors and the cell
    tables of the cells it fetches.
@@ -73,7 +73,7 @@ from engine_ext.store.reader import TensorBases, _decode_parts, _parts, _read_ra
 from engine_ext.store.reader import load_cells, open_held, open_manifest  # noqa: E402
 from engine_ext.store.signing import Signer, Trust, generate_key  # noqa: E402
 from engine_ext.format import fingerprint as fpr  # noqa: E402
-from engine_ext.format import tables  # noqa: E402
+from engine_ext.format import tensor_records  # noqa: E402
 from engine_ext.store import reader  # noqa: E402
 from engine_ext.trainer import table_parts  # noqa: E402
 from engine_ext.trainer.builder import LATEST_TTL_S, commit, merge_parts  # noqa: E402
@@ -229,7 +229,7 @@ def full_size(layers: int, experts: int, root: Path, key: str, moto: bool, joine
         return read
 
     with stores(root, moto) as by_name_store:
-        tables.forget_names()  # as in a fresh process: the first version's read
+        tensor_records.forget_names()  # as in a fresh process: the first version's read
         (m, _), out["driver_first_s"] = timed(lambda: driver(by_name_store["local"]))
         del m
         gc.collect()

@@ -25,7 +25,7 @@ from engine_ext import settings
 from engine_ext.errors import IntegrityError, ManifestError, ModelMismatchError
 from engine_ext.format import manifest as manifest_mod
 from engine_ext.format.manifest import Manifest
-from engine_ext.format import entries, tables
+from engine_ext.format import entries, tables, tensor_records
 from engine_ext.format.fingerprint import name_key
 from engine_ext.format.tables import CELL_RECORD
 from engine_ext.server.controller import Controller
@@ -371,9 +371,9 @@ def _retabled(root, doc, edit):
     """``doc`` with tensor table 0 and the index re-written from ``edit(entries of every table)`` ->
     (entries per table, index bytes or None: rebuilt): their hashes match, so only their contents can lie."""
     m = Manifest.from_json(json.dumps(doc).encode())
-    groups = [list(tables.read_tensor_tables([r], [_raw_of(root, m, r)], [0])) for r in m.tables]
+    groups = [list(tensor_records.read_tensor_tables([r], [_raw_of(root, m, r)], [0])) for r in m.tables]
     groups, index = edit(groups)
-    blobs = [tables.tensor_table(g, [t.cells for t in g]) for g in groups]
+    blobs = [tensor_records.tensor_table(g, [t.cells for t in g]) for g in groups]
     index = index if index is not None else tables.name_index([[t.name for t in g] for g in groups])
     for ref, raw in zip(m.tables, blobs):
         ref.sha256, ref.length, ref.count = hashlib.sha256(raw).hexdigest(), len(raw), len(raw) and ref.count
@@ -392,9 +392,9 @@ def test_the_driver_reads_the_whole_as_columns_and_makes_no_entry(small_tables):
     a model are decoded and hashed once per process: a later read of the same names reuses them."""
     root = small_tables
     store, raw = open_store(str(root)), (root / "v00000001.json").read_bytes()
-    tables.forget_names()
+    tensor_records.forget_names()
     m = open_manifest(store, raw)
-    assert isinstance(m.tensors, tables.TableEntries) and len(m.tensors) == 5
+    assert isinstance(m.tensors, tensor_records.TableEntries) and len(m.tensors) == 5
     served = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in _states(steps=1)[1].items()}
     check_expected(m, served, "v1")
     check_decode_budget(m)
@@ -416,11 +416,11 @@ def _with_records(root, m, i: int, edit):
     """The bytes of every tensor table of ``m``, table ``i``'s records changed by ``edit(records)``, and the
     references re-hashed (a signed manifest naming lying tables: only their contents can lie)."""
     blobs = [_raw_of(root, m, r) for r in m.tables]
-    at, n = tables.TABLE_HEAD.itemsize, m.tables[i].count
+    at, n = tensor_records.TABLE_HEAD.itemsize, m.tables[i].count
     b = bytearray(blobs[i])
-    rec = np.frombuffer(bytes(b[at:at + n * tables.TENSOR_RECORD.itemsize]), tables.TENSOR_RECORD).copy()
+    rec = np.frombuffer(bytes(b[at:at + n * tensor_records.TENSOR_RECORD.itemsize]), tensor_records.TENSOR_RECORD).copy()
     edit(rec)
-    b[at:at + n * tables.TENSOR_RECORD.itemsize] = rec.tobytes()
+    b[at:at + n * tensor_records.TENSOR_RECORD.itemsize] = rec.tobytes()
     blobs[i] = bytes(b)
     m.tables[i].sha256 = hashlib.sha256(blobs[i]).hexdigest()
     return blobs
@@ -459,7 +459,7 @@ def test_binary_tables_and_an_index_that_lie_are_refused(small_tables):
     m, blobs, index = _retabled(root, doc, swapped)
     with pytest.raises(ManifestError, match="not the one"):
         tables.resolve(m, blobs, index)
-    name = next(t.name for g in [list(tables.read_tensor_tables([r], [b], [0])) for r, b in zip(m.tables, blobs)] for t in g
+    name = next(t.name for g in [list(tensor_records.read_tensor_tables([r], [b], [0])) for r, b in zip(m.tables, blobs)] for t in g
                 if name_key(t.name) == int(np.frombuffer(index, tables.INDEX_RECORD)["key"][0]))
     places, found = tables.lookup(m, index, {name})
     with pytest.raises(ManifestError, match="places"):
@@ -496,14 +496,14 @@ def test_any_binary_table_bytes_give_a_manifest_error_or_a_valid_manifest(small_
     how = data.draw(st.sampled_from(["field", "byte", "cut", "any"]))
     b = bytearray(blobs[i])
     if how == "field":
-        at, n = tables.TABLE_HEAD.itemsize, m.tables[i].count
-        rec = np.frombuffer(bytes(b[at:at + n * tables.TENSOR_RECORD.itemsize]), tables.TENSOR_RECORD).copy()
-        field, j = data.draw(st.sampled_from(tables.TENSOR_RECORD.names)), data.draw(st.integers(0, n - 1))
+        at, n = tensor_records.TABLE_HEAD.itemsize, m.tables[i].count
+        rec = np.frombuffer(bytes(b[at:at + n * tensor_records.TENSOR_RECORD.itemsize]), tensor_records.TENSOR_RECORD).copy()
+        field, j = data.draw(st.sampled_from(tensor_records.TENSOR_RECORD.names)), data.draw(st.integers(0, n - 1))
         if field == "sha256":
             rec[field][j] = data.draw(st.binary(min_size=32, max_size=32))
         else:
-            rec[field][j] = data.draw(st.integers(0, 2 ** (8 * tables.TENSOR_RECORD[field].itemsize) - 1))
-        b[at:at + n * tables.TENSOR_RECORD.itemsize] = rec.tobytes()
+            rec[field][j] = data.draw(st.integers(0, 2 ** (8 * tensor_records.TENSOR_RECORD[field].itemsize) - 1))
+        b[at:at + n * tensor_records.TENSOR_RECORD.itemsize] = rec.tobytes()
     elif how == "byte":
         b[data.draw(st.integers(0, len(b) - 1))] = data.draw(st.integers(0, 255))
     elif how == "cut":
@@ -544,7 +544,7 @@ def test_expert_parallel_ranks_read_only_their_own_tensor_tables(tmp_path):
     select = tables.select
 
     def recording(m, places, got, names, found):
-        seen[frozenset(names)] = sorted(t.name for i in places for t in list(tables.read_tensor_tables([m.tables[i]], [got[i]], [i])))
+        seen[frozenset(names)] = sorted(t.name for i in places for t in list(tensor_records.read_tensor_tables([m.tables[i]], [got[i]], [i])))
         return select(m, places, got, names, found)
 
     ctl = Controller(FakeRanks(ranks), Sources([str(tmp_path)]), version=0)

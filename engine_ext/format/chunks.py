@@ -71,7 +71,7 @@ def boxes(cuts: list[list[int]], shape) -> tuple[Box, ...]:
     Computed once per grid and shape (a 1T MoE's 140 k tensors share a handful; readers ask per tensor), the
     publisher's grids of at most 64 cells cached; bigger ones, which only a hostile manifest lists, are not.
     A binary tensor table's entries share one grid list and one shape list per distinct value
-    (:func:`engine_ext.format.tables.read_tensor_table`): those are found by identity first, before the
+    (:func:`engine_ext.format.tensor_records.read_tensor_tables`): those are found by identity first, before the
     cache key is built (15 us a call, 0.14 s of a K2 TP rank's 9,000 tensors per 8 layers)."""
     hit = _by_identity.get((id(cuts), id(shape)))
     if hit is not None and hit[0] is cuts and hit[1] is shape:

@@ -6,7 +6,7 @@ commit checks them before it writes them. One Python call per entry (about 15 us
 dtype, a shape, a grid, a coder, a mode) as codes into its distinct values, so a rule that depends on one runs
 once per distinct value (a model has a handful). Columns are made from entry objects (:meth:`Columns.of_entries`:
 inline JSON, a publisher's own entries), which refuses any field that is not the type it needs, or straight
-from a format-10 tensor table's records (:func:`engine_ext.format.tables.read_tensor_tables`), for which no
+from a format-10 tensor table's records (:func:`engine_ext.format.tensor_records.read_tensor_tables`), for which no
 object is made: the rules (:func:`check`) are the same for both.
 
 The chunks of a cut tensor are :mod:`engine_ext.format.cells`' (the rows whose chunks are listed inline are

@@ -1,0 +1,437 @@
+"""Format-10 tensor tables: tensor entries as fixed binary records, read and written as columns (issue 52).
+
+A tensor table (docs/FORMAT.md, "Indexed tensor tables") is ``u32 names_length``, ``u32 shapes_length``,
+``count`` :data:`TENSOR_RECORD` records, the names, then the table's distinct shapes and grids as compact JSON.
+A Kimi-K2 version has 140,790 entries in about 2,200 tables, which the driver reads whole once per version and
+a tensor-parallel rank nearly whole. So every table's records are read into one array and checked as one
+(:func:`read_tensor_tables`), become :class:`~engine_ext.format.entries.Columns` with no object per entry
+(:class:`TableEntries` makes them only when one is asked for), and a writer makes every record of its entries
+at once from their columns (:func:`tensor_records`, :func:`table_bytes`). Which tables a rank reads, the
+name index and cell tables are :mod:`engine_ext.format.tables`'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import struct
+
+import numpy as np
+
+from ..errors import IntegrityError, ManifestError
+from . import entries
+from . import fingerprint as fpr
+from .cells import CELL_CODERS, CELL_MODES, MAX_OFFSET
+from .manifest import Segment, TableRef, TensorEntry
+
+# Format 10. A tensor table: u32 names bytes, u32 shapes bytes, ``count`` records, the names (UTF-8, in
+# record order), then the table's distinct shapes and grids as compact JSON {"shapes": [...], "grids": [...]}.
+TENSOR_RECORD = np.dtype(
+    [
+        ("name_length", "<u2"),
+        ("dtype", "u1"),
+        ("kind", "u1"),
+        ("flags", "u1"),
+        ("shape", "<u2"),
+        ("grid", "<u2"),
+        ("nnz", "<u8"),
+        ("fingerprint", "<u8"),
+        ("base_fingerprint", "<u8"),
+        ("blob", "<u4"),
+        ("offset", "<u8"),
+        ("sha256", "V32"),
+        ("positions_coder", "u1"),
+        ("positions_length", "<u8"),
+        ("values_coder", "u1"),
+        ("values_length", "<u8"),
+        ("mode", "u1"),
+        ("count", "<u4"),
+    ]
+)
+UNCHANGED, BYTES, CELLS = 0, 1, 2  # a record's kind: no bytes; bytes of its own; a cell table (blob..count)
+HAS_BASE = 1  # flags: the base fingerprint is set
+NO_GRID = 0xFFFF
+TABLE_DTYPES = (
+    "bfloat16",
+    "float16",
+    "float32",
+    "float64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "int8",
+    "uint8",
+    "int16",
+    "int32",
+    "int64",
+    "bool",
+)  # a dtype's byte in a record: its index (append only)
+TABLE_HEAD = np.dtype([("names", "<u4"), ("shapes", "<u4")])
+
+
+def tensor_table(tensors: list[TensorEntry], cells: list[TableRef | None]) -> bytes:
+    """A format-10 tensor table of ``tensors`` (``cells[i]``: where tensor i's cell table lies, or None)."""
+    c = entries.Columns.of_entries(tensors)
+    return table_bytes(c, tensor_records(c, cells), 0, len(c))
+
+
+def tensor_records(c: entries.Columns, cells: list[TableRef | None]) -> np.ndarray:
+    """Validated entries' :data:`TENSOR_RECORD` records, a field at a time (``shape`` and ``grid``: the codes of
+    ``c``, which each table makes its own)."""
+    n = len(c)
+    rec = np.zeros(n, TENSOR_RECORD)
+    in_cells = np.array([r is not None for r in cells], bool)
+    own = (c.nnz != 0) & ~in_cells
+    rec["name_length"] = [len(x.encode()) for x in c.names]
+    rec["dtype"] = np.array([TABLE_DTYPES.index(d) for d in c.dtypes], np.uint8)[c.dtype]
+    rec["kind"] = np.where(in_cells, CELLS, np.where(own, BYTES, UNCHANGED))
+    rec["flags"] = np.where(c.has_base, HAS_BASE, 0)
+    rec["shape"], rec["grid"] = c.shape, np.where(c.grid == entries.NONE, NO_GRID, c.grid)
+    rec["nnz"], rec["fingerprint"], rec["base_fingerprint"] = c.nnz, c.fingerprint, c.base
+    rec["blob"] = np.where(own, c.blob, 0)
+    rec["offset"] = np.where(own, c.offset, 0)
+    rec["sha256"] = np.where(own, c.sha, np.zeros(n, "V32"))
+    rec["positions_coder"] = np.where(own, _code_of(c.pcoder, c.pcoders, CELL_CODERS), 0)
+    rec["positions_length"] = np.where(own, c.plen, 0)
+    rec["values_coder"] = np.where(own, _code_of(c.vcoder, c.vcoders, CELL_CODERS), 0)
+    rec["values_length"] = np.where(own, c.vlen, 0)
+    rec["mode"] = np.where(own, _code_of(c.mode, c.modes, CELL_MODES), 0)
+    rows = np.flatnonzero(in_cells)
+    refs = [cells[i] for i in rows.tolist()]
+    for f, values in (
+        ("blob", [r.blob for r in refs]),
+        ("offset", [r.offset for r in refs]),
+        ("positions_length", [r.length for r in refs]),
+        ("count", [r.count for r in refs]),
+    ):
+        rec[f][rows] = values
+    rec["sha256"][rows] = np.frombuffer(bytes.fromhex("".join(r.sha256 for r in refs)), "V32")
+    return rec
+
+
+def _code_of(codes: np.ndarray, values: list, table: tuple) -> np.ndarray:
+    """A column's codes as their values' places in a record's ``table`` (coders, modes)."""
+    return np.array([table.index(v) for v in values] + [0], np.uint8)[codes]
+
+
+def table_bytes(c: entries.Columns, rec: np.ndarray, a: int, b: int) -> bytes:
+    """Rows ``a:b`` as one tensor table: their records, with shape and grid codes into the table's own
+    distinct shapes and grids (in order of first use), the names, the shapes section."""
+    out = rec[a:b].copy()
+    shapes, out["shape"] = _first_use(c.shape[a:b])
+    has_grid = c.grid[a:b] != entries.NONE
+    grids, local = _first_use(c.grid[a:b][has_grid])
+    out["grid"][has_grid] = local
+    extra = json.dumps(
+        {"shapes": [list(c.shapes[s]) for s in shapes], "grids": [[list(x) for x in c.grids[g]] for g in grids]},
+        separators=(",", ":"),
+    ).encode()
+    names_raw = "".join(c.names[a:b]).encode()
+    head = np.array([(len(names_raw), len(extra))], TABLE_HEAD).tobytes()
+    return head + out.tobytes() + names_raw + extra
+
+
+def _first_use(codes: np.ndarray) -> tuple[list[int], np.ndarray]:
+    """The distinct codes in order of first use, and each row's place among them."""
+    distinct, first, inverse = np.unique(codes, return_index=True, return_inverse=True)
+    order = np.argsort(first)
+    rank = np.empty(len(order), np.int64)
+    rank[order] = np.arange(len(order))
+    return distinct[order].tolist(), rank[inverse]
+
+
+@dataclasses.dataclass
+class _Sections:
+    """A tensor table's sections, its bytes checked against its reference and the sections' sizes against its
+    length. Records are joined into one array for every table at once (a structured concatenate of 2,200
+    tables cost 0.1 s), and the shapes section parsed once per distinct text (tables of alike tensors list
+    the same shapes and grids)."""
+
+    records: bytes
+    names: bytes
+    shapes: bytes
+
+
+def _sections(ref: TableRef, raw: bytes, where: str) -> _Sections:
+    verify_table(ref, raw, where)
+    n, h = ref.count, TABLE_HEAD.itemsize
+    if len(raw) < h + n * TENSOR_RECORD.itemsize:
+        raise ManifestError(f"{where}: {len(raw)} bytes for {n} records")
+    names_len, extra_len = struct.unpack_from("<II", raw)  # TABLE_HEAD
+    at = h + n * TENSOR_RECORD.itemsize
+    if len(raw) != at + names_len + extra_len:
+        raise ManifestError(f"{where}: {len(raw)} bytes, its sections account for {at + names_len + extra_len}")
+    return _Sections(raw[h:at], raw[at : at + names_len], raw[at + names_len :])
+
+
+def _shape_lists(raw: bytes, where: str) -> tuple[list, list]:
+    """A shapes section: compact JSON {"shapes": [...], "grids": [...]} (each value checked by the entries' rules)."""
+    try:
+        extra = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise ManifestError(f"{where}: its shapes are not valid JSON") from None
+    if (
+        not isinstance(extra, dict)
+        or set(extra) != {"shapes", "grids"}
+        or not all(isinstance(extra[k], list) for k in extra)
+    ):
+        raise ManifestError(f"{where}: its shapes are not {{shapes, grids}}")
+    return extra["shapes"], extra["grids"]
+
+
+class TableEntries(entries.ColumnEntries):
+    """Entries read from format-10 tensor tables: columns at once, objects when first asked for."""
+
+    def __init__(self, columns: entries.Columns, records: np.ndarray, signature: bytes | None, keys: np.ndarray | None):
+        super().__init__(columns)
+        self.records = records
+        self._signature, self._keys = signature, keys
+
+    def name_keys(self) -> np.ndarray:
+        """The entries' name keys, made once (and kept for the next whole read of the same names)."""
+        if self._keys is None:
+            self._keys = fpr.name_keys(self.columns.names)
+            if self._signature is not None:
+                _KNOWN.put(self._signature, self.columns.names, self._keys)
+        return self._keys
+
+    def make(self) -> list[TensorEntry]:
+        c, rec = self.columns, self.records
+        cols = {f: rec[f].tolist() for f in ("kind", "blob", "offset", "positions_length", "values_length", "count")}
+        sha = rec["sha256"].tolist()
+        pcoder, vcoder, mode = c.pcoder.tolist(), c.vcoder.tolist(), c.mode.tolist()
+        fps = [f"{x:016x}" for x in c.fingerprint.tolist()]
+        bases = [f"{x:016x}" if has else None for x, has in zip(c.base.tolist(), c.has_base.tolist())]
+        shapes = [list(x) if isinstance(x, list) else x for x in c.shapes]  # one list per distinct shape and grid,
+        grids = [[list(y) if isinstance(y, list) else y for y in g] if isinstance(g, list) else g for g in c.grids]
+        dtypes, out = c.dtype_names(), []  # shared by the entries that have it (nothing changes one in place)
+        for i, (name, shape, grid, nnz) in enumerate(zip(c.names, c.shape.tolist(), c.grid.tolist(), c.nnz.tolist())):
+            t = TensorEntry(
+                name,
+                dtypes[i],
+                shapes[shape],
+                nnz,
+                fps[i],
+                bases[i],
+                grid=None if grid == entries.NONE else grids[grid],
+            )
+            kind = cols["kind"][i]
+            if kind == BYTES:
+                t.blob, t.offset, t.sha256 = cols["blob"][i], cols["offset"][i], sha[i].hex()
+                t.positions = Segment(CELL_CODERS[pcoder[i]], cols["positions_length"][i])
+                t.values = Segment(CELL_CODERS[vcoder[i]], cols["values_length"][i], CELL_MODES[mode[i]])
+            elif kind == CELLS:
+                t.cells = TableRef(
+                    cols["blob"][i], cols["offset"][i], cols["positions_length"][i], sha[i].hex(), cols["count"][i]
+                )
+            out.append(t)
+        return out
+
+
+def read_tensor_tables(
+    refs: list[TableRef], raws: list[bytes], numbers: list[int], rows=None, only: frozenset | None = None
+) -> TableEntries:
+    """The tensor entries of format-10 tensor tables (``numbers``: the tables' places in the manifest, for
+    errors; ``rows``: per table, only those records; ``only``: only the entries of these names), as columns: each table's bytes checked against its
+    reference's length and SHA-256, then every byte accounted for, over all the tables' records at once: the
+    sections' sizes, each record's codes, the fields its kind leaves unused all zero, every shape and grid a
+    table lists used by one of its records, every name UTF-8. The entries are then checked by the caller as
+    inline ones are (:func:`engine_ext.format.entries.check`, from Manifest.validate); no object is made
+    until one is asked for (:class:`TableEntries`)."""
+    parts = [_sections(ref, raw, f"tensor table {i}") for ref, raw, i in zip(refs, raws, numbers)]
+    counts = np.array([ref.count for ref in refs], np.int64)
+    table = np.repeat(np.arange(len(parts)), counts)
+    rec = np.frombuffer(b"".join(p.records for p in parts), TENSOR_RECORD)
+
+    def refuse(bad: np.ndarray, msg: str) -> None:
+        if bad.any():
+            raise ManifestError(f"tensor table {numbers[int(table[int(np.argmax(bad))])]}: {msg}")
+
+    firsts = np.cumsum(counts) - counts
+    names_length = np.add.reduceat(rec["name_length"], firsts, dtype=np.int64) if len(rec) else counts
+    if (names_length != [len(p.names) for p in parts]).any():
+        i = int(np.argmax(names_length != [len(p.names) for p in parts]))
+        raise ManifestError(f"tensor table {numbers[i]}: its records' name lengths do not sum to its names' bytes")
+    texts: dict[bytes, int] = {}  # each distinct shapes section, parsed once; its place among them per table
+    text_of = np.array([texts.setdefault(p.shapes, len(texts)) for p in parts], np.int64)
+    first_with = {t: i for i, t in reversed(list(enumerate(text_of.tolist())))}
+    lists = [_shape_lists(text, f"tensor table {numbers[first_with[t]]}") for text, t in texts.items()]
+    n_shapes = np.array([len(s) for s, _ in lists], np.int64)[text_of]
+    n_grids = np.array([len(g) for _, g in lists], np.int64)[text_of]
+    kind, grid, shape = rec["kind"], rec["grid"].astype(np.int64), rec["shape"].astype(np.int64)
+    no_grid = grid == NO_GRID
+    refuse(
+        (rec["dtype"] >= len(TABLE_DTYPES))
+        | (kind > CELLS)
+        | (rec["flags"] > HAS_BASE)
+        | (shape >= n_shapes[table])
+        | (~no_grid & (grid >= n_grids[table]))
+        | (rec["positions_coder"] >= len(CELL_CODERS))
+        | (rec["values_coder"] >= len(CELL_CODERS))
+        | (rec["mode"] >= len(CELL_MODES)),
+        "a record's code is out of range",
+    )
+    unused = (
+        (rec["blob"] != 0)
+        | (rec["offset"] != 0)
+        | (rec["sha256"] != np.void(bytes(32)))
+        | (rec["positions_coder"] != 0)
+        | (rec["positions_length"] != 0)
+    )
+    rest = (rec["values_coder"] != 0) | (rec["values_length"] != 0) | (rec["mode"] != 0)
+    refuse(
+        ((kind == UNCHANGED) & (unused | rest | (rec["count"] != 0) | ~no_grid))
+        | ((kind == BYTES) & ((rec["count"] != 0) | ~no_grid))
+        | ((kind == CELLS) & (rest | (rec["positions_coder"] != 0) | no_grid)),
+        "a record sets fields its kind does not use",
+    )
+    refuse(
+        (kind == UNCHANGED) != (rec["nnz"] == 0),
+        "a record's kind says unchanged where it has changes, or the other way round",
+    )
+    for used, listed in ((table * NO_GRID + shape, n_shapes), ((table * NO_GRID + grid)[~no_grid], n_grids)):
+        per_table = np.bincount(np.unique(used) // NO_GRID, minlength=len(parts))
+        if (per_table != listed).any():
+            i = int(np.argmax(per_table != listed))
+            raise ManifestError(f"tensor table {numbers[i]}: it lists a shape or grid no record uses")
+    # a record's shape (grid) code: its place among every distinct section's shapes, then among the distinct shapes
+    shapes, shape_code = _distinct([s for s, _ in lists])
+    grids, grid_code = _distinct([g for _, g in lists])
+    shape = shape_code[np.cumsum([0, *(len(s) for s, _ in lists)])[text_of][table] + shape]
+    place = np.cumsum([0, *(len(g) for _, g in lists)])[text_of][table] + grid
+    grid = np.where(no_grid, entries.NONE, np.append(grid_code, 0)[np.where(no_grid, len(grid_code), place)])
+    names_raw = b"".join(p.names for p in parts)
+    keep = (
+        np.arange(len(rec))
+        if rows is None
+        else np.concatenate(
+            [np.zeros(0, np.int64)] + [np.asarray(r, np.int64) + first for r, first in zip(rows, firsts)]
+        )
+    )
+    signature = names_raw + rec["name_length"].tobytes() if rows is None else None
+    known = _KNOWN.get(signature)
+    if known is not None:
+        names, keys = known
+    else:
+        names, keys = _decode_names(names_raw, rec["name_length"], keep, lambda i: numbers[int(table[keep[i]])]), None
+    if only is not None:  # a rank's: the index placed its names on these rows (another name may share a key)
+        mine = [j for j, name in enumerate(names) if name in only]
+        keep, names = keep[mine], [names[j] for j in mine]
+    if rows is not None or only is not None:
+        rec, shape, grid = rec[keep], shape[keep], grid[keep]
+    return TableEntries(_columns(rec, names, shape, shapes, grid, grids), rec, signature, keys)
+
+
+def _decode_names(raw: bytes, lengths: np.ndarray, keep: np.ndarray, table_of) -> list[str]:
+    """The names of rows ``keep`` from the tables' names' bytes (``table_of(i)``: row i's table, for errors)."""
+    ends = np.cumsum(lengths, dtype=np.int64)
+    starts, stops = (ends - lengths)[keep].tolist(), ends[keep].tolist()
+    if raw.isascii():  # one decode, then slices (a byte is a character)
+        text = raw.decode("ascii")
+        return [text[a:b] for a, b in zip(starts, stops)]
+    names = []
+    for i, (a, b) in enumerate(zip(starts, stops)):
+        try:
+            names.append(raw[a:b].decode())
+        except UnicodeDecodeError:
+            raise ManifestError(f"tensor table {table_of(i)}: a record's name is not UTF-8") from None
+    return names
+
+
+class _KnownNames:
+    """The names of the last whole read of tensor tables and their name keys. A driver reads every version
+    of one model, whose names stay the same: decoding 140 k names and hashing each (a name key is the start
+    of its SHA-256) took 0.3 s of its 0.7 s per K2 version. Known by the names' bytes and lengths, compared
+    whole (7 MB: a millisecond); a different model or a renamed tensor is simply read anew."""
+
+    def __init__(self) -> None:
+        self._last: tuple[bytes, list[str], np.ndarray] | None = None
+
+    def clear(self) -> None:
+        self._last = None
+
+    def get(self, signature: bytes | None) -> tuple[list[str], np.ndarray] | None:
+        last = self._last
+        return None if signature is None or last is None or last[0] != signature else (last[1], last[2])
+
+    def put(self, signature: bytes, names: list[str], keys: np.ndarray) -> None:
+        keys.flags.writeable = False  # shared by every read that finds it
+        self._last = (signature, names, keys)
+
+
+_KNOWN = _KnownNames()
+
+
+def forget_names() -> None:
+    """Forget the names of the last whole read: the next reads as a fresh process's first (benchmarks)."""
+    _KNOWN.clear()
+
+
+def _distinct(lists: list[list]) -> tuple[list, np.ndarray]:
+    """The distinct values of the tables' shapes (or grids) lists, by content with types (each table lists its
+    own), and each listed value's code among them, in list order."""
+    by_content: dict[str, int] = {}
+    distinct: list = []
+    codes = []
+    for v in (v for values in lists for v in values):
+        code = by_content.setdefault(repr(v), len(by_content))
+        if code == len(distinct):
+            distinct.append(v)
+        codes.append(code)
+    return distinct, np.array(codes, np.int64)
+
+
+def _columns(rec: np.ndarray, names: list[str], shape, shapes, grid, grids) -> entries.Columns:
+    """Records' columns: a kind's unused fields are zero (checked), so a coder of 0 is "none"."""
+    kind, n = rec["kind"], len(rec)
+    has_bytes, has_cells = kind == BYTES, kind == CELLS
+    where = lambda i: f"tensor {names[i]!r}"
+    blob, offset = rec["blob"].astype(np.int64), _bounded(rec["offset"], where, "offset")
+    plen = _bounded(rec["positions_length"], where, "segment length")
+    zero = np.zeros(n, np.int64)
+    return entries.Columns(
+        names=names,
+        dtype=rec["dtype"].astype(np.int64),
+        dtypes=list(TABLE_DTYPES),
+        shape=shape,
+        shapes=shapes,
+        grid=grid,
+        grids=grids,
+        nnz=_bounded(rec["nnz"], where, "nnz"),
+        fingerprint=rec["fingerprint"].astype(np.uint64),
+        base=rec["base_fingerprint"].astype(np.uint64),
+        has_base=(rec["flags"] & HAS_BASE).astype(bool),
+        pcoder=rec["positions_coder"].astype(np.int64),
+        pcoders=list(CELL_CODERS),
+        vcoder=rec["values_coder"].astype(np.int64),
+        vcoders=list(CELL_CODERS),
+        mode=rec["mode"].astype(np.int64),
+        modes=list(CELL_MODES),
+        plen=np.where(has_bytes, plen, 0),
+        vlen=_bounded(rec["values_length"], where, "segment length"),
+        blob=np.where(has_bytes, blob, entries.NONE),
+        offset=np.where(has_bytes, offset, 0),
+        has_sha=has_bytes,
+        sha=np.where(has_bytes, rec["sha256"], np.zeros(n, "V32")),
+        chunk_lists=[None] * n,
+        has_chunks=np.zeros(n, bool),
+        cells=has_cells,
+        cell_blob=np.where(has_cells, blob, zero),
+        cell_offset=np.where(has_cells, offset, zero),
+        cell_length=np.where(has_cells, plen, zero),
+        cell_count=rec["count"].astype(np.int64),
+    )
+
+
+def _bounded(values: np.ndarray, where, what: str) -> np.ndarray:
+    """A uint64 field as int64, refused past 2**62 (as a JSON entry's would be)."""
+    if (values > MAX_OFFSET).any():
+        i = int(np.argmax(values > MAX_OFFSET))
+        raise ManifestError(f"{where(i)}: {what} {int(values[i])} outside [0, {MAX_OFFSET}]")
+    return values.astype(np.int64)
+
+
+def verify_table(ref: TableRef, raw: bytes, where: str) -> None:
+    """A table's bytes are what its reference names (length and SHA-256), before any is parsed."""
+    if len(raw) != ref.length or hashlib.sha256(raw).hexdigest() != ref.sha256:
+        raise IntegrityError(f"{where}: SHA-256 mismatch (corrupt table)")
