@@ -113,14 +113,25 @@ def check(m, tensors: Sequence, counts: np.ndarray, rec: np.ndarray, where: Wher
     )
     dtypes = sorted({t.dtype for t in tensors})
     dt = np.array([dtypes.index(t.dtype) for t in tensors], np.int64)[owner]
-    for p, v, md, d in {tuple(x) for x in np.stack([pc, vc, mode, dt], 1).tolist()}:
+    combos = np.unique((((pc.astype(np.int64) << 8) | vc) << 8 | mode) << 8 | dt)
+    for code in combos.tolist():
+        p, v, md, d = code >> 24, (code >> 16) & 255, (code >> 8) & 255, code & 255
         m.check_coders(
             "a chunk", _Segment(CELL_CODERS[p], 0, None), _Segment(CELL_CODERS[v], 0, CELL_MODES[md]), dtypes[d]
         )
-    numels = [cell_numels(tuple(t.shape), t.grid) for t in tensors]
-    first = np.cumsum([0] + [len(x) for x in numels])[:-1].astype(np.int64)
+    # each cell's elements, per distinct (shape, grid): a TP rank's 70 k tensors have a few dozen
+    kind_of: dict = {}  # by identity: a table's entries share their shape and grid lists (all alive meanwhile)
+    numels: list[np.ndarray] = []
+    kinds = np.zeros(len(tensors), np.int64)
+    for i, t in enumerate(tensors):
+        k = kind_of.get((id(t.shape), id(t.grid)))
+        if k is None:
+            k = kind_of[(id(t.shape), id(t.grid))] = len(numels)
+            numels.append(cell_numels(tuple(t.shape), t.grid))
+        kinds[i] = k
+    first = np.cumsum([0] + [len(x) for x in numels])[:-1].astype(np.int64)[kinds]
     cell, nnz = rec["cell"].astype(np.int64), rec["nnz"]
-    _refuse(cell >= np.array([len(x) for x in numels], np.int64)[owner], where, "no such cell in its grid")
+    _refuse(cell >= np.array([len(x) for x in numels], np.int64)[kinds][owner], where, "no such cell in its grid")
     key = owner * (1 << 32) + cell
     o = np.argsort(key, kind="stable")
     twice = np.zeros(len(key), bool)
