@@ -109,8 +109,7 @@ class Columns:
 
         names = column("name")
         _names(names)
-        fps = column("fingerprint")
-        fpr.parse_all(fps)  # raises ValueError naming the first bad one, as a base's below
+        fps = fpr.parse_all(column("fingerprint"))  # raises ValueError naming the first bad one, as a base's
         base = column("base_fingerprint")
         has_base = np.array([b is not None for b in base], bool)
         base_fp = np.zeros(n, np.uint64)
@@ -153,7 +152,7 @@ class Columns:
             grid=grid,
             grids=grids,
             nnz=_ints(column("nnz"), where, "nnz"),
-            fingerprint=fpr.parse_all(fps),
+            fingerprint=fps,
             base=base_fp,
             has_base=has_base,
             pcoder=pcoder,
