@@ -1,5 +1,6 @@
 """Making very many small objects at once: a Kimi-K2 version's manifest has ~140,000 tensor entries and
-over a million chunks, which readers and rank 0's commit build as dataclasses."""
+over a million chunks, which readers and rank 0's commit build as dataclasses; and keeping what one
+version's read made for the next, which lists the same names."""
 
 from __future__ import annotations
 
@@ -21,3 +22,22 @@ def collector_paused():
     finally:
         if was:
             gc.enable()
+
+
+class LastKept:
+    """One value kept with the key it was made from, given back only for an equal key: a reader makes the
+    same thing from the same input every version (a model's names and their keys: 140 k SHA-256s at K2 size),
+    and compares the input whole instead. A different input is simply made anew."""
+
+    def __init__(self) -> None:
+        self._kept: tuple | None = None
+
+    def get(self, key):
+        kept = self._kept
+        return kept[1] if kept is not None and key is not None and kept[0] == key else None
+
+    def put(self, key, value) -> None:
+        self._kept = (key, value)
+
+    def clear(self) -> None:
+        self._kept = None

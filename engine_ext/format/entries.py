@@ -35,6 +35,11 @@ _LOWER_HEX = re.compile(r"[0-9a-f]*")
 NONE = -1  # the code of an absent grid, blob or cell table
 
 
+def label(name) -> str:
+    """How an error names a tensor entry."""
+    return mf._cut(f"tensor {name!r}", 200)
+
+
 @dataclass
 class Columns:
     """Tensor entries as columns, in entry order: what :func:`check` runs over and what a reader of the whole
@@ -78,7 +83,7 @@ class Columns:
 
     def where(self, i: int) -> str:
         """How an error names entry ``i``."""
-        return mf._cut(f"tensor {self.names[i]!r}", 200)
+        return label(self.names[i])
 
     def changed(self) -> list[str]:
         """The names of the entries with changes."""
@@ -92,8 +97,8 @@ class Columns:
         return [per[c] for c in self.shape.tolist()]
 
     def itemsizes(self) -> np.ndarray:
-        """Each entry's element size in bytes (its dtype checked: every entry's is, by :func:`check`)."""
-        return _spread_codes(self.dtype, [mf.dtype_by_name_checked(d, "a tensor").itemsize for d in self.dtypes])
+        """Each entry's element size in bytes, its dtype checked once per distinct dtype (naming an entry)."""
+        return _per_code(self.dtype, self.dtypes, lambda d, i: mf.dtype_by_name_checked(d, self.where(i)).itemsize)
 
     @classmethod
     def of_entries(cls, tensors: Sequence) -> Columns:
@@ -102,7 +107,7 @@ class Columns:
         n = len(tensors)
 
         def where(i: int) -> str:
-            return mf._cut(f"tensor {tensors[i].name!r}", 200)
+            return label(tensors[i].name)
 
         def column(path: str) -> list:
             return list(map(attrgetter(path), tensors))
@@ -137,12 +142,12 @@ class Columns:
         for f, col in cell.items():
             col[rows] = _ints([getattr(r, f) for r in sub], named, f)
         _shas([r.sha256 for r in sub], named)
-        dtype, dtypes = _codes(column("dtype"), _itself)
-        shape, shapes = _codes(column("shape"))
-        grid, grids = _codes(column("grid"), none=True)
-        pcoder, pcoders = _codes(column("positions.coder"), _itself)
-        vcoder, vcoders = _codes(column("values.coder"), _itself)
-        mode, modes = _codes(column("values.mode"), _itself)
+        dtype, dtypes = codes_of(column("dtype"), _itself)
+        shape, shapes = codes_of(column("shape"))
+        grid, grids = codes_of(column("grid"), none=True)
+        pcoder, pcoders = codes_of(column("positions.coder"), _itself)
+        vcoder, vcoders = codes_of(column("values.coder"), _itself)
+        mode, modes = codes_of(column("values.mode"), _itself)
         return cls(
             names=names,
             dtype=dtype,
@@ -236,7 +241,7 @@ def check(m, c: Columns) -> tuple[np.ndarray, Ranges]:
         if bad.any():
             raise ManifestError(mf._cut(f"{where(int(np.argmax(bad)))}: {msg}"))
 
-    itemsize = _per_code(c.dtype, c.dtypes, lambda d, i: mf.dtype_by_name_checked(d, where(i)).itemsize)
+    itemsize = c.itemsizes()
     numel = _per_code(c.shape, c.shapes, lambda s, i: _shape_numel(s, where(i)))
     refuse(c.nnz > numel, "nnz outside [0, its elements]")
     if m.kind == mf.DELTA and not c.has_base.all():
@@ -338,8 +343,7 @@ def _whole_bytes(m, c: Columns, rows_mask, numel, itemsize):
     offset = c.offset[rows]
     end = offset.astype(np.uint64) + c.plen[rows].astype(np.uint64) + c.vlen[rows].astype(np.uint64)  # each <= 2**62
     refuse(_spread(rows_mask, end > blob_sizes[np.minimum(blob, len(blob_sizes) - 1)]), "byte range beyond its blob")
-    if not c.has_sha[rows].all():
-        raise ManifestError(f"{where(int(rows[np.argmin(c.has_sha[rows])]))}: missing or bad sha256")
+    refuse(rows_mask & ~c.has_sha, "missing or bad sha256")
     return rows, where, blob, offset, end.astype(np.int64)
 
 
@@ -399,11 +403,11 @@ def _flags(codes: np.ndarray, values: list, test) -> np.ndarray:
     return np.array([bool(test(v)) for v in values] + [False], bool)[codes]
 
 
-def _codes(values: list, key=None, none: bool = False) -> tuple[np.ndarray, list]:
-    """Each value's code into the distinct values (in first-seen order); with ``none``, None is ``-1``. Values are told apart
-    by ``key`` first (cheap: the object's identity by default, entries read from one table share their shape
-    and grid lists), then by content with types (``repr``: a bool or a float is not the int it equals, and a
-    rule must see it)."""
+def codes_of(values: list, key=None, none: bool = False) -> tuple[np.ndarray, list]:
+    """Each value's code into the distinct values (in first-seen order); with ``none``, None is ``-1``. Values
+    are told apart by ``key`` first (cheap: the object's identity by default, entries read from one table
+    share their shape and grid lists), then by content with types (``repr``: a bool or a float is not the int
+    it equals, and a rule must see it). Tensor tables' shapes and grids are coded this way too."""
     key = key or id
     distinct: list = []
     codes: list[int] = []

@@ -28,6 +28,7 @@ import numpy as np
 from ..errors import ManifestError
 from . import cells, entries
 from . import fingerprint as fpr
+from .bulk import LastKept
 from .bulk import collector_paused as _collector_paused
 from .cells import CELL_CODERS, CELL_MODES, CELL_RECORD
 from .manifest import (
@@ -198,19 +199,19 @@ def lookup(m: Manifest, raw: bytes, names) -> tuple[dict[int, list[int]], frozen
     return {t: sorted(set(rs)) for t, rs in sorted(out.items())}, found
 
 
-_LAST_HELD: list = [None]  # (names, {key: name}, sorted keys) of the last lookup
+_HELD = LastKept()  # the last lookup's names -> ({key: name}, the keys sorted)
 
 
 def _held_keys(names: frozenset) -> tuple[dict[int, str], np.ndarray]:
     """Each name by its key, and the keys sorted: kept from the last lookup of the same names, since a rank
     looks up the same names every version (a TP rank of K2: 140 k of them, 0.37 s of SHA-256s)."""
-    last = _LAST_HELD[0]
-    if last is not None and last[0] == names:
-        return last[1], last[2]
+    kept = _HELD.get(names)
+    if kept is not None:
+        return kept
     by_key = {fpr.name_key(n): n for n in names}
     want = np.array(sorted(by_key), np.uint64)
     want.flags.writeable = False
-    _LAST_HELD[0] = (names, by_key, want)
+    _HELD.put(names, (by_key, want))
     return by_key, want
 
 

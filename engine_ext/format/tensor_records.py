@@ -22,6 +22,7 @@ import numpy as np
 from ..errors import IntegrityError, ManifestError
 from . import entries
 from . import fingerprint as fpr
+from .bulk import LastKept
 from .cells import CELL_CODERS, CELL_MODES, MAX_OFFSET
 from .manifest import Segment, TableRef, TensorEntry
 
@@ -192,7 +193,8 @@ class TableEntries(entries.ColumnEntries):
         if self._keys is None:
             self._keys = fpr.name_keys(self.columns.names)
             if self._signature is not None:
-                _KNOWN.put(self._signature, self.columns.names, self._keys)
+                self._keys.flags.writeable = False  # shared by every read that finds it
+                _KNOWN.put(self._signature, (self.columns.names, self._keys))
         return self._keys
 
     def make(self) -> list[TensorEntry]:
@@ -202,9 +204,8 @@ class TableEntries(entries.ColumnEntries):
         pcoder, vcoder, mode = c.pcoder.tolist(), c.vcoder.tolist(), c.mode.tolist()
         fps = [f"{x:016x}" for x in c.fingerprint.tolist()]
         bases = [f"{x:016x}" if has else None for x, has in zip(c.base.tolist(), c.has_base.tolist())]
-        shapes = [list(x) if isinstance(x, list) else x for x in c.shapes]  # one list per distinct shape and grid,
-        grids = [[list(y) if isinstance(y, list) else y for y in g] if isinstance(g, list) else g for g in c.grids]
-        dtypes, out = c.dtype_names(), []  # shared by the entries that have it (nothing changes one in place)
+        shapes, grids = c.shapes, c.grids  # one list per distinct shape and grid, shared by the entries that have
+        dtypes, out = c.dtype_names(), []  # it (nothing changes one in place)
         for i, (name, shape, grid, nnz) in enumerate(zip(c.names, c.shape.tolist(), c.grid.tolist(), c.nnz.tolist())):
             t = TensorEntry(
                 name,
@@ -252,10 +253,13 @@ def read_tensor_tables(
     if (names_length != [len(p.names) for p in parts]).any():
         i = int(np.argmax(names_length != [len(p.names) for p in parts]))
         raise ManifestError(f"tensor table {numbers[i]}: its records' name lengths do not sum to its names' bytes")
-    texts: dict[bytes, int] = {}  # each distinct shapes section, parsed once; its place among them per table
-    text_of = np.array([texts.setdefault(p.shapes, len(texts)) for p in parts], np.int64)
-    first_with = {t: i for i, t in reversed(list(enumerate(text_of.tolist())))}
-    lists = [_shape_lists(text, f"tensor table {numbers[first_with[t]]}") for text, t in texts.items()]
+    texts: dict[bytes, int] = {}  # each distinct shapes section, parsed once (errors name its first table)
+    lists: list[tuple[list, list]] = []
+    for p, number in zip(parts, numbers):
+        if p.shapes not in texts:
+            texts[p.shapes] = len(lists)
+            lists.append(_shape_lists(p.shapes, f"tensor table {number}"))
+    text_of = np.array([texts[p.shapes] for p in parts], np.int64)
     n_shapes = np.array([len(s) for s, _ in lists], np.int64)[text_of]
     n_grids = np.array([len(g) for _, g in lists], np.int64)[text_of]
     kind, grid, shape = rec["kind"], rec["grid"].astype(np.int64), rec["shape"].astype(np.int64)
@@ -295,8 +299,8 @@ def read_tensor_tables(
             i = int(np.argmax(per_table != listed))
             raise ManifestError(f"tensor table {numbers[i]}: it lists a shape or grid no record uses")
     # a record's shape (grid) code: its place among every distinct section's shapes, then among the distinct shapes
-    shapes, shape_code = _distinct([s for s, _ in lists])
-    grids, grid_code = _distinct([g for _, g in lists])
+    shape_code, shapes = entries.codes_of([s for section, _ in lists for s in section])
+    grid_code, grids = entries.codes_of([g for _, section in lists for g in section])
     shape = shape_code[np.cumsum([0, *(len(s) for s, _ in lists)])[text_of][table] + shape]
     place = np.cumsum([0, *(len(g) for _, g in lists)])[text_of][table] + grid
     grid = np.where(no_grid, entries.NONE, np.append(grid_code, 0)[np.where(no_grid, len(grid_code), place)])
@@ -338,28 +342,10 @@ def _decode_names(raw: bytes, lengths: np.ndarray, keep: np.ndarray, table_of) -
     return names
 
 
-class _KnownNames:
-    """The names of the last whole read of tensor tables and their name keys. A driver reads every version
-    of one model, whose names stay the same: decoding 140 k names and hashing each (a name key is the start
-    of its SHA-256) took 0.3 s of its 0.7 s per K2 version. Known by the names' bytes and lengths, compared
-    whole (7 MB: a millisecond); a different model or a renamed tensor is simply read anew."""
-
-    def __init__(self) -> None:
-        self._last: tuple[bytes, list[str], np.ndarray] | None = None
-
-    def clear(self) -> None:
-        self._last = None
-
-    def get(self, signature: bytes | None) -> tuple[list[str], np.ndarray] | None:
-        last = self._last
-        return None if signature is None or last is None or last[0] != signature else (last[1], last[2])
-
-    def put(self, signature: bytes, names: list[str], keys: np.ndarray) -> None:
-        keys.flags.writeable = False  # shared by every read that finds it
-        self._last = (signature, names, keys)
-
-
-_KNOWN = _KnownNames()
+_KNOWN = LastKept()  # the last whole read's names bytes and lengths -> (names, name keys)
+"""A driver reads every version of one model, whose names stay the same: decoding 140 k names and hashing
+each (a name key is the start of its SHA-256) took 0.3 s of its 0.7 s per K2 version; comparing the 7 MB of
+names bytes whole takes a millisecond."""
 
 
 def forget_names() -> None:
@@ -367,25 +353,11 @@ def forget_names() -> None:
     _KNOWN.clear()
 
 
-def _distinct(lists: list[list]) -> tuple[list, np.ndarray]:
-    """The distinct values of the tables' shapes (or grids) lists, by content with types (each table lists its
-    own), and each listed value's code among them, in list order."""
-    by_content: dict[str, int] = {}
-    distinct: list = []
-    codes = []
-    for v in (v for values in lists for v in values):
-        code = by_content.setdefault(repr(v), len(by_content))
-        if code == len(distinct):
-            distinct.append(v)
-        codes.append(code)
-    return distinct, np.array(codes, np.int64)
-
-
 def _columns(rec: np.ndarray, names: list[str], shape, shapes, grid, grids) -> entries.Columns:
     """Records' columns: a kind's unused fields are zero (checked), so a coder of 0 is "none"."""
     kind, n = rec["kind"], len(rec)
     has_bytes, has_cells = kind == BYTES, kind == CELLS
-    where = lambda i: f"tensor {names[i]!r}"
+    where = lambda i: entries.label(names[i])
     blob, offset = rec["blob"].astype(np.int64), _bounded(rec["offset"], where, "offset")
     plen = _bounded(rec["positions_length"], where, "segment length")
     zero = np.zeros(n, np.int64)
