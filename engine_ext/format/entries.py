@@ -85,6 +85,12 @@ class Columns:
         """How an error names entry ``i``."""
         return label(self.names[i])
 
+    def model_fingerprints(self, keys: np.ndarray, delta: bool) -> tuple[int, int | None]:
+        """The model fingerprint of these entries (name keys ``keys``, in order) and, for a delta, the base
+        model fingerprint: each a sum over the entries, so the shares of a sharded version's ranks add up to
+        the version's (mod 2**64: :func:`~engine_ext.format.fingerprint.fmt`)."""
+        return fpr.combined(keys, self.fingerprint), fpr.combined(keys, self.base) if delta else None
+
     def changed(self) -> list[str]:
         """The names of the entries with changes."""
         return [self.names[i] for i in np.flatnonzero(self.nnz).tolist()]

@@ -192,16 +192,6 @@ def combined(keys: np.ndarray, fps: np.ndarray) -> int:
     return int(mix64_np(keys ^ fps).sum(dtype=np.uint64)) & MASK64
 
 
-def of_entries(keys: np.ndarray, entries: Sequence, delta: bool) -> tuple[int, int | None]:
-    """The model fingerprint of manifest tensor entries (their ``fingerprint``, name keys ``keys`` in order)
-    and, for a delta, the base model fingerprint (their ``base_fingerprint``), unmasked: each is a sum over
-    the entries, so the shares of a sharded version's ranks add up to it (mask with :func:`fmt`). A
-    malformed fingerprint raises ValueError (:func:`parse_all`)."""
-    fp = combined(keys, parse_all([t.fingerprint for t in entries]))
-    base = combined(keys, parse_all([t.base_fingerprint for t in entries])) if delta else None
-    return fp, base
-
-
 def parse_all(fps: Sequence[str | None]) -> np.ndarray:
     """Fingerprints written as 16 lower-case hex digits each, as uint64, at once; raises ValueError on the
     first that :func:`parse` refuses (one regex over them joined, not one per fingerprint)."""

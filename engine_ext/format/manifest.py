@@ -438,9 +438,10 @@ class Manifest:
         if self.held is not None:  # a rank's own tensors: the model's fingerprints need every one (the driver's read)
             return records
         keys = fpr.name_keys(columns.names) if name_keys is None else name_keys
-        if fpr.fmt(fpr.combined(keys, columns.fingerprint)) != self.fingerprint:
+        fp, base = columns.model_fingerprints(keys, self.kind == DELTA)
+        if fpr.fmt(fp) != self.fingerprint:
             bad("model fingerprint does not match the tensors' fingerprints")
-        if self.kind == DELTA and fpr.fmt(fpr.combined(keys, columns.base)) != self.base_fingerprint:
+        if base is not None and fpr.fmt(base) != self.base_fingerprint:
             bad("base model fingerprint does not match the tensors' base fingerprints")
         return records
 

@@ -60,6 +60,7 @@ def tabulate(
     binary: bool = True,
     records: np.ndarray | None = None,
     name_keys: np.ndarray | None = None,
+    columns: entries.Columns | None = None,
 ) -> Manifest:
     """A (finished, validated) manifest in tables: every cut tensor's chunks in a cell table, then the
     tensor entries in tables of ``per_table`` (default: :data:`PER_TABLE`, more where the tables would
@@ -67,12 +68,13 @@ def tabulate(
     index, kept for tests of old readers), each handed to ``put(bytes) -> (blob, offset)`` (which
     appends it to a blob the returned manifest lists). ``records``: the cell records of ``m``'s chunks, as
     its ``validate()`` returned them (else made here); ``name_keys``: its tensors' name keys, in order (else
-    made here). ``m`` is unchanged."""
+    made here); ``columns``: its entries' columns, as its validation made them (else made here). ``m`` is
+    unchanged."""
     ref = _writer(put)
     per = per_table or (max(PER_TABLE, -(-len(m.tensors) // MAX_TENSOR_TABLES)) if binary else 4096)
     starts = range(0, len(m.tensors), per)
     if binary:
-        tables = binary_tables(m.tensors, put, per, records)
+        tables = binary_tables(m.tensors, put, per, records, columns)
         keys = fpr.name_keys([t.name for t in m.tensors]) if name_keys is None else name_keys
         index = ref(index_records(keys, [r.count for r in tables]), len(m.tensors))
     else:

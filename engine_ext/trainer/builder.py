@@ -44,6 +44,7 @@ from ..format import fingerprint as fpr
 from ..format.bulk import collector_paused
 from ..format.codec import ChunkedEncoded, Encoded
 from ..format.dtypes import BY_SAFETENSORS, DType
+from ..format.entries import Columns
 from ..format.latest import Latest
 from ..format.manifest import ANCHOR, DELTA, Blob, Chunk, Manifest, Segment, TensorEntry, listed_ranges, manifest_key
 from ..format.pieces import PIECES, cuts
@@ -428,13 +429,14 @@ def commit(
     Returns (URI, SHA-256 of the published manifest's bytes, LATEST)."""
     with collector_paused():  # a K2 version's manifest holds millions of objects: no full passes over them
         keys = fpr.name_keys([t.name for t in m.tensors])  # once: both fingerprints, the checks, the name index
-        fp, base = fpr.of_entries(keys, m.tensors, m.kind == DELTA)
+        columns = Columns.of_entries(m.tensors)  # once: the fingerprints, the checks, the tables
+        fp, base = columns.model_fingerprints(keys, m.kind == DELTA)
         m.fingerprint = fpr.fmt(fp)
         if base is not None:
             m.base_fingerprint = fpr.fmt(base)
         m.created_unix = time.time()
         m.format_version = m.lowest_version()
-        records = m.validate(keys)
+        records = m.validate(keys, columns)
     mkey = manifest_key(m.version, m.kind)
     limit = settings.current().inline_entries if inline_limit is None else inline_limit
     in_tables = m.entries > limit
@@ -445,7 +447,7 @@ def commit(
     ) as spool:  # the tables' blob lives there until it is published
         if in_tables:
             with collector_paused():
-                wire, tables = _tables_blob(m, spool, records, keys)
+                wire, tables = _tables_blob(m, spool, records, keys, columns)
             raw, blobs = wire.to_json(), [*blobs, tables]
         else:
             raw, blobs = m.to_json(), list(blobs)
@@ -511,13 +513,18 @@ class SpooledBlob:
 
 
 def _tables_blob(
-    m: Manifest, spool: str, records: np.ndarray | None = None, keys: np.ndarray | None = None
+    m: Manifest,
+    spool: str,
+    records: np.ndarray | None = None,
+    keys: np.ndarray | None = None,
+    columns: Columns | None = None,
 ) -> tuple[Manifest, tuple[str, str]]:
-    """``m`` in tables (:func:`engine_ext.format.tables.tabulate`; ``records``: its chunks' cell records, as its
-    validation made them; ``keys``: its name keys) and its tables' blob (key, local file), written in
-    ``spool``: the cell tables, tensor tables and name index one after another, hashed as written."""
+    """``m`` in tables (:func:`engine_ext.format.tables.tabulate`; ``records``: its chunks' cell records and
+    ``columns`` its entries' columns, as its validation made them; ``keys``: its name keys) and its tables'
+    blob (key, local file), written in ``spool``: the cell tables, tensor tables and name index one after
+    another, hashed as written."""
     out = SpooledBlob(spool, len(m.blobs))
-    wire = tabulate(m, out.put, records=records, name_keys=keys)
+    wire = tabulate(m, out.put, records=records, name_keys=keys, columns=columns)
     blob, file = out.close(blob_tag(m.version, m.kind))
     wire.blobs = list(m.blobs) + [blob]
     wire.validate()  # its header and table references; the entries were validated inline

@@ -85,8 +85,7 @@ def write_part(
         checked.held = frozenset(t.name for t in whole)  # a subset: the model fingerprints are rank 0's
         columns = entries.Columns.of_entries(whole)  # once: the checks, the fingerprints, the tables
         records = checked.validate(keys, columns)
-        fp = fpr.combined(keys, columns.fingerprint)
-        base = fpr.combined(keys, columns.base) if part.kind == DELTA else None
+        fp, base = columns.model_fingerprints(keys, part.kind == DELTA)
         for t in whole:  # the version's blob indices; chunks go into the tables as their records
             if t.blob is not None:
                 t.blob += shift
@@ -119,14 +118,15 @@ def commit_tables(
     with collector_paused():
         m = merge_parts([p.part for p in parts], split)
         keys = fpr.name_keys(split)
-        fp, base = fpr.of_entries(keys, m.tensors, m.kind == DELTA)
+        columns = entries.Columns.of_entries(m.tensors)  # once: the fingerprints, the checks, the tables
+        fp, base = columns.model_fingerprints(keys, m.kind == DELTA)
         m.fingerprint = fpr.fmt(fp + sum(p.fingerprint for p in parts))
         if base is not None:
             m.base_fingerprint = fpr.fmt(base + sum(p.base_fingerprint or 0 for p in parts))
         m.created_unix = time.time()
         m.format_version = INDEXED
         m.held = frozenset(split)  # validated as a subset: its fingerprints were summed above
-        records = m.validate(keys)
+        records = m.validate(keys, columns)
         m.held = None
         every = np.concatenate([p.keys for p in parts] + [keys])
         if len(every) != len(model_keys) or not np.array_equal(np.sort(every), model_keys):
@@ -137,7 +137,7 @@ def commit_tables(
     with tempfile.TemporaryDirectory(prefix=f"{_TMP_PREFIX}spool-", dir=store.spool_dir()) as spool:
         out = SpooledBlob(spool, len(m.blobs))
         with collector_paused():
-            own = binary_tables(m.tensors, out.put, per, records)
+            own = binary_tables(m.tensors, out.put, per, records, columns)
             tables = [r for p in parts for r in p.tables] + own
             raw_index = index_records(every, [r.count for r in tables])
             index = TableRef(*out.put(raw_index), len(raw_index), hashlib.sha256(raw_index).hexdigest(), len(every))
