@@ -163,13 +163,14 @@ def _bound_bytes(tensors, bases: TensorBases) -> float:
     for td in tensors:
         if td.positions is None and td.values.numel() == 0:
             continue
-        pos = td.positions.numpy() if td.positions is not None else np.arange(td.numel)
+        index = td.index()  # every element where the delta is dense (positions None)
+        pos = index.numpy()
         if pos.size == 0:
             continue
         gaps.append(np.diff(pos, prepend=0))
         values = td.values
         if td.mode != "rel":  # absolute bits: the step from the base's bits at those positions
-            base = as_bits(bases.tensors[td.name].contiguous()).reshape(-1)[td.positions]
+            base = as_bits(bases.tensors[td.name].contiguous()).reshape(-1)[index]
             values = step_between(base, td.values, td.dtype.is_float)
         steps.append(values.numpy().astype(np.int64))
     if not gaps:
