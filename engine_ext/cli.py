@@ -358,6 +358,26 @@ def cmd_push(a) -> str:
     return out
 
 
+def cmd_compact(a) -> str:
+    from .store.reader import read_latest
+    from .trainer.catch_up import check_spans, publish_catch_ups
+
+    spans = check_spans(int(x) for x in a.spans.split(","))
+    store = open_store(a.store)
+    signer = _signer(a)
+    trust = _trust(a, signer)
+    last = a.to if a.to is not None else read_latest(store, trust).version
+    first = a.since if a.since is not None else last
+    lines = []
+    for version in range(first, last + 1):
+        for c in publish_catch_ups(store, version, spans, trust=trust, signer=signer):
+            what = f"skipped: {c.skipped}" if c.skipped else f"{c.key}: {c.payload_bytes} bytes"
+            lines.append(f"v{c.base_version} -> v{c.version} ({c.parts} links, {c.parts_bytes} bytes): {what}")
+    return (
+        "\n".join(lines) or f"no catch-up delta of spans {list(spans)} ends in v{first}..v{last} that is not published"
+    )
+
+
 def cmd_report(a) -> str:
     _needs("matplotlib")  # before the chain is replayed, not after: the page's plots are drawn with it
     from . import report
@@ -495,6 +515,25 @@ def build_parser() -> argparse.ArgumentParser:
     pu.add_argument("--rollback", action="store_true", help="allow an older version (an explicit rollback)")
     pu.add_argument("--json", action="store_true", help="print the result as JSON (no progress bar)")
     pu.set_defaults(fn=cmd_push)
+    cp = command(
+        "compact",
+        "publish catch-up deltas: one signed delta over several versions, for replicas that lag "
+        "(composed from the store's deltas; LATEST unchanged)",
+    )
+    cp.add_argument("store", metavar="STORE", help="store root: path, file://, http(s)://, s3://bucket/prefix")
+    cp.add_argument(
+        "--spans", default="4,16,64", help="spans in versions, powers of two (a span s ends at multiples of s)"
+    )
+    cp.add_argument("--since", type=int, help="first version to end catch-ups at (default: the last)")
+    cp.add_argument("--to", type=int, help="last version to end catch-ups at (default: the store's LATEST)")
+    cp.add_argument(
+        "--sign",
+        action="append",
+        metavar="KEY",
+        help="Ed25519 private key (PEM) to sign with, repeatable (default: ENGINE_EXT_SIGNING_KEY)",
+    )
+    trusts(cp)
+    cp.set_defaults(fn=cmd_compact)
     rp = command(
         "report", "write one self-contained HTML page of a run: per version what changed, where, and what it cost"
     )

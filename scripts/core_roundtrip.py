@@ -79,6 +79,18 @@ def main() -> None:
     engine_ext("apply", uri, "--base", str(v0), "--out", str(work / "refused"), "--trust", f"{stranger}.pub", ok=False)
     assert not (work / "refused").exists()
 
+    for t in master.values():  # a second step, then the catch-up delta v0 -> v2 composed from the store's two
+        t.add_(5e-6 * torch.randn(t.shape, generator=g))
+    v2 = checkpoint(work / "v2", {n: t.to(torch.bfloat16) for n, t in master.items()})
+    engine_ext("diff", str(v1), str(v2), "--out", str(store), "--sign", str(key))
+    said = engine_ext("compact", str(store), "--spans", "2", "--sign", str(key))
+    assert "v0 -> v2 (2 links" in said and "v00000002.from00000000.json" in said, said
+    engine_ext("apply", str(store / "v00000002.from00000000.json"), "--base", str(v0), "--out", str(work / "caught_up"),
+               "--trust", f"{key}.pub")
+    got, want = load_file(str(work / "caught_up" / "model.safetensors")), load_file(str(v2 / "model.safetensors"))
+    for n in want:
+        assert torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)), f"{n} differs after the catch-up"
+
     import socket
 
     with socket.socket() as s:  # a port nothing listens on
@@ -89,7 +101,7 @@ def main() -> None:
     said = engine_ext("report", str(store), "--out", str(work / "report"), "--trust", f"{key}.pub", ok=False)
     assert 'pip install "engine-ext[report]"' in said and said.count("error:") == 1, said
     print(f"core round trip ok: {info['changed_elements']} of {info['elements']} elements changed, "
-          f"{info['payload_bytes']} payload bytes, applied checkpoint bit-exact, a stranger's key refused; "
+          f"{info['payload_bytes']} payload bytes, applied checkpoint bit-exact, a stranger's key refused; a catch-up delta composed and applied bit-exact; "
           f"every command's --help; push names the replica it could not reach; report names its extra "
           f"({len(commands)} commands)")
 

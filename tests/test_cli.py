@@ -236,7 +236,7 @@ def test_cli_conventions(tmp_path, monkeypatch):
     code, out, _ = run_cli("--help")
     assert code == 0 and "examples:" in out and "ENGINE_EXT_TOKEN" in out and "``" not in out
     commands = set(next(a for a in cli.build_parser()._actions if a.dest == "cmd").choices)
-    assert commands == {"keygen", "diff", "anchor", "apply", "inspect", "push", "report"}  # scripts/core_roundtrip.py runs each
+    assert commands == {"keygen", "diff", "anchor", "apply", "inspect", "push", "report", "compact"}  # scripts/core_roundtrip.py runs each
     for cmd in sorted(commands):
         code, out, _ = run_cli(cmd, "--help")
         assert code == 0 and "``" not in out, cmd

@@ -1,4 +1,4 @@
-"""The manifest of a published version (format version 10; spec in docs/FORMAT.md).
+"""The manifest of a published version (format version 11; spec in docs/FORMAT.md).
 
 A manifest is small JSON naming the versions, fingerprints, blobs and, per tensor,
 where its encoded positions and values lie; a delta also names the manifest(s) of its
@@ -50,13 +50,14 @@ if TYPE_CHECKING:
     from .entries import Columns
 
 FORMAT = "engine-ext-delta"
-FORMAT_VERSION = 10  # the newest version this code reads and writes
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+FORMAT_VERSION = 11  # the newest version this code reads and writes
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
 CHUNKED_ANCHORS = 6  # the first version whose anchors may come in cells
 TABLES = 7  # the first version whose tensor entries and cells may lie in tables in the blobs
 PIECE_DIGESTS = 8  # the first version whose blobs may carry a pieces digest (``digest: "pieces"``)
 RANS_STREAMS = 9  # the first version whose parts may be coded ``ctx-rans`` (codec v2 on rANS, block-major chunks)
 INDEXED = 10  # the first version whose tensor tables are binary records with a name index (a rank reads only its own)
+CATCH_UP = 11  # the first version with catch-up deltas: a shortcut over several versions (``stands_for``)
 
 DELTA, ANCHOR = "delta", "anchor"
 CONTEXT_CODERS = ("ctx", "ctx-rans")  # coded given the base: format 5's range-coded streams, format 9's rANS chunks
@@ -82,6 +83,12 @@ _KEY_RE = re.compile(r"[A-Za-z0-9._-]+")  # blob keys are plain names next to th
 
 def manifest_key(version: int, kind: str = DELTA) -> str:
     return f"v{version:08d}.json" if kind == DELTA else f"v{version:08d}.anchor.json"
+
+
+def catch_up_key(base_version: int, version: int) -> str:
+    """Where the catch-up delta from ``base_version`` to ``version`` lies (format 11): a reader that
+    holds the base finds it by name, with no listing of the store."""
+    return f"v{version:08d}.from{base_version:08d}.json"
 
 
 @dataclass
@@ -185,9 +192,19 @@ class Manifest:
     step_tables: dict[str, list[str]] | None = None  # format 5: per dtype, the context coder's step tables (hex)
     tables: list[TableRef] | None = None  # format 7: where the tensor entries lie (``tensors`` empty until resolved)
     index: TableRef | None = None  # format 10: the name index of the (binary) tensor tables
+    # format 11, a catch-up delta: SHA-256 of the manifest of ``version`` whose weights it rebuilds from
+    # ``base_version``'s in one step (the chain between them composed); a reader then holds that manifest
+    stands_for: str | None = None
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
     held = None  # type: frozenset[str] | None  # not a field: the names a rank read (format 10, tables.select); ``tensors`` is then a subset
+
+    @property
+    def key(self) -> str:
+        """Where it is published: its version's key (:func:`manifest_key`), or a catch-up's own (:func:`catch_up_key`)."""
+        if self.stands_for is not None:
+            return catch_up_key(self.base_version, self.version)
+        return manifest_key(self.version, self.kind)
 
     @property
     def entries(self) -> int:
@@ -198,7 +215,9 @@ class Manifest:
         """The lowest format version that describes this manifest, which writers write (a
         format-5 reader then still reads everything but a chunked anchor): 10 with a name index, 9 with a
         ``ctx-rans`` part (as listed inline), 8 with a pieces digest, 7 with tables, 6 for an anchor with a
-        chunked tensor, else 5."""
+        chunked tensor, else 5; 11 for a catch-up delta."""
+        if self.stands_for is not None:
+            return CATCH_UP
         if self.index is not None:
             return INDEXED
         if any(p.positions.coder == "ctx-rans" for t in self.tensors for p in [t, *(t.chunks or ())]):
@@ -246,9 +265,10 @@ class Manifest:
         return cuts(self.blobs[blob].size, ranges + listed_ranges(self.tensors, blob))
 
     def to_json(self) -> bytes:
-        """The manifest's bytes; fields of formats 7 and 8 only where set (older readers refuse keys they do not know)."""
+        """The manifest's bytes; fields of formats 7, 8 and 11 only where set (older readers refuse keys they do
+        not know)."""
         return dumps_indent1(
-            self, {Manifest: ("tables", "index"), TensorEntry: ("cells",), Blob: ("digest",)}
+            self, {Manifest: ("tables", "index", "stands_for"), TensorEntry: ("cells",), Blob: ("digest",)}
         )  # json.dumps(asdict(self), indent=1)
 
     @classmethod
@@ -367,6 +387,13 @@ class Manifest:
             bad("only format-2 deltas name base manifests")
         if self.kind not in (DELTA, ANCHOR):
             bad(f"unknown kind {self.kind!r}")
+        if self.stands_for is not None and (
+            self.kind != DELTA
+            or self.format_version < CATCH_UP
+            or not isinstance(self.stands_for, str)
+            or not _SHA_RE.fullmatch(self.stands_for)
+        ):
+            bad(f"stands_for {self.stands_for!r:.100}: only a format-{CATCH_UP} delta names the manifest it stands for")
         if self.step_tables is not None:
             self._check_step_tables()
         if not _is_int(self.version) or self.version < 0:

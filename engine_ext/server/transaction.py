@@ -422,8 +422,9 @@ class UpdateTransaction:
 
     async def commit(self) -> None:
         """Verified: every rank drops its undo log and records the version; the served state moves
-        (and remembers the manifest it came from, which the next delta must name as its base)."""
-        version, sha = self.chain[-1].manifest.version, self.chain[-1].sha256
+        (and remembers the manifest it came from, which the next delta must name as its base: a catch-up
+        delta's is the one it stands for)."""
+        version, sha = self.chain[-1].manifest.version, route.held_sha(self.chain[-1])
         replies = check_replies(await self.ranks.call("commit", version=version, manifest=sha))
         self.state.tensor_fps, self.state.version = self.new_fps, version
         self.state.manifests = (sha,)

@@ -31,7 +31,7 @@ import urllib.parse
 from ..errors import SourceError
 from ..format.latest import LATEST_KEY
 from .base import Connection, Store, _check_key
-from .versions import publish_version
+from .versions import publish_catch_up, publish_version
 
 __all__ = [
     "BACKENDS",
@@ -42,6 +42,7 @@ __all__ = [
     "S3Store",
     "Store",
     "open_store",
+    "publish_catch_up",
     "publish_version",
     "split_uri",
 ]

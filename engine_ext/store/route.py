@@ -19,7 +19,7 @@ from ..format import chunks
 from ..format import fingerprint as fpr
 from ..format.delta import TensorDelta, compose
 from ..format.dtypes import dtype_by_name
-from ..format.manifest import ANCHOR, MAX_MANIFEST_BYTES, Manifest, manifest_key
+from ..format.manifest import ANCHOR, MAX_MANIFEST_BYTES, Manifest, catch_up_key, manifest_key
 from . import Store, open_store, split_uri
 from .reader import (
     Bases,
@@ -79,15 +79,70 @@ class DowngradeError(BaseMismatchError):
     reason = "downgrade"
 
 
+def held_sha(link: Link) -> str:
+    """The SHA-256 of the manifest a reader holds after ``link``: its own, or for a catch-up delta
+    (format 11) the one of its version it stands for, which the next delta names as its base."""
+    return link.manifest.stands_for or link.sha256
+
+
 def check_link(prev: Link, cur: Link, where: str) -> None:
     """``cur`` (a delta) continues ``prev``: same version and fingerprint, and (format 2) names
-    ``prev``'s bytes among its base manifests, so no other manifest with the same fingerprint
-    can stand in for it (mix-and-match)."""
+    the manifest ``prev`` leaves held (:func:`held_sha`) among its base manifests, so no other
+    manifest with the same fingerprint can stand in for it (mix-and-match)."""
     m = cur.manifest
     if prev.manifest.fingerprint != m.base_fingerprint or prev.manifest.version != m.base_version:
         raise IntegrityError(f"{where}: {prev.key} does not lead to {cur.key}: versions or fingerprints differ")
-    if m.format_version >= 2 and prev.sha256 not in m.base_manifests:
+    if m.format_version >= 2 and held_sha(prev) not in m.base_manifests:
         raise IntegrityError(f"{where}: {cur.key} is not bound to {prev.key} (its base manifests are others)")
+
+
+def catch_up_chain(
+    store: Store, start: int, target: Link, read, limit: int, max_span: int | None = None
+) -> list[Link] | None:
+    """The links from ``start`` to ``target`` (a delta) in few hops: at each held version ``v``, the
+    catch-up delta of the longest span ``s`` (a power of two dividing ``v``, :func:`catch_up_key`) that
+    the store holds, else the version's own delta to ``v + 1``: O(log k) links for k versions, as in a
+    skip list. A span found absent once is not probed again (a store without catch-ups costs a few
+    misses, not one per version). Each link is checked against the next, and the last against the
+    target (a catch-up must stand for the target's own manifest). A catch-up is never bigger than the
+    links it composes (:mod:`engine_ext.trainer.catch_up` publishes it only then), so this route costs
+    at most the chain's bytes. None where the versions between are not consecutive or the route is
+    longer than ``limit`` links. ``max_span``: no longer catch-up is taken (a composer's halves)."""
+    end = target.manifest.version
+    links: list[Link] = []
+    absent: set[int] = set()
+    cur = start
+    while cur < end:
+        span = 1 << min((end - cur).bit_length(), (max_span or end).bit_length())
+        step = None
+        while step is None and (span := span >> 1) >= 2:
+            if cur % span or span in absent:
+                continue
+            try:
+                step = read(catch_up_key(cur, cur + span))
+            except NotFoundError:
+                absent.add(span)
+        if step is None:
+            try:
+                step = read(manifest_key(cur + 1))
+            except NotFoundError:
+                return None
+        m = step.manifest
+        if step.key != m.key:  # a manifest published under another version's or catch-up's key
+            raise IntegrityError(f"{store.key_uri(step.key)} holds the manifest of {m.key}")
+        if m.base_version != cur:
+            return None  # versions not consecutive: the planner walks the chain back instead
+        if links:
+            check_link(links[-1], step, store.uri)
+        links.append(step)
+        if len(links) > limit:
+            return None
+        cur = m.version
+    if held_sha(links[-1]) != target.sha256:
+        raise IntegrityError(
+            f"{store.key_uri(links[-1].key)} does not stand for {store.key_uri(target.key)} (its manifests differ)"
+        )
+    return links
 
 
 def check_same_weights(anchor: Link, target: Link, where: str) -> None:
@@ -118,6 +173,16 @@ def chain_back(store: Store, target: Link, stop_version: int, read, limit: int) 
     if cur.manifest.kind == ANCHOR and cur.manifest.version != stop_version:
         return None
     return chain
+
+
+def shortest_chain(store: Store, target: Link, start: int, read, limit: int) -> list[Link] | None:
+    """The delta links from version ``start`` to ``target``: through catch-up deltas where the store
+    holds them (:func:`catch_up_chain`, never more bytes than the chain), else the chain walked back."""
+    if target.manifest.version - start >= 2:
+        links = catch_up_chain(store, start, target, read, limit)
+        if links is not None:
+            return links
+    return chain_back(store, target, start, read, limit)
 
 
 def differing_tensors(m: Manifest, tensor_fps: Mapping[str, int] | None, show: int = 5) -> str:
@@ -204,7 +269,7 @@ def plan(
         if have_version is None and fpr.parse(tm.base_fingerprint) == have_fingerprint:
             candidates.append([target])
         elif have_version is not None and have_version < tm.version:
-            chain = chain_back(store, target, have_version, read, limits.chain)
+            chain = shortest_chain(store, target, have_version, read, limits.chain)
             if chain:
                 candidates.append(chain)
     if tm.kind != ANCHOR and tm.anchor_version is not None:
@@ -214,7 +279,7 @@ def plan(
                 check_same_weights(anchor, target, store.uri)
                 rest = []
             else:
-                rest = chain_back(store, target, anchor.manifest.version, read, limits.chain)
+                rest = shortest_chain(store, target, anchor.manifest.version, read, limits.chain)
             if rest is not None:
                 if rest:
                     check_link(anchor, rest[0], store.uri)

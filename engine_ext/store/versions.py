@@ -75,13 +75,6 @@ def publish_version(
 
     new = Latest.from_json(latest_bytes)[0]  # the pointer this version moves LATEST to: its weights' fingerprint
 
-    def put(item):
-        key, value = item
-        if isinstance(value, (bytes, bytearray, memoryview)):
-            store.create(key, bytes(value))
-        else:
-            store.create_file(key, value)
-
     def forward_only(current: bytes | None) -> None:
         """LATEST moves to a newer version, or to a second manifest of its own version with the
         same weights (the delta published beside an anchor)."""
@@ -92,9 +85,7 @@ def publish_version(
             raise ConflictError(f"LATEST names v{held.version}, not older than v{version}")
 
     try:
-        if items:
-            with ThreadPoolExecutor(max_workers=max(1, min(workers, len(items)))) as pool:
-                list(pool.map(put, items))  # re-raises the first failure after all finish
+        _create_all(store, items, workers)
         claim_version(store, version, new.fingerprint)
         if signature is not None:
             store.create(manifest_key + ".sig", signature)
@@ -106,3 +97,44 @@ def publish_version(
             "this version or a newer one (resume after the store's LATEST: DeltaPublisher(resume=...))"
         ) from e
     return store.key_uri(manifest_key)
+
+
+def publish_catch_up(
+    store: Store,
+    blobs: Iterable[tuple[str, bytes | os.PathLike]],
+    manifest_key: str,
+    manifest_bytes: bytes,
+    version: int,
+    fingerprint: str,
+    signature: bytes | None = None,
+    workers: int = 4,
+) -> str:
+    """Publish a catch-up delta (format 11, :func:`engine_ext.format.manifest.catch_up_key`): its blobs,
+    then the check that ``version`` is claimed by the weights it rebuilds (``fingerprint``; a catch-up
+    never claims a version, it only shortcuts one already published), its signature and its manifest,
+    each created write-once. LATEST is not touched: it names the version's own manifest, which the
+    catch-up stands for. Returns the manifest URI."""
+    items = list(blobs)
+    held = store.read(claim_key(version), MAX_CLAIM_BYTES)
+    if held != f"{fingerprint}\n".encode():
+        raise ConflictError(f"{store.key_uri(claim_key(version))}: v{version} holds other weights than the catch-up's")
+    _create_all(store, items, workers)
+    if signature is not None:
+        store.create(manifest_key + ".sig", signature)
+    store.create(manifest_key, manifest_bytes)
+    return store.key_uri(manifest_key)
+
+
+def _create_all(store: Store, items: list[tuple[str, bytes | os.PathLike]], workers: int) -> None:
+    """Create every (key, bytes or local file) write-once, in parallel; re-raises the first failure after all finish."""
+
+    def put(item):
+        key, value = item
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            store.create(key, bytes(value))
+        else:
+            store.create_file(key, value)
+
+    if items:
+        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(items)))) as pool:
+            list(pool.map(put, items))

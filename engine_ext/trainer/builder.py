@@ -49,7 +49,7 @@ from ..format.latest import Latest
 from ..format.manifest import ANCHOR, DELTA, Blob, Chunk, Manifest, Segment, TensorEntry, listed_ranges, manifest_key
 from ..format.pieces import PIECES, cuts
 from ..format.tables import tabulate
-from ..store import Store, publish_version
+from ..store import Store, publish_catch_up, publish_version
 from ..store.base import _TMP_PREFIX
 from ..store.checkpoint import SafetensorsWriter
 from ..store.signing import Signer
@@ -363,7 +363,7 @@ class VersionBuilder:
             return self._named
         self._close_blob()
         m = self.manifest
-        version_tag = blob_tag(m.version, m.kind, self.part)
+        version_tag = blob_tag(m.version, m.kind, self.part, catch_up_from(m))
         keys = []
         for i, path in enumerate(self.files):
             ext = "safetensors" if path.endswith(".safetensors") else "bin"
@@ -420,7 +420,7 @@ def commit(
     latest_ttl_s: float = LATEST_TTL_S,
     blobs: list[tuple[str, str]] = (),
     inline_limit: int | None = None,
-) -> tuple[str, str, Latest]:
+) -> tuple[str, str, Latest | None]:
     """Finish a manifest whose blobs are named (model fingerprints, time, the lowest format version
     that describes it), validate it, sign it and publish it with ``blobs`` (key, local file) and
     ``LATEST`` (:func:`engine_ext.store.publish_version`). A manifest of over ``inline_limit`` tensor
@@ -437,7 +437,7 @@ def commit(
         m.created_unix = time.time()
         m.format_version = m.lowest_version()
         records = m.validate(keys, columns)
-    mkey = manifest_key(m.version, m.kind)
+    mkey = m.key
     limit = settings.current().inline_entries if inline_limit is None else inline_limit
     in_tables = m.entries > limit
     with (
@@ -457,11 +457,16 @@ def commit(
 
 def publish_manifest(
     store: Store, m: Manifest, raw: bytes, blobs: list[tuple[str, str]], signer: Signer | None, latest_ttl_s: float
-) -> tuple[str, Latest]:
+) -> tuple[str, Latest | None]:
     """Publish a finished manifest ``m`` as the bytes ``raw``, with ``blobs`` (key, local file) not yet in the
     store and ``LATEST`` (:func:`engine_ext.store.publish_version`; with a signer, the manifest's detached
-    signature and a signed LATEST valid for ``latest_ttl_s``). Returns (SHA-256 of ``raw``, LATEST)."""
+    signature and a signed LATEST valid for ``latest_ttl_s``). Returns (SHA-256 of ``raw``, LATEST). A catch-up
+    delta (format 11) leaves LATEST alone (:func:`engine_ext.store.publish_catch_up`; None for LATEST)."""
     sha = hashlib.sha256(raw).hexdigest()
+    signature = signer.sign_detached(raw) if signer else None
+    if m.stands_for is not None:  # a catch-up shortcuts a published version: LATEST stays on its own manifest
+        publish_catch_up(store, blobs, m.key, raw, m.version, m.fingerprint, signature)
+        return sha, None
     latest = Latest(
         m.version,
         manifest_key(m.version, m.kind),
@@ -477,14 +482,25 @@ def publish_manifest(
         raw,
         sign_latest(latest, signer),
         m.version,
-        signature=signer.sign_detached(raw) if signer else None,
+        signature=signature,
     )
     return sha, latest
 
 
-def blob_tag(version: int, kind: str, part: int | None = None) -> str:
-    """How a version's blob keys begin: ``v{version}``, ``.anchor`` for an anchor, ``.r{rank}`` for a rank's part."""
-    return f"v{version:08d}" + (".anchor" if kind == ANCHOR else "") + ("" if part is None else f".r{part}")
+def blob_tag(version: int, kind: str, part: int | None = None, catch_up_from: int | None = None) -> str:
+    """How a version's blob keys begin: ``v{version}``, ``.anchor`` for an anchor, ``.from{base}`` for a
+    catch-up delta from ``base``, ``.r{rank}`` for a rank's part."""
+    return (
+        f"v{version:08d}"
+        + (".anchor" if kind == ANCHOR else "")
+        + ("" if catch_up_from is None else f".from{catch_up_from:08d}")
+        + ("" if part is None else f".r{part}")
+    )
+
+
+def catch_up_from(m: Manifest) -> int | None:
+    """The base version of a catch-up delta (format 11), whose blobs are named apart from its version's own."""
+    return m.base_version if m.stands_for is not None else None
 
 
 class SpooledBlob:
@@ -525,7 +541,7 @@ def _tables_blob(
     another, hashed as written."""
     out = SpooledBlob(spool, len(m.blobs))
     wire = tabulate(m, out.put, records=records, name_keys=keys, columns=columns)
-    blob, file = out.close(blob_tag(m.version, m.kind))
+    blob, file = out.close(blob_tag(m.version, m.kind, catch_up_from=catch_up_from(m)))
     wire.blobs = list(m.blobs) + [blob]
     wire.validate()  # its header and table references; the entries were validated inline
     return wire, file

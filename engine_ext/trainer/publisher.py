@@ -43,6 +43,7 @@ from ..store import Store, open_store
 from ..store.signing import Signer, Trust
 from . import lineage
 from .builder import LATEST_TTL_S, VersionBuilder
+from .catch_up import CatchUp, check_spans, publish_catch_ups
 from .checkpoint_layout import to_checkpoint_layout, transformers_model
 from .delta_pipeline import ContextBase, DeltaEncoder, TensorChange
 from .heartbeat import LatestHeartbeat
@@ -105,6 +106,10 @@ class DeltaPublisher:
             else an anchor; ``"delta"`` that delta or an error; ``"anchor"`` an anchor.
         latest_ttl_s: how long a signed LATEST stays valid; while the publisher lives it re-signs
             LATEST when half of that has passed (heartbeat).
+        catch_up_spans: after each version ``v``, publish the catch-up deltas ending there, one per span
+            (powers of two, e.g. ``(4, 16, 64)``) dividing ``v``: a replica k versions behind then fetches
+            O(log k) deltas of about the union of the changes (:mod:`engine_ext.trainer.catch_up`). Off by
+            default: they cost extra stored bytes and upload time (docs/benchmarks.md, "catch-up deltas").
     """
 
     # Each tensor's encode starts on the pool as it is diffed (True), or after the whole diff (False): same bytes.
@@ -132,6 +137,7 @@ class DeltaPublisher:
         latest_ttl_s: float = LATEST_TTL_S,
         dtype: torch.dtype | str | None = torch.bfloat16,
         checkpoint_layout="auto",
+        catch_up_spans=(),
     ):
         if resume not in RESUME_MODES:
             raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
@@ -152,6 +158,9 @@ class DeltaPublisher:
         self.quantize = quantizer(quantize)
         self.dtype = served_dtype(dtype)
         self.checkpoint_layout = checkpoint_layout
+        # after each version, its catch-up deltas of these spans (:mod:`engine_ext.trainer.catch_up`; off: ())
+        self.catch_up_spans = check_spans(catch_up_spans)
+        self.catch_ups: list[CatchUp] = []  # what they did, published or skipped, in order
         self.aliases: dict[
             str, str
         ] = {}  # names left out as aliases of a kept tensor (tied embeddings): {dropped: kept}
@@ -345,9 +354,9 @@ class DeltaPublisher:
                 self._encoder.start(change)  # encoded while the next tensors are diffed
             changes.append(change)
         self.last_changed = sum(c.positions.numel() for c in changes)
-        reads_kept = any(c.context is not None for c in changes)
+        reads_kept = any(c.context is not None for c in changes) or self._catch_ups_due(version)
         if reads_kept:
-            self._kept.hold()  # the context coder reads its base from the kept bits, in the background
+            self._kept.hold()  # the context coder reads its base (a catch-up its new bits) in the background
         return UploadJob(DELTA, version, self.version, self.anchor_version, changes, int(reads_kept))
 
     def _encodes_early(self, name: str) -> bool:
@@ -419,6 +428,29 @@ class DeltaPublisher:
             b.publish(self.store, self.signer, self.latest_ttl_s)
             self._heartbeat.wrote(b.latest)
         self._published(job.version, b.manifest_sha256)
+        if job.kind == DELTA and self._catch_ups_due(job.version):
+            try:
+                self.catch_ups += publish_catch_ups(
+                    self.store,
+                    job.version,
+                    self.catch_up_spans,
+                    trust=self.trust,
+                    signer=self.signer,
+                    workers=self.workers,
+                    new_bits=self._kept_bits_at,
+                )
+            except Exception:  # an optimisation: readers still have the chain, and the version is published
+                log.exception("engine_ext: the catch-up deltas to v%s failed; readers take the chain", job.version)
+
+    def _kept_bits_at(self, name: str, positions: torch.Tensor) -> torch.Tensor:
+        """The kept (last published) raw bits of ``name`` at flat ``positions``, on the CPU."""
+        kept = self._prev[name].reshape(-1)
+        return kept[positions.to(kept.device)].cpu()
+
+    def _catch_ups_due(self, version: int) -> bool:
+        """Whether a catch-up delta ends at ``version`` (a span divides it): its job then holds the kept bits,
+        which hold ``version``'s bits until the next diff (a mixed composite is coded from them)."""
+        return any(version % span == 0 for span in self.catch_up_spans)
 
     def _builder(self, job: UploadJob, part: int | None = None) -> VersionBuilder:
         opts = {} if self.blob_target is None else {"blob_target": self.blob_target}

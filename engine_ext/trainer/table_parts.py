@@ -147,4 +147,6 @@ def commit_tables(
         wire.validate()  # the header and every table reference (the entries: each rank's, and the split ones above)
         raw = wire.to_json()
         sha, latest = publish_manifest(store, wire, raw, [file], signer, latest_ttl_s)
+    if latest is None:  # only a catch-up delta leaves LATEST alone, and a sharded trainer writes none
+        raise ValueError(f"v{m.version}: a sharded version is not a catch-up delta")
     return store.key_uri(manifest_key(m.version, m.kind)), sha, latest
