@@ -25,14 +25,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import train_data  # noqa: E402
+import train_data
 
-from engine_ext.format.delta import apply_tensor  # noqa: E402
-from engine_ext.format.dtypes import as_bits  # noqa: E402
-from engine_ext.format.manifest import manifest_key  # noqa: E402
-from engine_ext.store import route  # noqa: E402
-from engine_ext.store.signing import Trust, generate_key  # noqa: E402
-from engine_ext.trainer.publisher import DeltaPublisher  # noqa: E402
+from engine_ext.format.delta import apply_tensor
+from engine_ext.format.dtypes import as_bits
+from engine_ext.format.manifest import manifest_key
+from engine_ext.store import route
+from engine_ext.store.signing import Trust, generate_key
+from engine_ext.trainer.publisher import DeltaPublisher
 
 
 def publish(root: Path, versions: list[dict], spans: tuple, key: str) -> tuple[float, list]:
@@ -51,6 +51,21 @@ def stored(root: Path, catch_ups: bool) -> int:
         for p in root.iterdir()
         if p.name.startswith("v") and ".anchor" not in p.name and (".from" in p.name) == catch_ups
     )
+
+
+def plan_counting(uri: str, held: int, trust: Trust, reads: list[str]) -> route.Route:
+    """``route.plan`` from ``held`` to ``uri``, every manifest it reads appended to ``reads``."""
+    real = route.read_link
+
+    def counting(store, key, *args, **kw):
+        reads.append(key)
+        return real(store, key, *args, **kw)
+
+    route.read_link = counting
+    try:
+        return route.plan(uri, held, None, trust=trust)
+    finally:
+        route.read_link = real
 
 
 def changed_elements(a: dict, b: dict) -> int:
@@ -100,18 +115,8 @@ def main() -> None:
         held = last - behind
         union = changed_elements(versions[held], versions[last])
         for label, (root, _, _) in runs.items():
-            reads = []
-            real = route.read_link
-
-            def counting(store, k, *args, **kw):
-                reads.append(k)
-                return real(store, k, *args, **kw)
-
-            route.read_link = counting
-            try:
-                r = route.plan(str(root / manifest_key(last)), held, None, trust=trust)
-            finally:
-                route.read_link = real
+            reads: list[str] = []
+            r = plan_counting(str(root / manifest_key(last)), held, trust, reads)
             fetched = sum(link.manifest.payload_bytes for link in r.links)
             got = dict(versions[held])
             for td in route.fetch_planned(r.store, r.links).tensors:
