@@ -63,7 +63,9 @@ def bf16_checkpoint(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def publish(vs: list[dict[str, torch.Tensor]], root: Path) -> list[tuple[Manifest, int]]:
     """Publish the versions (anchor, then deltas); each delta's manifest and its size in bytes."""
-    with DeltaPublisher(str(root), model="m", anchor_every=0, workers=1) as pub:
+    # dtype=None: the versions are the checkpoints as served (an fp8 one keeps its float32 scales; the
+    # publisher's default would cast them to bf16, which no server holds)
+    with DeltaPublisher(str(root), model="m", anchor_every=0, workers=1, dtype=None) as pub:
         for sd in vs:
             pub.publish(sd)
     out = []
