@@ -76,9 +76,10 @@ def test_a_lagging_reader_takes_log_k_links_and_lands_bit_exact(tmp_path):
 
 def test_the_controller_commits_the_manifest_a_catch_up_stands_for_and_rolls_back_a_failed_apply(tmp_path):
     """Two in-process ranks at v0 take v8 in one catch-up; the state then binds to v8's own manifest, so
-    v9's delta follows. A rank failing the apply of a catch-up rolls every rank back to v0's bits."""
+    v9's delta follows. A rank failing the apply of a catch-up rolls every rank back to v0's bits. Published
+    in tables (format 10's name index, as a big model's are), so each rank reads only its own entries."""
     store = tmp_path / "s"
-    with settings.override(**V1_CODING):
+    with settings.override(inline_entries=1, **V1_CODING):
         *versions, _ = _run(store, 10)
     ranks = [make_rank(0, versions[0]), make_rank(1, versions[0])]
     failing = Controller(FakeRanks(ranks, fail_rank=1), Sources([str(store)]), version=0)
@@ -91,6 +92,7 @@ def test_the_controller_commits_the_manifest_a_catch_up_stands_for_and_rolls_bac
     asyncio.run(ctl.start())
     a = asyncio.run(ctl.update(UpdateRequest.parse({"url": str(store / manifest_key(8))})))
     assert [m.rsplit("/", 1)[-1] for m in a["manifests"]] == [catch_up_key(0, 8)]
+    assert Manifest.from_json((store / catch_up_key(0, 8)).read_bytes()).index is not None  # in tables
     own = route.read_link(open_store(str(store)), manifest_key(8)).sha256
     assert ctl.state.manifests == (own,)
     a = asyncio.run(ctl.update(UpdateRequest.parse({"url": str(store / manifest_key(9))})))
