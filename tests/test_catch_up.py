@@ -22,6 +22,7 @@ from engine_ext.server.protocol import UpdateRequest
 from engine_ext.store import open_store, route
 from engine_ext.store.signing import Signer, Trust
 from engine_ext.store.sources import Sources
+from engine_ext.trainer import catch_up
 from engine_ext.trainer.catch_up import check_spans, publish_catch_ups
 from engine_ext.trainer.publisher import DeltaPublisher
 
@@ -52,7 +53,9 @@ def _same(a: dict, b: dict) -> bool:
     return all(torch.equal(as_bits(a[n]), as_bits(b[n])) for n in b)
 
 
-def test_a_lagging_reader_takes_log_k_links_and_lands_bit_exact(tmp_path):
+def test_a_lagging_reader_takes_log_k_links_and_lands_bit_exact(tmp_path, monkeypatch):
+    """Composed a tensor at a time (the batch bound at its least), every route lands on v16's bits."""
+    monkeypatch.setattr(catch_up, "BATCH_CHANGES", 1)
     with settings.override(**V1_CODING):
         *versions, done = _run(tmp_path / "s", 17, spans=(2, 4, 8, 16))
     published = {(c.base_version, c.version) for c in done if c.key}
@@ -165,6 +168,11 @@ def test_composing_without_weights_skips_what_needs_them_and_readers_take_the_ch
     assert torch.equal(as_bits(apply_tensor(states[0]["w"], td)), as_bits(states[2]["w"]))
     with pytest.raises(ValueError, match="powers of two"):
         check_spans([3])
+    with settings.override(**V1_CODING), DeltaPublisher(str(tmp_path / "late"), anchor_every=0, start_version=3) as pub:
+        for sd in states[:2]:  # v3 (an anchor), v4: no delta from v2
+            pub.publish(sd)
+    (c,) = publish_catch_ups(open_store(str(tmp_path / "late")), 4, (2,), trust=trust, signer=signer)
+    assert c.key is None and "no chain" in c.skipped, c
 
 
 def _forge(root, key: str, edit, signer: Signer) -> None:

@@ -14,7 +14,8 @@ listing of the store.
 **How they are made: composed from the store, not from weights.** Steps in the ordered bit space
 add (:func:`engine_ext.format.delta.compose`): (b2 - b1) + (b1 - b0) = b2 - b0. So a catch-up is
 composed from the deltas it spans, read back from the store and verified like any reader's, with
-no old version of the model kept in memory. A span ``2s`` catch-up is composed from the two
+no old version of the model kept in memory: the links are decoded a batch of tensors at a time, so a
+composer holds a few hundred MB of changes however big the model. A span ``2s`` catch-up is composed from the two
 span-``s`` catch-ups where they exist (two decodes, however long the span), else from the chain.
 The composite is coded plain (v1): the context coder (v2) predicts from the base weights, which
 a composer reading only the store does not hold, and decoding a context-coded link needs them too,
@@ -40,19 +41,22 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..errors import NotFoundError, UnsupportedError
+from ..errors import UnsupportedError
 from ..format.delta import ABS, TensorDelta, compose
 from ..format.dtypes import apply_step, dtype_by_name
 from ..format.manifest import DELTA, catch_up_key, manifest_key
 from ..store import Store
-from ..store.reader import Link, decode_manifest, fetch_blobs, read_link
+from ..store.reader import Link, fetch_selected, read_link
 from ..store.route import MAX_CHAIN, catch_up_chain
 from ..store.signing import Signer, Trust
 from .builder import VersionBuilder
 from .delta_pipeline import DeltaEncoder, TensorChange
 
 NewBits = Callable[[str, torch.Tensor], torch.Tensor]  # (name, flat positions) -> a version's raw bits there
-DEFAULT_SPANS = (4, 16, 64)  # each a power of two; what ``engine-ext compact`` and the publisher option make
+DEFAULT_SPANS = (4, 16, 64)
+BATCH_CHANGES = (
+    1 << 25
+)  # changes decoded at once while composing (~16 bytes each, positions and values held twice)  # each a power of two; what ``engine-ext compact`` and the publisher option make
 
 
 @dataclass(frozen=True)
@@ -132,25 +136,16 @@ def compose_catch_up(
     target = read(manifest_key(version))
     if target.manifest.kind != DELTA:
         raise UnsupportedError(f"{store.key_uri(target.key)} is not a delta")
-    links = catch_up_chain(store, base_version, target, read, MAX_CHAIN, max_span=span // 2)
-    if links is None:
-        raise NotFoundError(f"{store.uri}: no chain of deltas from v{base_version} to v{version}")
+    links = catch_up_chain(store, base_version, target, read, MAX_CHAIN, max_span=span // 2) or []
     parts_bytes = sum(link.manifest.payload_bytes for link in links)
 
     def skipped(why: str, payload: int = 0) -> CatchUp:
         return CatchUp(base_version, version, None, payload, parts_bytes, len(links), time.perf_counter() - t0, why)
 
+    if not links:
+        return skipped(f"no chain of consecutive deltas from v{base_version} (not published, or numbered with gaps)")
     if context := [link.key for link in links if link.manifest.step_tables]:
         return skipped(f"{context[0]} is context coded: composing it needs the base weights")
-    composed: dict[str, list[TensorDelta]] = {}
-    for link in links:
-        m = link.manifest
-        for td in decode_manifest(m, fetch_blobs(store, m, workers), workers):
-            composed.setdefault(td.name, []).append(td)
-    try:
-        changes = list(_changes(links[0], target, composed, new_bits))
-    except _NeedsBase as e:
-        return skipped(str(e))
     b = VersionBuilder(
         DELTA,
         target.manifest.model,
@@ -160,12 +155,16 @@ def compose_catch_up(
         base_manifests=list(links[0].manifest.base_manifests),  # every manifest of the base version
     )
     b.manifest.stands_for = target.sha256
-    for name, dtype, shape, base_fp, fp, part in changes:
-        if part is None:
-            b.add_unchanged(name, dtype, shape, fp)
-        else:
-            b.add_encoded(name, dtype, shape, part.nnz, _encode(part), base_fp, fp)
-    b.name_blobs()
+    try:
+        for name, dtype, shape, base_fp, fp, part in _changes(store, links, target, new_bits, workers):
+            if part is None:
+                b.add_unchanged(name, dtype, shape, fp)
+            else:
+                b.add_encoded(name, dtype, shape, part.nnz, _encode(part), base_fp, fp)
+        b.name_blobs()
+    except _NeedsBase as e:
+        b.tmp.cleanup()
+        return skipped(str(e))
     payload = b.manifest.payload_bytes
     if payload >= parts_bytes:
         b.tmp.cleanup()
@@ -183,19 +182,38 @@ class _NeedsBase(Exception):
     """A composite that only the base weights could code (module docstring): the span is skipped."""
 
 
-def _changes(first: Link, target: Link, composed: dict[str, list[TensorDelta]], new_bits: NewBits | None):
+def _changes(store: Store, links: list[Link], target: Link, new_bits: NewBits | None, workers: int):
     """Per tensor of the target, in its order: (name, dtype, shape, base fingerprint, fingerprint, its
-    composed part or None where its steps cancel or it did not change)."""
-    tc, fc = target.manifest.columns(), first.manifest.columns()
+    composed part or None where its steps cancel or it did not change). The links are decoded a batch of
+    tensors at a time (:data:`BATCH_CHANGES` changes over the links at most, or one tensor), so composing
+    holds a few hundred MB however big the model."""
+    tc, fc = target.manifest.columns(), links[0].manifest.columns()
     base_of = dict(zip(fc.names, fc.base.tolist()))
-    for name, dtype, shape, fp in zip(tc.names, tc.dtype_names(), tc.shape_tuples(), tc.fingerprint.tolist()):
-        parts = compose(composed[name]) if name in composed else []
-        if len(parts) > 1:
-            if new_bits is None:
-                raise _NeedsBase(f"tensor {name!r} composes to absolute values beside relative steps")
-            positions = torch.sort(torch.cat([p.index() for p in parts])).values  # disjoint (compose)
-            parts = [replace(parts[0], mode=ABS, positions=positions, values=new_bits(name, positions))]
-        yield name, dtype_by_name(dtype), shape, base_of[name], fp, parts[0] if parts else None
+    changes_of = [dict(zip(c.names, c.nnz.tolist())) for c in (link.manifest.columns() for link in links)]
+    names = tc.names
+    rows = list(zip(names, tc.dtype_names(), tc.shape_tuples(), tc.fingerprint.tolist()))
+    at = 0
+    while at < len(rows):
+        end, held = at, 0
+        while end < len(rows) and (end == at or held + sum(c.get(names[end], 0) for c in changes_of) <= BATCH_CHANGES):
+            held += sum(c.get(names[end], 0) for c in changes_of)
+            end += 1
+        batch = rows[at:end]
+        composed: dict[str, list[TensorDelta]] = {}
+        for link, changes in zip(links, changes_of):
+            selection = {name: None for name, *_ in batch if changes.get(name, 0)}
+            if selection:
+                for td in fetch_selected(store, link.manifest, selection, workers)[0]:
+                    composed.setdefault(td.name, []).append(td)
+        for name, dtype, shape, fp in batch:
+            parts = compose(composed.pop(name)) if name in composed else []
+            if len(parts) > 1:
+                if new_bits is None:
+                    raise _NeedsBase(f"tensor {name!r} composes to absolute values beside relative steps")
+                positions = torch.sort(torch.cat([p.index() for p in parts])).values  # disjoint (compose)
+                parts = [replace(parts[0], mode=ABS, positions=positions, values=new_bits(name, positions))]
+            yield name, dtype_by_name(dtype), shape, base_of[name], fp, parts[0] if parts else None
+        at = end
 
 
 def _encode(part: TensorDelta):
