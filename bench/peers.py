@@ -1,6 +1,6 @@
 """Every public delta format we can run or re-implement, beside ours, on the same real training steps.
 
-    /work/bench-venv/bin/python bench/peers.py     # with Fireworks' package (install: bench/fireworks_codec.py)
+    BENCH_VENV/bin/python bench/peers.py   # a venv with Fireworks' package too (bench/fireworks_codec.py says how)
     .venv/bin/python bench/peers.py [--size small|medium] [--lr 3e-6] [--repeat 2]
 
 Data (bench/train_data.py): a Qwen2-shaped model trained with AdamW on fp32 masters. Version 0 is
@@ -606,7 +606,7 @@ def formats(tmp: Path) -> tuple[list[Format], list[str]]:
     else:
         notes.append(
             "Fireworks arc_v3 skipped: fireworks-delta-compression not importable in this Python "
-            "(install it as bench/fireworks_codec.py says, run with /work/bench-venv/bin/python)"
+            "(install it as bench/fireworks_codec.py says, run with that venv's python)"
         )
     fs += [XorZstd(), Ours("default", {}, tmp), Ours("bytes first", {"reader_mbps": 0.0}, tmp)]
     return fs, notes
