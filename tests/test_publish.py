@@ -362,3 +362,24 @@ def test_a_tied_fp32_state_dict_into_a_bf16_served_model_is_named_not_a_wrong_ba
     reader.check_expected(m, served, "v0")
     with pytest.raises(ModelMismatchError, match=r"1 tensor\(s\) not in the served model: \['model.norm.weight'\]"):
         route.plan(str(tmp_path / "bf16" / "v00000000.anchor.json"), expected=untied)
+
+
+def test_the_planner_walks_the_anchors_chain_only_where_the_anchor_could_be_cheaper(tmp_path, monkeypatch):
+    """A replica one version behind reads the target and the anchor (to price it), not every manifest since
+    the anchor; one far behind still takes the anchor where the anchor and its chain cost less."""
+    g = torch.Generator().manual_seed(5)
+    sd = {"w": torch.randn(64, 64, generator=g).to(torch.bfloat16)}
+    with DeltaPublisher(str(tmp_path), anchor_every=8) as pub:
+        for v in range(13):  # anchors at v0 and v8; every element moves every step (the chain grows fast)
+            pub.publish({"w": (sd["w"].float() * (1.0 + 0.05 * (v + 1))).to(torch.bfloat16)})
+    reads = []
+    real = route.read_link
+    monkeypatch.setattr(route, "read_link", lambda store, key, *a, **k: reads.append(key) or real(store, key, *a, **k))
+    target = str(tmp_path / "v00000012.json")
+    r = route.plan(target, 11, None)
+    assert [link.key for link in r.links] == ["v00000012.json"]
+    assert reads == ["v00000012.json", "v00000008.anchor.json"], reads
+    reads.clear()
+    r = route.plan(target, 1, None)
+    assert [link.key for link in r.links][0] == "v00000008.anchor.json", [link.key for link in r.links]
+    assert len(reads) > 10  # the chain from v1 and the anchor's were both priced

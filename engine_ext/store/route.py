@@ -212,8 +212,9 @@ def plan(
 
     ``source`` is a manifest URI (``.../v00000042.json``) or a store root (its signed LATEST).
     Candidates: the delta chain from ``have_version``; the newest anchor at or below the
-    target plus the chain from it, or the chain alone when the held weights are the anchor's
-    (a server restarted from the run's first checkpoint fetches no anchor). Every manifest is
+    target plus the chain from it (walked only where the anchor alone costs less than the first
+    candidate), or the chain alone when the held weights are the anchor's (a server restarted
+    from the run's first checkpoint fetches no anchor). Every manifest is
     verified before it is parsed, every link checked against the next, the first delta
     against what is held (its fingerprint and version, and, when known, ``have_manifests``:
     the SHA-256 of the manifests that produced the held weights). No links: the target's
@@ -275,19 +276,25 @@ def plan(
     if tm.kind != ANCHOR and tm.anchor_version is not None:
         try:
             anchor = read(manifest_key(tm.anchor_version, ANCHOR))
+            holds_anchor = (
+                have_fingerprint is not None
+                and fpr.parse(anchor.manifest.fingerprint) == have_fingerprint
+                and (not have_manifests or anchor.sha256 in have_manifests)
+            )
+            chain_bytes = min((sum(link.manifest.payload_bytes for link in c) for c in candidates), default=None)
             if anchor.manifest.version == tm.version:
                 check_same_weights(anchor, target, store.uri)
                 rest = []
+            elif not holds_anchor and chain_bytes is not None and anchor.manifest.payload_bytes >= chain_bytes:
+                # the anchor alone costs what the chain does: its route is not walked (a replica one version
+                # behind reads two manifests, not every one since the anchor: each a request, a big model's
+                # each with its tables)
+                rest = None
             else:
                 rest = shortest_chain(store, target, anchor.manifest.version, read, limits.chain)
             if rest is not None:
                 if rest:
                     check_link(anchor, rest[0], store.uri)
-                holds_anchor = (
-                    have_fingerprint is not None
-                    and fpr.parse(anchor.manifest.fingerprint) == have_fingerprint
-                    and (not have_manifests or anchor.sha256 in have_manifests)
-                )
                 candidates.append(rest if holds_anchor and rest else [anchor] + rest)
         except NotFoundError:
             pass
