@@ -448,6 +448,16 @@ def build_parser() -> argparse.ArgumentParser:
         )
         q.add_argument("--allow-unsigned", action="store_true", help="read unsigned versions (trust the store)")
 
+    def signs(q):
+        """How a publishing command signs what it writes (diff, anchor, compact), and whom it trusts reading back."""
+        q.add_argument(
+            "--sign",
+            action="append",
+            metavar="KEY",
+            help="Ed25519 private key (PEM) to sign with, repeatable (default: ENGINE_EXT_SIGNING_KEY)",
+        )
+        trusts(q)
+
     def publishes(q):
         """The options of the commands that publish a version (diff, anchor): what it is, how it is signed."""
         q.add_argument("--model", help="model identity written into the manifest (default: the checkpoint's name)")
@@ -457,13 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
             help="served dtype to cast floating-point tensors (16 bits and wider) to before publishing "
             "(default: as stored: a checkpoint dir already holds the dtype it is served in)",
         )
-        q.add_argument(
-            "--sign",
-            action="append",
-            metavar="KEY",
-            help="Ed25519 private key (PEM) to sign with, repeatable (default: ENGINE_EXT_SIGNING_KEY)",
-        )
-        trusts(q)
+        signs(q)
 
     k = command("keygen", "make an Ed25519 signing key (OUT) and its public key (OUT.pub)")
     k.add_argument("out", metavar="OUT", help="path of the private key to write (OUT.pub gets the public key)")
@@ -526,13 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cp.add_argument("--since", type=int, help="first version to end catch-ups at (default: the last)")
     cp.add_argument("--to", type=int, help="last version to end catch-ups at (default: the store's LATEST)")
-    cp.add_argument(
-        "--sign",
-        action="append",
-        metavar="KEY",
-        help="Ed25519 private key (PEM) to sign with, repeatable (default: ENGINE_EXT_SIGNING_KEY)",
-    )
-    trusts(cp)
+    signs(cp)
     cp.set_defaults(fn=cmd_compact)
     rp = command(
         "report", "write one self-contained HTML page of a run: per version what changed, where, and what it cost"
