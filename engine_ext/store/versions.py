@@ -19,6 +19,11 @@ def claim_key(version: int) -> str:
     return f"v{version:08d}.claim"
 
 
+def claim_body(fingerprint: str) -> bytes:
+    """What a version's claim holds: the fingerprint of its weights and a newline."""
+    return f"{fingerprint}\n".encode()
+
+
 def claim_version(store: Store, version: int, fingerprint: str) -> None:
     """Bind ``version`` to the weights of ``fingerprint``, or raise :class:`ConflictError`.
 
@@ -28,7 +33,7 @@ def claim_version(store: Store, version: int, fingerprint: str) -> None:
     anchor then finds no chain to the delta). The claim is created once with the fingerprint; the
     anchor and delta of one version (the same weights) pass it, and so does a retry of a create
     that succeeded before its answer was cut."""
-    body = f"{fingerprint}\n".encode()
+    body = claim_body(fingerprint)
     key = claim_key(version)
     try:
         store.create(key, body)
@@ -116,7 +121,7 @@ def publish_catch_up(
     catch-up stands for. Returns the manifest URI."""
     items = list(blobs)
     held = store.read(claim_key(version), MAX_CLAIM_BYTES)
-    if held != f"{fingerprint}\n".encode():
+    if held != claim_body(fingerprint):
         raise ConflictError(f"{store.key_uri(claim_key(version))}: v{version} holds other weights than the catch-up's")
     _create_all(store, items, workers)
     if signature is not None:
