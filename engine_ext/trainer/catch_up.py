@@ -53,10 +53,8 @@ from .builder import VersionBuilder
 from .delta_pipeline import DeltaEncoder, TensorChange
 
 NewBits = Callable[[str, torch.Tensor], torch.Tensor]  # (name, flat positions) -> a version's raw bits there
-DEFAULT_SPANS = (4, 16, 64)
-BATCH_CHANGES = (
-    1 << 25
-)  # changes decoded at once while composing (~16 bytes each, positions and values held twice)  # each a power of two; what ``engine-ext compact`` and the publisher option make
+DEFAULT_SPANS = (4, 16, 64)  # each a power of two; what ``engine-ext compact`` and the publisher option make
+BATCH_CHANGES = 1 << 25  # changes decoded at once while composing (~16 bytes each, positions and values held twice)
 
 
 @dataclass(frozen=True)
@@ -78,8 +76,7 @@ def check_spans(spans) -> tuple[int, ...]:
     given = [int(s) for s in spans]
     if any(s < 2 or s & (s - 1) for s in given):
         raise ValueError(f"catch-up spans must be powers of two of at least 2, got {given}")
-    out = tuple(sorted(set(given)))
-    return out
+    return tuple(sorted(set(given)))
 
 
 def publish_catch_ups(
@@ -190,13 +187,13 @@ def _changes(store: Store, links: list[Link], target: Link, new_bits: NewBits | 
     tc, fc = target.manifest.columns(), links[0].manifest.columns()
     base_of = dict(zip(fc.names, fc.base.tolist()))
     changes_of = [dict(zip(c.names, c.nnz.tolist())) for c in (link.manifest.columns() for link in links)]
-    names = tc.names
-    rows = list(zip(names, tc.dtype_names(), tc.shape_tuples(), tc.fingerprint.tolist()))
+    rows = list(zip(tc.names, tc.dtype_names(), tc.shape_tuples(), tc.fingerprint.tolist()))
+    total = [sum(c.get(name, 0) for c in changes_of) for name in tc.names]  # each tensor's changes over the links
     at = 0
     while at < len(rows):
         end, held = at, 0
-        while end < len(rows) and (end == at or held + sum(c.get(names[end], 0) for c in changes_of) <= BATCH_CHANGES):
-            held += sum(c.get(names[end], 0) for c in changes_of)
+        while end < len(rows) and (end == at or held + total[end] <= BATCH_CHANGES):
+            held += total[end]
             end += 1
         batch = rows[at:end]
         composed: dict[str, list[TensorDelta]] = {}
