@@ -89,6 +89,14 @@ def changed(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(bits(old) != bits(new)).reshape(-1)
 
 
+def changes(old: StateDict, new: StateDict):
+    """(name, new tensor, its changed flat positions) of every tensor that changed, in ``new``'s order."""
+    for name, v in new.items():
+        pos = changed(old[name], v)
+        if pos.numel():
+            yield name, v, pos
+
+
 # ----------------------------------------------------------------------------- the formats
 
 
@@ -198,10 +206,8 @@ class VllmSparseNccl(Format):
 
     def encode(self, old, new):
         patches = {}
-        for name, v in new.items():
-            pos = changed(old[name], v)
-            if pos.numel():
-                patches[name] = (pos.to(torch.int32), v.reshape(-1)[pos])
+        for name, v, pos in changes(old, new):
+            patches[name] = (pos.to(torch.int32), v.reshape(-1)[pos])
         info = {
             "names": list(patches),
             "dtype_names": [str(new[n].dtype).split(".")[-1] for n in patches],
@@ -243,10 +249,8 @@ class Slime(Format):
 
     def encode(self, old, new):
         diffs = {}
-        for name, v in new.items():
-            pos = changed(old[name], v)
-            if pos.numel():
-                diffs[name] = (pos, v.reshape(-1)[pos])
+        for name, v, pos in changes(old, new):
+            diffs[name] = (pos, v.reshape(-1)[pos])
         flushes = []
         for names in by_dtype(diffs, new).values():
             params, blobs, pos_off, val_off = [], [], 0, 0
@@ -328,15 +332,11 @@ class Trl(Format):
 
     def encode(self, old, new):
         tensors = {}
-        for name, v in new.items():
-            pos = changed(old[name], v)
-            if pos.numel():
-                gaps = np.diff(pos.numpy(), prepend=0)
-                dt = np.uint16 if gaps.max() <= 65535 else np.uint32
-                tensors[f"{name}.gaps"] = torch.from_numpy(
-                    gaps.astype(dt).view(np.int16 if dt is np.uint16 else np.int32)
-                )
-                tensors[f"{name}.values"] = v.reshape(-1)[pos]
+        for name, v, pos in changes(old, new):
+            gaps = np.diff(pos.numpy(), prepend=0)
+            dt = np.uint16 if gaps.max() <= 65535 else np.uint32
+            tensors[f"{name}.gaps"] = torch.from_numpy(gaps.astype(dt).view(np.int16 if dt is np.uint16 else np.int32))
+            tensors[f"{name}.values"] = v.reshape(-1)[pos]
         return st_save(tensors)
 
     def size(self, blob):
@@ -378,10 +378,8 @@ class Pulse(Format):
 
     def encode(self, old, new):
         meta, chunks, off = [], [], 0
-        for name, v in new.items():
-            pos = changed(old[name], v).numpy()
-            if not pos.size:
-                continue
+        for name, v, pos in changes(old, new):
+            pos = pos.numpy()
             cols = int(np.prod(v.shape[1:])) if v.dim() > 1 else 1
             rows, cs = pos // cols, pos % cols
             rd = np.diff(rows, prepend=0)
