@@ -168,6 +168,10 @@ def test_composing_without_weights_skips_what_needs_them_and_readers_take_the_ch
     assert torch.equal(as_bits(apply_tensor(states[0]["w"], td)), as_bits(states[2]["w"]))
     with pytest.raises(ValueError, match="powers of two"):
         check_spans([3])
+    from engine_ext.trainer.sharded import ShardedPublisher
+
+    with pytest.raises(ValueError, match="engine-ext compact"):  # one process, no group: it never gets that far
+        ShardedPublisher(str(tmp_path / "sharded"), catch_up_spans=(4,))
     with settings.override(**V1_CODING), DeltaPublisher(str(tmp_path / "late"), anchor_every=0, start_version=3) as pub:
         for sd in states[:2]:  # v3 (an anchor), v4: no delta from v2
             pub.publish(sd)

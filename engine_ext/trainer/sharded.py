@@ -93,6 +93,11 @@ class ShardedPublisher(DeltaPublisher):
 
         if kwargs.get("quantize") is not None:
             raise ValueError("quantize is not supported by the sharded publisher (fp8 blocks span the ranks' rows)")
+        if kwargs.get("catch_up_spans"):
+            raise ValueError(
+                "catch_up_spans is not supported by the sharded publisher (a catch-up is one manifest over every "
+                "rank's rows): run `engine-ext compact STORE --spans ...` beside the trainer instead"
+            )
         self.group = None
         self._own_group = group is None
         self.rank = 0
