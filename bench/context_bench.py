@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.codec_bench import entropy_bits  # noqa: E402
 from bench.train_data import versions  # noqa: E402
+from engine_ext import settings  # noqa: E402
 from engine_ext.format import codec  # noqa: E402
 from engine_ext.format.context import blocks as context_blocks, codec as context_codec  # noqa: E402
 from engine_ext.format.context import models as context_models, scan_kernels as context_kernels, symbols as context_symbols  # noqa: E402
@@ -82,16 +83,18 @@ def load_all(path: str) -> list:
     return [t.clone() for t in load_file(path).values()]
 
 
-def scan_rate(n: int = 1 << 26) -> tuple[float, float]:
-    """Base elements per second of the context pass over a bf16 part of ``n`` elements cut
-    into 8 x 8 blocks at 1 % changes: (one core, every core)."""
+def scan_rates(n: int = 1 << 26, density: float = 0.01) -> dict[str, tuple[float, float]]:
+    """Base elements per second of the context pass over a bf16 part of ``n`` elements cut into
+    8 x 8 blocks at ``density`` changes, K = 16 classes, per build of the pass (numba and every
+    compiled variant this CPU runs, measured alternately): {pass: (one core, every core)}."""
     rng = np.random.default_rng(0)
     shape = (1 << 13, n >> 13)
     base = torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 0.02).bfloat16()
     u = as_bits(base).numpy().view(np.uint16)
     bl = context_blocks.part_blocks(shape, None, 0b0011)
-    shift, mask, lut = context_models.class_key(list(range(110, 125)), "bfloat16", n)
-    K = 16
+    edges = list(range(110, 125))
+    shift, mask, lut = context_models.class_key(edges, "bfloat16", n)
+    K = len(edges) + 1
     ranks, starts = [], np.zeros((bl.S, K + 1), np.int64)
     at = 0
     for b in range(bl.S):
@@ -99,21 +102,38 @@ def scan_rate(n: int = 1 << 26) -> tuple[float, float]:
         pops = np.bincount(cls, minlength=K)
         starts[b, 0] = at
         for c in range(K):
-            k = pops[c] // 100
+            k = int(pops[c] * density)
             ranks.append(np.sort(rng.choice(pops[c], k, replace=False)) if k else np.empty(0, np.int64))
             at += k
             starts[b, c + 1] = at
     ranks = np.concatenate(ranks).astype(np.int64)
-    context_kernels.scan(u, shift, mask, lut, bl, ranks, starts)  # compiled, pages touched
-    rates = []
-    for cores in (1, os.cpu_count() or 1):
-        old = context_kernels.PARALLEL_MIN
-        context_kernels.PARALLEL_MIN = n + 1 if cores == 1 else 0
-        try:
-            rates.append(n / best(lambda: context_kernels.scan(u, shift, mask, lut, bl, ranks, starts)))
-        finally:
-            context_kernels.PARALLEL_MIN = old
-    return rates[0], rates[1]
+    passes = ["numba", *(context_kernels._scan_native.ISAS if context_kernels._scan_native is not None else ())]
+    want = None
+    for p in passes:  # compiled, pages touched, and every build finds the same positions
+        with settings.override(context_pass=p):
+            got = context_kernels.scan(u, "bfloat16", edges, bl, ranks, starts)
+        assert want is None or (np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])), p
+        want = got
+    times = {(p, c): float("inf") for p in passes for c in (1, os.cpu_count() or 1)}
+    old = context_kernels.PARALLEL_MIN
+    try:
+        for _ in range(3):  # alternately, so that a noisy neighbour slows every build alike
+            for p, cores in times:
+                context_kernels.PARALLEL_MIN = n + 1 if cores == 1 else 0
+                with settings.override(context_pass=p):
+                    t = time.perf_counter()
+                    context_kernels.scan(u, "bfloat16", edges, bl, ranks, starts)
+                    times[p, cores] = min(times[p, cores], time.perf_counter() - t)
+    finally:
+        context_kernels.PARALLEL_MIN = old
+    return {p: (n / times[p, 1], n / times[p, os.cpu_count() or 1]) for p in passes}
+
+
+def print_scan_rates(rates: dict[str, tuple[float, float]]) -> None:
+    print(f"context pass, ns per base element (bf16, 8 x 8 blocks, 16 classes), one core and {os.cpu_count()}:")
+    print("| pass | one core | every core | numba / this, one core |\n|---|---|---|---|")
+    for p, (one, every) in rates.items():
+        print(f"| {p} | {1e9 / one:.3f} | {1e9 / every:.3f} | {one / rates['numba'][0]:.2f}x |")
 
 
 def best(fn, repeat=3):
@@ -314,8 +334,13 @@ def main():
     ap.add_argument("--costs", action="store_true", help="only the decode costs the publisher's rule uses (synthetic, ~1 min)")
     ap.add_argument("--read", action="store_true", help="only a reader's whole read, v2 against v1 (~200 M params, ~3 min)")
     ap.add_argument("--formats", action="store_true", help="only format 9's bytes against format 5's (codec_configs' data)")
+    ap.add_argument("--pass", dest="scan_pass", action="store_true", help="only the context pass, every build side by side (~1 min)")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    if a.scan_pass:
+        print("command: python bench/context_bench.py --pass")
+        print_scan_rates(scan_rates())
+        return
     if a.formats:
         print("command: python bench/context_bench.py --formats")
         print("| versions | context-coded parts | format 9 (ctx-rans) bytes | format 5 (ctx) bytes | 9 / 5 |\n|---|---|---|---|---|")
@@ -346,9 +371,8 @@ def main():
             print(f"| {100 * r['density']:.2f} % | {r['v1']:.1f} | {r['old']:.1f} | {r['new1']:.2f} | {r['new']:.2f} | "
                   f"{r['new1'] / r['new']:.2f}x | {r['b1']:.3f} | {r['b_old']:.3f} | {r['b2']:.3f} | {r['b2'] / r['b_old']:.4f} |",
                   flush=True)
-        one, every = scan_rate()
         print(f"fixed cost: the streams of a 64 x 64 part ({coder}, {S} blocks, {n} changes): {part_s * 1e6:.1f} us")
-        print(f"context pass: {1e9 / one:.3f} ns per base element on one core, {1e9 / every:.3f} on {os.cpu_count()}")
+        print_scan_rates(scan_rates())
         return
     try:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -397,8 +421,7 @@ def main():
         n, _, bound, b1, b2, arc, bd, _ = tot
         print(f"lr {lr:g} all pairs: v2/bound {b2 / bound:.3f}, v1/bound {b1 / bound:.3f}, v1/v2 {b1 / b2:.2f}, "
               f"arc_v3/v2 {arc / b2:.2f}, arc_v3/v1 {arc / b1:.2f}, default/bound {bd / bound:.3f}", flush=True)
-    one, every = scan_rate()
-    print(f"context pass: {one / 1e9:.2f} G base elements/s on one core, {every / 1e9:.2f} G/s on {os.cpu_count()} cores")
+    print_scan_rates(scan_rates())
     nnz, numel, t1, tn, tl, te = at_scale()
     print(f"at scale (8 x 4096 x 4096 bf16, {100 * nnz / numel:.2f} % changed, synthetic): decode {t1:.3f} s on one thread "
           f"({t1 / tl:.1f}x load_file), {tn:.3f} s on {os.cpu_count()} ({tn / tl:.1f}x); load_file {tl:.3f} s "

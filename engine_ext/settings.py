@@ -67,6 +67,16 @@ def _shares(s: str) -> int:
     return n
 
 
+CONTEXT_PASSES = ("auto", "numba", "avx512bw", "avx2", "scalar")
+
+
+def _context_pass(s: str) -> str:
+    v = s.strip().lower()
+    if v not in CONTEXT_PASSES:
+        raise ValueError(f"must be one of {', '.join(CONTEXT_PASSES)}, got {s!r}")
+    return v
+
+
 def _reader_device(s: str) -> str:
     v = s.strip().lower()
     if v not in ("gpu", "cpu"):
@@ -232,6 +242,15 @@ VARIABLES: tuple[Variable, ...] = (
         "coded where it saves 10 % and pays on the readers (`ENGINE_EXT_READER_DEVICE`, `ENGINE_EXT_READER_MBPS`)",
     ),
     Variable(
+        "ENGINE_EXT_CONTEXT_PASS",
+        "context_pass",
+        _context_pass,
+        "auto",
+        "reader: which build of codec v2's pass over the base a host rank runs: `auto` the widest compiled "
+        "variant its CPU runs (`avx512bw`, `avx2`, `scalar`; engine_ext/format/context/scan_native.c), else "
+        "`numba`; naming a variant the CPU or the install lacks is an error (tests run each)",
+    ),
+    Variable(
         "ENGINE_EXT_READER_DEVICE",
         "reader_device",
         _reader_device,
@@ -294,6 +313,7 @@ class Settings:
     verify_derived: str = "sample"
     cold_audit: bool = False
     context_coder: bool = True
+    context_pass: str = "auto"
     reader_device: str = "gpu"
     reader_mbps: float = 100.0
     reader_tp: int = 8

@@ -254,13 +254,13 @@ def test_the_context_pass_matches_its_definition():
         if b + 1 < bl.S:
             starts[b + 1, 0] = starts[b, 4]
     ranks = np.concatenate(ranks).astype(np.int64)
-    got = ck.scan(u, 7, 0xFF, lut, bl, ranks, starts)
+    got = ck.scan(u, "bfloat16", [118, 120, 122], bl, ranks, starts)
     want = _model_scan(u, 7, 0xFF, lut, bl, ranks, starts)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
     too_far = ranks.copy()
     too_far[starts[0, 1] - 1] += 1000  # past the class's population in block 0
     with pytest.raises(IntegrityError, match="beyond their class"):
-        ck.scan(u, 7, 0xFF, lut, bl, too_far, starts)
+        ck.scan(u, "bfloat16", [118, 120, 122], bl, too_far, starts)
 
 
 LAYOUTS = {"ctx-rans": cc.encode, "ctx": legacy_ctx.encode}  # format 9's writer, format 5's (kept in tests)

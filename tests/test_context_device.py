@@ -77,7 +77,7 @@ def test_the_blocked_pass_equals_the_host_scan(ctx_interp, dtype, shape, policy,
     K = len(edges) + 1
     bl = cb.part_blocks(shape, None, policy)
     ranks, starts = _random_ranks(u, shift, mask, lut, bl, K, frac, np.random.default_rng(0))
-    want_pos, want_src = ck.scan(u, shift, mask, lut, bl, ranks, starts)
+    want_pos, want_src = ck.scan(u, name, edges, bl, ranks, starts)
     order = np.argsort(want_pos, kind="stable")
     geo = (bl.rows, bl.rows, bl.row_ptr, bl.run)
     for backend in ("triton", "torch"):

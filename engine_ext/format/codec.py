@@ -52,7 +52,9 @@ _PCO = pcodec.ChunkConfig(delta_spec=pcodec.DeltaSpec.no_op(), mode_spec=pcodec.
 V1_NS_PER_CHANGE = 5.8  # v1's whole decode (pcodec), per change, one thread
 STREAMS_NS_PER_CHANGE = 7.0  # v2's streams (format 9's rANS chunks), on one thread of the host
 PASS_NS_PER_ELEMENT = {
-    "cpu": 0.71,  # the context pass over the base: numba, every core of a 2-core host
+    "cpu": 0.51,  # the context pass over the base, compiled (scan_native.c), AVX2, both cores of a 2-core host
+    # (`python bench/context_bench.py --pass`, 2026-12-07: AVX-512 0.36, numba 0.93; the AVX2 build is the floor a
+    # publisher can count on for an x86 reader that has the package built)
     "gpu": 0.001,
 }  # Triton on the device: ESTIMATED (two reads of a bf16 base at ~4 TB/s; no GPU lent)
 PART_NS = {

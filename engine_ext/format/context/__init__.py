@@ -9,7 +9,8 @@ What is where:
 * :mod:`.models`: the probability models publisher and ranks both build (classes over the exponent, step
   symbols, the version's *step tables*, the Golomb laws of gaps and counts);
 * :mod:`.blocks`: the blocks a part is cut into where tensor parallelism cuts its tensor;
-* :mod:`.scan_kernels`: the passes over a part's base (numba, every core);
+* :mod:`.scan_kernels`: the passes over a part's base, every core (numba; the decode pass also compiled, from
+  ``scan_native.c``, the package's one C extension, optional: numba serves where it is not built);
 * :mod:`.rans_stage` and :mod:`.rans_stage_kernels`: the ``ctx-rans`` layout of the symbols, block-major
   chunks a rank decodes alone, and its compiled loops;
 * :mod:`.rans`: the static interleaved rANS coder under that stage. It lives here, not beside codec v1,

@@ -513,7 +513,6 @@ def decode(part: StoredPart, base_of) -> tuple[np.ndarray, np.ndarray]:
     accelerator is decoded there by :func:`engine_ext.triton_kernels.context_decode.decode`."""
     h, bl = part.header()
     itemsize = ITEMSIZE[part.dtype_name]
-    shift, mask, lut = class_key(h.edges, part.dtype_name, bl.numel)
     empty = np.empty(0, np.int64), np.empty(0, INT[itemsize])
     held = held_blocks(bl, base_of)
     if not held:
@@ -524,7 +523,7 @@ def decode(part: StoredPart, base_of) -> tuple[np.ndarray, np.ndarray]:
         u = np.ascontiguousarray(held[-1]).view(UINT[itemsize]).reshape(-1)
         if u.size != bl.numel:
             raise IntegrityError("the base of a context-coded part has the wrong size")
-        pos, src = scan(u, shift, mask, lut, bl, ranks_b, starts)
+        pos, src = scan(u, part.dtype_name, h.edges, bl, ranks_b, starts)
         vals = steps[src]
     else:
         out_pos, out_val = [], []
@@ -536,7 +535,7 @@ def decode(part: StoredPart, base_of) -> tuple[np.ndarray, np.ndarray]:
                 raise IntegrityError("the base of a context-coded block has the wrong size")
             one = part_blocks(ext, None, 0)  # the block alone, as a part of one block
             sb = starts[b : b + 1] - starts[b, 0]
-            p, src = scan(u, shift, mask, lut, one, ranks_b[starts[b, 0] : starts[b, -1]], sb)
+            p, src = scan(u, part.dtype_name, h.edges, one, ranks_b[starts[b, 0] : starts[b, -1]], sb)
             coords = np.unravel_index(p, ext)
             out_pos.append(np.ravel_multi_index(tuple(c + a for c, a in zip(coords, sub[0])), bl.shape))
             out_val.append(steps[starts[b, 0] + src])

@@ -1,11 +1,17 @@
-"""The context coder's passes over a part's base, in numba: one load and one store per element.
+"""The context coder's passes over a part's base: one read of every element.
 
 :mod:`engine_ext.format.context.codec` states the model. Encoding needs each change's rank
 among its (block, class) elements (:func:`ranks`); decoding the inverse, the elements of
 listed ranks (:func:`scan`): per class a countdown to the next listed rank. Both read
-every element of the part once; :func:`scan` spreads blocks over the cores (nogil kernels on
-a thread pool, so any numba threading layer does). A Triton pass for GPU ranks is in
-``engine_ext.triton_kernels.context_scan``.
+every element of the part once; :func:`scan` spreads blocks over the cores (kernels that
+release the GIL, on a thread pool, so any numba threading layer does).
+
+:func:`scan` runs the compiled pass (``_scan_native``, built from scan_native.c by the
+package's own build, SIMD where the CPU has it) when it is installed, else the numba
+reference here (:func:`_scan_blocks`): the same positions, in the same order. A reader's
+whole read is mostly this pass, which numba cannot vectorise (per element a class lookup
+and a countdown that chain through memory, about 4 cycles): ``python bench/context_bench.py
+--pass`` measures both. A Triton pass for GPU ranks is in ``engine_ext.triton_kernels.context_scan``.
 """
 
 from __future__ import annotations
@@ -16,7 +22,15 @@ from concurrent.futures import ThreadPoolExecutor
 import numba
 import numpy as np
 
+from ... import settings
 from ...errors import IntegrityError
+from .models import class_key
+from .symbols import EXPONENT
+
+try:
+    from . import _scan_native  # type: ignore[attr-defined]
+except ImportError:  # no C compiler at install (setup.py: the extension is optional)
+    _scan_native = None
 
 PARALLEL_MIN = 1 << 20  # parts this big scan their blocks on every core
 
@@ -99,23 +113,49 @@ def pool() -> ThreadPoolExecutor:
     return _POOL
 
 
-def scan(u, shift, mask, lut, bl, ranks, starts, which=None):
+def native_variant() -> str | None:
+    """The compiled variant :func:`scan` runs (``ENGINE_EXT_CONTEXT_PASS``), None for numba."""
+    want = settings.current().context_pass
+    have: tuple[str, ...] = _scan_native.ISAS if _scan_native is not None else ()
+    if want == "numba" or (want == "auto" and not have):
+        return None
+    if want == "auto":
+        return have[0]
+    if want not in have:
+        raise RuntimeError(
+            f"ENGINE_EXT_CONTEXT_PASS={want}: this install's compiled pass runs {list(have) or 'nothing'} here"
+        )
+    return want
+
+
+def scan(u, dtype_name, edges, bl, ranks, starts, which=None):
     """(part-flat positions, index into ``ranks``) of the listed ranks, in block then element
-    order, over the blocks ``which`` (default all; ``u`` the part's base bits, flat); blocks
-    split among the cores when there are many elements. Raises IntegrityError for a rank
-    beyond its class."""
+    order, over the blocks ``which`` (default all; ``u`` the part's base bits, flat, as unsigned
+    integers of the dtype's width; ``edges`` the classes' exponent edges); blocks split among the
+    cores when there are many elements. Raises IntegrityError for a rank beyond its class."""
     which = np.arange(bl.S) if which is None else np.asarray(which)
     sizes = bl.sizes[which]
     workers = min(os.cpu_count() or 1, which.size) if int(sizes.sum()) >= PARALLEL_MIN else 1
     bounds = np.searchsorted(np.cumsum(sizes), np.linspace(0, int(sizes.sum()), workers + 1)[1:-1])
     groups = [g for g in np.split(which, bounds) if g.size]
+    isa = native_variant()
+    if isa is None:
+        shift, mask, lut = class_key(edges, dtype_name, u.size)
+    ranks = np.ascontiguousarray(ranks, np.int64)
 
     def one(g):
-        rows = np.concatenate([bl.rows[bl.row_ptr[b] : bl.row_ptr[b + 1]] for b in g])
+        rows = np.concatenate([bl.rows[bl.row_ptr[b] : bl.row_ptr[b + 1]] for b in g]).astype(np.int64)
         row_ptr = np.concatenate([[0], np.cumsum(bl.row_ptr[g + 1] - bl.row_ptr[g])]).astype(np.int64)
-        n = int((starts[g, -1] - starts[g, 0]).sum())
+        run, st = np.ascontiguousarray(bl.run[g], np.int64), np.ascontiguousarray(starts[g], np.int64)
+        n = int((st[:, -1] - st[:, 0]).sum())
         pos, src = np.empty(n, np.int64), np.empty(n, np.int64)
-        if _scan_blocks(u, shift, mask, lut, rows, row_ptr, bl.run[g], ranks, starts[g], pos, src) != n:
+        if isa is None:
+            found = _scan_blocks(u, shift, mask, lut, rows, row_ptr, run, ranks, st, pos, src)
+        else:
+            e_shift, e_mask = EXPONENT[dtype_name]
+            args = (rows, row_ptr, run, ranks, st, pos, src)
+            found = _scan_native.scan_blocks(isa, u, u.itemsize, e_shift, e_mask, bytes(edges), *args)
+        if found != n:
             raise IntegrityError("context ranks beyond their class (a wrong base, or corrupt)")
         return pos, src
 
