@@ -144,7 +144,9 @@ if ! done_as "$profile" && ! { [ "$profile" = demo ] && done_as test; }; then  #
   echo "installing the $profile profile into $prefix (log: $log)..."
   : > "$log"
   [ "$kind" = cpu ] && cpu_torch_args
-  quiet "$log" "$PY" -m pip install --disable-pip-version-check --upgrade pip uv
+  # pip and uv at the lock's versions too: the lock holds them (tests/test_lock.py checks every locked package), and an
+  # unpinned upgrade failed a clean clone's CI the day uv 0.13.10 was released
+  quiet "$log" "$PY" -m pip install --disable-pip-version-check --upgrade pip uv "${lock[@]}"
   for step in "${steps[@]}"; do
     read -r -a words <<< "$step"
     case "${words[0]}" in
