@@ -1,7 +1,7 @@
 """The compiled context pass (engine_ext/format/context/scan_native.c) against its definition and the numba
 reference, in every variant this CPU runs (avx512bw, avx2, scalar): every float dtype, runs that end inside a
 64-element chunk, 1 to 16 classes, every element listed, and hostile input (ranks beyond their class, negative,
-repeated; arrays that do not fit each other), which must come out short or refused, never read out of bounds."""
+repeated, at int64's limits; arrays that do not fit each other), which must come out short or refused, never read out of bounds."""
 from __future__ import annotations
 
 import shutil
@@ -78,7 +78,7 @@ def test_a_big_part_split_over_the_cores_equals_numba(variant, monkeypatch):
 
 
 @pytest.mark.parametrize("variant", PASSES)
-@pytest.mark.parametrize("harm", ["beyond", "negative", "repeated", "descending"])
+@pytest.mark.parametrize("harm", ["beyond", "negative", "repeated", "descending", "int64 max", "int64 min next"])
 def test_hostile_ranks_come_out_short(variant, harm):
     name, u, edges, _, bl, ranks, starts = _case(torch.bfloat16, (64, 96), 0b0011, 0.05, 4, seed=1)
     bad = ranks.copy()
@@ -92,8 +92,12 @@ def test_hostile_ranks_come_out_short(variant, harm):
         bad[first] = -5
     elif harm == "repeated":
         bad[first + 1] = bad[first]
-    else:
+    elif harm == "descending":
         bad[first], bad[first + 1] = bad[first + 1], bad[first]
+    elif harm == "int64 max":  # rank + 1 would overflow
+        bad[first] = np.iinfo(np.int64).max
+    else:  # the gap to it would overflow
+        bad[first + 1] = np.iinfo(np.int64).min
     with settings.override(context_pass=variant), pytest.raises(IntegrityError, match="beyond their class"):
         ck.scan(u, name, edges, bl, bad, starts)
 

@@ -141,10 +141,13 @@ def scan(u, dtype_name, edges, bl, ranks, starts, which=None):
     isa = native_variant()
     if isa is None:
         shift, mask, lut = class_key(edges, dtype_name, u.size)
+    else:
+        exp_shift, exp_mask = EXPONENT[dtype_name]
+        edge_bytes = bytes(edges)
     ranks = np.ascontiguousarray(ranks, np.int64)
 
     def one(g):
-        rows = np.concatenate([bl.rows[bl.row_ptr[b] : bl.row_ptr[b + 1]] for b in g]).astype(np.int64)
+        rows = np.ascontiguousarray(np.concatenate([bl.rows[bl.row_ptr[b] : bl.row_ptr[b + 1]] for b in g]), np.int64)
         row_ptr = np.concatenate([[0], np.cumsum(bl.row_ptr[g + 1] - bl.row_ptr[g])]).astype(np.int64)
         run, st = np.ascontiguousarray(bl.run[g], np.int64), np.ascontiguousarray(starts[g], np.int64)
         n = int((st[:, -1] - st[:, 0]).sum())
@@ -152,9 +155,8 @@ def scan(u, dtype_name, edges, bl, ranks, starts, which=None):
         if isa is None:
             found = _scan_blocks(u, shift, mask, lut, rows, row_ptr, run, ranks, st, pos, src)
         else:
-            e_shift, e_mask = EXPONENT[dtype_name]
             args = (rows, row_ptr, run, ranks, st, pos, src)
-            found = _scan_native.scan_blocks(isa, u, u.itemsize, e_shift, e_mask, bytes(edges), *args)
+            found = _scan_native.scan_blocks(isa, u, u.itemsize, exp_shift, exp_mask, edge_bytes, *args)
         if found != n:
             raise IntegrityError("context ranks beyond their class (a wrong base, or corrupt)")
         return pos, src

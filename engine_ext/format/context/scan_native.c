@@ -17,8 +17,8 @@ the chunk's bits of that class walked (at most one per change).
 
 The same source builds a scalar variant everywhere and AVX2 / AVX-512BW variants on x86-64,
 chosen at import by what the CPU reports. Bounds: every array length is checked against the
-indices read from it before the pass (the Python wrapper raises on a mismatch), so corrupt
-ranks or starts make a short count, never a read out of bounds.
+indices read from it before the pass (scan_blocks raises ValueError on a mismatch), and corrupt
+ranks make a short count, never a read out of bounds or a signed overflow.
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -45,7 +45,6 @@ typedef struct {
     const int64_t *rows, *row_ptr, *run, *ranks, *starts;
     int64_t n_rows, n_blocks, n_ranks;
     int64_t *pos, *src;
-    int64_t n_out;
 } Scan;
 
 static const int64_t FAR = (int64_t)1 << 62; /* a countdown that never ends: no rank left in the class */

@@ -105,8 +105,8 @@ SCAN_TARGET static int64_t SCAN_NAME(run_scan)(Scan *s) {
             if (c < K && st[c] < st[c + 1]) {
                 ptr[c] = st[c];
                 stop[c] = st[c + 1];
-                left[c] = s->ranks[ptr[c]] + 1;
-                if (left[c] <= 0) left[c] = FAR; /* a negative rank: never found, so the count comes short */
+                const int64_t r = s->ranks[ptr[c]];
+                left[c] = r >= 0 && r < FAR ? r + 1 : FAR; /* a hostile rank: never found, so the count comes short */
             }
         }
         const int64_t run = s->run[b];
@@ -168,8 +168,8 @@ SCAN_TARGET static int64_t SCAN_NAME(run_scan)(Scan *s) {
                         ptr[c] = p + 1;
                         m = bit == 63 ? 0 : m & (~(uint64_t)0 << (bit + 1));
                         have = __builtin_popcountll(m);
-                        left[c] = p + 1 < stop[c] ? s->ranks[p + 1] - s->ranks[p] : FAR;
-                        if (left[c] <= 0) left[c] = FAR; /* ranks not ascending: the count comes short */
+                        /* ranks not ascending: never found, so the count comes short (and no signed overflow) */
+                        left[c] = p + 1 < stop[c] && s->ranks[p + 1] > s->ranks[p] ? s->ranks[p + 1] - s->ranks[p] : FAR;
                     }
                     left[c] -= have;
                 }
