@@ -28,7 +28,7 @@ from engine_ext.format import chunks  # noqa: E402
 from engine_ext.format import fingerprint as fpr  # noqa: E402
 from engine_ext.format import tables as tables_mod  # noqa: E402
 from engine_ext.format.context.blocks import shard_dim  # noqa: E402
-from engine_ext.format.manifest import Blob, Chunk, Manifest, Segment, TensorEntry  # noqa: E402
+from engine_ext.format.manifest import Blob, Chunk, Manifest, Segment, TableRef, TensorEntry  # noqa: E402
 from engine_ext.trainer import blob_layout  # noqa: E402
 
 
@@ -127,10 +127,11 @@ def tp_boxes(name: str, shape) -> list:
 
 
 def rank_read(raw: bytes, bytes_of, want: dict) -> dict:
-    """One rank's metadata read of a format-10 manifest: the signed manifest, the name index, the
-    tables holding ``want`` {name: its boxes}, the cell tables of the cut tensors it needs cells of.
-    Returns the seconds, the bytes read and the data bytes it then fetches."""
-    from engine_ext.format.chunks import meets
+    """One rank's metadata read of a format-10 (or 12) manifest: the signed manifest, the name index, the
+    tables holding ``want`` {name: its boxes}, the cell tables of the cut tensors it needs cells of (format
+    12: the cell sections holding them). Returns the seconds, the bytes read and the data bytes it then
+    fetches."""
+    from engine_ext.format.chunks import cells_meeting
 
     t0 = time.perf_counter()
     m = Manifest.from_json(raw)
@@ -139,17 +140,26 @@ def rank_read(raw: bytes, bytes_of, want: dict) -> dict:
     tables_mod.select(m, places, got, want, found)
     read = len(raw) + m.index.length + sum(len(b) for b in got.values())
     cut = [t for t in m.tensors if t.cells is not None]
-    read += sum(t.cells.length for t in cut)
-    tables_mod.set_cells(m, [(t, bytes_of(t.cells)) for t in cut])
+    meeting: dict = {}  # the cells it fetches, once per distinct grid, shape and boxes
+    selection = {}
+    for t in cut:
+        key = (id(t.grid), tuple(t.shape), tuple(want[t.name]))
+        if key not in meeting:
+            meeting[key] = frozenset().union(*(cells_meeting(t.grid, t.shape, a, b) for a, b in want[t.name]))
+        selection[t.name] = meeting[key]
+    own = {t.name: bytes_of(t.cells) for t in cut if isinstance(t.cells, TableRef)}
+    sections = {k: bytes_of(r) for k, r in tables_mod.sections_wanted(cut, selection).items()}
+    read += sum(map(len, own.values())) + sum(map(len, sections.values()))
+    tables_mod.set_cells(m, [(t, own.get(t.name)) for t in cut], selection, sections)
     seconds = time.perf_counter() - t0
     data = sum(t.length for t in m.tensors if t.nnz and t.grid is None)
-    for t in cut:
-        boxes = t.boxes()
-        data += sum(c.length for c in t.chunks if any(meets(boxes[c.cell], a, b) for a, b in want[t.name]))
+    data += sum(c.length for t in cut for c in t.chunks)  # the chunks of the cells it fetches
     return {"seconds": seconds, "read_bytes": read, "data_bytes": data, "tensors": len(m.tensors)}
 
 
-def measure(layers: int, experts: int, ep: int, tp: bool = True) -> dict:
+def measure(layers: int, experts: int, ep: int, tp: bool = True, reader_tp: int = 8) -> dict:
+    """The manifest, its tables and two ranks' metadata reads, published for ``reader_tp``-way readers (cell
+    sections, format 12; 1: format 10's cell tables)."""
     from engine_ext.trainer.builder import _tables_blob
 
     t0 = time.perf_counter()
@@ -159,7 +169,7 @@ def measure(layers: int, experts: int, ep: int, tp: bool = True) -> dict:
     inline = len(m.to_json())
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        wire, (_, path) = _tables_blob(m, tmp)
+        wire, (_, path) = _tables_blob(m, tmp, shares=reader_tp)
         written = time.perf_counter() - t0
         raw = wire.to_json()
         blob = open(path, "rb").read()
@@ -180,7 +190,7 @@ def measure(layers: int, experts: int, ep: int, tp: bool = True) -> dict:
     tp_rank = rank_read(raw, bytes_of, {n: tp_boxes(n, s) for n, s in by_name.items()}) if tp else None
     return {"layers": layers, "experts": experts, "tensors": len(m.tensors),
             "cells": sum(len(t.chunks or ()) for t in m.tensors), "payload_bytes": m.payload_bytes,
-            "inline_manifest_bytes": inline, "manifest_bytes": len(raw), "tensor_tables_bytes": tensor_tables,
+            "inline_manifest_bytes": inline, "manifest_bytes": len(raw), "format_version": wire.format_version, "tensor_tables_bytes": tensor_tables,
             "cell_tables_bytes": len(blob) - tensor_tables, "ep_rank": ep_rank, "tp_rank": tp_rank,
             "seconds": {"build": round(built, 2), "write_tables": round(written, 2),
                         "read_whole": round(whole, 2), "ep_rank_read": round(ep_rank["seconds"], 3),
@@ -192,14 +202,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--experts", type=int, default=384)
     ap.add_argument("--ep", type=int, default=16, help="expert-parallel ranks (rank 0's cell tables are measured)")
+    ap.add_argument("--reader-tp", type=int, default=settings.current().reader_tp,
+                    help="the TP degree cell sections are written for (format 12); 1: format 10's cell tables")
     a = ap.parse_args()
-    r = measure(a.layers, a.experts, a.ep)
+    r = measure(a.layers, a.experts, a.ep, reader_tp=a.reader_tp)
     mb = 1 << 20
     print(f"{r['tensors']:,} tensors, {r['cells']:,} cells, a {r['payload_bytes'] / (1 << 30):.1f} GiB delta")
     print(f"| | bytes |\n|---|---:|\n| format 5 manifest (inline) | {r['inline_manifest_bytes'] / mb:.1f} MiB |")
-    print(f"| format 10 manifest (signed) | {r['manifest_bytes'] / 1024:.1f} KiB |")
+    print(f"| format {r['format_version']} manifest (signed) | {r['manifest_bytes'] / 1024:.1f} KiB |")
     print(f"| tensor tables and name index (all) | {r['tensor_tables_bytes'] / mb:.1f} MiB |")
-    print(f"| cell tables (all) | {r['cell_tables_bytes'] / mb:.1f} MiB |")
+    print(f"| cell tables and sections (all) | {r['cell_tables_bytes'] / mb:.1f} MiB |")
     for what, k in ((f"one EP {a.ep} rank", "ep_rank"), ("one TP 8 rank", "tp_rank")):
         x = r[k]
         print(f"| {what}: metadata read / data fetched | {x['read_bytes'] / mb:.1f} MiB / {x['data_bytes'] / mb:.1f} MiB "

@@ -26,7 +26,7 @@ from engine_ext.format import fingerprint as fpr
 from engine_ext.format import manifest as manifest_mod
 from engine_ext.format.delta import apply_tensor
 from engine_ext.format.dtypes import as_bits
-from engine_ext.format.manifest import Manifest, manifest_key
+from engine_ext.format.manifest import CellSections, Manifest, manifest_key
 from engine_ext.store import open_store, reader, route
 from engine_ext.trainer.publisher import DeltaPublisher
 from engine_ext.trainer.shards import agree
@@ -138,8 +138,8 @@ def test_world2_fsdp_publishes_per_rank_and_a_killed_rank_commits_nothing(run2):
 def test_world4_resumes_with_an_anchor_and_a_failed_part_aborts_the_version_everywhere(run2):
     """The run restarts at world 4 on the store the killed world-2 run left, with tensors LATEST
     does not hold: v5 an anchor after the burnt v4 (on every rank), v6 a delta; rank 2's store refuses its blobs of v7: v7 is aborted on every rank, and v8,
-    the retry, is an anchor. These versions are format 10 (ENGINE_EXT_INLINE_ENTRIES=0: tables and their
-    name index), read by the same readers."""
+    the retry, is an anchor. These versions are in tables (ENGINE_EXT_INLINE_ENTRIES=0: format 10, tables and their
+    name index; the delta format 12, its cut matrices' records in cell sections), read by the same readers."""
     d, _ = run2
     root, out = d / "store", d / "out4"
     out.mkdir()
@@ -155,8 +155,9 @@ def test_world4_resumes_with_an_anchor_and_a_failed_part_aborts_the_version_ever
     ms = manifests(root)
     assert "v00000007.json" not in ms and "v00000007.anchor.json" not in ms
     assert ms["v00000005.anchor.json"]["format_version"] == 10 and ms["v00000006.json"]["base_version"] == 5
-    v6 = ms["v00000006.json"]
-    assert v6["format_version"] == 10 and json.loads((root / "v00000006.json").read_text())["tensors"] == []
+    v6 = ms["v00000006.json"]  # a delta of matrices cut in cells: format 12, their records in cell sections
+    assert v6["format_version"] == 12 and json.loads((root / "v00000006.json").read_text())["tensors"] == []
+    assert any(isinstance(t.cells, CellSections) for t in reader.open_manifest(open_store(str(root)), (root / "v00000006.json").read_bytes()).tensors)
     assert ms["v00000008.anchor.json"]["format_version"] == 10 and "v00000008.json" not in ms  # the retry: an anchor
     for v in (5, 6, 8):  # each rank's data blobs (an anchor's: a pieces digest), the tables' blobs flat
         doc = json.loads((root / manifest_key(v, "anchor" if v != 6 else "delta")).read_text())

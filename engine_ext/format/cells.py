@@ -98,14 +98,17 @@ def records(chunks: Sequence, where: Where) -> np.ndarray:
     return rec
 
 
-def check(m, tensors: Sequence, counts: np.ndarray, rec: np.ndarray, where: Where) -> np.ndarray:
+def check(
+    m, tensors: Sequence, counts: np.ndarray, rec: np.ndarray, where: Where, whole: np.ndarray | None = None
+) -> np.ndarray:
     """Every rule a chunk meets, over ``rec`` (the records of ``tensors`` in order, ``counts[i]`` of tensor
     i's; each tensor already checked valid, with a grid): a known coder pair allowed by ``m`` (once per
     distinct (positions, values, mode, dtype)), a cell of the grid listed once, nnz in [1, the cell's
     elements] and summing to the tensor's, 'all' iff every element changes, 'ctx-rans' in the positions
-    segment, raw values of nnz * itemsize bytes, a blob ``m`` lists and a byte range inside it. Returns each
-    record's tensor (its index in ``tensors``); overlaps are the caller's (within a cell table, or across
-    the whole manifest)."""
+    segment, raw values of nnz * itemsize bytes, a blob ``m`` lists and a byte range inside it. ``whole``: per
+    tensor, whether ``rec`` holds all its records (else, format 12, a rank's shares of them: its changes
+    there are at most the tensor's, and may be none). Returns each record's tensor (its index in
+    ``tensors``); overlaps are the caller's (within a cell table, or across the whole manifest)."""
     owner = np.repeat(np.arange(len(tensors)), counts)
     pc, vc, mode = rec["positions_coder"], rec["values_coder"], rec["mode"]
     _refuse(
@@ -139,12 +142,15 @@ def check(m, tensors: Sequence, counts: np.ndarray, rec: np.ndarray, where: Wher
     _refuse(twice, where, "a cell listed twice")
     box = (np.concatenate(numels) if numels else np.zeros(0, np.uint64))[first[owner] + cell]
     _refuse((nnz == 0) | (nnz > box), where, "its nnz is outside [1, its cell's elements]")
-    starts = np.cumsum(counts) - counts
-    held = np.add.reduceat(nnz, starts, dtype=np.uint64) if len(rec) else np.zeros(0, np.uint64)
+    ends = np.cumsum(counts)
+    running = np.concatenate([np.zeros(1, np.uint64), np.cumsum(nnz, dtype=np.uint64)])  # each <= 2**40 cells
+    held = running[ends] - running[ends - counts]
     total = np.array([t.nnz for t in tensors], np.uint64)
-    if (counts == 0).any() or (held != total).any():
-        bad = int(np.argmax((counts == 0) | (held != total)))
-        raise ManifestError(f"tensor {tensors[bad].name!r}: its chunks hold another count of changes than the tensor")
+    full = np.ones(len(tensors), bool) if whole is None else whole
+    bad = (full & ((counts == 0) | (held != total))) | (held > total)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ManifestError(f"tensor {tensors[i].name!r}: its chunks hold another count of changes than the tensor")
     plen, vlen, offset, blob = rec["positions_length"], rec["values_length"], rec["offset"], rec["blob"]
     every = pc == CODER_INDEX["all"]
     _refuse(

@@ -198,3 +198,17 @@ def cells_meeting(cuts: list[list[int]], shape, start, stop) -> set[int]:
         return set(parts[0])
     cols = len(cuts[1]) - 1
     return {i * cols + j for i in parts[0] for j in parts[1]}
+
+
+def share_of(start: int, length: int, shares: int) -> int:
+    """The share (1 to ``shares``) of a dimension of ``length`` elements that element ``start`` lies in. A
+    format-12 cell section holds the cells that start in one share, along the dimension the engines shard the
+    tensor along (docs/FORMAT.md, "Cell sections"); a delta blob is laid out the same way
+    (:mod:`engine_ext.trainer.blob_layout`)."""
+    return 1 + start * shares // max(1, length)
+
+
+def cell_shares(cuts: list[list[int]], shape, dim: int, shares: int) -> list[int]:
+    """:func:`share_of` the first element of each cell of a two-dimensional grid along ``dim``, row-major.
+    A rank whose slice begins inside a cell that starts in an earlier share reads that share's section too."""
+    return [share_of(box[0][dim], int(shape[dim]), shares) for box in boxes(cuts, shape)]

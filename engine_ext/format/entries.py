@@ -76,7 +76,8 @@ class Columns:
     cell_blob: np.ndarray
     cell_offset: np.ndarray
     cell_length: np.ndarray
-    cell_count: np.ndarray
+    cell_count: np.ndarray  # records: of its cell table, or (format 12) in its table's cell sections
+    section_dim: np.ndarray  # format 12: its chunks lie in its table's cell sections, shared out along 0 or 1; -1: not
 
     def __len__(self) -> int:
         return len(self.names)
@@ -137,7 +138,12 @@ class Columns:
         sha_bytes[has_sha] = np.frombuffer(bytes.fromhex("".join(given_sha)), "V32")
         chunk_lists = column("chunks")
         refs = column("cells")
-        has_cells = np.array([r is not None for r in refs], bool)
+        shared = [(i, r) for i, r in enumerate(refs) if isinstance(r, mf.CellSections)]
+        section_dim = np.full(n, NONE, np.int64)
+        section_count = np.zeros(n, np.int64)
+        for i, r in shared:  # a rank's entries as read (format 12), checked when read: taken as they are
+            section_dim[i], section_count[i] = r.dim, r.count
+        has_cells = np.array([r is not None for r in refs], bool) & (section_dim == NONE)
         rows = np.flatnonzero(has_cells)
         sub = [refs[i] for i in rows.tolist()]
         named = lambda j: where(int(rows[j])) + ": cell table"
@@ -184,7 +190,8 @@ class Columns:
             cell_blob=cell["blob"],
             cell_offset=cell["offset"],
             cell_length=cell["length"],
-            cell_count=cell["count"],
+            cell_count=np.where(section_dim == NONE, cell["count"], section_count),
+            section_dim=section_dim,
         )
 
 
@@ -234,6 +241,17 @@ class Ranges:
     where: Callable[[int], str]
 
 
+def joined(a: Ranges, b: Ranges) -> Ranges:
+    """The ranges of ``a`` then ``b``, each still named as its own."""
+    n = len(a.blob)
+    return Ranges(
+        np.concatenate([a.blob, b.blob]),
+        np.concatenate([a.start, b.start]),
+        np.concatenate([a.end, b.end]),
+        lambda i: a.where(i) if i < n else b.where(i - n),
+    )
+
+
 def check(m, c: Columns) -> tuple[np.ndarray, Ranges]:
     """Refuse (ManifestError) unless every entry of ``c`` (``m``'s) is valid on its own and its name unique:
     name, dtype, shape and size, counts, fingerprints; an unchanged tensor carries nothing; a changed one its
@@ -263,7 +281,9 @@ def check(m, c: Columns) -> tuple[np.ndarray, Ranges]:
     if m.kind == mf.DELTA:
         refuse(unchanged & (c.fingerprint != c.base), "unchanged but fingerprints differ")
 
-    whole = ~unchanged & ~has_grid & ~c.has_chunks & ~c.cells
+    sectioned = c.section_dim != NONE
+    elsewhere = c.cells | sectioned  # its chunks lie in a cell table or its table's cell sections
+    whole = ~unchanged & ~has_grid & ~c.has_chunks & ~elsewhere
     ranges = [_whole_bytes(m, c, whole, numel, itemsize)]
     cut_rows = np.flatnonzero(~unchanged & ~whole)
     if len(cut_rows):
@@ -283,9 +303,10 @@ def check(m, c: Columns) -> tuple[np.ndarray, Ranges]:
         refuse(
             cut & ~(no_coders & (c.blob == NONE) & ~c.has_sha), "a chunked tensor carries its bytes in its chunks only"
         )
-        refuse(c.cells & c.has_chunks, "chunks both inline and in a cell table")
+        refuse(elsewhere & c.has_chunks, "chunks both inline and in a cell table")
         ranges.append(_cell_tables(m, c, np.flatnonzero(cut & c.cells), cells))
-        inline = np.flatnonzero(cut & ~c.cells)
+        _cell_sections(m, c, np.flatnonzero(cut & sectioned), cells)
+        inline = np.flatnonzero(cut & ~elsewhere)
         empty = [i for i in inline.tolist() if not isinstance(c.chunk_lists[i], list) or not c.chunk_lists[i]]
         if empty:
             raise ManifestError(f"{where(empty[0])}: a chunked tensor needs a non-empty chunk list")
@@ -378,6 +399,26 @@ def _cell_tables(m, c: Columns, rows, cells):
         length != count * mf.CELL_RECORD_BYTES, f"a cell table's length is not {mf.CELL_RECORD_BYTES} bytes per record"
     )
     return rows, lambda i: c.where(i) + ": cell table", blob, offset, end.astype(np.int64)
+
+
+def _cell_sections(m, c: Columns, rows, cells) -> None:
+    """A cut tensor whose chunks lie in its table's cell sections (format 12): a grid over two dimensions,
+    between 1 and min(its grid's cells, its changes) records. The sections' places are its table's (checked
+    once per table: Manifest.validate), their records the reader's (:func:`engine_ext.format.tables.read_cells`)."""
+    if not len(rows):
+        return
+    named = lambda j: c.where(int(rows[j])) + ": cell sections"
+    if m.format_version < mf.CELL_SECTIONS:
+        raise ManifestError(f"{named(0)}: only format-{mf.CELL_SECTIONS} manifests keep cell sections")
+    dims = _per_code(c.grid, c.grids, lambda g, i: len(g), rows=rows)[rows]
+    count = c.cell_count[rows]
+    bad = (dims != 2) | (count < 1) | (count > np.minimum(cells[rows], c.nnz[rows]))
+    if bad.any():
+        raise ManifestError(
+            mf._cut(
+                f"{named(int(np.argmax(bad)))}: a grid of two dimensions and 1 to min(its cells, its changes) records"
+            )
+        )
 
 
 def _spread(mask: np.ndarray, sub: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The manifest of a published version (format version 11; spec in docs/FORMAT.md).
+"""The manifest of a published version (format version 12; spec in docs/FORMAT.md).
 
 A manifest is small JSON naming the versions, fingerprints, blobs and, per tensor,
 where its encoded positions and values lie; a delta also names the manifest(s) of its
@@ -47,17 +47,18 @@ from .json_text import dumps_indent1
 from .pieces import PIECES, cuts
 
 if TYPE_CHECKING:
-    from .entries import Columns
+    from .entries import Columns, Ranges
 
 FORMAT = "engine-ext-delta"
-FORMAT_VERSION = 11  # the newest version this code reads and writes
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
+FORMAT_VERSION = 12  # the newest version this code reads and writes
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
 CHUNKED_ANCHORS = 6  # the first version whose anchors may come in cells
 TABLES = 7  # the first version whose tensor entries and cells may lie in tables in the blobs
 PIECE_DIGESTS = 8  # the first version whose blobs may carry a pieces digest (``digest: "pieces"``)
 RANS_STREAMS = 9  # the first version whose parts may be coded ``ctx-rans`` (codec v2 on rANS, block-major chunks)
 INDEXED = 10  # the first version whose tensor tables are binary records with a name index (a rank reads only its own)
 CATCH_UP = 11  # the first version with catch-up deltas: a shortcut over several versions (``stands_for``)
+CELL_SECTIONS = 12  # the first version whose tensor tables keep cut tensors' chunks in sections by TP share
 
 DELTA, ANCHOR = "delta", "anchor"
 CONTEXT_CODERS = ("ctx", "ctx-rans")  # coded given the base: format 5's range-coded streams, format 9's rANS chunks
@@ -73,6 +74,8 @@ MAX_NDIM = 8
 MAX_TENSOR_TABLES = 4096  # tensor tables per manifest
 MAX_TENSOR_TABLES_BYTES = 1 << 30  # every reader reads them all (1M tensors at ~400 bytes each: 400 MB)
 CELL_RECORD_BYTES = 75  # a chunk in a cell table (format 7: engine_ext.format.tables.CELL_RECORD)
+SECTION_RECORD_BYTES = 77  # a chunk in a cell section: its tensor's row, then a cell record (format 12)
+MAX_SHARES = 64  # shares a tensor table's cell sections are cut for (format 12)
 INDEX_RECORD_BYTES = 12  # a tensor in the name index (format 10: engine_ext.format.tables.INDEX_RECORD)
 MAX_ENTRY_BYTES = 64 << 10  # bytes per tensor entry in a tensor table (a name of 1024 characters, a grid of 256 cuts)
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
@@ -110,6 +113,20 @@ class TableRef:
     length: int
     sha256: str
     count: int
+
+
+@dataclass(frozen=True)
+class CellSections:
+    """Where a format-12 tensor's chunks lie: in its tensor table's cell sections (docs/FORMAT.md, "Cell
+    sections"), each cell in the section of the share its first element falls in along dimension ``dim``
+    (:func:`engine_ext.format.chunks.share_of`), among ``len(sections)`` shares. A rank of tensor parallelism
+    reads the sections of its own share only, each checked against its SHA-256 in the table."""
+
+    sections: tuple[TableRef, ...]  # share 1, 2, ...: the table's (a share with no record: count 0, not read)
+    table: int  # the tensor table's place in the manifest
+    row: int  # the tensor's record in that table
+    dim: int  # 0 or 1
+    count: int  # its records over every section
 
 
 @dataclass
@@ -152,7 +169,8 @@ class TensorEntry:
     values: Segment = field(default_factory=lambda: Segment("none", 0))
     grid: list[list[int]] | None = None  # format 3: cut points along the first one or two dimensions
     chunks: list[Chunk] | None = None  # format 3: the changes per grid cell; then no tensor-level bytes
-    cells: TableRef | None = None  # format 7: where ``chunks`` lie instead (None once they are read)
+    # format 7: where ``chunks`` lie instead, a cell table; format 12: or its table's cell sections (None once read)
+    cells: TableRef | CellSections | None = None
 
     def boxes(self) -> tuple:
         """The cells of ``grid`` as (start, stop) boxes, in cell order."""
@@ -213,7 +231,8 @@ class Manifest:
 
     def lowest_version(self) -> int:
         """The lowest format version that describes this manifest, which writers write (a
-        format-5 reader then still reads everything but a chunked anchor): 10 with a name index, 9 with a
+        format-5 reader then still reads everything but a chunked anchor): 12 with cell sections (a writer of tables
+        says so itself: :func:`engine_ext.format.tables.tabulate`), 10 with a name index, 9 with a
         ``ctx-rans`` part (as listed inline), 8 with a pieces digest, 7 with tables, 6 for an anchor with a
         chunked tensor, else 5; 11 for a catch-up delta."""
         if self.stands_for is not None:
@@ -349,6 +368,21 @@ class Manifest:
             raise ManifestError(f"{where}: missing or bad sha256")
         per_blob[ref.blob].append((ref.offset, ref.offset + ref.length, where))
 
+    def _section_ranges(self, places: np.ndarray) -> Ranges:
+        """The cell sections of the tables read (format 12; :data:`~engine_ext.format.tensor_records.SECTION_PLACE`
+        records, each with records): each a byte range of a blob with a flat SHA-256, of SECTION_RECORD_BYTES a
+        record; their ranges, for the overlap check."""
+        where = lambda i: f"tensor table {int(places['table'][i])}: cell section {int(places['share'][i])}"
+        sizes = np.array([min(b.size, cells.MAX_OFFSET) for b in self.blobs] or [0], np.int64)
+        flat = np.array([b.digest is None for b in self.blobs] or [True], bool)
+        blob, offset = places["blob"], places["offset"]
+        end = offset + places["count"] * SECTION_RECORD_BYTES  # each far below 2**62: no wrap
+        known = np.minimum(blob, len(sizes) - 1)
+        bad = (blob >= len(self.blobs)) | (end > sizes[known]) | ~flat[known]
+        if bad.any():
+            raise ManifestError(_cut(f"{where(int(np.argmax(bad)))}: beyond its blob, or in a blob of a pieces digest"))
+        return entries.Ranges(blob, offset, end, where)
+
     def _check_inline_chunks(self, cut: list[TensorEntry]) -> tuple[np.ndarray, Callable[[int], str]]:
         """The chunks of every cut tensor listed inline (``cut``, each entry checked): as cell records, by
         the rules a cell table's records meet (:mod:`engine_ext.format.cells`: one numpy pass per rule over
@@ -460,6 +494,9 @@ class Manifest:
             bad("only a manifest with tensor tables has a name index")
         columns = self.columns() if columns is None else columns
         inline, ranges = entries.check(self, columns)
+        sections = getattr(self.tensors, "sections", None)  # format 12: the cell sections of the tables read
+        if sections is not None and len(sections):
+            ranges = entries.joined(ranges, self._section_ranges(sections))
         records, where = self._check_inline_chunks([self.tensors[i] for i in inline.tolist()])
         _no_overlap(per_blob, ranges, records, where)
         if self.held is not None:  # a rank's own tensors: the model's fingerprints need every one (the driver's read)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 import json
 from collections.abc import Callable
 
@@ -31,11 +30,14 @@ from . import fingerprint as fpr
 from .bulk import LastKept
 from .bulk import collector_paused as _collector_paused
 from .cells import CELL_CODERS, CELL_MODES, CELL_RECORD
+from .chunks import cell_shares
 from .manifest import (
     CELL_RECORD_BYTES,
+    CELL_SECTIONS,
     INDEX_RECORD_BYTES,
     MAX_TENSOR_TABLES,
     REQUIRED_TENSOR_FIELDS,
+    CellSections,
     Chunk,
     Manifest,
     Segment,
@@ -44,7 +46,14 @@ from .manifest import (
     parse_checked,
     tensor_from_json,
 )
-from .tensor_records import read_tensor_tables, table_bytes, tensor_records, verify_table
+from .tensor_records import (
+    SECTION_RECORD,
+    read_tensor_tables,
+    sections_trailer,
+    table_bytes,
+    tensor_records,
+    verify_table,
+)
 
 assert CELL_RECORD.itemsize == CELL_RECORD_BYTES  # what the manifest's checks count with
 
@@ -61,6 +70,8 @@ def tabulate(
     records: np.ndarray | None = None,
     name_keys: np.ndarray | None = None,
     columns: entries.Columns | None = None,
+    shares: int = 0,
+    dims: list[int | None] | None = None,
 ) -> Manifest:
     """A (finished, validated) manifest in tables: every cut tensor's chunks in a cell table, then the
     tensor entries in tables of ``per_table`` (default: :data:`PER_TABLE`, more where the tables would
@@ -68,17 +79,20 @@ def tabulate(
     index, kept for tests of old readers), each handed to ``put(bytes) -> (blob, offset)`` (which
     appends it to a blob the returned manifest lists). ``records``: the cell records of ``m``'s chunks, as
     its ``validate()`` returned them (else made here); ``name_keys``: its tensors' name keys, in order (else
-    made here); ``columns``: its entries' columns, as its validation made them (else made here). ``m`` is
-    unchanged."""
+    made here); ``columns``: its entries' columns, as its validation made them (else made here). ``shares``
+    and ``dims`` (binary only): cell sections for the readers of ``shares``-way tensor parallelism, format 12
+    (:func:`binary_tables`; format 10 where ``dims`` names no cut tensor). ``m`` is unchanged."""
     ref = _writer(put)
+    if dims is None or not any(d is not None and t.chunks is not None for d, t in zip(dims, m.tensors)):
+        shares = 0
     per = per_table or (max(PER_TABLE, -(-len(m.tensors) // MAX_TENSOR_TABLES)) if binary else 4096)
     starts = range(0, len(m.tensors), per)
     if binary:
-        tables = binary_tables(m.tensors, put, per, records, columns)
+        tables = binary_tables(m.tensors, put, per, records, columns, shares, dims)
         keys = fpr.name_keys([t.name for t in m.tensors]) if name_keys is None else name_keys
         index = ref(index_records(keys, [r.count for r in tables]), len(m.tensors))
     else:
-        table_refs = _cell_tables(m.tensors, ref, records)
+        table_refs = _cell_tables(m.tensors, ref, records)[0]
         rows = [_json_row(t, c) for t, c in zip(m.tensors, table_refs)]
         tables, index = (
             [
@@ -91,6 +105,8 @@ def tabulate(
     # binary: 10, the newest, whatever m holds (no scan of its million chunks for ctx-rans); JSON: 7, or 8
     # with a pieces digest, 9 with ctx-rans
     out.format_version = out.lowest_version() if binary else max(m.lowest_version(), out.lowest_version())
+    if binary and shares >= 2:
+        out.format_version = CELL_SECTIONS
     return out
 
 
@@ -105,19 +121,85 @@ def _writer(put: Callable[[bytes], tuple[int, int]]) -> Callable[[bytes, int], T
 
 
 def _cell_tables(
-    tensors: list[TensorEntry], ref: Callable[[bytes, int], TableRef], records: np.ndarray | None
-) -> list[TableRef | None]:
+    tensors: list[TensorEntry],
+    ref: Callable[[bytes, int], TableRef],
+    records: np.ndarray | None,
+    shared: list[bool] | None = None,
+) -> tuple[list[TableRef | CellSections | None], np.ndarray, list[int], list[int]]:
     """Every cut tensor's chunks as a cell table (``records``: all of theirs, in order, as validation made
-    them; else made here); a tensor already in a cell table keeps its reference, the others get None."""
-    cut = [t.chunks for t in tensors if t.chunks is not None]
+    them; else made here), but those ``shared`` out into cell sections (:func:`_cell_sections`); a tensor
+    already in a cell table keeps its reference, the others get None. Returns the references, the records,
+    the cut tensors' places and where each one's records begin (and the last end)."""
+    cut = [i for i, t in enumerate(tensors) if t.chunks is not None]
     if records is None:
-        records = cells.records([c for chunks in cut for c in chunks], lambda i: f"chunk {i}")
+        records = cells.records([c for i in cut for c in tensors[i].chunks], lambda i: f"chunk {i}")
     raw = records.tobytes()  # every record at once, then each tensor's range
-    at = np.cumsum([0] + [len(c) for c in cut]).tolist()
-    refs = iter(
-        [ref(raw[a * CELL_RECORD.itemsize : b * CELL_RECORD.itemsize], b - a) for a, b in itertools.pairwise(at)]
-    )
-    return [next(refs) if t.chunks is not None else t.cells for t in tensors]
+    at = np.cumsum([0] + [len(tensors[i].chunks) for i in cut]).tolist()
+    out: list[TableRef | CellSections | None] = [t.cells for t in tensors]
+    size = CELL_RECORD.itemsize
+    for i, a, b in zip(cut, at, at[1:]):
+        if not (shared and shared[i]):
+            out[i] = ref(raw[a * size : b * size], b - a)
+    return out, records, cut, at
+
+
+def _cell_sections(
+    tensors: list[TensorEntry],
+    records: np.ndarray,
+    cut: list[int],
+    at: list[int],
+    dims: list[int | None],
+    per_table: int,
+    shares: int,
+    ref: Callable[[bytes, int], TableRef],
+) -> dict[int, list[TableRef]]:
+    """The chunks of the cut tensors ``dims`` gives a dimension for, in cell sections (format 12): each
+    chunk, as a SECTION_RECORD (its tensor's row in its table first), in the section of its table and of the
+    share its cell starts in along that dimension; share 1's sections of every table first, then share 2's
+    (a rank of tensor parallelism reads one range), each sorted by row and cell. Returns each table's
+    references, share 1 first (a share with no record: count 0)."""
+    mine = [(i, a, b) for i, a, b in zip(cut, at, at[1:]) if dims[i] is not None]
+    if not mine:
+        return {}
+    lengths = np.array([b - a for _, a, b in mine], np.int64)
+    idx = np.repeat(np.array([a for _, a, _ in mine], np.int64) - np.cumsum(lengths) + lengths, lengths)
+    idx += np.arange(len(idx))
+    owner = np.repeat(np.array([i for i, _, _ in mine], np.int64), lengths)
+    # the share each cell starts in, per distinct (grid, shape, dimension): a K2 version has a handful, found by
+    # the lists' identity first (entries share them), then by content
+    by_id: dict = {}
+    by_content: dict = {}
+    per_kind: list[list[int]] = []
+    kind = np.empty(len(mine), np.int64)
+    for j, (i, _, _) in enumerate(mine):
+        t = tensors[i]
+        code = by_id.get((id(t.grid), id(t.shape), dims[i]))
+        if code is None:
+            key = (tuple(map(tuple, t.grid)), tuple(t.shape), dims[i])
+            code = by_content.get(key)
+            if code is None:
+                code = by_content[key] = len(per_kind)
+                per_kind.append(cell_shares(t.grid, t.shape, dims[i], shares))
+            by_id[(id(t.grid), id(t.shape), dims[i])] = code
+        kind[j] = code
+    first = np.cumsum([0] + [len(x) for x in per_kind])[:-1]
+    flat = np.array([k for x in per_kind for k in x], np.int64)
+    share = flat[np.repeat(first[kind], lengths) + records["cell"][idx].astype(np.int64)]
+    sec = np.zeros(len(idx), SECTION_RECORD)
+    sec["row"] = owner % per_table
+    for f in CELL_RECORD.names:
+        sec[f] = records[f][idx]
+    table = owner // per_table
+    order = np.lexsort((sec["cell"], sec["row"], table, share))
+    sec, table, share = sec[order], table[order], share[order]
+    raw, size = sec.tobytes(), SECTION_RECORD.itemsize
+    empty = TableRef(0, 0, 0, "0" * 64, 0)
+    out = {int(tb): [empty] * shares for tb in np.unique(table).tolist()}
+    group = share * (int(table.max()) + 1) + table
+    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]]).tolist()
+    for a, b in zip(starts, starts[1:] + [len(sec)]):
+        out[int(table[a])][int(share[a]) - 1] = ref(raw[a * size : b * size], b - a)
+    return out
 
 
 def binary_tables(
@@ -126,20 +208,33 @@ def binary_tables(
     per_table: int = PER_TABLE,
     records: np.ndarray | None = None,
     columns: entries.Columns | None = None,
+    shares: int = 0,
+    dims: list[int | None] | None = None,
 ) -> list[TableRef]:
     """``tensors`` (validated) as format-10 tables handed to ``put(bytes) -> (blob, offset)``: their cell
     tables (``records``: as for :func:`tabulate`), then tensor tables of ``per_table`` tensors each, in
     order (``columns``: theirs, as validation made them; else made here). Without their name index: the
     caller writes it over every table of the version (:func:`index_records`), as a sharded version's rank 0
-    does over its ranks' tables."""
+    does over its ranks' tables. ``shares`` of 2 or more: format 12's; the chunks of each cut tensor that
+    ``dims`` gives a dimension for (the one the engines shard it along) go into cell sections
+    (:func:`_cell_sections`) instead of a cell table of its own, and every table ends in its sections'
+    references (none: no sections)."""
     ref = _writer(put)
-    cell_refs = _cell_tables(tensors, ref, records)
+    sectioned = shares >= 2 and dims is not None
+    shared = [sectioned and dims[i] is not None and t.chunks is not None for i, t in enumerate(tensors)]
+    cell_refs, records, cut, at = _cell_tables(tensors, ref, records, shared)
+    sections = _cell_sections(tensors, records, cut, at, dims, per_table, shares, ref) if sectioned else {}
+    for i in np.flatnonzero(shared).tolist():
+        dim = dims[i]
+        cell_refs[i] = CellSections((), -1, -1, dim, len(tensors[i].chunks))
     c = entries.Columns.of_entries(tensors) if columns is None else columns
     rec = tensor_records(c, cell_refs)
-    return [
-        ref(table_bytes(c, rec, i, min(i + per_table, len(c))), min(per_table, len(c) - i))
-        for i in range(0, len(c), per_table)
-    ]
+    out = []
+    for number, a in enumerate(range(0, len(c), per_table)):
+        b = min(a + per_table, len(c))
+        trailer = sections_trailer(sections.get(number, [])) if sectioned else b""
+        out.append(ref(table_bytes(c, rec, a, b, trailer), b - a))
+    return out
 
 
 def _json_row(t: TensorEntry, cells: TableRef | None) -> dict:
@@ -228,7 +323,12 @@ def select(m: Manifest, places: dict[int, list[int]], tables: dict[int, bytes], 
         order = list(places)
         got = parse_checked(
             lambda: read_tensor_tables(
-                [m.tables[i] for i in order], [tables[i] for i in order], order, [places[i] for i in order], names
+                [m.tables[i] for i in order],
+                [tables[i] for i in order],
+                order,
+                [places[i] for i in order],
+                names,
+                m.format_version >= CELL_SECTIONS,
             )
         )
         if missed := found - set(got.columns.names):
@@ -262,7 +362,10 @@ def _resolve(m: Manifest, tables: list[bytes], index: bytes | None) -> None:
     else:
         if index is None:
             raise ManifestError("a format-10 manifest's name index was not given")
-        tensors = parse_checked(lambda: read_tensor_tables(m.tables, tables, list(range(len(tables)))))
+        sectioned = m.format_version >= CELL_SECTIONS
+        tensors = parse_checked(
+            lambda: read_tensor_tables(m.tables, tables, list(range(len(tables))), None, None, sectioned)
+        )
         verify_table(m.index, index, "the name index")
         keys = tensors.name_keys()  # once: the index, then the fingerprints
         if index != index_records(keys, [r.count for r in m.tables]):
@@ -275,38 +378,85 @@ def _resolve(m: Manifest, tables: list[bytes], index: bytes | None) -> None:
         raise
 
 
-def set_cells(m: Manifest, items: list[tuple[TensorEntry, bytes]], keep: dict | None = None) -> None:
+def set_cells(
+    m: Manifest,
+    items: list[tuple[TensorEntry, bytes | None]],
+    keep: dict | None = None,
+    sections: dict[tuple[int, int], bytes] | None = None,
+) -> None:
     """Take cut tensors' chunks from the bytes of their cell tables (``items``: (tensor, bytes)), every
     table checked against its SHA-256 and count and every record as inline chunks are
-    (:func:`read_cells`); nothing is taken unless every table checks. ``keep`` {name: cells or None}, on
-    a rank's own manifest only (``m.held``): a tensor keeps the chunks of those cells, its other records
-    checked but not made (a tensor-parallel rank of 8 fetches 4 of a K2 expert's 16 cells)."""
+    (:func:`read_cells`); nothing is taken unless every table checks. A tensor in cell sections (format 12)
+    comes as (tensor, None): its records from ``sections`` {(tensor table, share): bytes}, the sections read
+    (:func:`sections_wanted`). ``keep`` {name: cells or None}, on a rank's own manifest only (``m.held``):
+    a tensor keeps the chunks of those cells, its other records read checked but not made (a
+    tensor-parallel rank of 8 fetches 2 of a K2 expert's 16 cells)."""
     if keep is not None and m.held is None:
         raise ManifestError("only a rank's own manifest keeps some of a tensor's chunks")
     items = [(t, raw) for t, raw in items if t.cells is not None]
     with _collector_paused():
-        chunks = read_cells(m, items, None if keep is None else [keep.get(t.name) for t, _ in items])
+        chunks = read_cells(m, items, None if keep is None else [keep.get(t.name) for t, _ in items], sections)
     for (t, _), c in zip(items, chunks):
         t.chunks, t.cells = c, None
 
 
-def read_cells(m: Manifest, items: list[tuple[TensorEntry, bytes]], keep: list | None = None) -> list[list[Chunk]]:
+def sections_wanted(tensors: list[TensorEntry], keep: dict | None = None) -> dict[tuple[int, int], TableRef]:
+    """The cell sections (format 12) that hold the chunks a reader takes of ``tensors`` (those in cell
+    sections; ``keep`` {name: cells or None}: those cells, else all): {(tensor table, share): reference},
+    a share with no record left out. A rank of tensor parallelism wants the sections of its own share (and
+    of an earlier one where a cell starting there reaches into its slice)."""
+    out: dict[tuple[int, int], TableRef] = {}
+    memo: dict = {}  # per distinct (grid, shape, dimension, cells wanted): a K2 rank's 140 k tensors share a few
+    for t in tensors:
+        s = t.cells
+        if not isinstance(s, CellSections):
+            continue
+        wanted = None if keep is None else keep.get(t.name)
+        if wanted is None:
+            shares = range(1, len(s.sections) + 1)
+        else:
+            key = (id(t.grid), id(t.shape), s.dim, len(s.sections), id(wanted))
+            shares = memo.get(key)
+            if shares is None:
+                per_cell = cell_shares(t.grid, t.shape, s.dim, len(s.sections))
+                shares = memo[key] = sorted({per_cell[c] for c in wanted if 0 <= c < len(per_cell)})
+        for k in shares:
+            if s.sections[k - 1].count:
+                out[(s.table, k)] = s.sections[k - 1]
+    return out
+
+
+def read_cells(
+    m: Manifest,
+    items: list[tuple[TensorEntry, bytes | None]],
+    keep: list | None = None,
+    sections: dict[tuple[int, int], bytes] | None = None,
+) -> list[list[Chunk]]:
     """The chunks of each tensor's cell table (``items``: (tensor, bytes)), the bytes checked against the
     table's length and SHA-256, then every record by the rules inline chunks meet (:func:`cells.check`), over all records of all
     tables at once: a rank reads ~70,000 of them per Kimi-K2
     version. The coders' rules are checked once per distinct (positions, values, mode, dtype). ``keep``:
-    per tensor, the cells whose chunks are made (None: all)."""
-    for t, raw in items:
+    per tensor, the cells whose chunks are made (None: all). A tensor in cell sections (format 12; bytes
+    None) takes its records from ``sections`` (:func:`_from_sections`)."""
+    plain = [i for i, (t, _) in enumerate(items) if not isinstance(t.cells, CellSections)]
+    shared = [i for i, (t, _) in enumerate(items) if isinstance(t.cells, CellSections)]
+    for i in plain:
+        t, raw = items[i]
         verify_table(t.cells, raw, f"tensor {t.name!r}: cell table")
         if len(raw) != t.cells.count * CELL_RECORD.itemsize:
             raise ManifestError(f"tensor {t.name!r}: cell table: {len(raw)} bytes for {t.cells.count} records")
     if not items:
         return []
-    rec = np.frombuffer(b"".join(raw for _, raw in items), CELL_RECORD)
-    counts = np.array([t.cells.count for t, _ in items], np.int64)
-    owner = np.repeat(np.arange(len(items)), counts)
-    where = lambda i: f"tensor {items[owner[i]][0].name!r}: cell table"
-    cells.check(m, [t for t, _ in items], counts, rec, where)
+    placed = plain + shared  # records and counts in this order: the cell tables', then the sections'
+    tensors = [items[i][0] for i in placed]
+    from_sections, in_sections, whole = _from_sections(m, tensors[len(plain) :], sections or {})
+    raw = b"".join(bytes(items[i][1] or b"") for i in plain)  # a cell table's bytes (checked above)
+    rec = np.concatenate([np.frombuffer(raw, CELL_RECORD), from_sections])
+    counts = np.concatenate([np.array([t.cells.count for t in tensors[: len(plain)]], np.int64), in_sections])
+    full = np.concatenate([np.ones(len(plain), bool), whole])
+    owner = np.repeat(np.arange(len(tensors)), counts)
+    where = lambda i: f"tensor {tensors[owner[i]].name!r}: cell table"
+    cells.check(m, tensors, counts, rec, where, full)
     offset, blob = rec["offset"], rec["blob"]
     order = np.lexsort((offset, blob, owner))
     end = (offset + rec["positions_length"] + rec["values_length"])[order]
@@ -316,8 +466,9 @@ def read_cells(m: Manifest, items: list[tuple[TensorEntry, bytes]], keep: list |
         raise ManifestError(f"{where(int(np.argmax(overlap)))}: two cells overlap in their blob")
     key = owner * (1 << 32) + rec["cell"].astype(np.int64)
     made = np.ones(len(rec), bool)
-    if some := [i for i, kept in enumerate(keep or ()) if kept is not None]:
-        want = np.fromiter((i * (1 << 32) + c for i in some for c in keep[i]), np.int64)
+    kept = [None] * len(placed) if keep is None else [keep[i] for i in placed]
+    if some := [j for j, cells_kept in enumerate(kept) if cells_kept is not None]:
+        want = np.fromiter((j * (1 << 32) + c for j in some for c in kept[j]), np.int64)
         partial = np.isin(owner, some)
         made[partial] = np.isin(key[partial], want)
     cols = [
@@ -339,8 +490,88 @@ def read_cells(m: Manifest, items: list[tuple[TensorEntry, bytes]], keep: list |
         Chunk(c, n, b, o, h.hex(), Segment(CELL_CODERS[p], pl), Segment(CELL_CODERS[v], vl, CELL_MODES[md]))
         for c, n, b, o, pl, vl, p, v, md, h in zip(*cols)
     ]
-    at = np.cumsum(np.add.reduceat(made, np.cumsum(counts) - counts, dtype=np.int64)).tolist()
-    return [chunks[a:b] for a, b in zip([0] + at, at)]
+    at = np.cumsum(np.bincount(owner[made], minlength=len(placed))).tolist()
+    out: list[list[Chunk]] = [[] for _ in items]
+    for i, a, b in zip(placed, [0] + at, at):
+        out[i] = chunks[a:b]
+    return out
+
+
+def _from_sections(
+    m: Manifest, tensors: list[TensorEntry], sections: dict[tuple[int, int], bytes]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The records of ``tensors`` (in cell sections, format 12) found in the cell ``sections`` read
+    {(tensor table, share): bytes}: CELL_RECORDs by tensor, then cell; how many each tensor has; and whether
+    those are all of its records (every section of its table that has records was read: then exactly its
+    ``count``). Each section is checked against its length and SHA-256 in its table and its records sorted
+    by (row, cell) within the table; each record of a tensor asked for must lie in the section of its cell's
+    share. Records of other tensors are not used (a rank's section holds its share of every tensor of the
+    table). All at once: a TP rank of K2 reads its share of 1.13 M records, of 140 k tensors."""
+    n = len(tensors)
+    if not n:
+        return np.zeros(0, CELL_RECORD), np.zeros(0, np.int64), np.zeros(0, bool)
+    refs: dict[int, tuple[TableRef, ...]] = {}  # each table's sections, from its tensors
+    for t in tensors:
+        refs.setdefault(t.cells.table, t.cells.sections)
+    parsed, table_of, share_of = [], [], []
+    for (table, k), raw in sorted(sections.items()):
+        ref = refs[table][k - 1] if table in refs and 1 <= k <= len(refs[table]) else None
+        if ref is None or not ref.count:
+            raise ManifestError(f"tensor table {table}: cell section {k} was read for no tensor of it")
+        verify_table(ref, raw, f"tensor table {table}: cell section {k}")
+        rec = np.frombuffer(raw, SECTION_RECORD)
+        key = rec["row"].astype(np.int64) * (1 << 32) + rec["cell"].astype(np.int64)
+        if (key[1:] <= key[:-1]).any() or (rec["row"] >= m.tables[table].count).any():
+            raise ManifestError(
+                f"tensor table {table}: cell section {k}: its records are not sorted by row and cell, or lie beyond its table"
+            )
+        parsed.append(rec)
+        table_of.append(np.full(len(rec), table, np.int64))
+        share_of.append(np.full(len(rec), k, np.int64))
+    rec = np.concatenate(parsed) if parsed else np.zeros(0, SECTION_RECORD)
+    table = np.concatenate(table_of) if parsed else np.zeros(0, np.int64)
+    share = np.concatenate(share_of) if parsed else np.zeros(0, np.int64)
+    # each record's tensor among those asked for, by (table, row); the others' records are dropped
+    tkey = np.array([t.cells.table * (1 << 16) + t.cells.row for t in tensors], np.int64)
+    by_key = np.argsort(tkey)
+    rkey = table * (1 << 16) + rec["row"].astype(np.int64)
+    at = np.minimum(np.searchsorted(tkey[by_key], rkey), n - 1)
+    mine = tkey[by_key][at] == rkey
+    owner = by_key[at][mine]
+    rec, share = rec[mine], share[mine]
+    # the share each record's cell starts in, per distinct (grid, shape, dimension, shares)
+    kinds: dict = {}
+    kind = np.empty(n, np.int64)
+    per_kind: list[list[int]] = []
+    for j, t in enumerate(tensors):
+        key = (id(t.grid), id(t.shape), t.cells.dim, len(t.cells.sections))
+        code = kinds.get(key)
+        if code is None:
+            code = kinds[key] = len(per_kind)
+            per_kind.append(cell_shares(t.grid, t.shape, t.cells.dim, len(t.cells.sections)))
+        kind[j] = code
+    first = np.cumsum([0] + [len(x) for x in per_kind])
+    flat = np.array([k for x in per_kind for k in x] + [0], np.int64)
+    cell = rec["cell"].astype(np.int64)
+    inside = cell < (first[1:] - first[:-1])[kind[owner]]  # a cell beyond its grid is cells.check's to refuse
+    if (inside & (flat[np.where(inside, first[kind[owner]] + cell, len(flat) - 1)] != share)).any():
+        j = int(owner[np.argmax(inside & (flat[np.where(inside, first[kind[owner]] + cell, len(flat) - 1)] != share))])
+        raise ManifestError(f"tensor {tensors[j].name!r}: cell sections: a cell in another share's section")
+    counts = np.bincount(owner, minlength=n).astype(np.int64)
+    read_all = {tb: all(r.count == 0 or (tb, k) in sections for k, r in enumerate(rs, 1)) for tb, rs in refs.items()}
+    whole = np.array([read_all[t.cells.table] for t in tensors], np.bool_)
+    said = np.array([t.cells.count for t in tensors], np.int64)
+    bad = (whole & (counts != said)) | (counts > said)
+    if bad.any():
+        j = int(np.argmax(bad))
+        raise ManifestError(
+            f"tensor {tensors[j].name!r}: its cell sections hold {int(counts[j])} of its records, it says {int(said[j])}"
+        )
+    order = np.lexsort((cell, owner))
+    out = np.zeros(len(order), CELL_RECORD)
+    for f in CELL_RECORD.names:
+        out[f] = rec[f][order]
+    return out, counts, whole
 
 
 def read_table(ref: TableRef, raw: bytes, where: str) -> list:

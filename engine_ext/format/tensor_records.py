@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import struct
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -23,8 +24,8 @@ from ..errors import IntegrityError, ManifestError
 from . import entries
 from . import fingerprint as fpr
 from .bulk import LastKept
-from .cells import CELL_CODERS, CELL_MODES, MAX_OFFSET
-from .manifest import Segment, TableRef, TensorEntry
+from .cells import CELL_CODERS, CELL_MODES, CELL_RECORD, MAX_OFFSET
+from .manifest import MAX_SHARES, SECTION_RECORD_BYTES, CellSections, Segment, TableRef, TensorEntry
 
 # Format 10. A tensor table: u32 names bytes, u32 shapes bytes, ``count`` records, the names (UTF-8, in
 # record order), then the table's distinct shapes and grids as compact JSON {"shapes": [...], "grids": [...]}.
@@ -50,8 +51,27 @@ TENSOR_RECORD = np.dtype(
         ("count", "<u4"),
     ]
 )
-UNCHANGED, BYTES, CELLS = 0, 1, 2  # a record's kind: no bytes; bytes of its own; a cell table (blob..count)
+# a record's kind: no bytes; bytes of its own; a cell table (blob..count); its table's cell sections (format 12)
+UNCHANGED, BYTES, CELLS, SECTIONS = 0, 1, 2, 3
 HAS_BASE = 1  # flags: the base fingerprint is set
+DIM1 = 2  # flags, format 12: a kind-3 record's cells are shared out along dimension 1 (else 0)
+# Format 12: after the shapes, u16 shares (0: no cell sections), then one reference per share: where the
+# section lies and the SHA-256 of its bytes, ``count`` SECTION_RECORDs (a share with none: all zero).
+SECTION_REF = np.dtype([("blob", "<u4"), ("offset", "<u8"), ("count", "<u4"), ("sha256", "V32")])
+SECTION_RECORD = np.dtype([("row", "<u2"), *((f, CELL_RECORD[f]) for f in CELL_RECORD.names or ())])
+# a cell section as read, with records: its table (place in the manifest), share (1 to shares) and reference
+SECTION_PLACE = np.dtype(
+    [
+        ("table", "<i8"),
+        ("share", "<i8"),
+        ("shares", "<i8"),
+        ("blob", "<i8"),
+        ("offset", "<i8"),
+        ("count", "<i8"),
+        ("sha256", "V32"),
+    ]
+)
+assert SECTION_RECORD.itemsize == SECTION_RECORD_BYTES
 NO_GRID = 0xFFFF
 TABLE_DTYPES = (
     "bfloat16",
@@ -70,22 +90,25 @@ TABLE_DTYPES = (
 TABLE_HEAD = np.dtype([("names", "<u4"), ("shapes", "<u4")])
 
 
-def tensor_table(tensors: list[TensorEntry], cells: list[TableRef | None]) -> bytes:
+def tensor_table(tensors: list[TensorEntry], cells: Sequence[TableRef | CellSections | None]) -> bytes:
     """A format-10 tensor table of ``tensors`` (``cells[i]``: where tensor i's cell table lies, or None)."""
     c = entries.Columns.of_entries(tensors)
     return table_bytes(c, tensor_records(c, cells), 0, len(c))
 
 
-def tensor_records(c: entries.Columns, cells: list[TableRef | None]) -> np.ndarray:
+def tensor_records(c: entries.Columns, cells: Sequence[TableRef | CellSections | None]) -> np.ndarray:
     """Validated entries' :data:`TENSOR_RECORD` records, a field at a time (``shape`` and ``grid``: the codes of
-    ``c``, which each table makes its own)."""
+    ``c``, which each table makes its own). ``cells[i]``: where tensor i's chunks lie (a cell table; its
+    table's cell sections, of which the record says the dimension and the count; None)."""
     n = len(c)
     rec = np.zeros(n, TENSOR_RECORD)
-    in_cells = np.array([r is not None for r in cells], bool)
+    shared = np.array([isinstance(r, CellSections) for r in cells], bool)
+    in_cells = np.array([r is not None for r in cells], bool) & ~shared
     own = (c.nnz != 0) & ~in_cells
     rec["name_length"] = [len(x.encode()) for x in c.names]
     rec["dtype"] = np.array([TABLE_DTYPES.index(d) for d in c.dtypes], np.uint8)[c.dtype]
-    rec["kind"] = np.where(in_cells, CELLS, np.where(own, BYTES, UNCHANGED))
+    own &= ~shared
+    rec["kind"] = np.where(shared, SECTIONS, np.where(in_cells, CELLS, np.where(own, BYTES, UNCHANGED)))
     rec["flags"] = np.where(c.has_base, HAS_BASE, 0)
     rec["shape"], rec["grid"] = c.shape, np.where(c.grid == entries.NONE, NO_GRID, c.grid)
     rec["nnz"], rec["fingerprint"], rec["base_fingerprint"] = c.nnz, c.fingerprint, c.base
@@ -107,6 +130,9 @@ def tensor_records(c: entries.Columns, cells: list[TableRef | None]) -> np.ndarr
     ):
         rec[f][rows] = values
     rec["sha256"][rows] = np.frombuffer(bytes.fromhex("".join(r.sha256 for r in refs)), "V32")
+    rows = np.flatnonzero(shared)
+    rec["count"][rows] = [cells[i].count for i in rows.tolist()]
+    rec["flags"][rows] |= np.array([DIM1 * cells[i].dim for i in rows.tolist()], np.uint8)
     return rec
 
 
@@ -115,9 +141,10 @@ def _code_of(codes: np.ndarray, values: list, table: tuple) -> np.ndarray:
     return np.array([table.index(v) for v in values] + [0], np.uint8)[codes]
 
 
-def table_bytes(c: entries.Columns, rec: np.ndarray, a: int, b: int) -> bytes:
+def table_bytes(c: entries.Columns, rec: np.ndarray, a: int, b: int, sections: bytes = b"") -> bytes:
     """Rows ``a:b`` as one tensor table: their records, with shape and grid codes into the table's own
-    distinct shapes and grids (in order of first use), the names, the shapes section."""
+    distinct shapes and grids (in order of first use), the names, the shapes section, then ``sections``
+    (format 12: :func:`sections_trailer`)."""
     out = rec[a:b].copy()
     shapes, out["shape"] = _first_use(c.shape[a:b])
     has_grid = c.grid[a:b] != entries.NONE
@@ -129,7 +156,20 @@ def table_bytes(c: entries.Columns, rec: np.ndarray, a: int, b: int) -> bytes:
     ).encode()
     names_raw = "".join(c.names[a:b]).encode()
     head = np.array([(len(names_raw), len(extra))], TABLE_HEAD).tobytes()
-    return head + out.tobytes() + names_raw + extra
+    return head + out.tobytes() + names_raw + extra + sections
+
+
+_NO_SECTION = TableRef(0, 0, 0, "0" * 64, 0)
+
+
+def sections_trailer(refs: list[TableRef]) -> bytes:
+    """A format-12 tensor table's last bytes: u16 shares, then where each share's cell section lies (a share
+    with no record: all zero); ``refs`` empty: no cell sections (u16 0)."""
+    out = np.zeros(len(refs), SECTION_REF)
+    for i, r in enumerate(refs):
+        if r.count:
+            out[i] = (r.blob, r.offset, r.count, bytes.fromhex(r.sha256))
+    return struct.pack("<H", len(refs)) + out.tobytes()
 
 
 def _first_use(codes: np.ndarray) -> tuple[list[int], np.ndarray]:
@@ -142,27 +182,38 @@ def _first_use(codes: np.ndarray) -> tuple[list[int], np.ndarray]:
 
 
 @dataclasses.dataclass
-class _Sections:
-    """A tensor table's sections, its bytes checked against its reference and the sections' sizes against its
+class _Parts:
+    """A tensor table's parts, its bytes checked against its reference and the parts' sizes against its
     length. Records are joined into one array for every table at once (a structured concatenate of 2,200
-    tables cost 0.1 s), and the shapes section parsed once per distinct text (tables of alike tensors list
+    tables cost 0.1 s), and the shapes part parsed once per distinct text (tables of alike tensors list
     the same shapes and grids)."""
 
     records: bytes
     names: bytes
     shapes: bytes
+    sections: np.ndarray  # format 12: SECTION_REF per share (none: no cell sections)
 
 
-def _sections(ref: TableRef, raw: bytes, where: str) -> _Sections:
+def _parts(ref: TableRef, raw: bytes, where: str, sectioned: bool) -> _Parts:
     verify_table(ref, raw, where)
     n, h = ref.count, TABLE_HEAD.itemsize
     if len(raw) < h + n * TENSOR_RECORD.itemsize:
         raise ManifestError(f"{where}: {len(raw)} bytes for {n} records")
     names_len, extra_len = struct.unpack_from("<II", raw)  # TABLE_HEAD
     at = h + n * TENSOR_RECORD.itemsize
-    if len(raw) != at + names_len + extra_len:
-        raise ManifestError(f"{where}: {len(raw)} bytes, its sections account for {at + names_len + extra_len}")
-    return _Sections(raw[h:at], raw[at : at + names_len], raw[at + names_len :])
+    end = at + names_len + extra_len
+    shares = 0
+    if sectioned:
+        if len(raw) < end + 2:
+            raise ManifestError(f"{where}: {len(raw)} bytes, its parts account for more")
+        (shares,) = struct.unpack_from("<H", raw, end)
+        if shares == 1 or shares > MAX_SHARES:
+            raise ManifestError(f"{where}: cell sections for {shares} shares (0, or 2 to {MAX_SHARES})")
+    trailer = end + (2 + shares * SECTION_REF.itemsize if sectioned else 0)
+    if len(raw) != trailer:
+        raise ManifestError(f"{where}: {len(raw)} bytes, its parts account for {trailer}")
+    sections = np.frombuffer(raw, SECTION_REF, shares, end + 2) if shares else np.zeros(0, SECTION_REF)
+    return _Parts(raw[h:at], raw[at : at + names_len], raw[at + names_len : end], sections)
 
 
 def _shape_lists(raw: bytes, where: str) -> tuple[list, list]:
@@ -181,12 +232,43 @@ def _shape_lists(raw: bytes, where: str) -> tuple[list, list]:
 
 
 class TableEntries(entries.ColumnEntries):
-    """Entries read from format-10 tensor tables: columns at once, objects when first asked for."""
+    """Entries read from format-10 tensor tables: columns at once, objects when first asked for. Format 12:
+    ``sections``, the cell sections of every table read (:data:`SECTION_PLACE`, a share with no record left
+    out; their places in the blobs are Manifest.validate's to check), and where each entry's record lies
+    (``table``: the table's place in the manifest, ``row``)."""
 
-    def __init__(self, columns: entries.Columns, records: np.ndarray, signature: bytes | None, keys: np.ndarray | None):
+    def __init__(
+        self,
+        columns: entries.Columns,
+        records: np.ndarray,
+        signature: bytes | None,
+        keys: np.ndarray | None,
+        sections: np.ndarray | None = None,
+        table: np.ndarray | None = None,
+        row: np.ndarray | None = None,
+    ):
         super().__init__(columns)
         self.records = records
         self._signature, self._keys = signature, keys
+        self.sections = np.zeros(0, SECTION_PLACE) if sections is None else sections
+        self.table, self.row = table, row
+
+    def section_refs(self) -> dict[int, tuple[TableRef, ...]]:
+        """Each table's cell sections as references, share 1 first (a share with no record: count 0)."""
+        out: dict[int, list[TableRef]] = {}
+        shares = self.sections["shares"].tolist()
+        for number, share, n, blob, offset, count, sha in zip(
+            self.sections["table"].tolist(),
+            self.sections["share"].tolist(),
+            shares,
+            self.sections["blob"].tolist(),
+            self.sections["offset"].tolist(),
+            self.sections["count"].tolist(),
+            self.sections["sha256"].tolist(),
+        ):
+            refs = out.setdefault(number, [_NO_SECTION] * n)
+            refs[share - 1] = TableRef(blob, offset, count * SECTION_RECORD.itemsize, sha.hex(), count)
+        return {k: tuple(v) for k, v in out.items()}
 
     def name_keys(self) -> np.ndarray:
         """The entries' name keys, made once (and kept for the next whole read of the same names)."""
@@ -199,6 +281,7 @@ class TableEntries(entries.ColumnEntries):
 
     def make(self) -> list[TensorEntry]:
         c, rec = self.columns, self.records
+        sections = self.section_refs() if len(self.sections) else {}
         cols = {f: rec[f].tolist() for f in ("kind", "blob", "offset", "positions_length", "values_length", "count")}
         sha = rec["sha256"].tolist()
         pcoder, vcoder, mode = c.pcoder.tolist(), c.vcoder.tolist(), c.mode.tolist()
@@ -225,21 +308,33 @@ class TableEntries(entries.ColumnEntries):
                 t.cells = TableRef(
                     cols["blob"][i], cols["offset"][i], cols["positions_length"][i], sha[i].hex(), cols["count"][i]
                 )
+            elif kind == SECTIONS:
+                assert self.table is not None and self.row is not None  # read with their places (read_tensor_tables)
+                number = int(self.table[i])
+                dim = int(c.section_dim[i])
+                t.cells = CellSections(sections[number], number, int(self.row[i]), dim, cols["count"][i])
             out.append(t)
         return out
 
 
 def read_tensor_tables(
-    refs: list[TableRef], raws: list[bytes], numbers: list[int], rows=None, only: frozenset | None = None
+    refs: list[TableRef],
+    raws: list[bytes],
+    numbers: list[int],
+    rows=None,
+    only: frozenset | None = None,
+    sectioned: bool = False,
 ) -> TableEntries:
     """The tensor entries of format-10 tensor tables (``numbers``: the tables' places in the manifest, for
-    errors; ``rows``: per table, only those records; ``only``: only the entries of these names), as columns: each table's bytes checked against its
+    errors; ``rows``: per table, only those records; ``only``: only the entries of these names; ``sectioned``:
+    format 12's, with cell sections), as columns: each table's bytes checked against its
     reference's length and SHA-256, then every byte accounted for, over all the tables' records at once: the
-    sections' sizes, each record's codes, the fields its kind leaves unused all zero, every shape and grid a
-    table lists used by one of its records, every name UTF-8. The entries are then checked by the caller as
-    inline ones are (:func:`engine_ext.format.entries.check`, from Manifest.validate); no object is made
-    until one is asked for (:class:`TableEntries`)."""
-    parts = [_sections(ref, raw, f"tensor table {i}") for ref, raw, i in zip(refs, raws, numbers)]
+    parts' sizes, each record's codes, the fields its kind leaves unused all zero, every shape and grid a
+    table lists used by one of its records, every name UTF-8, a table's cell sections holding as many records
+    as its kind-3 records count. The entries are then checked by the caller as
+    inline ones are (:func:`engine_ext.format.entries.check`, from Manifest.validate); the cell sections' places
+    by Manifest.validate too; no object is made until one is asked for (:class:`TableEntries`)."""
+    parts = [_parts(ref, raw, f"tensor table {i}", sectioned) for ref, raw, i in zip(refs, raws, numbers)]
     counts = np.array([ref.count for ref in refs], np.int64)
     table = np.repeat(np.arange(len(parts)), counts)
     rec = np.frombuffer(b"".join(p.records for p in parts), TENSOR_RECORD)
@@ -264,10 +359,13 @@ def read_tensor_tables(
     n_grids = np.array([len(g) for _, g in lists], np.int64)[text_of]
     kind, grid, shape = rec["kind"], rec["grid"].astype(np.int64), rec["shape"].astype(np.int64)
     no_grid = grid == NO_GRID
+    shares = np.array([len(p.sections) for p in parts], np.int64)
     refuse(
         (rec["dtype"] >= len(TABLE_DTYPES))
-        | (kind > CELLS)
-        | (rec["flags"] > HAS_BASE)
+        | (kind > (SECTIONS if sectioned else CELLS))
+        | ((rec["flags"] & ~np.uint8(HAS_BASE | DIM1)) != 0)
+        | (((rec["flags"] & DIM1) != 0) & (kind != SECTIONS))
+        | ((kind == SECTIONS) & (shares[table] == 0))
         | (shape >= n_shapes[table])
         | (~no_grid & (grid >= n_grids[table]))
         | (rec["positions_coder"] >= len(CELL_CODERS))
@@ -286,9 +384,12 @@ def read_tensor_tables(
     refuse(
         ((kind == UNCHANGED) & (unused | rest | (rec["count"] != 0) | ~no_grid))
         | ((kind == BYTES) & ((rec["count"] != 0) | ~no_grid))
-        | ((kind == CELLS) & (rest | (rec["positions_coder"] != 0) | no_grid)),
+        | ((kind == CELLS) & (rest | (rec["positions_coder"] != 0) | no_grid))
+        | ((kind == SECTIONS) & (unused | rest | no_grid)),
         "a record sets fields its kind does not use",
     )
+    in_sections = np.bincount(table, np.where(kind == SECTIONS, rec["count"], 0), len(parts)).astype(np.int64)
+    sections = _sections_read(parts, numbers, in_sections)
     refuse(
         (kind == UNCHANGED) != (rec["nnz"] == 0),
         "a record's kind says unchanged where it has changes, or the other way round",
@@ -323,7 +424,43 @@ def read_tensor_tables(
         keep, names = keep[mine], [names[j] for j in mine]
     if rows is not None or only is not None:
         rec, shape, grid = rec[keep], shape[keep], grid[keep]
-    return TableEntries(_columns(rec, names, shape, shapes, grid, grids), rec, signature, keys)
+    place = np.asarray(numbers, np.int64)[table[keep]] if len(parts) else np.zeros(0, np.int64)
+    row = keep - firsts[table[keep]] if len(parts) else np.zeros(0, np.int64)
+    columns = _columns(rec, names, shape, shapes, grid, grids)
+    return TableEntries(columns, rec, signature, keys, sections, place, row)
+
+
+def _sections_read(parts: list[_Parts], numbers: list[int], in_sections: np.ndarray) -> np.ndarray:
+    """Every table's cell sections that hold records, as :data:`SECTION_PLACE`s, refused unless a share with
+    no record is all zero and a table's sections hold ``in_sections`` records (its kind-3 records' counts) in
+    all, each table at once."""
+    shares = np.array([len(p.sections) for p in parts], np.int64)
+    raw = np.concatenate([p.sections for p in parts]) if len(parts) else np.zeros(0, SECTION_REF)
+    table = np.repeat(np.arange(len(parts)), shares)
+    count = raw["count"].astype(np.int64)
+    empty = count == 0
+    stray = empty & ((raw["blob"] != 0) | (raw["offset"] != 0) | (raw["sha256"] != np.void(bytes(32))))
+    if stray.any():
+        raise ManifestError(
+            f"tensor table {numbers[int(table[np.argmax(stray)])]}: a cell section of no record is not all zero"
+        )
+    if (raw["offset"] > MAX_OFFSET).any():
+        raise ManifestError(
+            f"tensor table {numbers[int(table[np.argmax(raw['offset'] > MAX_OFFSET)])]}: a cell section's offset is past {MAX_OFFSET}"
+        )
+    held = np.bincount(table, count, len(parts)).astype(np.int64)
+    if (held != in_sections).any():
+        i = int(np.argmax(held != in_sections))
+        raise ManifestError(
+            f"tensor table {numbers[i]}: its cell sections hold {int(held[i])} records, its records say {int(in_sections[i])}"
+        )
+    out = np.zeros(int((~empty).sum()), SECTION_PLACE)
+    out["table"] = np.asarray(numbers, np.int64)[table[~empty]] if len(parts) else 0
+    out["share"] = (np.arange(len(raw)) - np.repeat(np.cumsum(shares) - shares, shares))[~empty] + 1
+    out["shares"] = shares[table[~empty]]
+    for f in ("blob", "offset", "count", "sha256"):
+        out[f] = raw[f][~empty]
+    return out
 
 
 def _decode_names(raw: bytes, lengths: np.ndarray, keep: np.ndarray, table_of) -> list[str]:
@@ -357,6 +494,7 @@ def _columns(rec: np.ndarray, names: list[str], shape, shapes, grid, grids) -> e
     """Records' columns: a kind's unused fields are zero (checked), so a coder of 0 is "none"."""
     kind, n = rec["kind"], len(rec)
     has_bytes, has_cells = kind == BYTES, kind == CELLS
+    section_dim = np.where(kind == SECTIONS, (rec["flags"] & DIM1).astype(np.int64) // DIM1, entries.NONE)
     where = lambda i: entries.label(names[i])
     blob, offset = rec["blob"].astype(np.int64), _bounded(rec["offset"], where, "offset")
     plen = _bounded(rec["positions_length"], where, "segment length")
@@ -392,6 +530,7 @@ def _columns(rec: np.ndarray, names: list[str], shape, shapes, grid, grids) -> e
         cell_offset=np.where(has_cells, offset, zero),
         cell_length=np.where(has_cells, plen, zero),
         cell_count=rec["count"].astype(np.int64),
+        section_dim=section_dim,
     )
 
 

@@ -37,7 +37,7 @@ from ..format.context import codec as ctx_codec
 from ..format.delta import TensorDelta, apply_tensor
 from ..format.dtypes import as_bits, dtype_by_name
 from ..format.latest import LATEST_KEY, MAX_LATEST_BYTES, Latest
-from ..format.manifest import CONTEXT_CODERS, MAX_MANIFEST_BYTES, Chunk, Manifest, TensorEntry
+from ..format.manifest import CONTEXT_CODERS, MAX_MANIFEST_BYTES, Chunk, Manifest, TableRef, TensorEntry
 from ..format.pieces import PIECES, pieces_sha256
 from . import Store, split_uri
 from .signing import MAX_SIGNATURE_BYTES, SIG_SUFFIX, SignatureError, Trust, sha256_hex
@@ -131,15 +131,25 @@ def open_held(store: Store, raw: bytes, names, workers: int = 8) -> tuple[Manife
 
 def load_cells(store: Store, m: Manifest, names=None, workers: int = 8) -> int:
     """Read the cell tables (format 7) of the cut tensors in ``names`` (None: all) whose chunks are not
-    read yet, close ones together (:func:`engine_ext.format.tables.set_cells` checks them all). Returns the
-    bytes read. On a rank's own manifest (``m.held``), a :data:`Selection` keeps only the chunks of the
-    cells it selects (every record is still checked)."""
+    read yet, and (format 12) the cell sections that hold the cells wanted of those in cell sections (a
+    rank of tensor parallelism: its own share's), close ones together
+    (:func:`engine_ext.format.tables.set_cells` checks them all). Returns the bytes read. On a rank's own
+    manifest (``m.held``), a :data:`Selection` keeps only the chunks of the cells it selects (every record
+    read is still checked)."""
     todo = [t for t in m.tensors if t.cells is not None and (names is None or t.name in names)]
     if not todo:
         return 0
-    got, read = _read_ranges(store, m, [(t.cells.blob, t.cells.offset, t.cells.length) for t in todo], workers)
     keep = names if m.held is not None and isinstance(names, dict) else None
-    tables.set_cells(m, [(t, bytes(got[(t.cells.blob, t.cells.offset)])) for t in todo], keep)
+    own = [t.cells for t in todo if isinstance(t.cells, TableRef)]
+    wanted = tables.sections_wanted(todo, keep)
+    refs = own + list(wanted.values())
+    got, read = _read_ranges(store, m, [(r.blob, r.offset, r.length) for r in refs], workers)
+    tables.set_cells(
+        m,
+        [(t, bytes(got[(t.cells.blob, t.cells.offset)]) if isinstance(t.cells, TableRef) else None) for t in todo],
+        keep,
+        {place: bytes(got[(r.blob, r.offset)]) for place, r in wanted.items()},
+    )
     return read
 
 
@@ -557,14 +567,13 @@ def decode_manifest(
 ) -> list[TensorDelta]:
     """Decode every changed tensor from whole (verified) blobs."""
     check_decode_budget(m, limit)
-    tables.set_cells(
-        m,
-        [
-            (t, bytes(memoryview(blobs[t.cells.blob])[t.cells.offset : t.cells.offset + t.cells.length]))
-            for t in m.tensors
-            if t.cells is not None
-        ],
-    )
+
+    def table(r: TableRef) -> bytes:
+        return bytes(memoryview(blobs[r.blob])[r.offset : r.offset + r.length])
+
+    cut = [t for t in m.tensors if t.cells is not None]
+    sections = {place: table(r) for place, r in tables.sections_wanted(cut).items()}
+    tables.set_cells(m, [(t, table(t.cells) if isinstance(t.cells, TableRef) else None) for t in cut], None, sections)
     parts = _parts(m, None)
     by_key = {(p.blob, p.offset): p for p in parts}
 

@@ -28,15 +28,31 @@ from ..format.context.blocks import shard_dim
 COMMON = 0  # the section of parts every rank reads whole
 
 
+def section_dim(name: str, shape, cuts: list[list[int]] | None) -> int | None:
+    """The dimension the cells of ``name``'s grid ``cuts`` are shared out along, in its delta blob's sections
+    and its tensor table's cell sections (format 12): the one the engines shard the matrix along; None where
+    the name does not say it, or the tensor is not a matrix cut along both dimensions (every rank may read
+    all of it: kept together)."""
+    if len(shape) != 2 or cuts is None or len(cuts) != 2:
+        return None
+    dim = _SHARD_DIMS.get(name, -1)
+    if dim == -1:
+        dim = shard_dim(name, shape)
+        if len(_SHARD_DIMS) < 1 << 21:  # a model's matrices, asked again every version (a K2 rank: 9,000)
+            _SHARD_DIMS[name] = dim
+    return dim
+
+
+_SHARD_DIMS: dict[str, int | None] = {}  # a matrix's name -> shard_dim (names are a model's, read per version)
+
+
 def cell_section(name: str, shape, cuts: list[list[int]], cell: int, shares: int) -> int:
     """The section of cell ``cell`` of ``name``'s grid ``cuts`` (row-major over its cells): 1 + the share (of
-    ``shares``, along the dimension the engines shard the matrix along) its first element falls in; COMMON
-    where the name does not say that dimension (every rank may read all of it: kept contiguous)."""
-    dim = shard_dim(name, shape)
-    if dim is None or len(shape) != 2 or len(cuts) != 2:
+    ``shares``, along :func:`section_dim`) its first element falls in; COMMON where there is none."""
+    dim = section_dim(name, shape, cuts)
+    if dim is None:
         return COMMON
-    start = chunks.boxes(cuts, shape)[cell][0]
-    return 1 + start[dim] * shares // int(shape[dim])
+    return chunks.share_of(chunks.boxes(cuts, shape)[cell][0][dim], int(shape[dim]), shares)
 
 
 @dataclass

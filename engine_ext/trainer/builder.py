@@ -53,7 +53,7 @@ from ..store import Store, publish_catch_up, publish_version
 from ..store.base import _TMP_PREFIX
 from ..store.checkpoint import SafetensorsWriter
 from ..store.signing import Signer
-from .blob_layout import COMMON, OpenBlob, cell_section
+from .blob_layout import COMMON, OpenBlob, cell_section, section_dim
 
 BLOB_TARGET = 256 << 20  # start a new blob past this size, so readers can fetch in parallel
 LATEST_TTL_S = 7 * 24 * 3600.0  # a signed LATEST older than this is stale (re-publish to refresh)
@@ -378,7 +378,9 @@ class VersionBuilder:
         """Hash blobs, finish the manifest, sign it (with ``signer``), publish; returns the
         manifest's URI. ``LATEST`` is signed too and stays valid for ``latest_ttl_s``."""
         keys = self.name_blobs()
-        uri, self.manifest_sha256, self.latest = commit(store, self.manifest, signer, latest_ttl_s, keys)
+        uri, self.manifest_sha256, self.latest = commit(
+            store, self.manifest, signer, latest_ttl_s, keys, reader_tp=self.reader_tp
+        )
         self.tmp.cleanup()
         return uri
 
@@ -420,12 +422,14 @@ def commit(
     latest_ttl_s: float = LATEST_TTL_S,
     blobs: list[tuple[str, str]] = (),
     inline_limit: int | None = None,
+    reader_tp: int | None = None,
 ) -> tuple[str, str, Latest | None]:
     """Finish a manifest whose blobs are named (model fingerprints, time, the lowest format version
     that describes it), validate it, sign it and publish it with ``blobs`` (key, local file) and
     ``LATEST`` (:func:`engine_ext.store.publish_version`). A manifest of over ``inline_limit`` tensor
-    entries and chunks (default ``ENGINE_EXT_INLINE_ENTRIES``) is published in tables (format 10), its tensor
-    entries and cell tables in one more blob (:func:`_tables_blob`); ``m`` keeps them inline.
+    entries and chunks (default ``ENGINE_EXT_INLINE_ENTRIES``) is published in tables (format 10; format 12
+    with cell sections for readers of ``reader_tp``-way tensor parallelism, default ``ENGINE_EXT_READER_TP``),
+    its tensor entries and cell tables in one more blob (:func:`_tables_blob`); ``m`` keeps them inline.
     Returns (URI, SHA-256 of the published manifest's bytes, LATEST)."""
     with collector_paused():  # a K2 version's manifest holds millions of objects: no full passes over them
         keys = fpr.name_keys([t.name for t in m.tensors])  # once: both fingerprints, the checks, the name index
@@ -447,7 +451,8 @@ def commit(
     ) as spool:  # the tables' blob lives there until it is published
         if in_tables:
             with collector_paused():
-                wire, tables = _tables_blob(m, spool, records, keys, columns)
+                shares = settings.current().reader_tp if reader_tp is None else reader_tp
+                wire, tables = _tables_blob(m, spool, records, keys, columns, shares)
             raw, blobs = wire.to_json(), [*blobs, tables]
         else:
             raw, blobs = m.to_json(), list(blobs)
@@ -534,13 +539,16 @@ def _tables_blob(
     records: np.ndarray | None = None,
     keys: np.ndarray | None = None,
     columns: Columns | None = None,
+    shares: int = 0,
 ) -> tuple[Manifest, tuple[str, str]]:
     """``m`` in tables (:func:`engine_ext.format.tables.tabulate`; ``records``: its chunks' cell records and
-    ``columns`` its entries' columns, as its validation made them; ``keys``: its name keys) and its tables'
-    blob (key, local file), written in ``spool``: the cell tables, tensor tables and name index one after
-    another, hashed as written."""
+    ``columns`` its entries' columns, as its validation made them; ``keys``: its name keys; ``shares``: cell
+    sections for that many tensor-parallel readers, below 2 none) and its tables' blob (key, local file),
+    written in ``spool``: the cell tables and sections, tensor tables and name index one after another,
+    hashed as written."""
     out = SpooledBlob(spool, len(m.blobs))
-    wire = tabulate(m, out.put, records=records, name_keys=keys, columns=columns)
+    dims = [section_dim(t.name, t.shape, t.grid) for t in m.tensors]
+    wire = tabulate(m, out.put, records=records, name_keys=keys, columns=columns, shares=shares, dims=dims)
     blob, file = out.close(blob_tag(m.version, m.kind, catch_up_from=catch_up_from(m)))
     wire.blobs = list(m.blobs) + [blob]
     wire.validate()  # its header and table references; the entries were validated inline

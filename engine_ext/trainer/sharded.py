@@ -54,6 +54,7 @@ from ..format import fingerprint as fpr
 from ..format.dtypes import dtype_by_name, served_as
 from ..format.manifest import ANCHOR, DELTA, manifest_key
 from . import lineage, table_parts
+from .blob_layout import section_dim
 from .builder import blob_tag, commit, merge_parts
 from .checkpoint_layout import checkpoint_names, transformers_model
 from .holdings import RankRows
@@ -360,7 +361,8 @@ class ShardedPublisher(DeltaPublisher):
             b.name_blobs()
             m = b.manifest
             whole = any(not self.layout[t.name].split for t in m.tensors)
-            view = (len(m.blobs), m.entries, whole, settings.current().inline_entries)
+            shared = any(t.chunks is not None and section_dim(t.name, t.shape, t.grid) is not None for t in m.tensors)
+            view = (len(m.blobs), m.entries, whole, settings.current().inline_entries, shared)
         except GroupFailed:
             raise
         except Exception as e:  # noqa: BLE001 - reported to rank 0, which aborts the version on every rank
@@ -393,17 +395,19 @@ class ShardedPublisher(DeltaPublisher):
 
     def _table_writer(self, views: list[tuple], version: int, kind: str):
         """How this rank writes its tables of a version whose parts are ``views`` (every rank's blob count,
-        entries, whether it publishes a tensor whole, and its inline limit): None where the version is
-        published inline. Every rank decides by rank 0's limit, so all decide alike."""
+        entries, whether it publishes a tensor whole, its inline limit, and whether it has cells to share out
+        by TP share): None where the version is published inline. Every rank decides by rank 0's limit and
+        ``ENGINE_EXT_READER_TP``, and shares cells out if any rank has some (format 12), so all decide alike."""
         if sum(v[1] for v in views) <= views[0][3]:
             return None
-        shift = sum(n + bool(whole) for n, _, whole, _ in views[: self.rank])  # the blobs of the ranks before
+        shift = sum(v[0] + bool(v[2]) for v in views[: self.rank])  # the blobs of the ranks before
         return functools.partial(
             table_parts.write_part,
             split=self._split_names(),
             shift=shift,
             tag=blob_tag(version, kind, self._part_no()),
             per=table_parts.per_table(len(self.layout), self.world),
+            shares=settings.current().reader_tp if any(v[4] for v in views) else 0,
         )
 
     def _commit_parts(self, parts: list, version: int, kind: str) -> tuple:

@@ -27,15 +27,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import settings
 from ..format import entries
 from ..format import fingerprint as fpr
 from ..format.bulk import collector_paused
 from ..format.latest import Latest
-from ..format.manifest import DELTA, INDEXED, MAX_TENSOR_TABLES, Manifest, TableRef, manifest_key
+from ..format.manifest import CELL_SECTIONS, DELTA, INDEXED, MAX_TENSOR_TABLES, Manifest, TableRef, manifest_key
 from ..format.tables import PER_TABLE, binary_tables, index_records
 from ..store import Store
 from ..store.base import _TMP_PREFIX
 from ..store.signing import Signer
+from .blob_layout import section_dim
 from .builder import SpooledBlob, blob_tag, merge_parts, publish_manifest
 
 ZERO = fpr.fmt(0)
@@ -50,6 +52,7 @@ class TablesPart:
     keys: np.ndarray  # uint64: the name keys of the tensors in those tables, in table then row order
     fingerprint: int  # its share of the model fingerprint: fingerprint.combined over its tables' tensors
     base_fingerprint: int | None  # the same of the base model fingerprint (a delta)
+    shares: int = 0  # its tables' cell sections are for that many tensor-parallel readers (format 12); 0: none
 
 
 def per_table(tensors: int, world: int) -> int:
@@ -59,20 +62,36 @@ def per_table(tensors: int, world: int) -> int:
     return max(PER_TABLE, -(-tensors // max(1, MAX_TENSOR_TABLES - world - 1)))
 
 
+def _shares(shares: int | None) -> int:
+    """The tensor-parallel readers a version's cell sections are for (``ENGINE_EXT_READER_TP`` by default); 0
+    below 2 (format 10: none)."""
+    shares = settings.current().reader_tp if shares is None else shares
+    return shares if shares >= 2 else 0
+
+
 def write_part(
-    part: Manifest, spool: str, *, split: frozenset[str], shift: int, tag: str, per: int
+    part: Manifest,
+    spool: str,
+    *,
+    split: frozenset[str],
+    shift: int,
+    tag: str,
+    per: int,
+    shares: int | None = None,
 ) -> tuple[TablesPart, tuple[str, str] | None]:
     """A rank's part of a version published in tables: the tensors of ``part`` (its manifest part, blob indices
     its own) that it published whole are validated as a commit validates them (entries and chunks against
     its own blobs), then written into one more blob of its own, in ``spool``, named ``{tag}.{index}.…``: their
     cell tables, then tensor tables of ``per`` tensors, with every blob index moved to the version's
-    (``shift``: the blobs of the ranks before it). Its row slices of ``split`` tensors stay in the part, for
-    rank 0 to join. Returns what rank 0 gets and the new blob's (key, local file), None if it wrote none;
+    (``shift``: the blobs of the ranks before it); with cell sections for ``shares`` tensor-parallel readers
+    (default ``ENGINE_EXT_READER_TP``; every rank and rank 0 the same, format 12). Its row slices of ``split``
+    tensors stay in the part, for rank 0 to join. Returns what rank 0 gets and the new blob's (key, local file), None if it wrote none;
     the part's tensors are consumed."""
     whole = [t for t in part.tensors if t.name not in split]
     part.tensors = [t for t in part.tensors if t.name in split]
+    shares = _shares(shares)
     if not whole:
-        return TablesPart(part, [], np.zeros(0, np.uint64), 0, 0 if part.kind == DELTA else None), None
+        return TablesPart(part, [], np.zeros(0, np.uint64), 0, 0 if part.kind == DELTA else None, shares), None
     with collector_paused():  # a K2 rank's part: ~9,000 entries, ~70,000 chunks
         keys = fpr.name_keys([t.name for t in whole])
         checked = dataclasses.replace(
@@ -93,10 +112,11 @@ def write_part(
         if records is not None:
             records["blob"] += shift
         out = SpooledBlob(spool, shift + len(part.blobs), name=len(part.blobs))  # named as the rank's blobs are
-        tables = binary_tables(whole, out.put, per, records, columns)
+        dims = [section_dim(t.name, t.shape, t.grid) for t in whole]
+        tables = binary_tables(whole, out.put, per, records, columns, shares, dims)
     blob, file = out.close(tag)
     part.blobs.append(blob)
-    return TablesPart(part, tables, keys, fp, base), file
+    return TablesPart(part, tables, keys, fp, base, shares), file
 
 
 def commit_tables(
@@ -113,8 +133,12 @@ def commit_tables(
     ranks' tensor names checked to be exactly the model's (``model_keys``: the sorted name keys of every
     tensor, which the publisher makes once), the model fingerprints summed from the ranks' shares, then one
     blob of rank 0's: the split tensors' tables and the name index over every tensor table; the manifest
-    is signed and published with it. Returns (URI, SHA-256 of the manifest's bytes, LATEST), as
+    is signed and published with it; its tables with cell sections for as many readers as every rank's (ranks
+    that wrote for different counts are refused). Returns (URI, SHA-256 of the manifest's bytes, LATEST), as
     :func:`~engine_ext.trainer.builder.commit` does."""
+    shares = parts[0].shares
+    if any(p.shares != shares for p in parts):
+        raise ValueError(f"the ranks wrote cell sections for different readers: {sorted({p.shares for p in parts})}")
     with collector_paused():
         m = merge_parts([p.part for p in parts], split)
         keys = fpr.name_keys(split)
@@ -137,13 +161,14 @@ def commit_tables(
     with tempfile.TemporaryDirectory(prefix=f"{_TMP_PREFIX}spool-", dir=store.spool_dir()) as spool:
         out = SpooledBlob(spool, len(m.blobs))
         with collector_paused():
-            own = binary_tables(m.tensors, out.put, per, records, columns)
+            dims = [section_dim(t.name, t.shape, t.grid) for t in m.tensors]
+            own = binary_tables(m.tensors, out.put, per, records, columns, shares, dims)
             tables = [r for p in parts for r in p.tables] + own
             raw_index = index_records(every, [r.count for r in tables])
             index = TableRef(*out.put(raw_index), len(raw_index), hashlib.sha256(raw_index).hexdigest(), len(every))
         blob, file = out.close(blob_tag(m.version, m.kind))
         wire = dataclasses.replace(m, tensors=[], blobs=[*m.blobs, blob], tables=tables, index=index)
-        wire.format_version = INDEXED
+        wire.format_version = CELL_SECTIONS if shares else INDEXED
         wire.validate()  # the header and every table reference (the entries: each rank's, and the split ones above)
         raw = wire.to_json()
         sha, latest = publish_manifest(store, wire, raw, [file], signer, latest_ttl_s)
