@@ -275,7 +275,9 @@ VARIABLES: tuple[Variable, ...] = (
         "publisher: the tensor-parallel degree delta blobs are laid out for: each blob holds the parts every "
         "rank may read whole, then each share's cells of the matrices whose layer names say their shard "
         "dimension, so that a rank of this TP degree (or of a smaller power of two) reads two ranges per blob "
-        "(engine_ext/trainer/blob_layout.py); `1`: parts in the order they are encoded",
+        "(engine_ext/trainer/blob_layout.py); a version in tables keeps those matrices' chunk records in cell "
+        'sections for as many shares (format 12, docs/FORMAT.md "Cell sections"), so that such a rank reads its '
+        "share's records only; `1`: parts in the order they are encoded, cell tables of format 10",
     ),
     Variable(
         "ENGINE_EXT_INLINE_ENTRIES",

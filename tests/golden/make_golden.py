@@ -5,10 +5,12 @@
 Three versions of a small model whose tensors reach every coder the publisher writes: an anchor
 (``raw`` values, cut into cells: format 6), a delta of few changes per tensor (``zstd`` and
 ``pco`` gaps and values, ``all`` positions, an unchanged tensor), and a delta of many changes
-(``ctx-rans``, codec v2, with step tables) whose entries and cells sit in tables (format 10: binary
-tensor tables behind a name index). v1's entries are inline (format 5); the anchor, in tables too, is
-hashed by pieces. ``store-f8`` and ``store-f9`` hold the same inputs as this script wrote them before
-format 9 (``ctx`` in format 7's tables) and before format 10 (format 7's JSON tables, formats 8 and 9),
+(``ctx-rans``, codec v2, with step tables) whose entries and cells sit in tables (format 12: binary
+tensor tables behind a name index, the cut q_proj's chunk records in cell sections for 8 TP shares). v1's
+entries are inline (format 5); the anchor, in tables too (format 10: its cells are rows, none in sections),
+is hashed by pieces. ``store-f8``, ``store-f9`` and ``store-f10`` hold the same inputs as this script wrote
+them before format 9 (``ctx`` in format 7's tables), before format 10 (format 7's JSON tables, formats 8 and
+9) and before format 12 (its cut matrix named ``a.weight``, which places no shard dimension: format 10),
 kept as committed so that readers keep reading them. The signing key is committed with it (a test key, signing nothing
 else). The inputs come from a seeded generator; nothing here depends on the clock.
 """
@@ -25,13 +27,16 @@ HERE = Path(__file__).resolve().parent
 STORE = HERE / "store"
 FORMAT_8 = HERE / "store-f8"  # written before format 9 (format 5's ctx streams); never rewritten
 FORMAT_9 = HERE / "store-f9"  # written before format 10 (format 7's JSON tensor tables); never rewritten
+FORMAT_10 = HERE / "store-f10"  # written before format 12 (no cell sections: "a.weight"); never rewritten
+SECTIONED = "model.layers.0.self_attn.q_proj.weight"  # "a.weight" today: a matrix the engines shard along 0
 KEY = HERE / "golden.key"
 PUBLISHER = dict(model="golden", anchor_every=0, chunk_min_cell=1024, dtype=None, workers=1)
 INLINE_ENTRIES = {0: 4, 1: 4096, 2: 4}  # ENGINE_EXT_INLINE_ENTRIES per version
 
 
-def states() -> list[dict[str, torch.Tensor]]:
-    """v0, v1, v2: fixed inputs (a seeded generator), in the dtypes they are published in."""
+def states(sectioned: bool = True) -> list[dict[str, torch.Tensor]]:
+    """v0, v1, v2: fixed inputs (a seeded generator), in the dtypes they are published in; ``sectioned``:
+    ``a.weight`` named :data:`SECTIONED` (the stores written before format 12 name it ``a.weight``)."""
     rng = np.random.default_rng(20261203)
     a = torch.from_numpy(rng.normal(0, 0.02, (96, 128)).astype(np.float32))
     v0 = {"a.weight": a.to(torch.bfloat16),
@@ -60,7 +65,9 @@ def states() -> list[dict[str, torch.Tensor]]:
     d = v1["d.weight"].float().clone()
     d[::3] *= 1.25
     v2["d.weight"] = d.to(torch.float8_e4m3fn)
-    return [v0, v1, v2]
+    if not sectioned:
+        return [v0, v1, v2]
+    return [{SECTIONED if n == "a.weight" else n: t for n, t in v.items()} for v in (v0, v1, v2)]
 
 
 def publish(store: Path, key: Path) -> None:
@@ -69,9 +76,9 @@ def publish(store: Path, key: Path) -> None:
     from engine_ext.trainer.publisher import DeltaPublisher
 
     # bytes first (v2 wherever it saves 10 %); a manifest of more entries than INLINE_ENTRIES[v] keeps them in
-    # tables (format 7; an anchor hashed by pieces is format 8 either way), v1 inline (format 5); delta blobs laid
-    # out for 8 TP shares (engine_ext/trainer/blob_layout.py: these names place no shard dimension, so every part
-    # is in the common section, in encoding order)
+    # tables (format 10; 12 with q_proj's cells in sections; an anchor hashed by pieces is format 8 either way), v1
+    # inline (format 5); delta blobs laid out for 8 TP shares (engine_ext/trainer/blob_layout.py: q_proj's cells by
+    # share, the other names place no shard dimension: their parts in the common section, in encoding order)
     with DeltaPublisher(str(store), signing_key=str(key), **PUBLISHER) as pub:
         for v, sd in enumerate(states()):
             with settings.override(reader_mbps=0.0, inline_entries=INLINE_ENTRIES[v], reader_tp=8):

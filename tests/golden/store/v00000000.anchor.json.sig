@@ -1,1 +1,1 @@
-{"signatures": [{"keyid": "a578660691bc67c4", "sig": "a5d0fcb3867261afa41bf9dc1161376fa5db90a6bc740b6b7fff839d6d8b058eaaeb32b75bc7cbefaf41aa38eefe3cf0c8b7cfaf6171b1d277bbe91edbb55107"}]}
+{"signatures": [{"keyid": "a578660691bc67c4", "sig": "fba2b4950a9b4a58cd822ad6584572cc036666646bb2c99aa15c4e59c4db4501e2fb529cf03e0ab38e84a2ffb4096fc8176d92b51257f04806e86e565dd56907"}]}

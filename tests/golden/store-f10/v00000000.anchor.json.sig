@@ -1,0 +1,1 @@
+{"signatures": [{"keyid": "a578660691bc67c4", "sig": "a5d0fcb3867261afa41bf9dc1161376fa5db90a6bc740b6b7fff839d6d8b058eaaeb32b75bc7cbefaf41aa38eefe3cf0c8b7cfaf6171b1d277bbe91edbb55107"}]}

@@ -1,0 +1,1 @@
+{"signatures": [{"keyid": "a578660691bc67c4", "sig": "22744fd9fc3272da7eb3a7f50f38c4f17a14b367d7dc3f119a906df9ebdad7ce7c04aa7c97c3921e9060ac443a02abd35411bf1f93b74dce63c674fd8f2b630a"}]}
