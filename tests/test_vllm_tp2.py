@@ -5,10 +5,10 @@ padded vocabulary (1000 -> 1024 rows) leaves padding rows on rank 1. Most parts 
 deltas are context coded (codec v2, the default), each rank decoding the blocks it holds
 from its own weights. The deltas are cut
 into small cells (as a big model's are at the default size), so each rank fetches only
-the rows or columns it holds: at most 0.6x of the delta. The versions are format 10 (their
-tensor entries and cell tables in a blob, as a model of very many tensors publishes them):
-each rank reads the name index, the tensor tables of the tensors it holds and only the cell tables
-of the cells it fetches (on top of its 0.6x). Then rank 1 fails in the middle
+the rows or columns it holds: at most 0.6x of the delta. The versions are format 12 (their
+tensor entries in tables in a blob, as a model of very many tensors publishes them, the cut matrices'
+chunk records in cell sections for 8 TP shares): each rank reads the name index, the tensor tables of the
+tensors it holds and only the cell sections of its own shares (on top of its 0.6x). Then rank 1 fails in the middle
 of an update, after writing its part (tests/server_hooks): every rank rolls back, the
 served weights and outputs are those of before, and the same update lands next time.
 After K + 1 deltas through the endpoint the outputs equal a TP 2 cold start on the final
@@ -23,6 +23,7 @@ import json
 import pytest
 
 from engine_ext import settings
+from engine_ext.format.manifest import CellSections
 from engine_ext.store import open_store
 from engine_ext.store.reader import load_cells, read_manifest
 
@@ -36,15 +37,16 @@ K = 3
 def test_tp2_tied_embeddings(tmp_path):
     model = make_model(tmp_path / "model", "qwen2-tied", vocab=1000)
     root = tmp_path / "stores"
-    with settings.override(inline_entries=0):  # format 10: tensor entries and cell tables in a blob (tests/test_tables.py)
+    with settings.override(inline_entries=0):  # format 12: tables and cell sections in a blob (tests/test_cell_sections.py)
         final = rl_trajectory(model, root / "run", K + 1, seed=3, chunk_min_cell=256)
     assert not any(n.startswith("lm_head") for n in final)
     store = open_store(str(root / "run"))
     for n in range(1, K + 2):  # codec v2 by default: most parts context coded, the padded embedding's among them
         assert json.loads((root / "run" / f"v{n:08d}.json").read_text())["tensors"] == []
         m = read_manifest(store, f"v{n:08d}.json")
+        assert m.format_version == 12 and any(isinstance(t.cells, CellSections) for t in m.tensors)  # q/k/v, MLP, vocab
         load_cells(store, m)
-        assert m.format_version == 10 and any(t.grid for t in m.tensors)  # tables (and ctx-rans parts)
+        assert any(t.grid for t in m.tensors)  # tables (and ctx-rans parts)
         coders = [p.positions.coder for t in m.tensors if t.nnz for p in (t.chunks or [t])]
         embed = next(t for t in m.tensors if t.name == "model.embed_tokens.weight")
         assert coders.count("ctx-rans") > len(coders) / 2 and any(p.positions.coder == "ctx-rans" for p in embed.chunks)
