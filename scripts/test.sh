@@ -47,7 +47,8 @@ record() {  # record NAME RC T0: the suite's counts line from its log
   [ "$rc" -eq 0 ] || status=1
 }
 
-pytest_args=(-q -p no:cacheprovider -rfEs)
+# --durations: the slowest tests named in every run's log, for whoever keeps the suite under its 20 minutes
+pytest_args=(-q -p no:cacheprovider -rfEs --durations=25)
 core_pid=""
 profiles_pid=""
 lint_pid=""
