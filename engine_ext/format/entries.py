@@ -142,7 +142,7 @@ class Columns:
         section_dim = np.full(n, NONE, np.int64)
         section_count = np.zeros(n, np.int64)
         for i, r in shared:  # a rank's entries as read (format 12), checked when read: taken as they are
-            section_dim[i], section_count[i] = r.dim, r.count
+            section_dim[i], section_count[i] = r.dim, r.records
         has_cells = np.array([r is not None for r in refs], bool) & (section_dim == NONE)
         rows = np.flatnonzero(has_cells)
         sub = [refs[i] for i in rows.tolist()]

@@ -507,7 +507,7 @@ def _from_sections(
     """The records of ``tensors`` (in cell sections, format 12) found in the cell ``sections`` read
     {(tensor table, share): bytes}: CELL_RECORDs by tensor, then cell; how many each tensor has; and whether
     those are all of its records (every section of its table that has records was read: then exactly its
-    ``count``). Each section is checked against its length and SHA-256 in its table and its records sorted
+    ``records``). Each section is checked against its length and SHA-256 in its table and its records sorted
     by (row, cell) within the table; each record of a tensor asked for must lie in the section of its cell's
     share. Records of other tensors are not used (a rank's section holds its share of every tensor of the
     table). All at once: a TP rank of K2 reads its share of 1.13 M records, of 140 k tensors."""
@@ -564,7 +564,7 @@ def _from_sections(
     counts = np.bincount(owner, minlength=n).astype(np.int64)
     read_all = {tb: all(r.count == 0 or (tb, k) in sections for k, r in enumerate(rs, 1)) for tb, rs in refs.items()}
     whole = np.array([read_all[t.cells.table] for t in tensors], np.bool_)
-    said = np.array([t.cells.count for t in tensors], np.int64)
+    said = np.array([t.cells.records for t in tensors], np.int64)
     bad = (whole & (counts != said)) | (counts > said)
     if bad.any():
         j = int(np.argmax(bad))

@@ -131,8 +131,9 @@ def tensor_records(c: entries.Columns, cells: Sequence[TableRef | CellSections |
         rec[f][rows] = values
     rec["sha256"][rows] = np.frombuffer(bytes.fromhex("".join(r.sha256 for r in refs)), "V32")
     rows = np.flatnonzero(shared)
-    rec["count"][rows] = [cells[i].count for i in rows.tolist()]
-    rec["flags"][rows] |= np.array([DIM1 * cells[i].dim for i in rows.tolist()], np.uint8)
+    sectioned = [r for r in cells if isinstance(r, CellSections)]  # in row order, as ``rows``
+    rec["count"][rows] = [r.records for r in sectioned]
+    rec["flags"][rows] |= np.array([DIM1 * r.dim for r in sectioned], np.uint8)
     return rec
 
 
@@ -282,6 +283,9 @@ class TableEntries(entries.ColumnEntries):
     def make(self) -> list[TensorEntry]:
         c, rec = self.columns, self.records
         sections = self.section_refs() if len(self.sections) else {}
+        if sections:  # where each record lies, as lists (numpy's scalars, one at a time, cost more than the rest)
+            assert self.table is not None and self.row is not None  # read with their places (read_tensor_tables)
+            places, rows, dims = self.table.tolist(), self.row.tolist(), c.section_dim.tolist()
         cols = {f: rec[f].tolist() for f in ("kind", "blob", "offset", "positions_length", "values_length", "count")}
         sha = rec["sha256"].tolist()
         pcoder, vcoder, mode = c.pcoder.tolist(), c.vcoder.tolist(), c.mode.tolist()
@@ -309,10 +313,8 @@ class TableEntries(entries.ColumnEntries):
                     cols["blob"][i], cols["offset"][i], cols["positions_length"][i], sha[i].hex(), cols["count"][i]
                 )
             elif kind == SECTIONS:
-                assert self.table is not None and self.row is not None  # read with their places (read_tensor_tables)
-                number = int(self.table[i])
-                dim = int(c.section_dim[i])
-                t.cells = CellSections(sections[number], number, int(self.row[i]), dim, cols["count"][i])
+                number = places[i]
+                t.cells = CellSections(sections[number], number, rows[i], dims[i], cols["count"][i])
             out.append(t)
         return out
 
