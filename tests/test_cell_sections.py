@@ -11,6 +11,7 @@ refused before any chunk is taken.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import json
@@ -52,7 +53,7 @@ def _states(steps=2, seed=0):
 
 
 def _publish(root, states, limit: int, reader_tp: int = 8, per_table: int | None = None):
-    patch = mock.patch.object(tables, "PER_TABLE", per_table) if per_table else mock.patch.object(tables, "PER_TABLE", tables.PER_TABLE)
+    patch = mock.patch.object(tables, "PER_TABLE", per_table) if per_table else contextlib.nullcontext()
     with settings.override(inline_entries=limit, reader_tp=reader_tp), patch, \
             DeltaPublisher(str(root), anchor_every=0, chunk_min_cell=1024) as pub:
         for sd in states:

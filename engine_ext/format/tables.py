@@ -165,26 +165,8 @@ def _cell_sections(
     idx = np.repeat(np.array([a for _, a, _ in mine], np.int64) - np.cumsum(lengths) + lengths, lengths)
     idx += np.arange(len(idx))
     owner = np.repeat(np.array([i for i, _, _ in mine], np.int64), lengths)
-    # the share each cell starts in, per distinct (grid, shape, dimension): a K2 version has a handful, found by
-    # the lists' identity first (entries share them), then by content
-    by_id: dict = {}
-    by_content: dict = {}
-    per_kind: list[list[int]] = []
-    kind = np.empty(len(mine), np.int64)
-    for j, (i, _, _) in enumerate(mine):
-        t = tensors[i]
-        code = by_id.get((id(t.grid), id(t.shape), dims[i]))
-        if code is None:
-            key = (tuple(map(tuple, t.grid)), tuple(t.shape), dims[i])
-            code = by_content.get(key)
-            if code is None:
-                code = by_content[key] = len(per_kind)
-                per_kind.append(cell_shares(t.grid, t.shape, dims[i], shares))
-            by_id[(id(t.grid), id(t.shape), dims[i])] = code
-        kind[j] = code
-    first = np.cumsum([0] + [len(x) for x in per_kind])[:-1]
-    flat = np.array([k for x in per_kind for k in x], np.int64)
-    share = flat[np.repeat(first[kind], lengths) + records["cell"][idx].astype(np.int64)]
+    cut_as = [(tensors[i], dims[i], shares) for i, _, _ in mine]
+    share = _record_shares(cut_as, np.repeat(np.arange(len(mine)), lengths), records["cell"][idx].astype(np.int64))
     sec = np.zeros(len(idx), SECTION_RECORD)
     sec["row"] = owner % per_table
     for f in CELL_RECORD.names:
@@ -543,23 +525,12 @@ def _from_sections(
     mine = tkey[by_key][at] == rkey
     owner = by_key[at][mine]
     rec, share = rec[mine], share[mine]
-    # the share each record's cell starts in, per distinct (grid, shape, dimension, shares)
-    kinds: dict = {}
-    kind = np.empty(n, np.int64)
-    per_kind: list[list[int]] = []
-    for j, t in enumerate(tensors):
-        key = (id(t.grid), id(t.shape), t.cells.dim, len(t.cells.sections))
-        code = kinds.get(key)
-        if code is None:
-            code = kinds[key] = len(per_kind)
-            per_kind.append(cell_shares(t.grid, t.shape, t.cells.dim, len(t.cells.sections)))
-        kind[j] = code
-    first = np.cumsum([0] + [len(x) for x in per_kind])
-    flat = np.array([k for x in per_kind for k in x] + [0], np.int64)
     cell = rec["cell"].astype(np.int64)
-    inside = cell < (first[1:] - first[:-1])[kind[owner]]  # a cell beyond its grid is cells.check's to refuse
-    if (inside & (flat[np.where(inside, first[kind[owner]] + cell, len(flat) - 1)] != share)).any():
-        j = int(owner[np.argmax(inside & (flat[np.where(inside, first[kind[owner]] + cell, len(flat) - 1)] != share))])
+    cut_as = [(t, t.cells.dim, len(t.cells.sections)) for t in tensors]
+    got = _record_shares(cut_as, owner, cell)
+    elsewhere = (got != -1) & (got != share)  # a cell beyond its grid (-1) is cells.check's to refuse
+    if elsewhere.any():
+        j = int(owner[np.argmax(elsewhere)])
         raise ManifestError(f"tensor {tensors[j].name!r}: cell sections: a cell in another share's section")
     counts = np.bincount(owner, minlength=n).astype(np.int64)
     read_all = {tb: all(r.count == 0 or (tb, k) in sections for k, r in enumerate(rs, 1)) for tb, rs in refs.items()}
@@ -576,6 +547,40 @@ def _from_sections(
     for f in CELL_RECORD.names:
         out[f] = rec[f][order]
     return out, counts, whole
+
+
+def _record_shares(cut_as: list[tuple[TensorEntry, int, int]], owner: np.ndarray, cell: np.ndarray) -> np.ndarray:
+    """The share each record's cell starts in (:func:`~engine_ext.format.chunks.cell_shares`): record i is cell
+    ``cell[i]`` of the tensor ``cut_as[owner[i]]`` names, (tensor, dimension, shares); -1 for a cell beyond its
+    grid. The shares of a grid's cells are made once per distinct (grid, shape, dimension, shares): a K2
+    version has a handful among 140 k tensors, found by their lists' identity first (a table's entries share
+    them), then by content (a writer's entries each have their own)."""
+    kind, per_kind = _grid_kinds(cut_as)
+    sizes = np.array([len(x) for x in per_kind], np.int64)
+    first = np.cumsum(sizes) - sizes
+    flat = np.array([k for x in per_kind for k in x] + [-1], np.int64)
+    inside = cell < sizes[kind[owner]]
+    return flat[np.where(inside, first[kind[owner]] + cell, len(flat) - 1)]
+
+
+def _grid_kinds(cut_as: list[tuple[TensorEntry, int, int]]) -> tuple[np.ndarray, list[list[int]]]:
+    """Each (tensor, dimension, shares)'s code among the distinct (grid, shape, dimension, shares), and each
+    code's cell shares."""
+    by_id: dict = {}
+    by_content: dict = {}
+    per_kind: list[list[int]] = []
+    kind = np.empty(len(cut_as), np.int64)
+    for j, (t, dim, shares) in enumerate(cut_as):
+        code = by_id.get((id(t.grid), id(t.shape), dim, shares))
+        if code is None:
+            key = (tuple(map(tuple, t.grid)), tuple(t.shape), dim, shares)
+            code = by_content.get(key)
+            if code is None:
+                code = by_content[key] = len(per_kind)
+                per_kind.append(cell_shares(t.grid, t.shape, dim, shares))
+            by_id[(id(t.grid), id(t.shape), dim, shares)] = code
+        kind[j] = code
+    return kind, per_kind
 
 
 def read_table(ref: TableRef, raw: bytes, where: str) -> list:
