@@ -12,9 +12,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from json.encoder import encode_basestring_ascii as _string
 
 _FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _list_like(o) -> bool:
+    """A sequence other than a list, tuple or text, written as a JSON array (a read manifest's CellChunks)."""
+    return isinstance(o, Sequence) and not isinstance(o, (str, bytes, bytearray))
 
 
 class _Unknown(Exception):
@@ -63,6 +69,8 @@ def _text(o, pad: str, omit: dict) -> str:
         items = [(n, v) for n in names if not ((v := getattr(o, n)) is None and n in gone)]
         if not items:
             return "{}"
+    elif _list_like(o):
+        return _text(list(o), pad, omit)
     else:
         raise _Unknown
     return "{" + inner + ("," + inner).join([_string(k) + ": " + _text(v, inner, omit) for k, v in items]) + pad + "}"
@@ -89,6 +97,8 @@ def _plain(o, omit: dict):
         }
     if isinstance(o, (list, tuple)):
         return type(o)(_plain(v, omit) for v in o)
+    if _list_like(o):
+        return [_plain(v, omit) for v in o]
     if isinstance(o, dict):
         return {k: _plain(v, omit) for k, v in o.items()}
     return o

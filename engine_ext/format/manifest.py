@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -154,6 +154,64 @@ class Chunk:
         return self.positions.length + self.values.length
 
 
+class CellChunks(Sequence):
+    """A cut tensor's chunks as read from its cell table or cell sections: rows ``[start, stop)`` of a
+    checked :data:`~engine_ext.format.cells.CELL_RECORD` array (in cell order), made :class:`Chunk` objects
+    all together the first time one is asked for. A tensor-parallel rank of Kimi-K2 reads ~300 k chunks per
+    version: as objects they were a fifth of its metadata time, yet its fetch plans from the records alone
+    (:attr:`records`) and its decode asks for one tensor's chunks at a time."""
+
+    __slots__ = ("_all", "_made", "_start", "_stop")
+
+    def __init__(self, records: np.ndarray, start: int = 0, stop: int | None = None):
+        self._all, self._start = records, start
+        self._stop = len(records) if stop is None else stop
+        self._made: list[Chunk] | None = None
+
+    @property
+    def records(self) -> np.ndarray:
+        return self._all[self._start : self._stop]
+
+    @property
+    def span(self) -> tuple[np.ndarray, int, int]:
+        """(the records array these chunks lie in, their first row, the row after their last): a reader of
+        many tensors' chunks takes each array's fields once, not a slice's per tensor."""
+        return self._all, self._start, self._stop
+
+    def _chunks(self) -> list[Chunk]:
+        if self._made is None:
+            self._made = chunks_of_records(self.records)
+        return self._made
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __getitem__(self, i):
+        return self._chunks()[i]
+
+    def __iter__(self):
+        return iter(self._chunks())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  # equal to a list of the same chunks, which has none
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} chunks as cell records>"
+
+
+def chunks_of_records(rec: np.ndarray) -> list[Chunk]:
+    """:data:`~engine_ext.format.cells.CELL_RECORD` records (checked) as :class:`Chunk` objects, a field at a time."""
+    fields = ("cell", "nnz", "blob", "offset", "positions_length", "values_length")
+    cols = [rec[f].tolist() for f in (*fields, "positions_coder", "values_coder", "mode", "sha256")]
+    coders, modes = cells.CELL_CODERS, cells.CELL_MODES
+    return [
+        Chunk(c, n, b, o, h.hex(), Segment(coders[p], pl), Segment(coders[v], vl, modes[md]))
+        for c, n, b, o, pl, vl, p, v, md, h in zip(*cols)
+    ]
+
+
 @dataclass
 class TensorEntry:
     name: str
@@ -168,7 +226,8 @@ class TensorEntry:
     positions: Segment = field(default_factory=lambda: Segment("none", 0))
     values: Segment = field(default_factory=lambda: Segment("none", 0))
     grid: list[list[int]] | None = None  # format 3: cut points along the first one or two dimensions
-    chunks: list[Chunk] | None = None  # format 3: the changes per grid cell; then no tensor-level bytes
+    # format 3: the changes per grid cell (then no tensor-level bytes); read from a table: CellChunks
+    chunks: list[Chunk] | CellChunks | None = None
     # format 7: where ``chunks`` lie instead, a cell table; format 12: or its table's cell sections (None once read)
     cells: TableRef | CellSections | None = None
 

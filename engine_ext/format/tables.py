@@ -29,7 +29,7 @@ from . import cells, entries
 from . import fingerprint as fpr
 from .bulk import LastKept
 from .bulk import collector_paused as _collector_paused
-from .cells import CELL_CODERS, CELL_MODES, CELL_RECORD
+from .cells import CELL_RECORD
 from .chunks import cell_shares
 from .manifest import (
     CELL_RECORD_BYTES,
@@ -37,10 +37,9 @@ from .manifest import (
     INDEX_RECORD_BYTES,
     MAX_TENSOR_TABLES,
     REQUIRED_TENSOR_FIELDS,
+    CellChunks,
     CellSections,
-    Chunk,
     Manifest,
-    Segment,
     TableRef,
     TensorEntry,
     parse_checked,
@@ -417,7 +416,7 @@ def read_cells(
     items: list[tuple[TensorEntry, bytes | None]],
     keep: list | None = None,
     sections: dict[tuple[int, int], bytes] | None = None,
-) -> list[list[Chunk]]:
+) -> list[CellChunks]:
     """The chunks of each tensor's cell table (``items``: (tensor, bytes)), the bytes checked against the
     table's length and SHA-256, then every record by the rules inline chunks meet (:func:`cells.check`), over all records of all
     tables at once: a rank reads ~70,000 of them per Kimi-K2
@@ -457,29 +456,12 @@ def read_cells(
         want = np.fromiter((j * (1 << 32) + c for j in some for c in kept[j]), np.int64)
         partial = np.isin(owner, some)
         made[partial] = np.isin(key[partial], want)
-    cols = [
-        rec[f][made].tolist()
-        for f in (
-            "cell",
-            "nnz",
-            "blob",
-            "offset",
-            "positions_length",
-            "values_length",
-            "positions_coder",
-            "values_coder",
-            "mode",
-            "sha256",
-        )
-    ]
-    chunks = [
-        Chunk(c, n, b, o, h.hex(), Segment(CELL_CODERS[p], pl), Segment(CELL_CODERS[v], vl, CELL_MODES[md]))
-        for c, n, b, o, pl, vl, p, v, md, h in zip(*cols)
-    ]
+    kept = np.flatnonzero(made)
+    kept = rec[kept[np.lexsort((rec["cell"][kept], owner[kept]))]]  # by tensor, then cell
     at = np.cumsum(np.bincount(owner[made], minlength=len(placed))).tolist()
-    out: list[list[Chunk]] = [[] for _ in items]
+    out: list[CellChunks] = [CellChunks(kept, 0, 0) for _ in items]
     for i, a, b in zip(placed, [0] + at, at):
-        out[i] = chunks[a:b]
+        out[i] = CellChunks(kept, a, b)
     return out
 
 

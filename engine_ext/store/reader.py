@@ -31,14 +31,15 @@ import torch
 
 from .. import settings
 from ..errors import BaseMismatchError, IntegrityError, ManifestError, ModelMismatchError, NotFoundError
-from ..format import chunks, codec, kernel_module, tables
+from ..format import cells, chunks, codec, kernel_module, tables
 from ..format import fingerprint as fpr
 from ..format.bulk import collector_paused
+from ..format.cells import CELL_CODERS, CELL_MODES
 from ..format.context import codec as ctx_codec
 from ..format.delta import TensorDelta, apply_tensor
 from ..format.dtypes import as_bits, dtype_by_name
 from ..format.latest import LATEST_KEY, MAX_LATEST_BYTES, Latest
-from ..format.manifest import CONTEXT_CODERS, MAX_MANIFEST_BYTES, Chunk, Manifest, TableRef, TensorEntry
+from ..format.manifest import CONTEXT_CODERS, MAX_MANIFEST_BYTES, CellChunks, Manifest, TableRef, TensorEntry
 from ..format.pieces import PIECES, pieces_sha256
 from . import Store, split_uri
 from .signing import MAX_SIGNATURE_BYTES, SIG_SUFFIX, SignatureError, Trust, sha256_hex
@@ -239,46 +240,99 @@ GAP = 64 << 10  # ranges of one blob closer than this are fetched as one (if at 
 
 
 class _Part(NamedTuple):
-    """The bytes of one changed tensor (``entry`` is its TensorEntry, ``box`` None), or of one
-    cell of it (``entry`` is the Chunk, ``box`` the cell), and what they are read and checked as: the
-    entry's byte range of a blob and that range's SHA-256, copied from it once (a K2 TP rank reads
-    141,000 parts: reading a tuple's fields took a third of the time properties over its entry did, in an
-    ad-hoc probe at 8 layers)."""
+    """The bytes of one changed tensor (``box`` None) or of one cell of it (``box`` the cell), and what they
+    are read, checked and decoded as, copied once from the tensor's entry or the cell's record: a K2 TP
+    rank reads 141,000 parts (reading a tuple's fields took a third of the time properties over an entry
+    did, in an ad-hoc probe at 8 layers; making a Chunk object per cell took as long again)."""
 
     tensor: TensorEntry
-    entry: TensorEntry | Chunk  # coders, nnz
     box: tuple | None
     tables: tuple  # the version's step tables for the tensor's dtype (context-coded parts)
-    blob: int | None  # set on every changed part of a validated manifest
+    blob: int
     offset: int
     length: int
-    sha256: str | None
+    sha256: bytes  # the digest of blob[offset : offset + length]
+    nnz: int
+    positions_coder: str
+    positions_length: int  # the positions segment first, the values right after
+    values_coder: str
+    mode: str | None  # the values': "abs" or "rel"
 
     @classmethod
-    def of(cls, tensor: TensorEntry, entry: TensorEntry | Chunk, box: tuple | None, tables: tuple = ()) -> _Part:
-        return cls(tensor, entry, box, tables, entry.blob, entry.offset, entry.length, entry.sha256)
+    def whole(cls, t: TensorEntry, tables: tuple) -> _Part:
+        assert t.blob is not None and t.sha256 is not None  # a changed tensor of a validated manifest
+        return cls(
+            t,
+            None,
+            tables,
+            t.blob,
+            t.offset,
+            t.length,
+            bytes.fromhex(t.sha256),
+            t.nnz,
+            t.positions.coder,
+            t.positions.length,
+            t.values.coder,
+            t.values.mode,
+        )
 
 
 _cell = attrgetter("cell")
+_CELL_FIELDS = ("cell", "blob", "offset", "positions_length", "values_length", "sha256", "nnz")
 
 
 @collector_paused()  # a K2 TP rank's 141,000 parts: objects that live, not garbage
 def _parts(m: Manifest, selection: Selection | None) -> list[_Part]:
+    """The parts of the changed tensors in ``selection`` (None: all), a cut tensor's in cell order, made from
+    its cell records (:class:`~engine_ext.format.manifest.CellChunks`: each records array's fields taken
+    once, not per tensor) or inline chunks."""
     m.require_resolved()
     out, step_tables = [], {dt: tuple(m.tables_for(dt)) for dt in (m.step_tables or {})}
+    fields: dict[int, tuple] = {}  # id of a records array (alive meanwhile) -> its fields as lists
     for t in m.tensors:
         if not t.nnz or (selection is not None and t.name not in selection):
             continue
         tab = step_tables.get(t.dtype, ())
         if t.grid is None:
-            out.append(_Part.of(t, t, None, tab))
+            out.append(_Part.whole(t, tab))
             continue
         if t.cells is not None:
             raise ManifestError(f"tensor {t.name!r}: its cell table was not read (load_cells)")
-        cells, boxes = None if selection is None else selection[t.name], t.boxes()
+        if isinstance(t.chunks, CellChunks):
+            arr, start, stop = t.chunks.span
+        else:  # inline (format 3): its own records, checked with the manifest
+            arr = cells.records(sorted(t.chunks, key=_cell), lambda i: f"tensor {t.name!r} chunk {i}")  # noqa: B023
+            start, stop = 0, len(arr)
+        got = fields.get(id(arr))
+        if got is None:
+            got = fields[id(arr)] = (
+                *(arr[f].tolist() for f in _CELL_FIELDS),
+                [CELL_CODERS[c] for c in arr["positions_coder"].tolist()],
+                [CELL_CODERS[c] for c in arr["values_coder"].tolist()],
+                [CELL_MODES[c] for c in arr["mode"].tolist()],
+            )
+        cell, blob, offset, plen, vlen, sha, nnz, pc, vc, mode = got
+        wanted, boxes = None if selection is None else selection[t.name], t.boxes()
         out += [
-            _Part.of(t, c, boxes[c.cell], tab) for c in sorted(t.chunks, key=_cell) if cells is None or c.cell in cells
+            _Part(
+                t,
+                boxes[cell[j]],
+                tab,
+                blob[j],
+                offset[j],
+                plen[j] + vlen[j],
+                sha[j],
+                nnz[j],
+                pc[j],
+                plen[j],
+                vc[j],
+                mode[j],
+            )
+            for j in range(start, stop)
+            if wanted is None or cell[j] in wanted
         ]
+        if not isinstance(t.chunks, CellChunks):
+            del fields[id(arr)]
     return out
 
 
@@ -293,7 +347,7 @@ def fetch_selected(
     sha = {(p.blob, p.offset): p for p in parts}
 
     def check(key, piece):
-        if hashlib.sha256(piece).hexdigest() != sha[key].sha256:
+        if hashlib.sha256(piece).digest() != sha[key].sha256:
             raise IntegrityError(f"tensor {sha[key].tensor.name!r}: SHA-256 mismatch")
 
     data, read = _read_ranges(store, m, [(p.blob, p.offset, p.length) for p in parts], workers, check)
@@ -412,7 +466,7 @@ class TensorBases(Bases):
 
 
 def _decode_context(p: _Part, data: memoryview, bases: Bases | None) -> tuple[torch.Tensor, torch.Tensor]:
-    t, e, box = p.tensor, p.entry, p.box
+    t, box = p.tensor, p.box
     if bases is None:
         raise IntegrityError(f"tensor {t.name!r} is context-coded: decoding needs the base weights")
     start = (0,) * len(t.shape) if box is None else box[0]
@@ -422,8 +476,8 @@ def _decode_context(p: _Part, data: memoryview, bases: Bases | None) -> tuple[to
     def base_of(sub):
         return read(t.name, tuple(a + s for a, s in zip(start, sub[0])), tuple(a + s for a, s in zip(start, sub[1])))
 
-    n = e.positions.length
-    part = ctx_codec.StoredPart(t.dtype, tuple(t.shape), box, bytes(data[:n]), bytes(data[n:]), e.nnz, list(p.tables))
+    n = p.positions_length
+    part = ctx_codec.StoredPart(t.dtype, tuple(t.shape), box, bytes(data[:n]), bytes(data[n:]), p.nnz, list(p.tables))
     if device is None:
         pos, vals = (torch.from_numpy(a) for a in ctx_codec.decode(part, base_of))
     else:
@@ -435,15 +489,15 @@ def _decode_context(p: _Part, data: memoryview, bases: Bases | None) -> tuple[to
 
 def _decode_part(p: _Part, data: memoryview, bases: Bases | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(positions, local to the part's box if it has one, or None for every element; values) of one part."""
-    t, e, box = p.tensor, p.entry, p.box
+    t, box = p.tensor, p.box
     dt = dtype_by_name(t.dtype)
     numel = t.numel if box is None else chunks.box_numel(box)
-    n = e.positions.length
+    n = p.positions_length
     try:
-        if e.positions.coder in CONTEXT_CODERS:
+        if p.positions_coder in CONTEXT_CODERS:
             return _decode_context(p, data, bases)
-        pos = codec.decode_positions(e.positions.coder, bytes(data[:n]), e.nnz, numel)
-        vals = codec.decode_values(e.values.coder, bytes(data[n:]), e.nnz, dt)
+        pos = codec.decode_positions(p.positions_coder, bytes(data[:n]), p.nnz, numel)
+        vals = codec.decode_values(p.values_coder, bytes(data[n:]), p.nnz, dt)
     except IntegrityError as err:
         raise IntegrityError(f"tensor {t.name!r}: {err}") from None
     return pos, vals
@@ -478,7 +532,7 @@ def _decode_values(p: _Part, data: memoryview) -> torch.Tensor:
     """The values of a part whose positions are every element of it (no bytes)."""
     try:
         return codec.decode_values(
-            p.entry.values.coder, bytes(data[p.entry.positions.length :]), p.entry.nnz, dtype_by_name(p.tensor.dtype)
+            p.values_coder, bytes(data[p.positions_length :]), p.nnz, dtype_by_name(p.tensor.dtype)
         )
     except IntegrityError as err:
         raise IntegrityError(f"tensor {p.tensor.name!r}: {err}") from None
@@ -512,10 +566,10 @@ def _decode_parts(parts: list[_Part], data_of, workers: int, bases: Bases | None
                 )
             ]
         by_mode: dict[str, list] = {}
-        if bases is not None and any(p.entry.positions.coder in CONTEXT_CODERS for p in ps):
+        if bases is not None and any(p.positions_coder in CONTEXT_CODERS for p in ps):
             bases.verify(t.name, base)  # before any context decoding: a wrong base decodes to garbage
         for p in ps:
-            by_mode.setdefault(p.entry.values.mode, []).append((p, _decode_part(p, data_of((p.blob, p.offset)), bases)))
+            by_mode.setdefault(p.mode, []).append((p, _decode_part(p, data_of((p.blob, p.offset)), bases)))
         for mode, decoded in by_mode.items():
             pos, vals = _join(t, [p for p, _ in decoded], [piece for _, piece in decoded])
             if pos is not None and pos.numel() == t.numel:  # sorted, unique: every element, in order
@@ -549,7 +603,7 @@ def _whole_in_rows(ps: list[_Part]) -> bool:
         t.chunks is not None
         and len(t.grid) == 1
         and len(ps) == len(t.grid[0]) - 1
-        and all(p.entry.positions.coder == "all" and p.entry.values.mode == "abs" for p in ps)
+        and all(p.positions_coder == "all" and p.mode == "abs" for p in ps)
     )
 
 
@@ -588,7 +642,7 @@ def decode_manifest(
         b, offset = key
         p = by_key[key]
         piece = memoryview(blobs[b])[offset : offset + p.length]
-        if hashlib.sha256(piece).hexdigest() != p.sha256:
+        if hashlib.sha256(piece).digest() != p.sha256:
             raise IntegrityError(f"tensor {p.tensor.name!r}: SHA-256 mismatch")
         return piece
 
