@@ -69,10 +69,9 @@ sys.path[:0] = [str(HERE.parent), str(HERE), str(HERE.parent / "tests")]
 import manifest_size as ms  # noqa: E402
 from engine_ext import settings  # noqa: E402
 from engine_ext.format.bulk import collector_paused  # noqa: E402
-from engine_ext.format.chunks import cells_meeting  # noqa: E402
 from engine_ext.store import Store, open_store  # noqa: E402
 from engine_ext.store.reader import TensorBases, _decode_parts, _parts, _read_ranges  # noqa: E402
-from engine_ext.store.reader import load_cells, open_held, open_manifest  # noqa: E402
+from engine_ext.store.reader import load_cells, open_held, open_manifest, select_cells  # noqa: E402
 from engine_ext.store.signing import Signer, Trust, generate_key  # noqa: E402
 from engine_ext.format import fingerprint as fpr  # noqa: E402
 from engine_ext.format import tables, tensor_records  # noqa: E402
@@ -195,8 +194,8 @@ def full_size(layers: int, experts: int, root: Path, key: str, moto: bool, joine
     raw = (root / "v00000002.json").read_bytes()
     out["manifest_bytes"] = len(raw)
     by_name = {n: s for n, _, s in shapes}
-    wants = {"ep16": {n: [((0,) * len(by_name[n]), tuple(by_name[n]))] for n in ms.ep_names(names, experts, ep)},
-             "tp8": {n: ms.tp_boxes(n, s) for n, s in by_name.items()}}
+    wants = {"ep16": {n: (((0,) * len(by_name[n]), tuple(by_name[n])),) for n in ms.ep_names(names, experts, ep)},
+             "tp8": {n: tuple(ms.tp_boxes(n, s)) for n, s in by_name.items()}}
 
     def manifest_and_signature(st):
         raw = st.read("v00000002.json")
@@ -213,14 +212,7 @@ def full_size(layers: int, experts: int, root: Path, key: str, moto: bool, joine
 
     def rank_metadata(st, want):  # what RankUpdater.fetch does before it fetches data (selection: its rule)
         m, n = open_held(st, raw, set(want))
-        sel, meeting = {}, {}
-        for t in m.tensors:
-            if t.nnz:
-                whole = any(a == (0,) * len(t.shape) and tuple(z) == tuple(t.shape) for a, z in want[t.name])
-                key = (id(t.grid), tuple(t.shape), tuple(want[t.name]))
-                if not (t.grid is None or whole) and key not in meeting:
-                    meeting[key] = frozenset().union(*(cells_meeting(t.grid, t.shape, a, z) for a, z in want[t.name]))
-                sel[t.name] = None if t.grid is None or whole else meeting[key]
+        sel, _ = select_cells(m, want)
         n += load_cells(st, m, {k: v for k, v in sel.items() if v is None or v})  # a Selection, as fetch_selected passes
         return m, sel, n + len(raw)
 
@@ -301,7 +293,7 @@ def one_layer(experts: int, density: float, root: Path) -> dict:
         load_cells(store, mm, sel)
         parts = _parts(mm, sel)
         data, _ = _read_ranges(store, mm, [(p.blob, p.offset, p.length) for p in parts], 8)
-        deltas, out[f"{rank}_decode_s"] = timed(lambda: _decode_parts(parts, data.__getitem__, 8, TensorBases(base)))
+        deltas, out[f"{rank}_decode_s"] = timed(lambda: _decode_parts(mm, parts, data.__getitem__, 8, TensorBases(base)))
         out[f"{rank}_changes"] = sum(d.nnz for d in deltas)
         _, out[f"{rank}_apply_s"] = timed(lambda: up.apply(deltas))
         up.commit(1)

@@ -28,7 +28,7 @@ from engine_ext.format import chunks  # noqa: E402
 from engine_ext.format import fingerprint as fpr  # noqa: E402
 from engine_ext.format import tables as tables_mod  # noqa: E402
 from engine_ext.format.context.blocks import shard_dim  # noqa: E402
-from engine_ext.format.manifest import Blob, Chunk, Manifest, Segment, TableRef, TensorEntry  # noqa: E402
+from engine_ext.format.manifest import Blob, Chunk, Manifest, Segment, TensorEntry  # noqa: E402
 from engine_ext.trainer import blob_layout  # noqa: E402
 
 
@@ -131,7 +131,7 @@ def rank_read(raw: bytes, bytes_of, want: dict) -> dict:
     tables holding ``want`` {name: its boxes}, the cell tables of the cut tensors it needs cells of (format
     12: the cell sections holding them). Returns the seconds, the bytes read and the data bytes it then
     fetches."""
-    from engine_ext.format.chunks import cells_meeting
+    from engine_ext.store.reader import select_cells
 
     t0 = time.perf_counter()
     m = Manifest.from_json(raw)
@@ -139,21 +139,15 @@ def rank_read(raw: bytes, bytes_of, want: dict) -> dict:
     got = {i: bytes_of(m.tables[i]) for i in places}
     tables_mod.select(m, places, got, want, found)
     read = len(raw) + m.index.length + sum(len(b) for b in got.values())
-    cut = [t for t in m.tensors if t.cells is not None]
-    meeting: dict = {}  # the cells it fetches, once per distinct grid, shape and boxes
-    selection = {}
-    for t in cut:
-        key = (id(t.grid), tuple(t.shape), tuple(want[t.name]))
-        if key not in meeting:
-            meeting[key] = frozenset().union(*(cells_meeting(t.grid, t.shape, a, b) for a, b in want[t.name]))
-        selection[t.name] = meeting[key]
-    own = {t.name: bytes_of(t.cells) for t in cut if isinstance(t.cells, TableRef)}
+    selection, _ = select_cells(m, {n: tuple(b) for n, b in want.items()})  # the cells it fetches
+    cut = tables_mod.CutTensors.of(m, selection)
+    own = [None if r is None else bytes_of(r) for r in cut.tables]
     sections = {k: bytes_of(r) for k, r in tables_mod.sections_wanted(cut, selection).items()}
-    read += sum(map(len, own.values())) + sum(map(len, sections.values()))
-    tables_mod.set_cells(m, [(t, own.get(t.name)) for t in cut], selection, sections)
+    read += sum(len(b) for b in own if b is not None) + sum(map(len, sections.values()))
+    tables_mod.set_cells(m, cut, own, selection, sections)
     seconds = time.perf_counter() - t0
     data = sum(t.length for t in m.tensors if t.nnz and t.grid is None)
-    data += sum(c.length for t in cut for c in t.chunks)  # the chunks of the cells it fetches
+    data += sum(c.length for i in cut.rows.tolist() for c in m.tensors[i].chunks)  # the chunks of the cells it fetches
     return {"seconds": seconds, "read_bytes": read, "data_bytes": data, "tensors": len(m.tensors)}
 
 

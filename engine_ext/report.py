@@ -28,6 +28,7 @@ import math
 import re
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,7 +132,7 @@ def collect(store: Store, trust: Trust, bound: bool = True) -> list[VersionRow]:
             g = per_group.setdefault(group_of(t.name), [0, 0])
             g[0] += t.nnz
             g[1] += n
-            parts: list[TensorEntry] | list[Chunk] = t.chunks or [t]  # a cut tensor's cells, or the whole tensor
+            parts: Sequence[TensorEntry | Chunk] = t.chunks or [t]  # a cut tensor's cells, or the whole tensor
             for part in parts:
                 if part.positions.coder != "none":
                     coders[part.positions.coder] += 1

@@ -208,9 +208,20 @@ def _with(small, sections: dict[int, bytes], table_edit=None):
     return m, {(0, k): b for k, b in sections.items() if len(b)}
 
 
+def _set(m, sections):
+    """set_cells over the tensors in cell sections (the manifest's other cut tensor keeps its cell table)."""
+    cut = tables.CutTensors.of(m, {t.name for t in _in_sections(m)})
+    assert len(cut) and (cut.table >= 0).all()
+    tables.set_cells(m, cut, [None] * len(cut), None, sections)
+
+
+def _in_sections(m) -> list:
+    return [t for t in m.tensors if isinstance(t.cells, CellSections)]
+
+
 def _take(m, sections):
-    cut = [t for t in m.tensors if isinstance(t.cells, CellSections)]
-    tables.set_cells(m, [(t, None) for t in cut], None, sections)
+    cut = _in_sections(m)
+    _set(m, sections)
     return cut
 
 
@@ -229,9 +240,9 @@ def _moved(small) -> dict[int, bytes]:
 
 def test_a_record_in_another_shares_section_is_refused(small):
     m, sections = _with(small, _moved(small))
-    cut = [t for t in m.tensors if isinstance(t.cells, CellSections)]
+    cut = _in_sections(m)
     with pytest.raises(ManifestError, match="another share's section"):
-        tables.set_cells(m, [(t, None) for t in cut], None, sections)
+        _set(m, sections)
     assert all(t.chunks is None and t.cells is not None for t in cut)  # nothing taken
 
 
@@ -313,9 +324,9 @@ def test_any_section_bytes_give_a_clear_error_or_valid_chunks(small, data):
         m, keyed = _with(small, sections)
     except ManifestError:
         return
-    cut = [t for t in m.tensors if isinstance(t.cells, CellSections)]
+    cut = _in_sections(m)
     try:
-        tables.set_cells(m, [(t, None) for t in cut], None, keyed)
+        _set(m, keyed)
     except ManifestError:
         assert all(t.chunks is None for t in cut)
         return

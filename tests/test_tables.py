@@ -211,7 +211,7 @@ def test_a_table_that_lies_about_its_contents_is_refused(tmp_path):
     tables.resolve(fresh, [raw])  # a cell table is checked when it is read
     w, blob = fresh.tensors[0], (tmp_path / m.blobs[-1].key).read_bytes()
     with pytest.raises(ManifestError, match="another count of changes"):
-        tables.set_cells(fresh, [(w, blob[w.cells.offset:w.cells.offset + w.cells.length])])
+        tables.set_cells(fresh, tables.CutTensors.of(fresh, {"w"}), [blob[w.cells.offset:w.cells.offset + w.cells.length]])
     assert w.chunks is None and w.cells is not None  # nothing taken
     fresh, raw = table(rows)
     with pytest.raises(ManifestError, match="1 tensor tables|tables given"):
@@ -328,7 +328,7 @@ def test_any_table_bytes_give_a_manifest_error_or_a_valid_manifest(small, data):
     if w.cells is None:
         return
     try:
-        tables.set_cells(m, [(w, with_table(m, w.cells, cells))])
+        tables.set_cells(m, tables.CutTensors.of(m, {w.name}), [with_table(m, w.cells, cells)])
     except ManifestError:
         assert w.chunks is None
         return
@@ -369,7 +369,7 @@ def test_a_rank_reads_the_index_and_only_the_tables_of_its_tensors(small_tables)
     load_cells(store, whole)
     assert [c.cell for c in mw.tensors[0].chunks] == [0, 1] and mw.tensors[0].chunks == w.chunks[:2]
     with pytest.raises(ManifestError, match="only a rank's own manifest"):
-        tables.set_cells(whole, [], {"w": {0}})
+        tables.set_cells(whole, tables.CutTensors.of(whole, set()), [], {"w": {0}})
     states = _states(steps=1)
     part, _ = fetch_selected(store, m, {"experts.1.w": None}, bases=TensorBases(states[0]))
     full = load_delta(str(root / "v00000001.json"), names={"experts.1.w"}, bases=TensorBases(states[0]))
@@ -392,6 +392,44 @@ def _retabled(root, doc, edit):
     m.index.count = len(index) // tables.INDEX_RECORD.itemsize
     m.blobs[-1].size = 10 ** 9
     return m, blobs, index
+
+
+def test_a_ranks_selection_cells_and_parts_come_from_columns_with_no_entry_made(small_tables):
+    """Issue 52, item 2: a rank's metadata (select_cells, load_cells) and its parts run on the manifest's
+    columns and the cell records; no entry object is made before the decode. select_cells: a tensor held whole
+    (None) or through a box of every element is wanted whole; one held none of (()) is left out, cut or not; a
+    cut one held in part wants the cells meeting its boxes; a changed tensor the reader does not name is
+    returned as unknown. The parts are those the entry objects give."""
+    from engine_ext.format.chunks import cells_meeting
+    from engine_ext.store.reader import _parts, select_cells
+
+    root = small_tables
+    store, raw = open_store(str(root)), (root / "v00000001.json").read_bytes()
+    whole = read_manifest(store, "v00000001.json")
+    load_cells(store, whole)
+    shape = {t.name: tuple(t.shape) for t in whole.tensors}
+    held = {"w": (((0, 0), (100, 256)),), "experts.0.w": (((0, 0), shape["experts.0.w"]),), "experts.1.w": (),
+            "b": (), "norm": None}
+    m, _ = open_held(store, raw, set(held))
+    sel, unknown = select_cells(m, held)
+    assert unknown == [] and m.tensors._made is None
+    w = next(t for t in whole.tensors if t.name == "w")
+    changed = {t.name for t in whole.tensors if t.nnz}
+    assert changed >= {"w", "experts.0.w", "norm"} and w.grid is not None
+    assert sel == {"w": frozenset(cells_meeting(w.grid, w.shape, (0, 0), (100, 256))), "experts.0.w": None,
+                   "norm": None}
+    assert select_cells(m, {k: v for k, v in held.items() if k != "w"})[1] == ["w"]
+    load_cells(store, m, sel)
+    parts = _parts(m, sel)
+    assert m.tensors._made is None and parts  # still no entry object
+    by_name = {t.name: t for t in whole.tensors}
+    expected = [(n, c.cell, c.blob, c.offset, c.length) for n in ("w", "experts.0.w")
+                for c in sorted(by_name[n].chunks, key=lambda c: c.cell) if sel[n] is None or c.cell in sel[n]]
+    expected += [("norm", None, by_name["norm"].blob, by_name["norm"].offset, by_name["norm"].length)]
+    boxes = {n: by_name[n].boxes() for n in ("w", "experts.0.w")}
+    got = [(p.name, None if p.box is None else boxes[p.name].index(p.box), p.blob, p.offset, p.length) for p in parts]
+    assert sorted(got, key=str) == sorted(expected, key=str)
+    assert all(len(p.sha256) == 32 for p in parts)
 
 
 def test_the_driver_reads_the_whole_as_columns_and_makes_no_entry(small_tables):

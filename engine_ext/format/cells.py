@@ -16,11 +16,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Hashable, Sequence
 from operator import attrgetter
+from typing import NamedTuple
 
 import numpy as np
 
 from ..errors import ManifestError
 from .chunks import box_numel, boxes
+from .chunks import cell_shares as chunks_cell_shares
 from .dtypes import dtype_by_name
 
 # A cell table's record (format 7): one chunk in 75 bytes, little-endian (JSON would take ~220).
@@ -98,8 +100,86 @@ def records(chunks: Sequence, where: Where) -> np.ndarray:
     return rec
 
 
+class Owners(NamedTuple):
+    """The tensors a batch of records belongs to, as columns (tensor j's records: ``counts[j]`` of them, in
+    order): a tensor-parallel rank's 140 k cut tensors at once, from a manifest's columns
+    (:meth:`of_columns`: no entry object made) or from entry objects (:meth:`of_entries`)."""
+
+    names: Sequence[str]
+    dtypes: list[str]  # the distinct dtype names
+    dtype: np.ndarray  # per tensor: its code in ``dtypes``
+    kinds: list[tuple[tuple, list]]  # the distinct (shape, grid)
+    kind: np.ndarray  # per tensor: its code in ``kinds``
+    nnz: np.ndarray  # per tensor (uint64)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @classmethod
+    def of_entries(cls, tensors: Sequence) -> Owners:
+        """From tensor entries (valid, each with a grid); their shape and grid lists told apart by identity
+        first (a table's entries share them: all alive meanwhile), then by content."""
+        by_id: dict = {}
+        by_content: dict = {}
+        kinds: list[tuple[tuple, list]] = []
+        kind = np.empty(len(tensors), np.int64)
+        for j, t in enumerate(tensors):
+            code = by_id.get((id(t.shape), id(t.grid)))
+            if code is None:
+                key = (tuple(t.shape), tuple(map(tuple, t.grid)))
+                code = by_content.get(key)
+                if code is None:
+                    code = by_content[key] = len(kinds)
+                    kinds.append((key[0], t.grid))
+                by_id[(id(t.shape), id(t.grid))] = code
+            kind[j] = code
+        dtypes = sorted({t.dtype for t in tensors})
+        code_of = {d: i for i, d in enumerate(dtypes)}
+        return cls(
+            [t.name for t in tensors],
+            dtypes,
+            np.array([code_of[t.dtype] for t in tensors], np.int64),
+            kinds,
+            kind,
+            np.array([t.nnz for t in tensors], np.uint64),
+        )
+
+    @classmethod
+    def of_columns(cls, c, rows: np.ndarray) -> Owners:
+        """From rows ``rows`` of :class:`~engine_ext.format.entries.Columns` ``c`` (each with a grid)."""
+        pair = c.shape[rows] * (len(c.grids) + 1) + c.grid[rows]
+        distinct, kind = np.unique(pair, return_inverse=True)
+        kinds = [(tuple(c.shapes[p // (len(c.grids) + 1)]), c.grids[p % (len(c.grids) + 1)]) for p in distinct.tolist()]
+        dtype, used = c.dtype[rows], sorted(set(c.dtype[rows].tolist()))
+        remap = np.zeros(len(c.dtypes), np.int64)
+        remap[used] = np.arange(len(used))
+        names = [c.names[i] for i in rows.tolist()]
+        return cls(
+            names, [c.dtypes[i] for i in used], remap[dtype], kinds, kind.reshape(-1), c.nnz[rows].astype(np.uint64)
+        )
+
+    def cell_shares(self, dim: np.ndarray, shares: np.ndarray, owner: np.ndarray, cell: np.ndarray) -> np.ndarray:
+        """The share each record's cell starts in (:func:`~engine_ext.format.chunks.cell_shares`), record i being
+        cell ``cell[i]`` of tensor ``owner[i]``, cut along ``dim[owner[i]]`` among ``shares[owner[i]]``; -1 for a
+        cell beyond its grid. Made once per distinct (shape, grid, dimension, shares): a K2 version has a handful."""
+        radix = int(shares.max(initial=0)) + 1
+        code = (self.kind * 2 + dim) * radix + shares
+        distinct, of = np.unique(code, return_inverse=True)
+        per = []
+        for x in distinct.tolist():
+            k, n = divmod(x, radix)
+            shape, grid = self.kinds[k // 2]
+            per.append(chunks_cell_shares(grid, shape, k % 2, n))
+        sizes = np.array([len(p) for p in per], np.int64)
+        first = np.cumsum(sizes) - sizes
+        flat = np.array([s for p in per for s in p] + [-1], np.int64)
+        of = of.reshape(-1)[owner]
+        inside = cell < sizes[of]
+        return flat[np.where(inside, first[of] + cell, len(flat) - 1)]
+
+
 def check(
-    m, tensors: Sequence, counts: np.ndarray, rec: np.ndarray, where: Where, whole: np.ndarray | None = None
+    m, tensors: Owners, counts: np.ndarray, rec: np.ndarray, where: Where, whole: np.ndarray | None = None
 ) -> np.ndarray:
     """Every rule a chunk meets, over ``rec`` (the records of ``tensors`` in order, ``counts[i]`` of tensor
     i's; each tensor already checked valid, with a grid): a known coder pair allowed by ``m`` (once per
@@ -114,8 +194,8 @@ def check(
     _refuse(
         (pc >= len(CELL_CODERS)) | (vc >= len(CELL_CODERS)) | (mode >= len(CELL_MODES)), where, "unknown coder or mode"
     )
-    dtypes = sorted({t.dtype for t in tensors})
-    dt = np.array([dtypes.index(t.dtype) for t in tensors], np.int64)[owner]
+    dtypes = tensors.dtypes
+    dt = tensors.dtype[owner]
     combos = np.unique((((pc.astype(np.int64) << 8) | vc) << 8 | mode) << 8 | dt)
     for code in combos.tolist():
         p, v, md, d = code >> 24, (code >> 16) & 255, (code >> 8) & 255, code & 255
@@ -123,15 +203,8 @@ def check(
             "a chunk", _Segment(CELL_CODERS[p], 0, None), _Segment(CELL_CODERS[v], 0, CELL_MODES[md]), dtypes[d]
         )
     # each cell's elements, per distinct (shape, grid): a TP rank's 70 k tensors have a few dozen
-    kind_of: dict = {}  # by identity: a table's entries share their shape and grid lists (all alive meanwhile)
-    numels: list[np.ndarray] = []
-    kinds = np.zeros(len(tensors), np.int64)
-    for i, t in enumerate(tensors):
-        k = kind_of.get((id(t.shape), id(t.grid)))
-        if k is None:
-            k = kind_of[(id(t.shape), id(t.grid))] = len(numels)
-            numels.append(cell_numels(tuple(t.shape), t.grid))
-        kinds[i] = k
+    numels = [cell_numels(shape, grid) for shape, grid in tensors.kinds]
+    kinds = tensors.kind
     first = np.cumsum([0] + [len(x) for x in numels])[:-1].astype(np.int64)[kinds]
     cell, nnz = rec["cell"].astype(np.int64), rec["nnz"]
     _refuse(cell >= np.array([len(x) for x in numels], np.int64)[kinds][owner], where, "no such cell in its grid")
@@ -145,12 +218,12 @@ def check(
     ends = np.cumsum(counts)
     running = np.concatenate([np.zeros(1, np.uint64), np.cumsum(nnz, dtype=np.uint64)])  # each <= 2**40 cells
     held = running[ends] - running[ends - counts]
-    total = np.array([t.nnz for t in tensors], np.uint64)
+    total = tensors.nnz
     full = np.ones(len(tensors), bool) if whole is None else whole
     bad = (full & ((counts == 0) | (held != total))) | (held > total)
     if bad.any():
         i = int(np.argmax(bad))
-        raise ManifestError(f"tensor {tensors[i].name!r}: its chunks hold another count of changes than the tensor")
+        raise ManifestError(f"tensor {tensors.names[i]!r}: its chunks hold another count of changes than the tensor")
     plen, vlen, offset, blob = rec["positions_length"], rec["values_length"], rec["offset"], rec["blob"]
     every = pc == CODER_INDEX["all"]
     _refuse(

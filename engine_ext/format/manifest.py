@@ -455,7 +455,7 @@ class Manifest:
             return _cut(f"tensor {cut[owner[i]].name!r} cell {everyone[i].cell!r}", 200)
 
         rec = cells.records(everyone, where)
-        cells.check(self, cut, counts, rec, where)
+        cells.check(self, cells.Owners.of_entries(cut), counts, rec, where)
         return rec, where
 
     def validate(self, name_keys: np.ndarray | None = None, columns: Columns | None = None) -> np.ndarray | None:

@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -47,6 +48,7 @@ from .manifest import (
 )
 from .tensor_records import (
     SECTION_RECORD,
+    TableEntries,
     read_tensor_tables,
     sections_trailer,
     table_bytes,
@@ -164,8 +166,14 @@ def _cell_sections(
     idx = np.repeat(np.array([a for _, a, _ in mine], np.int64) - np.cumsum(lengths) + lengths, lengths)
     idx += np.arange(len(idx))
     owner = np.repeat(np.array([i for i, _, _ in mine], np.int64), lengths)
-    cut_as = [(tensors[i], dims[i], shares) for i, _, _ in mine]
-    share = _record_shares(cut_as, np.repeat(np.arange(len(mine)), lengths), records["cell"][idx].astype(np.int64))
+    owners = cells.Owners.of_entries([tensors[i] for i, _, _ in mine])
+    dim = np.array([dims[i] for i, _, _ in mine], np.int64)
+    share = owners.cell_shares(
+        dim,
+        np.full(len(mine), shares, np.int64),
+        np.repeat(np.arange(len(mine)), lengths),
+        records["cell"][idx].astype(np.int64),
+    )
     sec = np.zeros(len(idx), SECTION_RECORD)
     sec["row"] = owner % per_table
     for f in CELL_RECORD.names:
@@ -363,127 +371,226 @@ def _resolve(m: Manifest, tables: list[bytes], index: bytes | None) -> None:
         raise
 
 
+class CutTensors(NamedTuple):
+    """Cut tensors whose chunks are still in their cell tables or cell sections, as columns: what
+    :func:`set_cells` reads. Made from a manifest's columns (:meth:`of`): a tensor-parallel rank of Kimi-K2
+    reads its share of 140 k tensors' chunks per version, with no entry object made."""
+
+    rows: np.ndarray  # their places in the manifest's tensors
+    owners: cells.Owners  # names, dtypes, (shape, grid) kinds, changes
+    tables: list[TableRef | None]  # each one's own cell table (formats 7 and 10), or None: in cell sections
+    table: np.ndarray  # format 12: its tensor table's place in the manifest (-1: a cell table of its own)
+    row: np.ndarray  # and its record's row in that table
+    dim: np.ndarray  # the dimension its cells are shared out along (0 where not in sections)
+    records: np.ndarray  # its records: its cell table's count, or over every section
+    sections: dict[int, tuple[TableRef, ...]]  # each tensor table's cell sections, share 1 first
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @classmethod
+    def of(cls, m: Manifest, names=None) -> CutTensors:
+        """The tensors of ``m`` (those in ``names``; None: all) whose chunks are not read yet."""
+        if isinstance(m.tensors, TableEntries):
+            return cls._of_table_entries(m.tensors, names)
+        picked = [i for i, t in enumerate(m.tensors) if t.cells is not None and (names is None or t.name in names)]
+        tensors = [m.tensors[i] for i in picked]
+        refs = [t.cells for t in tensors]
+        in_sections = [r if isinstance(r, CellSections) else None for r in refs]
+        return cls(
+            np.array(picked, np.int64),
+            cells.Owners.of_entries(tensors),
+            [r if isinstance(r, TableRef) else None for r in refs],
+            np.array([-1 if r is None else r.table for r in in_sections], np.int64),
+            np.array([-1 if r is None else r.row for r in in_sections], np.int64),
+            np.array([0 if r is None else r.dim for r in in_sections], np.int64),
+            np.array([r.records if isinstance(r, CellSections) else r.count for r in refs], np.int64),
+            {r.table: r.sections for r in in_sections if r is not None},
+        )
+
+    @classmethod
+    def _of_table_entries(cls, te: TableEntries, names) -> CutTensors:
+        c = te.columns
+        cut = c.cells | (c.section_dim != entries.NONE)
+        if te.read_chunks:
+            cut[list(te.read_chunks)] = False
+        if names is not None:
+            cut &= np.fromiter((n in names for n in c.names), bool, len(c))
+        rows = np.flatnonzero(cut)
+        own = c.cells[rows]
+        tables_: list[TableRef | None] = [None] * len(rows)
+        mine = rows[own]  # a cell table of its own (formats 7 and 10): few, beside the sections
+        for j, b, o, n, h, k in zip(
+            np.flatnonzero(own).tolist(),
+            *(
+                x[mine].tolist()
+                for x in (c.cell_blob, c.cell_offset, c.cell_length, te.records["sha256"], c.cell_count)
+            ),
+        ):
+            tables_[j] = TableRef(b, o, n, h.hex(), k)
+        assert te.table is not None and te.row is not None  # read with their places (read_tensor_tables)
+        return cls(
+            rows,
+            cells.Owners.of_columns(c, rows),
+            tables_,
+            np.where(own, -1, te.table[rows]),
+            np.where(own, -1, te.row[rows]),
+            np.maximum(c.section_dim[rows], 0),
+            c.cell_count[rows],
+            te.section_refs() if len(te.sections) else {},
+        )
+
+
 def set_cells(
     m: Manifest,
-    items: list[tuple[TensorEntry, bytes | None]],
+    cut: CutTensors,
+    raws: list[bytes | None],
     keep: dict | None = None,
     sections: dict[tuple[int, int], bytes] | None = None,
 ) -> None:
-    """Take cut tensors' chunks from the bytes of their cell tables (``items``: (tensor, bytes)), every
-    table checked against its SHA-256 and count and every record as inline chunks are
-    (:func:`read_cells`); nothing is taken unless every table checks. A tensor in cell sections (format 12)
-    comes as (tensor, None): its records from ``sections`` {(tensor table, share): bytes}, the sections read
-    (:func:`sections_wanted`). ``keep`` {name: cells or None}, on a rank's own manifest only (``m.held``):
-    a tensor keeps the chunks of those cells, its other records read checked but not made (a
-    tensor-parallel rank of 8 fetches 2 of a K2 expert's 16 cells)."""
+    """Take cut tensors' chunks (``cut``) from the bytes of their cell tables (``raws``, in order; None for a
+    tensor in cell sections, format 12, whose records come from ``sections`` {(tensor table, share): bytes},
+    the sections read: :func:`sections_wanted`), every table checked against its SHA-256 and count and every
+    record as inline chunks are (:func:`read_cells`); nothing is taken unless every table checks. ``keep``
+    {name: cells or None}, on a rank's own manifest only (``m.held``): a tensor keeps the chunks of those
+    cells, its other records read checked but not made (a tensor-parallel rank of 8 fetches 2 of a K2
+    expert's 16 cells). The chunks stay records until asked for (:class:`CellChunks`)."""
     if keep is not None and m.held is None:
         raise ManifestError("only a rank's own manifest keeps some of a tensor's chunks")
-    items = [(t, raw) for t, raw in items if t.cells is not None]
     with _collector_paused():
-        chunks = read_cells(m, items, None if keep is None else [keep.get(t.name) for t, _ in items], sections)
-    for (t, _), c in zip(items, chunks):
-        t.chunks, t.cells = c, None
-
-
-def sections_wanted(tensors: list[TensorEntry], keep: dict | None = None) -> dict[tuple[int, int], TableRef]:
-    """The cell sections (format 12) that hold the chunks a reader takes of ``tensors`` (those in cell
-    sections; ``keep`` {name: cells or None}: those cells, else all): {(tensor table, share): reference},
-    a share with no record left out. A rank of tensor parallelism wants the sections of its own share (and
-    of an earlier one where a cell starting there reaches into its slice)."""
-    out: dict[tuple[int, int], TableRef] = {}
-    memo: dict = {}  # per distinct (grid, shape, dimension, cells wanted): a K2 rank's 140 k tensors share a few
-    for t in tensors:
-        s = t.cells
-        if not isinstance(s, CellSections):
-            continue
-        wanted = None if keep is None else keep.get(t.name)
-        if wanted is None:
-            shares = range(1, len(s.sections) + 1)
+        got = read_cells(m, cut, raws, None if keep is None else [keep.get(n) for n in cut.owners.names], sections)
+        if isinstance(m.tensors, TableEntries):
+            m.tensors.take_chunks(cut.rows.tolist(), got)
         else:
-            key = (id(t.grid), id(t.shape), s.dim, len(s.sections), id(wanted))
-            shares = memo.get(key)
-            if shares is None:
-                per_cell = cell_shares(t.grid, t.shape, s.dim, len(s.sections))
-                shares = memo[key] = sorted({per_cell[c] for c in wanted if 0 <= c < len(per_cell)})
-        for k in shares:
-            if s.sections[k - 1].count:
-                out[(s.table, k)] = s.sections[k - 1]
+            for i, c in zip(cut.rows.tolist(), got):
+                m.tensors[i].chunks, m.tensors[i].cells = c, None
+
+
+def sections_wanted(cut: CutTensors, keep: dict | None = None) -> dict[tuple[int, int], TableRef]:
+    """The cell sections (format 12) that hold the chunks a reader takes of the tensors of ``cut`` in cell
+    sections (``keep`` {name: cells or None}: those cells, else all): {(tensor table, share): reference}, a
+    share with no record left out. A rank of tensor parallelism wants the sections of its own share (and of an
+    earlier one where a cell starting there reaches into its slice); found once per distinct (shape, grid,
+    dimension, shares, cells wanted), a K2 rank's 140 k tensors have a few."""
+    out: dict[tuple[int, int], TableRef] = {}
+    shared = np.flatnonzero(cut.table >= 0)
+    if not len(shared):
+        return out
+    table = cut.table[shared]
+    n_shares = _per_table(cut.sections, len)[table]
+    # each tensor's cells wanted, as a code: -1 all, else one per distinct set (a selection's sets are shared)
+    sets: dict[int, tuple[int, frozenset]] = {}
+    if keep is None:
+        wanted = np.full(len(shared), -1, np.int64)
+    else:
+        got = [keep.get(cut.owners.names[j]) for j in shared.tolist()]
+        wanted = np.array([-1 if w is None else sets.setdefault(id(w), (len(sets), w))[0] for w in got], np.int64)
+    by_code = {code: w for code, w in sets.values()}
+    radix = int(n_shares.max()) + 1
+    code = ((cut.owners.kind[shared] * 2 + cut.dim[shared]) * radix + n_shares) * (len(sets) + 1) + wanted + 1
+    distinct, of = np.unique(code, return_inverse=True)
+    pairs: set[tuple[int, int]] = set()
+    for u, x in enumerate(distinct.tolist()):
+        rest, w = divmod(x, len(sets) + 1)
+        k, n = divmod(rest, radix)
+        if w == 0:
+            shares: list[int] | range = range(1, n + 1)
+        else:
+            shape, grid = cut.owners.kinds[k // 2]
+            per_cell = cell_shares(grid, shape, k % 2, n)
+            shares = sorted({per_cell[c] for c in by_code[w - 1] if 0 <= c < len(per_cell)})
+        pairs.update((tb, sh) for tb in np.unique(table[of.reshape(-1) == u]).tolist() for sh in shares)
+    for tb, k in sorted(pairs):
+        ref = cut.sections[tb][k - 1]
+        if ref.count:
+            out[(tb, k)] = ref
+    return out
+
+
+def _per_table(sections: dict[int, tuple[TableRef, ...]], what) -> np.ndarray:
+    """``what(a table's sections)`` for each tensor table that has sections, as an array by the table's place."""
+    out = np.zeros(max(sections, default=-1) + 1, np.int64)
+    for tb, refs in sections.items():
+        out[tb] = what(refs)
     return out
 
 
 def read_cells(
     m: Manifest,
-    items: list[tuple[TensorEntry, bytes | None]],
+    cut: CutTensors,
+    raws: list[bytes | None],
     keep: list | None = None,
     sections: dict[tuple[int, int], bytes] | None = None,
 ) -> list[CellChunks]:
-    """The chunks of each tensor's cell table (``items``: (tensor, bytes)), the bytes checked against the
-    table's length and SHA-256, then every record by the rules inline chunks meet (:func:`cells.check`), over all records of all
-    tables at once: a rank reads ~70,000 of them per Kimi-K2
-    version. The coders' rules are checked once per distinct (positions, values, mode, dtype). ``keep``:
-    per tensor, the cells whose chunks are made (None: all). A tensor in cell sections (format 12; bytes
-    None) takes its records from ``sections`` (:func:`_from_sections`)."""
-    plain = [i for i, (t, _) in enumerate(items) if not isinstance(t.cells, CellSections)]
-    shared = [i for i, (t, _) in enumerate(items) if isinstance(t.cells, CellSections)]
-    for i in plain:
-        t, raw = items[i]
-        verify_table(t.cells, raw, f"tensor {t.name!r}: cell table")
-        if len(raw) != t.cells.count * CELL_RECORD.itemsize:
-            raise ManifestError(f"tensor {t.name!r}: cell table: {len(raw)} bytes for {t.cells.count} records")
-    if not items:
+    """The chunks of each tensor of ``cut`` from its cell table's bytes (``raws``), checked against the
+    table's length and SHA-256, then every record by the rules inline chunks meet (:func:`cells.check`), over
+    all records of all tables at once: a rank reads ~300,000 of them per Kimi-K2 version. The coders' rules are
+    checked once per distinct (positions, values, mode, dtype). ``keep``: per tensor, the cells whose chunks
+    are made (None: all). A tensor in cell sections (format 12; bytes None) takes its records from
+    ``sections`` (:func:`_from_sections`). Each tensor's chunks come in cell order."""
+    n = len(cut)
+    if not n:
         return []
-    placed = plain + shared  # records and counts in this order: the cell tables', then the sections'
-    tensors = [items[i][0] for i in placed]
-    from_sections, in_sections, whole = _from_sections(m, tensors[len(plain) :], sections or {})
-    raw = b"".join(bytes(items[i][1] or b"") for i in plain)  # a cell table's bytes (checked above)
-    rec = np.concatenate([np.frombuffer(raw, CELL_RECORD), from_sections])
-    counts = np.concatenate([np.array([t.cells.count for t in tensors[: len(plain)]], np.int64), in_sections])
-    full = np.concatenate([np.ones(len(plain), bool), whole])
-    owner = np.repeat(np.arange(len(tensors)), counts)
-    where = lambda i: f"tensor {tensors[owner[i]].name!r}: cell table"
-    cells.check(m, tensors, counts, rec, where, full)
+    names = cut.owners.names
+    plain = np.flatnonzero(cut.table < 0)
+    for j in plain.tolist():
+        ref, raw = cut.tables[j], raws[j]
+        assert ref is not None  # a tensor with no sections has a cell table of its own
+        verify_table(ref, raw or b"", f"tensor {names[j]!r}: cell table")
+        if len(raw or b"") != ref.count * CELL_RECORD.itemsize:
+            raise ManifestError(f"tensor {names[j]!r}: cell table: {len(raw or b'')} bytes for {ref.count} records")
+    from_plain = np.frombuffer(b"".join(bytes(raws[j] or b"") for j in plain.tolist()), CELL_RECORD)
+    shared = np.flatnonzero(cut.table >= 0)
+    from_sections, sec_owner, whole = _from_sections(m, cut, shared, sections or {})
+    # every record with its tensor (an index into cut), the cell tables' first, then the sections'
+    rec = np.concatenate([from_plain, from_sections])
+    owner = np.concatenate([np.repeat(plain, cut.records[plain]), sec_owner])
+    order = np.argsort(owner, kind="stable")
+    rec, owner = rec[order], owner[order]
+    counts = np.bincount(owner, minlength=n).astype(np.int64)
+    full = np.ones(n, bool)
+    full[shared] = whole
+    where = lambda i: f"tensor {names[owner[i]]!r}: cell table"
+    cells.check(m, cut.owners, counts, rec, where, full)
     offset, blob = rec["offset"], rec["blob"]
-    order = np.lexsort((offset, blob, owner))
-    end = (offset + rec["positions_length"] + rec["values_length"])[order]
-    same = (owner[order][1:] == owner[order][:-1]) & (blob[order][1:] == blob[order][:-1])
-    overlap = np.r_[False, same & (offset[order][1:] < end[:-1])][np.argsort(order)]
+    by_place = np.lexsort((offset, blob, owner))
+    end = (offset + rec["positions_length"] + rec["values_length"])[by_place]
+    same = (owner[by_place][1:] == owner[by_place][:-1]) & (blob[by_place][1:] == blob[by_place][:-1])
+    overlap = np.r_[False, same & (offset[by_place][1:] < end[:-1])][np.argsort(by_place)]
     if overlap.any():
         raise ManifestError(f"{where(int(np.argmax(overlap)))}: two cells overlap in their blob")
-    key = owner * (1 << 32) + rec["cell"].astype(np.int64)
     made = np.ones(len(rec), bool)
-    kept = [None] * len(placed) if keep is None else [keep[i] for i in placed]
-    if some := [j for j, cells_kept in enumerate(kept) if cells_kept is not None]:
-        want = np.fromiter((j * (1 << 32) + c for j in some for c in kept[j]), np.int64)
+    if keep is not None and (some := [j for j, cells_kept in enumerate(keep) if cells_kept is not None]):
+        key = owner * (1 << 32) + rec["cell"].astype(np.int64)
+        want = np.fromiter((j * (1 << 32) + c for j in some for c in keep[j]), np.int64)
         partial = np.isin(owner, some)
         made[partial] = np.isin(key[partial], want)
     kept = np.flatnonzero(made)
-    kept = rec[kept[np.lexsort((rec["cell"][kept], owner[kept]))]]  # by tensor, then cell
-    at = np.cumsum(np.bincount(owner[made], minlength=len(placed))).tolist()
-    out: list[CellChunks] = [CellChunks(kept, 0, 0) for _ in items]
-    for i, a, b in zip(placed, [0] + at, at):
-        out[i] = CellChunks(kept, a, b)
-    return out
+    kept = kept[np.lexsort((rec["cell"][kept], owner[kept]))]  # by tensor, then cell
+    records = rec[kept]
+    at = np.cumsum(np.bincount(owner[kept], minlength=n)).tolist()
+    return [CellChunks(records, a, b) for a, b in zip([0, *at], at)]
 
 
 def _from_sections(
-    m: Manifest, tensors: list[TensorEntry], sections: dict[tuple[int, int], bytes]
+    m: Manifest, cut: CutTensors, shared: np.ndarray, sections: dict[tuple[int, int], bytes]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The records of ``tensors`` (in cell sections, format 12) found in the cell ``sections`` read
-    {(tensor table, share): bytes}: CELL_RECORDs by tensor, then cell; how many each tensor has; and whether
-    those are all of its records (every section of its table that has records was read: then exactly its
-    ``records``). Each section is checked against its length and SHA-256 in its table and its records sorted
-    by (row, cell) within the table; each record of a tensor asked for must lie in the section of its cell's
-    share. Records of other tensors are not used (a rank's section holds its share of every tensor of the
-    table). All at once: a TP rank of K2 reads its share of 1.13 M records, of 140 k tensors."""
-    n = len(tensors)
-    if not n:
+    """The records of the tensors ``shared`` (indices into ``cut``, in cell sections: format 12) found in the
+    cell ``sections`` read {(tensor table, share): bytes}: CELL_RECORDs; each one's tensor (an index into
+    ``cut``); and per tensor of ``shared``, whether those are all of its records (every section of its table
+    that has records was read: then exactly its ``records``). Each section is checked against its length and
+    SHA-256 in its table and its records sorted by (row, cell) within the table; each record of a tensor asked
+    for must lie in the section of its cell's share. Records of other tensors are not used (a rank's section
+    holds its share of every tensor of the table). All at once: a TP rank of K2 reads its share of 1.13 M
+    records, of 140 k tensors."""
+    if not len(shared):
+        if sections:
+            raise ManifestError("cell sections were read for no tensor in cell sections")
         return np.zeros(0, CELL_RECORD), np.zeros(0, np.int64), np.zeros(0, bool)
-    refs: dict[int, tuple[TableRef, ...]] = {}  # each table's sections, from its tensors
-    for t in tensors:
-        refs.setdefault(t.cells.table, t.cells.sections)
     parsed, table_of, share_of = [], [], []
     for (table, k), raw in sorted(sections.items()):
-        ref = refs[table][k - 1] if table in refs and 1 <= k <= len(refs[table]) else None
+        refs = cut.sections.get(table, ())
+        ref = refs[k - 1] if 1 <= k <= len(refs) else None
         if ref is None or not ref.count:
             raise ManifestError(f"tensor table {table}: cell section {k} was read for no tensor of it")
         verify_table(ref, raw, f"tensor table {table}: cell section {k}")
@@ -500,69 +607,38 @@ def _from_sections(
     table = np.concatenate(table_of) if parsed else np.zeros(0, np.int64)
     share = np.concatenate(share_of) if parsed else np.zeros(0, np.int64)
     # each record's tensor among those asked for, by (table, row); the others' records are dropped
-    tkey = np.array([t.cells.table * (1 << 16) + t.cells.row for t in tensors], np.int64)
+    tkey = cut.table[shared] * (1 << 16) + cut.row[shared]
     by_key = np.argsort(tkey)
     rkey = table * (1 << 16) + rec["row"].astype(np.int64)
-    at = np.minimum(np.searchsorted(tkey[by_key], rkey), n - 1)
+    at = np.minimum(np.searchsorted(tkey[by_key], rkey), len(shared) - 1)
     mine = tkey[by_key][at] == rkey
-    owner = by_key[at][mine]
+    owner = shared[by_key[at][mine]]
     rec, share = rec[mine], share[mine]
     cell = rec["cell"].astype(np.int64)
-    cut_as = [(t, t.cells.dim, len(t.cells.sections)) for t in tensors]
-    got = _record_shares(cut_as, owner, cell)
+    shares_of = np.zeros(len(cut), np.int64)
+    shares_of[shared] = _per_table(cut.sections, len)[cut.table[shared]]
+    got = cut.owners.cell_shares(cut.dim, shares_of, owner, cell)
     elsewhere = (got != -1) & (got != share)  # a cell beyond its grid (-1) is cells.check's to refuse
     if elsewhere.any():
         j = int(owner[np.argmax(elsewhere)])
-        raise ManifestError(f"tensor {tensors[j].name!r}: cell sections: a cell in another share's section")
-    counts = np.bincount(owner, minlength=n).astype(np.int64)
-    read_all = {tb: all(r.count == 0 or (tb, k) in sections for k, r in enumerate(rs, 1)) for tb, rs in refs.items()}
-    whole = np.array([read_all[t.cells.table] for t in tensors], np.bool_)
-    said = np.array([t.cells.records for t in tensors], np.int64)
+        raise ManifestError(f"tensor {cut.owners.names[j]!r}: cell sections: a cell in another share's section")
+    counts = np.bincount(owner, minlength=len(cut))[shared].astype(np.int64)
+    read_all = np.zeros(max(cut.sections, default=-1) + 1, bool)
+    for tb, rs in cut.sections.items():
+        read_all[tb] = all(r.count == 0 or (tb, k) in sections for k, r in enumerate(rs, 1))
+    whole = read_all[cut.table[shared]]
+    said = cut.records[shared]
     bad = (whole & (counts != said)) | (counts > said)
     if bad.any():
-        j = int(np.argmax(bad))
+        j = int(shared[np.argmax(bad)])
         raise ManifestError(
-            f"tensor {tensors[j].name!r}: its cell sections hold {int(counts[j])} of its records, it says {int(said[j])}"
+            f"tensor {cut.owners.names[j]!r}: its cell sections hold {int(counts[np.argmax(bad)])} of its records, it says {int(cut.records[j])}"
         )
     order = np.lexsort((cell, owner))
     out = np.zeros(len(order), CELL_RECORD)
     for f in CELL_RECORD.names:
         out[f] = rec[f][order]
-    return out, counts, whole
-
-
-def _record_shares(cut_as: list[tuple[TensorEntry, int, int]], owner: np.ndarray, cell: np.ndarray) -> np.ndarray:
-    """The share each record's cell starts in (:func:`~engine_ext.format.chunks.cell_shares`): record i is cell
-    ``cell[i]`` of the tensor ``cut_as[owner[i]]`` names, (tensor, dimension, shares); -1 for a cell beyond its
-    grid. The shares of a grid's cells are made once per distinct (grid, shape, dimension, shares): a K2
-    version has a handful among 140 k tensors, found by their lists' identity first (a table's entries share
-    them), then by content (a writer's entries each have their own)."""
-    kind, per_kind = _grid_kinds(cut_as)
-    sizes = np.array([len(x) for x in per_kind], np.int64)
-    first = np.cumsum(sizes) - sizes
-    flat = np.array([k for x in per_kind for k in x] + [-1], np.int64)
-    inside = cell < sizes[kind[owner]]
-    return flat[np.where(inside, first[kind[owner]] + cell, len(flat) - 1)]
-
-
-def _grid_kinds(cut_as: list[tuple[TensorEntry, int, int]]) -> tuple[np.ndarray, list[list[int]]]:
-    """Each (tensor, dimension, shares)'s code among the distinct (grid, shape, dimension, shares), and each
-    code's cell shares."""
-    by_id: dict = {}
-    by_content: dict = {}
-    per_kind: list[list[int]] = []
-    kind = np.empty(len(cut_as), np.int64)
-    for j, (t, dim, shares) in enumerate(cut_as):
-        code = by_id.get((id(t.grid), id(t.shape), dim, shares))
-        if code is None:
-            key = (tuple(map(tuple, t.grid)), tuple(t.shape), dim, shares)
-            code = by_content.get(key)
-            if code is None:
-                code = by_content[key] = len(per_kind)
-                per_kind.append(cell_shares(t.grid, t.shape, dim, shares))
-            by_id[(id(t.grid), id(t.shape), dim, shares)] = code
-        kind[j] = code
-    return kind, per_kind
+    return out, owner[order], whole
 
 
 def read_table(ref: TableRef, raw: bytes, where: str) -> list:

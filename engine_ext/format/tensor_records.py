@@ -25,7 +25,7 @@ from . import entries
 from . import fingerprint as fpr
 from .bulk import LastKept
 from .cells import CELL_CODERS, CELL_MODES, CELL_RECORD, MAX_OFFSET
-from .manifest import MAX_SHARES, SECTION_RECORD_BYTES, CellSections, Segment, TableRef, TensorEntry
+from .manifest import MAX_SHARES, SECTION_RECORD_BYTES, CellChunks, CellSections, Segment, TableRef, TensorEntry
 
 # Format 10. A tensor table: u32 names bytes, u32 shapes bytes, ``count`` records, the names (UTF-8, in
 # record order), then the table's distinct shapes and grids as compact JSON {"shapes": [...], "grids": [...]}.
@@ -253,6 +253,15 @@ class TableEntries(entries.ColumnEntries):
         self._signature, self._keys = signature, keys
         self.sections = np.zeros(0, SECTION_PLACE) if sections is None else sections
         self.table, self.row = table, row
+        self.read_chunks: dict[int, CellChunks] = {}  # row -> its chunks, read from its cell table or sections
+
+    def take_chunks(self, rows: list[int], chunks: list[CellChunks]) -> None:
+        """The chunks read for the cut tensors at ``rows`` (:func:`engine_ext.format.tables.set_cells`): kept
+        here, and given to the entry objects when they are made (or now, where they are)."""
+        self.read_chunks.update(zip(rows, chunks))
+        if self._made is not None:
+            for i, c in zip(rows, chunks):
+                self._made[i].chunks, self._made[i].cells = c, None
 
     def section_refs(self) -> dict[int, tuple[TableRef, ...]]:
         """Each table's cell sections as references, share 1 first (a share with no record: count 0)."""
@@ -316,6 +325,8 @@ class TableEntries(entries.ColumnEntries):
                 number = places[i]
                 t.cells = CellSections(sections[number], number, rows[i], dims[i], cols["count"][i])
             out.append(t)
+        for i, got in self.read_chunks.items():
+            out[i].chunks, out[i].cells = got, None
         return out
 
 

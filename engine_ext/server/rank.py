@@ -45,7 +45,6 @@ from ..errors import (
     VerifyError,
 )
 from ..format import fingerprint as fpr
-from ..format.chunks import cells_meeting
 from ..format.delta import TensorDelta, apply_tensor
 from ..format.dtypes import DType
 from .apply import apply_delta
@@ -143,6 +142,7 @@ class RankUpdater:
         self.compare_cold = compare_cold
         self.decode_backend, self.apply_backend = decode_backend, apply_backend
         self.maps: dict[str, TensorMap | Unmappable] = {}
+        self._boxes: dict | None = None  # boxes(): made once the maps are probed
         self.host: dict[str, torch.Tensor] = {}  # checkpoint copies of unmappable tensors (dense fallback)
         self.fps: dict[str, int] = {}  # rank-local partial fingerprints (whole for host tensors)
         self.covered: dict[str, int] = {}
@@ -356,36 +356,36 @@ class RankUpdater:
     # ---- fetch (while serving)
     def held(self) -> set[str]:
         """The checkpoint tensors this rank holds some of: the entries it reads of a manifest (format 10)."""
-        return {n for n in self.checkpoint if n in self.host or any(p.numel for p in self.maps[n].pieces)}
+        return {n for n, boxes in self.boxes().items() if boxes is None or boxes}
 
     def selection(self, m) -> dict:
         """What of manifest ``m`` this rank needs: {changed tensor it holds: the grid cells that
         meet its boxes (a frozenset, maybe empty: it holds the tensor but none of its changes), or
         None for the whole tensor (not cut, or reloaded densely)}. Its keys are also the
-        tensors whose fingerprints it reports after the apply."""
-        out: dict = {}
-        meeting: dict = {}  # (grid, shape, boxes) -> cells: a TP rank's 70 k cut tensors have a few dozen
-        for t in m.tensors:
-            if not t.nnz:
-                continue
-            if t.name not in self.checkpoint:
-                raise ValueError(f"{t.name}: not a tensor of the served checkpoint")
-            if t.name in self.host:
-                out[t.name] = None
-                continue
-            pieces = [p for p in self.maps[t.name].pieces if p.numel]
-            if not pieces:
-                continue  # another rank's tensor
-            if t.grid is None or any(
-                p.start == (0,) * len(t.shape) and tuple(p.stop) == tuple(t.shape) for p in pieces
-            ):
-                out[t.name] = None  # not cut, or held whole (an expert-parallel rank's expert): every cell
-                continue
-            key = (id(t.grid), tuple(t.shape), tuple((tuple(p.start), tuple(p.stop)) for p in pieces))
-            if key not in meeting:  # grids are shared lists (a table's entries share them): alive meanwhile
-                meeting[key] = frozenset().union(*(cells_meeting(t.grid, t.shape, p.start, p.stop) for p in pieces))
-            out[t.name] = meeting[key]
-        return out
+        tensors whose fingerprints it reports after the apply (:func:`~engine_ext.store.reader.select_cells`,
+        over the manifest's columns)."""
+        from ..store.reader import select_cells
+
+        sel, unknown = select_cells(m, self.boxes())
+        if unknown:
+            raise ValueError(f"{unknown[0]}: not a tensor of the served checkpoint")
+        return sel
+
+    def boxes(self) -> dict:
+        """{checkpoint tensor: the boxes of it this rank holds ((start, stop), ...; () none), or None for the
+        whole (held on the host: reloaded densely)}: made once, after the layout is probed (the maps and the
+        host's names do not change after the start-up), each distinct box list one object."""
+        if self._boxes is None:
+            same: dict = {}
+            out: dict = {}
+            for name in self.checkpoint:
+                if name in self.host:
+                    out[name] = None
+                    continue
+                boxes = tuple((tuple(p.start), tuple(p.stop)) for p in self.maps[name].pieces if p.numel)
+                out[name] = same.setdefault(boxes, boxes)
+            self._boxes = out
+        return self._boxes
 
     def fetch(self, txn: str, store: str, route: list[dict], timeout_s: float) -> RankReply:
         """Start fetching this rank's part of a route (manifest keys, each with the SHA-256 of the

@@ -38,9 +38,11 @@ from ..format.cells import CELL_CODERS, CELL_MODES
 from ..format.context import codec as ctx_codec
 from ..format.delta import TensorDelta, apply_tensor
 from ..format.dtypes import as_bits, dtype_by_name
+from ..format.entries import NONE
 from ..format.latest import LATEST_KEY, MAX_LATEST_BYTES, Latest
 from ..format.manifest import CONTEXT_CODERS, MAX_MANIFEST_BYTES, CellChunks, Manifest, TableRef, TensorEntry
 from ..format.pieces import PIECES, pieces_sha256
+from ..format.tensor_records import TableEntries
 from . import Store, split_uri
 from .signing import MAX_SIGNATURE_BYTES, SIG_SUFFIX, SignatureError, Trust, sha256_hex
 
@@ -138,17 +140,17 @@ def load_cells(store: Store, m: Manifest, names=None, workers: int = 8) -> int:
     (:func:`engine_ext.format.tables.set_cells` checks them all). Returns the bytes read. On a rank's own
     manifest (``m.held``), a :data:`Selection` keeps only the chunks of the cells it selects (every record
     read is still checked)."""
-    todo = [t for t in m.tensors if t.cells is not None and (names is None or t.name in names)]
-    if not todo:
+    cut = tables.CutTensors.of(m, names)
+    if not len(cut):
         return 0
     keep = names if m.held is not None and isinstance(names, dict) else None
-    own = [t.cells for t in todo if isinstance(t.cells, TableRef)]
-    wanted = tables.sections_wanted(todo, keep)
-    refs = own + list(wanted.values())
+    wanted = tables.sections_wanted(cut, keep)
+    refs = [r for r in cut.tables if r is not None] + list(wanted.values())
     got, read = _read_ranges(store, m, [(r.blob, r.offset, r.length) for r in refs], workers)
     tables.set_cells(
         m,
-        [(t, bytes(got[(t.cells.blob, t.cells.offset)]) if isinstance(t.cells, TableRef) else None) for t in todo],
+        cut,
+        [None if r is None else bytes(got[(r.blob, r.offset)]) for r in cut.tables],
         keep,
         {place: bytes(got[(r.blob, r.offset)]) for place, r in wanted.items()},
     )
@@ -239,13 +241,53 @@ Selection = dict  # tensor name -> the grid cells wanted (a set), or None for th
 GAP = 64 << 10  # ranges of one blob closer than this are fetched as one (if at most 1/8 of it is read in vain)
 
 
+Boxes = tuple  # what a reader holds of a tensor: ((start, stop), ...) boxes; () none of it
+
+
+def select_cells(m: Manifest, held: Mapping[str, Boxes | None]) -> tuple[Selection, list[str]]:
+    """What of ``m``'s changed tensors a reader holding ``held`` {name: its boxes, or None for the whole
+    tensor} needs: a :data:`Selection` {name: the grid cells that meet its boxes (a frozenset, maybe empty: it
+    holds the tensor but none of its changes), or None for every cell (not cut, held whole, or a box of
+    every element)}, a tensor held none of (``()``) left out; and the changed tensors ``held`` does not name.
+    Over the manifest's columns, with no entry object made: a TP rank of K2 selects from 140 k tensors per
+    version, whose cells are found once per distinct (grid, shape, boxes)."""
+    c = m.columns()
+    grid, shape = c.grid.tolist(), c.shape.tolist()
+    out: Selection = {}
+    unknown: list[str] = []
+    memo: dict = {}
+    for i in np.flatnonzero(c.nnz).tolist():
+        name = c.names[i]
+        if name not in held:
+            unknown.append(name)
+            continue
+        boxes = held[name]
+        if boxes is None or (boxes and grid[i] == NONE):
+            out[name] = None
+        elif boxes:
+            key = (grid[i], shape[i], boxes)
+            got = memo.get(key, _UNKNOWN)
+            if got is _UNKNOWN:
+                size, cuts = tuple(c.shapes[shape[i]]), c.grids[grid[i]]
+                every = any(tuple(a) == (0,) * len(size) and tuple(z) == size for a, z in boxes)
+                got = memo[key] = (
+                    None if every else frozenset().union(*(chunks.cells_meeting(cuts, size, a, z) for a, z in boxes))
+                )
+            out[name] = got
+    return out, unknown
+
+
+_UNKNOWN = object()
+
+
 class _Part(NamedTuple):
     """The bytes of one changed tensor (``box`` None) or of one cell of it (``box`` the cell), and what they
-    are read, checked and decoded as, copied once from the tensor's entry or the cell's record: a K2 TP
-    rank reads 141,000 parts (reading a tuple's fields took a third of the time properties over an entry
-    did, in an ad-hoc probe at 8 layers; making a Chunk object per cell took as long again)."""
+    are read, checked and decoded as, taken once from the manifest's columns and the cell records: a K2 TP
+    rank reads 141,000 parts, whose tensors' entry objects are made only for the decode (reading a tuple's
+    fields took a third of the time properties over an entry did, in an ad-hoc probe at 8 layers)."""
 
-    tensor: TensorEntry
+    row: int  # the tensor's place in the manifest's tensors
+    name: str
     box: tuple | None
     tables: tuple  # the version's step tables for the tensor's dtype (context-coded parts)
     blob: int
@@ -258,64 +300,69 @@ class _Part(NamedTuple):
     values_coder: str
     mode: str | None  # the values': "abs" or "rel"
 
-    @classmethod
-    def whole(cls, t: TensorEntry, tables: tuple) -> _Part:
-        assert t.blob is not None and t.sha256 is not None  # a changed tensor of a validated manifest
-        return cls(
-            t,
-            None,
-            tables,
-            t.blob,
-            t.offset,
-            t.length,
-            bytes.fromhex(t.sha256),
-            t.nnz,
-            t.positions.coder,
-            t.positions.length,
-            t.values.coder,
-            t.values.mode,
-        )
 
-
-_cell = attrgetter("cell")
 _CELL_FIELDS = ("cell", "blob", "offset", "positions_length", "values_length", "sha256", "nnz")
 
 
 @collector_paused()  # a K2 TP rank's 141,000 parts: objects that live, not garbage
 def _parts(m: Manifest, selection: Selection | None) -> list[_Part]:
-    """The parts of the changed tensors in ``selection`` (None: all), a cut tensor's in cell order, made from
-    its cell records (:class:`~engine_ext.format.manifest.CellChunks`: each records array's fields taken
-    once, not per tensor) or inline chunks."""
+    """The parts of the changed tensors in ``selection`` (None: all), a cut tensor's in cell order: from the
+    manifest's columns and each cut tensor's chunks (:class:`~engine_ext.format.manifest.CellChunks`, each
+    records array's fields taken once, not per tensor; or inline chunks), with no entry object made."""
     m.require_resolved()
-    out, step_tables = [], {dt: tuple(m.tables_for(dt)) for dt in (m.step_tables or {})}
+    c = m.columns()
+    read = m.tensors.read_chunks if isinstance(m.tensors, TableEntries) else {}
+    rows = np.flatnonzero(c.nnz)
+    if selection is not None:
+        rows = rows[np.fromiter((c.names[i] in selection for i in rows.tolist()), bool, len(rows))]
+    step_tables = {dt: tuple(m.tables_for(dt)) for dt in (m.step_tables or {})}
+    tables_of = [step_tables.get(d, ()) for d in c.dtypes]
+    dtype, grid, shape = c.dtype.tolist(), c.grid.tolist(), c.shape.tolist()
+    whole = [i for i in rows.tolist() if grid[i] == NONE]
+    out = [
+        _Part(
+            i, c.names[i], None, tables_of[dtype[i]], b, o, pl + vl, h, n, c.pcoders[pc], pl, c.vcoders[vc], c.modes[md]
+        )
+        for i, b, o, pl, vl, h, n, pc, vc, md in zip(
+            whole,
+            *(
+                c_[whole].tolist()
+                for c_ in (c.blob, c.offset, c.plen, c.vlen, c.sha, c.nnz, c.pcoder, c.vcoder, c.mode)
+            ),
+        )
+    ]
     fields: dict[int, tuple] = {}  # id of a records array (alive meanwhile) -> its fields as lists
-    for t in m.tensors:
-        if not t.nnz or (selection is not None and t.name not in selection):
+    boxes_of: dict[tuple[int, int], tuple] = {}  # (grid, shape) code -> the grid's boxes
+    for i in rows.tolist():
+        if grid[i] == NONE:
             continue
-        tab = step_tables.get(t.dtype, ())
-        if t.grid is None:
-            out.append(_Part.whole(t, tab))
-            continue
-        if t.cells is not None:
-            raise ManifestError(f"tensor {t.name!r}: its cell table was not read (load_cells)")
-        if isinstance(t.chunks, CellChunks):
-            arr, start, stop = t.chunks.span
-        else:  # inline (format 3): its own records, checked with the manifest
-            arr = cells.records(sorted(t.chunks, key=_cell), lambda i: f"tensor {t.name!r} chunk {i}")  # noqa: B023
-            start, stop = 0, len(arr)
-        got = fields.get(id(arr))
+        name, got = c.names[i], read.get(i)
         if got is None:
-            got = fields[id(arr)] = (
+            got = c.chunk_lists[i]
+            if got is None:
+                raise ManifestError(f"tensor {name!r}: its cell table was not read (load_cells)")
+        if isinstance(got, CellChunks):
+            arr, start, stop = got.span
+        else:  # inline (format 3): its own records, checked with the manifest
+            arr = cells.records(sorted(got, key=_cell), lambda j: f"tensor {name!r} chunk {j}")  # noqa: B023
+            start, stop = 0, len(arr)
+        cols = fields.get(id(arr))
+        if cols is None:
+            cols = fields[id(arr)] = (
                 *(arr[f].tolist() for f in _CELL_FIELDS),
-                [CELL_CODERS[c] for c in arr["positions_coder"].tolist()],
-                [CELL_CODERS[c] for c in arr["values_coder"].tolist()],
-                [CELL_MODES[c] for c in arr["mode"].tolist()],
+                [CELL_CODERS[x] for x in arr["positions_coder"].tolist()],
+                [CELL_CODERS[x] for x in arr["values_coder"].tolist()],
+                [CELL_MODES[x] for x in arr["mode"].tolist()],
             )
-        cell, blob, offset, plen, vlen, sha, nnz, pc, vc, mode = got
-        wanted, boxes = None if selection is None else selection[t.name], t.boxes()
+        cell, blob, offset, plen, vlen, sha, nnz, pc, vc, mode = cols
+        boxes = boxes_of.get((grid[i], shape[i]))
+        if boxes is None:
+            boxes = boxes_of[(grid[i], shape[i])] = chunks.boxes(c.grids[grid[i]], c.shapes[shape[i]])
+        wanted, tab = None if selection is None else selection[name], tables_of[dtype[i]]
         out += [
             _Part(
-                t,
+                i,
+                name,
                 boxes[cell[j]],
                 tab,
                 blob[j],
@@ -331,9 +378,14 @@ def _parts(m: Manifest, selection: Selection | None) -> list[_Part]:
             for j in range(start, stop)
             if wanted is None or cell[j] in wanted
         ]
-        if not isinstance(t.chunks, CellChunks):
+        if not isinstance(got, CellChunks):
             del fields[id(arr)]
+    out.sort(key=_row)  # in the manifest's order, as the entries were walked before
     return out
+
+
+_cell = attrgetter("cell")
+_row = attrgetter("row")
 
 
 def fetch_selected(
@@ -348,10 +400,10 @@ def fetch_selected(
 
     def check(key, piece):
         if hashlib.sha256(piece).digest() != sha[key].sha256:
-            raise IntegrityError(f"tensor {sha[key].tensor.name!r}: SHA-256 mismatch")
+            raise IntegrityError(f"tensor {sha[key].name!r}: SHA-256 mismatch")
 
     data, read = _read_ranges(store, m, [(p.blob, p.offset, p.length) for p in parts], workers, check)
-    return _decode_parts(parts, data.__getitem__, workers, bases), read + cell_bytes
+    return _decode_parts(m, parts, data.__getitem__, workers, bases), read + cell_bytes
 
 
 @collector_paused()  # a part is a few objects; a collector's pass over a rank's manifest took 0.2 s at 8 K2 layers
@@ -465,8 +517,10 @@ class TensorBases(Bases):
                 self._fps.pop(td.name, None)
 
 
-def _decode_context(p: _Part, data: memoryview, bases: Bases | None) -> tuple[torch.Tensor, torch.Tensor]:
-    t, box = p.tensor, p.box
+def _decode_context(
+    t: TensorEntry, p: _Part, data: memoryview, bases: Bases | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    box = p.box
     if bases is None:
         raise IntegrityError(f"tensor {t.name!r} is context-coded: decoding needs the base weights")
     start = (0,) * len(t.shape) if box is None else box[0]
@@ -487,15 +541,18 @@ def _decode_context(p: _Part, data: memoryview, bases: Bases | None) -> tuple[to
     return pos, vals
 
 
-def _decode_part(p: _Part, data: memoryview, bases: Bases | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(positions, local to the part's box if it has one, or None for every element; values) of one part."""
-    t, box = p.tensor, p.box
+def _decode_part(
+    t: TensorEntry, p: _Part, data: memoryview, bases: Bases | None = None
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(positions, local to the part's box if it has one, or None for every element; values) of one part of
+    tensor ``t``."""
+    box = p.box
     dt = dtype_by_name(t.dtype)
     numel = t.numel if box is None else chunks.box_numel(box)
     n = p.positions_length
     try:
         if p.positions_coder in CONTEXT_CODERS:
-            return _decode_context(p, data, bases)
+            return _decode_context(t, p, data, bases)
         pos = codec.decode_positions(p.positions_coder, bytes(data[:n]), p.nnz, numel)
         vals = codec.decode_values(p.values_coder, bytes(data[n:]), p.nnz, dt)
     except IntegrityError as err:
@@ -528,14 +585,12 @@ def _join(t: TensorEntry, ps: list[_Part], pieces: list) -> tuple[torch.Tensor |
     return pos, vals
 
 
-def _decode_values(p: _Part, data: memoryview) -> torch.Tensor:
+def _decode_values(t: TensorEntry, p: _Part, data: memoryview) -> torch.Tensor:
     """The values of a part whose positions are every element of it (no bytes)."""
     try:
-        return codec.decode_values(
-            p.values_coder, bytes(data[p.positions_length :]), p.nnz, dtype_by_name(p.tensor.dtype)
-        )
+        return codec.decode_values(p.values_coder, bytes(data[p.positions_length :]), p.nnz, dtype_by_name(t.dtype))
     except IntegrityError as err:
-        raise IntegrityError(f"tensor {p.tensor.name!r}: {err}") from None
+        raise IntegrityError(f"tensor {t.name!r}: {err}") from None
 
 
 def _on_one_device(pieces: list) -> list:
@@ -548,28 +603,31 @@ def _on_one_device(pieces: list) -> list:
     return [(None if q is None else q.to(dev), v.to(dev)) for q, v in pieces]
 
 
-def _decode_parts(parts: list[_Part], data_of, workers: int, bases: Bases | None = None) -> list[TensorDelta]:
-    """One TensorDelta per tensor from its decoded parts (cells merged into sorted positions);
+def _decode_parts(
+    m: Manifest, parts: list[_Part], data_of, workers: int, bases: Bases | None = None
+) -> list[TensorDelta]:
+    """One TensorDelta per tensor of ``m`` from its decoded parts (cells merged into sorted positions);
     one task per tensor, so that small cells do not pay a thread hand-off each."""
-    by_tensor: dict[str, list[_Part]] = {}
+    by_tensor: dict[int, list[_Part]] = {}
     for p in parts:
-        by_tensor.setdefault(p.tensor.name, []).append(p)
+        by_tensor.setdefault(p.row, []).append(p)
+    tensors = list(m.tensors)  # the entry objects, made here (once, before the threads) if not yet
 
     def one(ps: list[_Part]) -> list[TensorDelta]:  # per value mode: each cell picks its own
-        t, out = ps[0].tensor, []
+        t, out = tensors[ps[0].row], []
         base = fpr.parse(t.base_fingerprint) if t.base_fingerprint else None
-        if _whole_in_rows(ps):  # every cell of a row-cut anchor: its values in order, no positions
-            vals = torch.cat([_decode_values(p, data_of((p.blob, p.offset))) for p in ps])
+        if _whole_in_rows(t, ps):  # every cell of a row-cut anchor: its values in order, no positions
+            vals = torch.cat([_decode_values(t, p, data_of((p.blob, p.offset))) for p in ps])
             return [
                 TensorDelta(
                     t.name, dtype_by_name(t.dtype), tuple(t.shape), "abs", None, vals, base, fpr.parse(t.fingerprint)
                 )
             ]
-        by_mode: dict[str, list] = {}
+        by_mode: dict[str | None, list] = {}
         if bases is not None and any(p.positions_coder in CONTEXT_CODERS for p in ps):
             bases.verify(t.name, base)  # before any context decoding: a wrong base decodes to garbage
         for p in ps:
-            by_mode.setdefault(p.mode, []).append((p, _decode_part(p, data_of((p.blob, p.offset)), bases)))
+            by_mode.setdefault(p.mode, []).append((p, _decode_part(t, p, data_of((p.blob, p.offset)), bases)))
         for mode, decoded in by_mode.items():
             pos, vals = _join(t, [p for p, _ in decoded], [piece for _, piece in decoded])
             if pos is not None and pos.numel() == t.numel:  # sorted, unique: every element, in order
@@ -594,15 +652,14 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _whole_in_rows(ps: list[_Part]) -> bool:
-    """Whether ``ps`` (in cell order) are every cell of a tensor cut along dimension 0 only, each
+def _whole_in_rows(t: TensorEntry, ps: list[_Part]) -> bool:
+    """Whether ``ps`` (in cell order) are every cell of tensor ``t``, cut along dimension 0 only, each
     holding all its elements: their values, concatenated, are the whole tensor's (a chunked
     anchor: the one path that materialises no positions)."""
-    t = ps[0].tensor
     return (
         t.chunks is not None
-        and len(t.grid) == 1
-        and len(ps) == len(t.grid[0]) - 1
+        and len(t.grid or ()) == 1
+        and len(ps) == len((t.grid or [[]])[0]) - 1
         and all(p.positions_coder == "all" and p.mode == "abs" for p in ps)
     )
 
@@ -632,9 +689,9 @@ def decode_manifest(
     def table(r: TableRef) -> bytes:
         return bytes(memoryview(blobs[r.blob])[r.offset : r.offset + r.length])
 
-    cut = [t for t in m.tensors if t.cells is not None]
+    cut = tables.CutTensors.of(m)
     sections = {place: table(r) for place, r in tables.sections_wanted(cut).items()}
-    tables.set_cells(m, [(t, table(t.cells) if isinstance(t.cells, TableRef) else None) for t in cut], None, sections)
+    tables.set_cells(m, cut, [None if r is None else table(r) for r in cut.tables], None, sections)
     parts = _parts(m, None)
     by_key = {(p.blob, p.offset): p for p in parts}
 
@@ -643,10 +700,10 @@ def decode_manifest(
         p = by_key[key]
         piece = memoryview(blobs[b])[offset : offset + p.length]
         if hashlib.sha256(piece).digest() != p.sha256:
-            raise IntegrityError(f"tensor {p.tensor.name!r}: SHA-256 mismatch")
+            raise IntegrityError(f"tensor {p.name!r}: SHA-256 mismatch")
         return piece
 
-    return _decode_parts(parts, data_of, workers, bases)
+    return _decode_parts(m, parts, data_of, workers, bases)
 
 
 def _decoded(store: Store, m: Manifest, key: str, tensors: list[TensorDelta]) -> DecodedDelta:
