@@ -70,7 +70,7 @@ import manifest_size as ms  # noqa: E402
 from engine_ext import settings  # noqa: E402
 from engine_ext.format.bulk import collector_paused  # noqa: E402
 from engine_ext.store import Store, open_store  # noqa: E402
-from engine_ext.store.reader import TensorBases, _decode_parts, _parts, _read_ranges  # noqa: E402
+from engine_ext.store.reader import TensorBases, _decode_parts, _read_ranges, plan  # noqa: E402
 from engine_ext.store.reader import load_cells, open_held, open_manifest, select_cells  # noqa: E402
 from engine_ext.store.signing import Signer, Trust, generate_key  # noqa: E402
 from engine_ext.format import fingerprint as fpr  # noqa: E402
@@ -217,9 +217,9 @@ def full_size(layers: int, experts: int, root: Path, key: str, moto: bool, joine
         return m, sel, n + len(raw)
 
     def fetch(st, m, sel):  # the rank's parts by range, each hashed as it arrives (zeros: not compared)
-        parts = _parts(m, sel)
-        _, read = _read_ranges(st, m, [(p.blob, p.offset, p.length) for p in parts], 8,
-                               lambda k, piece: hashlib.sha256(piece))
+        parts = plan(m, sel)
+        digests = parts.digests()  # as fetch_selected checks each part: its digest looked up, its bytes hashed
+        _, read = _read_ranges(st, m, parts.ranges(), 8, lambda k, piece: (digests[k], hashlib.sha256(piece).digest()))
         return read
 
     with stores(root, moto) as by_name_store:
@@ -291,8 +291,8 @@ def one_layer(experts: int, density: float, root: Path) -> dict:
         mm, _ = open_held(store, (root / "v00000001.json").read_bytes(), up.held())
         sel = up.selection(mm)
         load_cells(store, mm, sel)
-        parts = _parts(mm, sel)
-        data, _ = _read_ranges(store, mm, [(p.blob, p.offset, p.length) for p in parts], 8)
+        parts = plan(mm, sel)
+        data, _ = _read_ranges(store, mm, parts.ranges(), 8)
         deltas, out[f"{rank}_decode_s"] = timed(lambda: _decode_parts(mm, parts, data.__getitem__, 8, TensorBases(base)))
         out[f"{rank}_changes"] = sum(d.nnz for d in deltas)
         _, out[f"{rank}_apply_s"] = timed(lambda: up.apply(deltas))

@@ -291,10 +291,12 @@ def check_manifest(case: ManifestCase) -> None:
         _check_round_trip(m, decoded, sel, c)
     if tampered and exc is None:
         m, sel, decoded = out
-        for p in reader._parts(m, sel):
-            key = m.blobs[p.blob].key
-            if any(k == key and p.offset <= o < p.offset + p.length for k, o in tampered):
-                raise Violation(f"tensor {p.tensor.name!r}: bytes changed behind the manifest's hashes were decoded")
+        parts = reader.plan(m, sel)
+        for row, (blob, offset, length) in zip(parts.rows.tolist(), parts.ranges()):
+            key = m.blobs[blob].key
+            if any(k == key and offset <= o < offset + length for k, o in tampered):
+                name = m.columns().names[row]
+                raise Violation(f"tensor {name!r}: bytes changed behind the manifest's hashes were decoded")
 
 
 def _check_round_trip(m: Manifest, decoded: list, sel, c: Corpus) -> None:

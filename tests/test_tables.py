@@ -401,7 +401,7 @@ def test_a_ranks_selection_cells_and_parts_come_from_columns_with_no_entry_made(
     cut one held in part wants the cells meeting its boxes; a changed tensor the reader does not name is
     returned as unknown. The parts are those the entry objects give."""
     from engine_ext.format.chunks import cells_meeting
-    from engine_ext.store.reader import _parts, select_cells
+    from engine_ext.store.reader import plan, select_cells
 
     root = small_tables
     store, raw = open_store(str(root)), (root / "v00000001.json").read_bytes()
@@ -415,21 +415,23 @@ def test_a_ranks_selection_cells_and_parts_come_from_columns_with_no_entry_made(
     assert unknown == [] and m.tensors._made is None
     w = next(t for t in whole.tensors if t.name == "w")
     changed = {t.name for t in whole.tensors if t.nnz}
-    assert changed >= {"w", "experts.0.w", "norm"} and w.grid is not None
+    assert changed >= {"w", "experts.0.w", "norm", "b"} and w.grid is not None
     assert sel == {"w": frozenset(cells_meeting(w.grid, w.shape, (0, 0), (100, 256))), "experts.0.w": None,
                    "norm": None}
     assert select_cells(m, {k: v for k, v in held.items() if k != "w"})[1] == ["w"]
     load_cells(store, m, sel)
-    parts = _parts(m, sel)
-    assert m.tensors._made is None and parts  # still no entry object
+    parts = plan(m, sel)
+    assert m.tensors._made is None and len(parts)  # still no entry object
     by_name = {t.name: t for t in whole.tensors}
-    expected = [(n, c.cell, c.blob, c.offset, c.length) for n in ("w", "experts.0.w")
+    expected = [(n, c.cell, c.blob, c.offset, c.length, c.sha256) for n in ("w", "experts.0.w")
                 for c in sorted(by_name[n].chunks, key=lambda c: c.cell) if sel[n] is None or c.cell in sel[n]]
-    expected += [("norm", None, by_name["norm"].blob, by_name["norm"].offset, by_name["norm"].length)]
-    boxes = {n: by_name[n].boxes() for n in ("w", "experts.0.w")}
-    got = [(p.name, None if p.box is None else boxes[p.name].index(p.box), p.blob, p.offset, p.length) for p in parts]
-    assert sorted(got, key=str) == sorted(expected, key=str)
-    assert all(len(p.sha256) == 32 for p in parts)
+    t = by_name["norm"]
+    expected += [("norm", -1, t.blob, t.offset, t.length, t.sha256)]
+    names = m.columns().names
+    got = [(names[r], cell, b, o, n, parts.records["sha256"][i].tobytes().hex())
+           for i, (r, cell, (b, o, n)) in enumerate(zip(parts.rows.tolist(), parts.cells.tolist(), parts.ranges()))]
+    assert got == sorted(expected, key=lambda e: ([t.name for t in whole.tensors].index(e[0]), e[1]))
+    assert set(parts.digests()) == {(b, o) for _, _, b, o, _, _ in expected}
 
 
 def test_the_driver_reads_the_whole_as_columns_and_makes_no_entry(small_tables):

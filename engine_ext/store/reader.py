@@ -34,7 +34,7 @@ from ..errors import BaseMismatchError, IntegrityError, ManifestError, ModelMism
 from ..format import cells, chunks, codec, kernel_module, tables
 from ..format import fingerprint as fpr
 from ..format.bulk import collector_paused
-from ..format.cells import CELL_CODERS, CELL_MODES
+from ..format.cells import CELL_CODERS, CELL_MODES, CELL_RECORD, CODER_INDEX, MODE_INDEX
 from ..format.context import codec as ctx_codec
 from ..format.delta import TensorDelta, apply_tensor
 from ..format.dtypes import as_bits, dtype_by_name
@@ -280,20 +280,39 @@ def select_cells(m: Manifest, held: Mapping[str, Boxes | None]) -> tuple[Selecti
 _UNKNOWN = object()
 
 
-class _Part(NamedTuple):
-    """The bytes of one changed tensor (``box`` None) or of one cell of it (``box`` the cell), and what they
-    are read, checked and decoded as, taken once from the manifest's columns and the cell records: a K2 TP
-    rank reads 141,000 parts, whose tensors' entry objects are made only for the decode (reading a tuple's
-    fields took a third of the time properties over an entry did, in an ad-hoc probe at 8 layers)."""
+class Plan(NamedTuple):
+    """The parts a reader fetches, as arrays in the manifest's order (a cut tensor's in cell order): where each
+    one's bytes lie, their SHA-256 and how they decode. Fetching needs no object per part; the decode makes a
+    :class:`_Part` per part of a tensor as it decodes it. A K2 TP rank fetches 141,000 parts per version (as
+    objects, made before the fetch, they were 0.1 s per 16 layers)."""
 
-    row: int  # the tensor's place in the manifest's tensors
-    name: str
+    rows: np.ndarray  # int64: the part's tensor's place in the manifest's tensors
+    cells: np.ndarray  # int64: its cell of the tensor's grid; -1: the whole tensor
+    records: np.ndarray  # CELL_RECORD: blob, offset, segment lengths, coder and mode codes, SHA-256, nnz
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def ranges(self) -> list[tuple[int, int, int]]:
+        """(blob, offset, length) of each part."""
+        r = self.records
+        length = r["positions_length"] + r["values_length"]
+        return list(zip(r["blob"].tolist(), r["offset"].tolist(), length.tolist()))
+
+    def digests(self) -> dict[tuple[int, int], tuple[bytes, int]]:
+        """{(blob, offset): (the part's SHA-256, its tensor's row)}."""
+        r = self.records
+        return dict(zip(zip(r["blob"].tolist(), r["offset"].tolist()), zip(r["sha256"].tolist(), self.rows.tolist())))
+
+
+class _Part(NamedTuple):
+    """One part of :class:`Plan` as its tensor's decode reads it: the bytes of a changed tensor (``box`` None)
+    or of one cell of it (``box`` the cell)."""
+
     box: tuple | None
     tables: tuple  # the version's step tables for the tensor's dtype (context-coded parts)
     blob: int
     offset: int
-    length: int
-    sha256: bytes  # the digest of blob[offset : offset + length]
     nnz: int
     positions_coder: str
     positions_length: int  # the positions segment first, the values right after
@@ -301,91 +320,71 @@ class _Part(NamedTuple):
     mode: str | None  # the values': "abs" or "rel"
 
 
-_CELL_FIELDS = ("cell", "blob", "offset", "positions_length", "values_length", "sha256", "nnz")
-
-
-@collector_paused()  # a K2 TP rank's 141,000 parts: objects that live, not garbage
-def _parts(m: Manifest, selection: Selection | None) -> list[_Part]:
-    """The parts of the changed tensors in ``selection`` (None: all), a cut tensor's in cell order: from the
-    manifest's columns and each cut tensor's chunks (:class:`~engine_ext.format.manifest.CellChunks`, each
-    records array's fields taken once, not per tensor; or inline chunks), with no entry object made."""
+@collector_paused()
+def plan(m: Manifest, selection: Selection | None) -> Plan:
+    """The parts of the changed tensors in ``selection`` (None: all; a cut tensor's cells: those selected),
+    from the manifest's columns and each cut tensor's cell records (read by :func:`load_cells`; inline chunks:
+    made records here), as arrays, with no entry object made."""
     m.require_resolved()
     c = m.columns()
-    read = m.tensors.read_chunks if isinstance(m.tensors, TableEntries) else {}
     rows = np.flatnonzero(c.nnz)
     if selection is not None:
         rows = rows[np.fromiter((c.names[i] in selection for i in rows.tolist()), bool, len(rows))]
-    step_tables = {dt: tuple(m.tables_for(dt)) for dt in (m.step_tables or {})}
-    tables_of = [step_tables.get(d, ()) for d in c.dtypes]
-    dtype, grid, shape = c.dtype.tolist(), c.grid.tolist(), c.shape.tolist()
-    whole = [i for i in rows.tolist() if grid[i] == NONE]
-    out = [
-        _Part(
-            i, c.names[i], None, tables_of[dtype[i]], b, o, pl + vl, h, n, c.pcoders[pc], pl, c.vcoders[vc], c.modes[md]
-        )
-        for i, b, o, pl, vl, h, n, pc, vc, md in zip(
-            whole,
-            *(
-                c_[whole].tolist()
-                for c_ in (c.blob, c.offset, c.plen, c.vlen, c.sha, c.nnz, c.pcoder, c.vcoder, c.mode)
-            ),
-        )
-    ]
-    fields: dict[int, tuple] = {}  # id of a records array (alive meanwhile) -> its fields as lists
-    boxes_of: dict[tuple[int, int], tuple] = {}  # (grid, shape) code -> the grid's boxes
-    for i in rows.tolist():
-        if grid[i] == NONE:
-            continue
-        name, got = c.names[i], read.get(i)
+    cut = c.grid[rows] != NONE
+    whole, cut_rows = rows[~cut], rows[cut]
+    rec = np.zeros(len(whole), CELL_RECORD)
+    for f, col in (("blob", c.blob), ("offset", c.offset), ("positions_length", c.plen), ("values_length", c.vlen)):
+        rec[f] = col[whole]
+    rec["sha256"], rec["nnz"] = c.sha[whole], c.nnz[whole]
+    for f, col, vocab, index in (
+        ("positions_coder", c.pcoder, c.pcoders, CODER_INDEX),
+        ("values_coder", c.vcoder, c.vcoders, CODER_INDEX),
+        ("mode", c.mode, c.modes, MODE_INDEX),
+    ):
+        rec[f] = np.array([index[v] for v in vocab] or [0], np.int64)[col[whole]]
+    parts_rows, parts_cells, parts_rec = [whole], [np.full(len(whole), -1, np.int64)], [rec]
+    read = m.tensors.read_chunks if isinstance(m.tensors, TableEntries) else {}
+    spans: dict[int, list] = {}  # id of a records array -> [array, rows, starts, stops]
+    for i in cut_rows.tolist():
+        got = read.get(i)
         if got is None:
             got = c.chunk_lists[i]
             if got is None:
-                raise ManifestError(f"tensor {name!r}: its cell table was not read (load_cells)")
-        if isinstance(got, CellChunks):
-            arr, start, stop = got.span
-        else:  # inline (format 3): its own records, checked with the manifest
-            arr = cells.records(sorted(got, key=_cell), lambda j: f"tensor {name!r} chunk {j}")  # noqa: B023
-            start, stop = 0, len(arr)
-        cols = fields.get(id(arr))
-        if cols is None:
-            cols = fields[id(arr)] = (
-                *(arr[f].tolist() for f in _CELL_FIELDS),
-                [CELL_CODERS[x] for x in arr["positions_coder"].tolist()],
-                [CELL_CODERS[x] for x in arr["values_coder"].tolist()],
-                [CELL_MODES[x] for x in arr["mode"].tolist()],
-            )
-        cell, blob, offset, plen, vlen, sha, nnz, pc, vc, mode = cols
-        boxes = boxes_of.get((grid[i], shape[i]))
-        if boxes is None:
-            boxes = boxes_of[(grid[i], shape[i])] = chunks.boxes(c.grids[grid[i]], c.shapes[shape[i]])
-        wanted, tab = None if selection is None else selection[name], tables_of[dtype[i]]
-        out += [
-            _Part(
-                i,
-                name,
-                boxes[cell[j]],
-                tab,
-                blob[j],
-                offset[j],
-                plen[j] + vlen[j],
-                sha[j],
-                nnz[j],
-                pc[j],
-                plen[j],
-                vc[j],
-                mode[j],
-            )
-            for j in range(start, stop)
-            if wanted is None or cell[j] in wanted
-        ]
-        if not isinstance(got, CellChunks):
-            del fields[id(arr)]
-    out.sort(key=_row)  # in the manifest's order, as the entries were walked before
-    return out
+                raise ManifestError(f"tensor {c.names[i]!r}: its cell table was not read (load_cells)")
+            if not isinstance(got, CellChunks):  # inline (format 3): its own records, checked with the manifest
+                got = CellChunks(cells.records(sorted(got, key=_cell), lambda j: f"tensor {c.names[i]!r} chunk {j}"))  # noqa: B023
+        arr, start, stop = got.span
+        one = spans.setdefault(id(arr), [arr, [], [], []])
+        one[1].append(i), one[2].append(start), one[3].append(stop)
+    for arr, owners, starts, stops in spans.values():
+        n = np.array(stops, np.int64) - starts
+        at = np.repeat(np.array(starts, np.int64) - np.cumsum(n) + n, n) + np.arange(int(n.sum()))
+        parts_rows.append(np.repeat(np.array(owners, np.int64), n))
+        parts_cells.append(arr["cell"][at].astype(np.int64))
+        parts_rec.append(arr[at])
+    rows_, cells_, rec = np.concatenate(parts_rows), np.concatenate(parts_cells), np.concatenate(parts_rec)
+    if selection is not None:  # cut tensors' cells not selected left out, per distinct cell set (shared sets)
+        sets: dict[int, tuple[int, frozenset]] = {}
+        code = np.array(
+            [
+                -1 if (w := selection[c.names[i]]) is None else sets.setdefault(id(w), (len(sets), w))[0]
+                for i in cut_rows.tolist()
+            ],
+            np.int64,
+        )
+        of_row = np.full(len(c), -1, np.int64)
+        of_row[cut_rows] = code
+        per_part = np.where(cells_ >= 0, of_row[rows_], -1)
+        keep = per_part < 0
+        for k, w in sets.values():
+            mine = per_part == k
+            keep[mine] = np.isin(cells_[mine], np.fromiter(w, np.int64, len(w)))
+        rows_, cells_, rec = rows_[keep], cells_[keep], rec[keep]
+    order = np.lexsort((cells_, rows_))
+    return Plan(rows_[order], cells_[order], rec[order])
 
 
 _cell = attrgetter("cell")
-_row = attrgetter("row")
 
 
 def fetch_selected(
@@ -395,14 +394,15 @@ def fetch_selected(
     ranges of a blob are read together; every part is checked against its SHA-256 from the
     manifest before it is decoded. Returns the decoded tensors and the bytes read."""
     cell_bytes = load_cells(store, m, selection, workers)
-    parts = _parts(m, selection)
-    sha = {(p.blob, p.offset): p for p in parts}
+    parts = plan(m, selection)
+    digests = parts.digests()
 
     def check(key, piece):
-        if hashlib.sha256(piece).digest() != sha[key].sha256:
-            raise IntegrityError(f"tensor {sha[key].name!r}: SHA-256 mismatch")
+        sha, row = digests[key]
+        if hashlib.sha256(piece).digest() != sha:
+            raise IntegrityError(f"tensor {m.columns().names[row]!r}: SHA-256 mismatch")
 
-    data, read = _read_ranges(store, m, [(p.blob, p.offset, p.length) for p in parts], workers, check)
+    data, read = _read_ranges(store, m, parts.ranges(), workers, check)
     return _decode_parts(m, parts, data.__getitem__, workers, bases), read + cell_bytes
 
 
@@ -603,18 +603,36 @@ def _on_one_device(pieces: list) -> list:
     return [(None if q is None else q.to(dev), v.to(dev)) for q, v in pieces]
 
 
-def _decode_parts(
-    m: Manifest, parts: list[_Part], data_of, workers: int, bases: Bases | None = None
-) -> list[TensorDelta]:
-    """One TensorDelta per tensor of ``m`` from its decoded parts (cells merged into sorted positions);
-    one task per tensor, so that small cells do not pay a thread hand-off each."""
-    by_tensor: dict[int, list[_Part]] = {}
-    for p in parts:
-        by_tensor.setdefault(p.row, []).append(p)
+def _decode_parts(m: Manifest, parts: Plan, data_of, workers: int, bases: Bases | None = None) -> list[TensorDelta]:
+    """One TensorDelta per tensor of ``m`` from its decoded parts (``parts``: a :class:`Plan`; cells merged into
+    sorted positions); one task per tensor, so that small cells do not pay a thread hand-off each."""
     tensors = list(m.tensors)  # the entry objects, made here (once, before the threads) if not yet
+    step_tables = {dt: tuple(m.tables_for(dt)) for dt in (m.step_tables or {})}
+    r = parts.records
+    cols = list(
+        zip(
+            parts.cells.tolist(),
+            r["blob"].tolist(),
+            r["offset"].tolist(),
+            r["nnz"].tolist(),
+            [CELL_CODERS[x] for x in r["positions_coder"].tolist()],
+            r["positions_length"].tolist(),
+            [CELL_CODERS[x] for x in r["values_coder"].tolist()],
+            [CELL_MODES[x] for x in r["mode"].tolist()],
+        )
+    )
+    rows = parts.rows
+    starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]]).tolist() if len(rows) else []
+    groups = [(int(rows[a]), a, b) for a, b in zip(starts, [*starts[1:], len(rows)])]
 
-    def one(ps: list[_Part]) -> list[TensorDelta]:  # per value mode: each cell picks its own
-        t, out = tensors[ps[0].row], []
+    def of(group: tuple[int, int, int]) -> tuple[TensorEntry, list[_Part]]:
+        t, a, b = tensors[group[0]], group[1], group[2]
+        tab, boxes = step_tables.get(t.dtype, ()), t.boxes() if t.grid is not None else ()
+        return t, [_Part(None if cell < 0 else boxes[cell], tab, *rest) for cell, *rest in cols[a:b]]
+
+    def one(group: tuple[int, int, int]) -> list[TensorDelta]:  # per value mode: each cell picks its own
+        t, ps = of(group)
+        out = []
         base = fpr.parse(t.base_fingerprint) if t.base_fingerprint else None
         if _whole_in_rows(t, ps):  # every cell of a row-cut anchor: its values in order, no positions
             vals = torch.cat([_decode_values(t, p, data_of((p.blob, p.offset))) for p in ps])
@@ -639,7 +657,6 @@ def _decode_parts(
             )
         return out
 
-    groups = list(by_tensor.values())
     # decoding is CPU work (pcodec and the placing kernel release the GIL): more threads than cores only
     # hand the GIL around (a K2 EP rank's layer: 77 ns per change on 8 threads, 43 on 2, on 2 cores)
     threads = min(workers, len(groups), _cores())
@@ -692,17 +709,18 @@ def decode_manifest(
     cut = tables.CutTensors.of(m)
     sections = {place: table(r) for place, r in tables.sections_wanted(cut).items()}
     tables.set_cells(m, cut, [None if r is None else table(r) for r in cut.tables], None, sections)
-    parts = _parts(m, None)
-    by_key = {(p.blob, p.offset): p for p in parts}
+    parts = plan(m, None)
+    digests = parts.digests()
 
     def data_of(key):
         b, offset = key
-        p = by_key[key]
-        piece = memoryview(blobs[b])[offset : offset + p.length]
-        if hashlib.sha256(piece).digest() != p.sha256:
-            raise IntegrityError(f"tensor {p.name!r}: SHA-256 mismatch")
+        piece = memoryview(blobs[b])[offset : offset + parts_length[key]]
+        sha, row = digests[key]
+        if hashlib.sha256(piece).digest() != sha:
+            raise IntegrityError(f"tensor {m.columns().names[row]!r}: SHA-256 mismatch")
         return piece
 
+    parts_length = {(b, o): n for b, o, n in parts.ranges()}
     return _decode_parts(m, parts, data_of, workers, bases)
 
 
