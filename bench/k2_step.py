@@ -54,6 +54,7 @@ import gc
 import hashlib
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -118,15 +119,35 @@ class PerRequest(Store):
 
 
 @contextlib.contextmanager
+def http_process(root: Path):
+    """The tests' HTTP server (byte ranges, ETags) over ``root``, in a process of its own, as a real store is
+    one: in this process its threads would take the interpreter lock from the reader's (the TP rank's fetch
+    over it took 6-9 s in-process, against 1.8-3.0 s locally). Yields its URL."""
+    code = ("import sys, time; sys.path[:0] = sys.argv[2:]; from servers import serve_http\n"
+            "with serve_http(sys.argv[1]) as s:\n    print(s.url, flush=True)\n    sys.stdin.read()")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(root), str(HERE.parent / "tests"), str(HERE.parent)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        yield proc.stdout.readline().strip()
+    finally:
+        proc.stdin.close()  # its stdin ends: it stops serving and exits
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
 def stores(root: Path, moto: bool):
     """{name: PerRequest store} over ``root``: the local directory, HTTP on loopback, the same with 20 ms a
     request, and (``moto``) moto_server's S3 on loopback with ``root``'s files uploaded."""
-    from servers import serve_http, serve_s3
+    from servers import serve_s3
 
     with contextlib.ExitStack() as stack:
-        srv = stack.enter_context(serve_http(root))
-        out = {"local": PerRequest(open_store(str(root))), "http": PerRequest(open_store(f"{srv.url}/")),
-               "http+20ms": PerRequest(open_store(f"{srv.url}/"), 0.020)}
+        url = stack.enter_context(http_process(root))
+        out = {"local": PerRequest(open_store(str(root))), "http": PerRequest(open_store(f"{url}/")),
+               "http+20ms": PerRequest(open_store(f"{url}/"), 0.020)}
         if moto:
             s3 = stack.enter_context(serve_s3())
             os.environ.update(s3.env)
