@@ -140,11 +140,11 @@ def rank_read(raw: bytes, bytes_of, want: dict) -> dict:
     tables_mod.select(m, places, got, want, found)
     read = len(raw) + m.index.length + sum(len(b) for b in got.values())
     selection, _ = select_cells(m, {n: tuple(b) for n, b in want.items()})  # the cells it fetches
-    cut = tables_mod.CutTensors.of(m, selection)
+    cut = tables_mod.CutTensors.of(m, selection, keep=True)
     own = [None if r is None else bytes_of(r) for r in cut.tables]
-    sections = {k: bytes_of(r) for k, r in tables_mod.sections_wanted(cut, selection).items()}
+    sections = {k: bytes_of(r) for k, r in tables_mod.sections_wanted(cut).items()}
     read += sum(len(b) for b in own if b is not None) + sum(map(len, sections.values()))
-    tables_mod.set_cells(m, cut, own, selection, sections)
+    tables_mod.set_cells(m, cut, own, sections)
     seconds = time.perf_counter() - t0
     data = sum(t.length for t in m.tensors if t.nnz and t.grid is None)
     data += sum(c.length for i in cut.rows.tolist() for c in m.tensors[i].chunks)  # the chunks of the cells it fetches

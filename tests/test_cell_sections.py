@@ -212,7 +212,7 @@ def _set(m, sections):
     """set_cells over the tensors in cell sections (the manifest's other cut tensor keeps its cell table)."""
     cut = tables.CutTensors.of(m, {t.name for t in _in_sections(m)})
     assert len(cut) and (cut.table >= 0).all()
-    tables.set_cells(m, cut, [None] * len(cut), None, sections)
+    tables.set_cells(m, cut, [None] * len(cut), sections)
 
 
 def _in_sections(m) -> list:

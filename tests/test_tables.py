@@ -369,7 +369,7 @@ def test_a_rank_reads_the_index_and_only_the_tables_of_its_tensors(small_tables)
     load_cells(store, whole)
     assert [c.cell for c in mw.tensors[0].chunks] == [0, 1] and mw.tensors[0].chunks == w.chunks[:2]
     with pytest.raises(ManifestError, match="only a rank's own manifest"):
-        tables.set_cells(whole, tables.CutTensors.of(whole, set()), [], {"w": {0}})
+        tables.CutTensors.of(whole, {"w": {0}}, keep=True)
     states = _states(steps=1)
     part, _ = fetch_selected(store, m, {"experts.1.w": None}, bases=TensorBases(states[0]))
     full = load_delta(str(root / "v00000001.json"), names={"experts.1.w"}, bases=TensorBases(states[0]))

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from operator import attrgetter
-from typing import NamedTuple
 
 import numpy as np
 
@@ -100,7 +100,8 @@ def records(chunks: Sequence, where: Where) -> np.ndarray:
     return rec
 
 
-class Owners(NamedTuple):
+@dataclass(frozen=True)
+class Owners:
     """The tensors a batch of records belongs to, as columns (tensor j's records: ``counts[j]`` of them, in
     order): a tensor-parallel rank's 140 k cut tensors at once, from a manifest's columns
     (:meth:`of_columns`: no entry object made) or from entry objects (:meth:`of_entries`)."""

@@ -36,6 +36,7 @@ from .manifest import (
     CELL_RECORD_BYTES,
     CELL_SECTIONS,
     INDEX_RECORD_BYTES,
+    MAX_SHARES,
     MAX_TENSOR_TABLES,
     REQUIRED_TENSOR_FIELDS,
     CellChunks,
@@ -47,6 +48,7 @@ from .manifest import (
     tensor_from_json,
 )
 from .tensor_records import (
+    SECTION_PLACE,
     SECTION_RECORD,
     TableEntries,
     read_tensor_tables,
@@ -371,7 +373,57 @@ def _resolve(m: Manifest, tables: list[bytes], index: bytes | None) -> None:
         raise
 
 
-class CutTensors(NamedTuple):
+class SectionTable(NamedTuple):
+    """The cell sections (format 12) of the tensor tables read, as one :data:`SECTION_PLACE` array (a share with
+    no record left out), looked up by (table, share) as arrays: a TP rank of K2 reads 2,200 tables of 8
+    shares and uses one or two shares of each (a reference object per section took 0.1 s)."""
+
+    places: np.ndarray  # SECTION_PLACE, sorted by (table, share)
+    keys: np.ndarray  # each one's (table, share) as one sorted key
+
+    @classmethod
+    def of(cls, places: np.ndarray) -> SectionTable:
+        places = places[np.lexsort((places["share"], places["table"]))]
+        return cls(places, places["table"] * (MAX_SHARES + 1) + places["share"])
+
+    @classmethod
+    def of_refs(cls, refs: dict[int, tuple[TableRef, ...]]) -> SectionTable:
+        """From each table's section references (entry objects' CellSections), share 1 first."""
+        rows = [
+            (tb, k, len(rs), r.blob, r.offset, r.count, bytes.fromhex(r.sha256))
+            for tb, rs in refs.items()
+            for k, r in enumerate(rs, 1)
+            if r.count
+        ]
+        return cls.of(np.array(rows, SECTION_PLACE))
+
+    def shares(self, tables: np.ndarray) -> np.ndarray:
+        """How many shares each of ``tables`` (places in the manifest) is cut for (0: no section with records)."""
+        out = np.zeros(int(max(self.places["table"].max(initial=-1), tables.max(initial=-1))) + 1, np.int64)
+        out[self.places["table"]] = self.places["shares"]
+        return out[tables]
+
+    def ref(self, table: int, share: int) -> TableRef | None:
+        """Section ``share`` of ``table``, or None where it holds no record."""
+        want = table * (MAX_SHARES + 1) + share
+        at = int(np.searchsorted(self.keys, want))
+        if at == len(self.keys) or self.keys[at] != want:
+            return None
+        p = self.places[at]
+        n = int(p["count"])
+        return TableRef(int(p["blob"]), int(p["offset"]), n * SECTION_RECORD.itemsize, p["sha256"].tobytes().hex(), n)
+
+    def read_whole(self, read) -> np.ndarray:
+        """Per table (by its place), whether every section of it with records is among ``read`` {(table, share)}."""
+        tables, shares = self.places["table"].tolist(), self.places["share"].tolist()
+        got = np.fromiter(((t, k) in read for t, k in zip(tables, shares)), bool, len(tables))
+        out = np.ones(int(self.places["table"].max(initial=-1)) + 1, bool)
+        np.logical_and.at(out, self.places["table"], got)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class CutTensors:
     """Cut tensors whose chunks are still in their cell tables or cell sections, as columns: what
     :func:`set_cells` reads. Made from a manifest's columns (:meth:`of`): a tensor-parallel rank of Kimi-K2
     reads its share of 140 k tensors' chunks per version, with no entry object made."""
@@ -383,29 +435,45 @@ class CutTensors(NamedTuple):
     row: np.ndarray  # and its record's row in that table
     dim: np.ndarray  # the dimension its cells are shared out along (0 where not in sections)
     records: np.ndarray  # its records: its cell table's count, or over every section
-    sections: dict[int, tuple[TableRef, ...]]  # each tensor table's cell sections, share 1 first
+    sections: SectionTable  # the cell sections of the tables read
+    kept: np.ndarray  # per tensor, the cells whose chunks are kept: an index into kept_sets; -1: every cell
+    kept_sets: list[frozenset]  # the distinct sets of cells kept
 
     def __len__(self) -> int:
         return len(self.rows)
 
     @classmethod
-    def of(cls, m: Manifest, names=None) -> CutTensors:
-        """The tensors of ``m`` (those in ``names``; None: all) whose chunks are not read yet."""
+    def of(cls, m: Manifest, names=None, keep: bool = False) -> CutTensors:
+        """The tensors of ``m`` (those in ``names``; None: all) whose chunks are not read yet. ``keep``: only the
+        chunks of the cells ``names`` (a Selection {name: cells or None}) gives are kept, on a rank's own manifest
+        only (``m.held``: a tensor-parallel rank of 8 fetches 2 of a K2 expert's 16 cells)."""
+        if keep and (m.held is None or not isinstance(names, dict)):
+            raise ManifestError("only a rank's own manifest keeps some of a tensor's chunks, by a selection")
         if isinstance(m.tensors, TableEntries):
-            return cls._of_table_entries(m.tensors, names)
-        picked = [i for i, t in enumerate(m.tensors) if t.cells is not None and (names is None or t.name in names)]
-        tensors = [m.tensors[i] for i in picked]
-        refs = [t.cells for t in tensors]
+            got = cls._of_table_entries(m.tensors, names)
+        else:
+            got = cls._of_entries(m.tensors, names)
+        if not keep:
+            return got
+        sets, codes = set_codes([names.get(n) for n in got.owners.names])
+        return dataclasses.replace(got, kept=codes, kept_sets=sets)
+
+    @classmethod
+    def _of_entries(cls, tensors: list[TensorEntry], names) -> CutTensors:
+        picked = [i for i, t in enumerate(tensors) if t.cells is not None and (names is None or t.name in names)]
+        refs = [tensors[i].cells for i in picked]
         in_sections = [r if isinstance(r, CellSections) else None for r in refs]
         return cls(
             np.array(picked, np.int64),
-            cells.Owners.of_entries(tensors),
+            cells.Owners.of_entries([tensors[i] for i in picked]),
             [r if isinstance(r, TableRef) else None for r in refs],
             np.array([-1 if r is None else r.table for r in in_sections], np.int64),
             np.array([-1 if r is None else r.row for r in in_sections], np.int64),
             np.array([0 if r is None else r.dim for r in in_sections], np.int64),
             np.array([r.records if isinstance(r, CellSections) else r.count for r in refs], np.int64),
-            {r.table: r.sections for r in in_sections if r is not None},
+            SectionTable.of_refs({r.table: r.sections for r in in_sections if r is not None}),
+            np.full(len(picked), -1, np.int64),
+            [],
         )
 
     @classmethod
@@ -437,28 +505,23 @@ class CutTensors(NamedTuple):
             np.where(own, -1, te.row[rows]),
             np.maximum(c.section_dim[rows], 0),
             c.cell_count[rows],
-            te.section_refs() if len(te.sections) else {},
+            SectionTable.of(te.sections),
+            np.full(len(rows), -1, np.int64),
+            [],
         )
 
 
 def set_cells(
-    m: Manifest,
-    cut: CutTensors,
-    raws: list[bytes | None],
-    keep: dict | None = None,
-    sections: dict[tuple[int, int], bytes] | None = None,
+    m: Manifest, cut: CutTensors, raws: list[bytes | None], sections: dict[tuple[int, int], bytes] | None = None
 ) -> None:
-    """Take cut tensors' chunks (``cut``) from the bytes of their cell tables (``raws``, in order; None for a
-    tensor in cell sections, format 12, whose records come from ``sections`` {(tensor table, share): bytes},
-    the sections read: :func:`sections_wanted`), every table checked against its SHA-256 and count and every
-    record as inline chunks are (:func:`read_cells`); nothing is taken unless every table checks. ``keep``
-    {name: cells or None}, on a rank's own manifest only (``m.held``): a tensor keeps the chunks of those
-    cells, its other records read checked but not made (a tensor-parallel rank of 8 fetches 2 of a K2
-    expert's 16 cells). The chunks stay records until asked for (:class:`CellChunks`)."""
-    if keep is not None and m.held is None:
-        raise ManifestError("only a rank's own manifest keeps some of a tensor's chunks")
+    """Take cut tensors' chunks (``cut``, keeping those ``cut.kept`` gives) from the bytes of their cell tables
+    (``raws``, in order; None for a tensor in cell sections, format 12, whose records come from ``sections``
+    {(tensor table, share): bytes}, the sections read: :func:`sections_wanted`), every table checked against
+    its SHA-256 and count and every record as inline chunks are (:func:`read_cells`); nothing is taken unless
+    every table checks. A tensor's other records are read and checked but not kept. The chunks stay records
+    until asked for (:class:`CellChunks`)."""
     with _collector_paused():
-        got = read_cells(m, cut, raws, None if keep is None else [keep.get(n) for n in cut.owners.names], sections)
+        got = read_cells(m, cut, raws, sections)
         if isinstance(m.tensors, TableEntries):
             m.tensors.take_chunks(cut.rows.tolist(), got)
         else:
@@ -466,26 +529,22 @@ def set_cells(
                 m.tensors[i].chunks, m.tensors[i].cells = c, None
 
 
-def sections_wanted(cut: CutTensors, keep: dict | None = None) -> dict[tuple[int, int], TableRef]:
+def sections_wanted(cut: CutTensors) -> dict[tuple[int, int], TableRef]:
     """The cell sections (format 12) that hold the chunks a reader takes of the tensors of ``cut`` in cell
-    sections (``keep`` {name: cells or None}: those cells, else all): {(tensor table, share): reference}, a
-    share with no record left out. A rank of tensor parallelism wants the sections of its own share (and of an
+    sections (those of the cells ``cut.kept`` gives, else all): {(tensor table, share): reference}, a share
+    with no record left out. A rank of tensor parallelism wants the sections of its own share (and of an
     earlier one where a cell starting there reaches into its slice); found once per distinct (shape, grid,
-    dimension, shares, cells wanted), a K2 rank's 140 k tensors have a few."""
+    dimension, shares, cells kept), a K2 rank's 140 k tensors have a few."""
     out: dict[tuple[int, int], TableRef] = {}
     shared = np.flatnonzero(cut.table >= 0)
     if not len(shared):
         return out
     table = cut.table[shared]
-    n_shares = _per_table(cut.sections, len)[table]
-    # each tensor's cells wanted, as a code: -1 all, else one per distinct set (a selection's sets are shared)
-    sets: dict[int, tuple[int, frozenset]] = {}
-    if keep is None:
-        wanted = np.full(len(shared), -1, np.int64)
-    else:
-        got = [keep.get(cut.owners.names[j]) for j in shared.tolist()]
-        wanted = np.array([-1 if w is None else sets.setdefault(id(w), (len(sets), w))[0] for w in got], np.int64)
-    by_code = {code: w for code, w in sets.values()}
+    n_shares = cut.sections.shares(table)
+    if (n_shares == 0).any():
+        j = int(shared[np.argmax(n_shares == 0)])
+        raise ManifestError(f"tensor {cut.owners.names[j]!r}: its table has no cell section with records")
+    sets, wanted = cut.kept_sets, cut.kept[shared]
     radix = int(n_shares.max()) + 1
     code = ((cut.owners.kind[shared] * 2 + cut.dim[shared]) * radix + n_shares) * (len(sets) + 1) + wanted + 1
     distinct, of = np.unique(code, return_inverse=True)
@@ -498,35 +557,53 @@ def sections_wanted(cut: CutTensors, keep: dict | None = None) -> dict[tuple[int
         else:
             shape, grid = cut.owners.kinds[k // 2]
             per_cell = cell_shares(grid, shape, k % 2, n)
-            shares = sorted({per_cell[c] for c in by_code[w - 1] if 0 <= c < len(per_cell)})
+            shares = sorted({per_cell[c] for c in sets[w - 1] if 0 <= c < len(per_cell)})
         pairs.update((tb, sh) for tb in np.unique(table[of.reshape(-1) == u]).tolist() for sh in shares)
     for tb, k in sorted(pairs):
-        ref = cut.sections[tb][k - 1]
-        if ref.count:
+        ref = cut.sections.ref(tb, k)
+        if ref is not None:
             out[(tb, k)] = ref
     return out
 
 
-def _per_table(sections: dict[int, tuple[TableRef, ...]], what) -> np.ndarray:
-    """``what(a table's sections)`` for each tensor table that has sections, as an array by the table's place."""
-    out = np.zeros(max(sections, default=-1) + 1, np.int64)
-    for tb, refs in sections.items():
-        out[tb] = what(refs)
-    return out
+def set_codes(sets: list) -> tuple[list[frozenset], np.ndarray]:
+    """Each tensor's cell set (a set, or None for every cell) as a code: (the distinct sets, told apart by
+    identity: a selection's sets are shared; per tensor its set's index, -1 for every cell)."""
+    index: dict[int, int] = {}
+    distinct: list[frozenset] = []
+    codes = []
+    for w in sets:
+        if w is None:
+            codes.append(-1)
+            continue
+        k = index.get(id(w))
+        if k is None:
+            k = index[id(w)] = len(distinct)
+            distinct.append(w)
+        codes.append(k)
+    return distinct, np.array(codes, np.int64)
+
+
+def in_sets(distinct: list[frozenset], code: np.ndarray, cell: np.ndarray) -> np.ndarray:
+    """Whether each record's cell is in its set (``code``: its set's index in ``distinct``, -1 for every cell),
+    in one sorted lookup over the distinct sets' cells."""
+    if not distinct:
+        return np.ones(len(code), bool)
+    sizes = [len(w) for w in distinct]
+    members = np.repeat(np.arange(len(distinct), dtype=np.int64), sizes) * (1 << 32) + np.fromiter(
+        (c for w in distinct for c in w), np.int64, sum(sizes)
+    )
+    return (code < 0) | np.isin(np.maximum(code, 0) * (1 << 32) + cell, members)
 
 
 def read_cells(
-    m: Manifest,
-    cut: CutTensors,
-    raws: list[bytes | None],
-    keep: list | None = None,
-    sections: dict[tuple[int, int], bytes] | None = None,
+    m: Manifest, cut: CutTensors, raws: list[bytes | None], sections: dict[tuple[int, int], bytes] | None = None
 ) -> list[CellChunks]:
     """The chunks of each tensor of ``cut`` from its cell table's bytes (``raws``), checked against the
     table's length and SHA-256, then every record by the rules inline chunks meet (:func:`cells.check`), over
     all records of all tables at once: a rank reads ~300,000 of them per Kimi-K2 version. The coders' rules are
-    checked once per distinct (positions, values, mode, dtype). ``keep``: per tensor, the cells whose chunks
-    are made (None: all). A tensor in cell sections (format 12; bytes None) takes its records from
+    checked once per distinct (positions, values, mode, dtype). Only the chunks of the cells ``cut.kept``
+    gives are kept (None: all). A tensor in cell sections (format 12; bytes None) takes its records from
     ``sections`` (:func:`_from_sections`). Each tensor's chunks come in cell order."""
     n = len(cut)
     if not n:
@@ -559,13 +636,7 @@ def read_cells(
     overlap = np.r_[False, same & (offset[by_place][1:] < end[:-1])][np.argsort(by_place)]
     if overlap.any():
         raise ManifestError(f"{where(int(np.argmax(overlap)))}: two cells overlap in their blob")
-    made = np.ones(len(rec), bool)
-    if keep is not None and (some := [j for j, cells_kept in enumerate(keep) if cells_kept is not None]):
-        key = owner * (1 << 32) + rec["cell"].astype(np.int64)
-        want = np.fromiter((j * (1 << 32) + c for j in some for c in keep[j]), np.int64)
-        partial = np.isin(owner, some)
-        made[partial] = np.isin(key[partial], want)
-    kept = np.flatnonzero(made)
+    kept = np.flatnonzero(in_sets(cut.kept_sets, cut.kept[owner], rec["cell"].astype(np.int64)))
     kept = kept[np.lexsort((rec["cell"][kept], owner[kept]))]  # by tensor, then cell
     records = rec[kept]
     at = np.cumsum(np.bincount(owner[kept], minlength=n)).tolist()
@@ -589,9 +660,8 @@ def _from_sections(
         return np.zeros(0, CELL_RECORD), np.zeros(0, np.int64), np.zeros(0, bool)
     parsed, table_of, share_of = [], [], []
     for (table, k), raw in sorted(sections.items()):
-        refs = cut.sections.get(table, ())
-        ref = refs[k - 1] if 1 <= k <= len(refs) else None
-        if ref is None or not ref.count:
+        ref = cut.sections.ref(table, k)
+        if ref is None:
             raise ManifestError(f"tensor table {table}: cell section {k} was read for no tensor of it")
         verify_table(ref, raw, f"tensor table {table}: cell section {k}")
         rec = np.frombuffer(raw, SECTION_RECORD)
@@ -616,17 +686,14 @@ def _from_sections(
     rec, share = rec[mine], share[mine]
     cell = rec["cell"].astype(np.int64)
     shares_of = np.zeros(len(cut), np.int64)
-    shares_of[shared] = _per_table(cut.sections, len)[cut.table[shared]]
+    shares_of[shared] = cut.sections.shares(cut.table[shared])
     got = cut.owners.cell_shares(cut.dim, shares_of, owner, cell)
     elsewhere = (got != -1) & (got != share)  # a cell beyond its grid (-1) is cells.check's to refuse
     if elsewhere.any():
         j = int(owner[np.argmax(elsewhere)])
         raise ManifestError(f"tensor {cut.owners.names[j]!r}: cell sections: a cell in another share's section")
     counts = np.bincount(owner, minlength=len(cut))[shared].astype(np.int64)
-    read_all = np.zeros(max(cut.sections, default=-1) + 1, bool)
-    for tb, rs in cut.sections.items():
-        read_all[tb] = all(r.count == 0 or (tb, k) in sections for k, r in enumerate(rs, 1))
-    whole = read_all[cut.table[shared]]
+    whole = cut.sections.read_whole(sections)[cut.table[shared]]
     said = cut.records[shared]
     bad = (whole & (counts != said)) | (counts > said)
     if bad.any():

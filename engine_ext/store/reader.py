@@ -140,18 +140,16 @@ def load_cells(store: Store, m: Manifest, names=None, workers: int = 8) -> int:
     (:func:`engine_ext.format.tables.set_cells` checks them all). Returns the bytes read. On a rank's own
     manifest (``m.held``), a :data:`Selection` keeps only the chunks of the cells it selects (every record
     read is still checked)."""
-    cut = tables.CutTensors.of(m, names)
+    cut = tables.CutTensors.of(m, names, keep=m.held is not None and isinstance(names, dict))
     if not len(cut):
         return 0
-    keep = names if m.held is not None and isinstance(names, dict) else None
-    wanted = tables.sections_wanted(cut, keep)
+    wanted = tables.sections_wanted(cut)
     refs = [r for r in cut.tables if r is not None] + list(wanted.values())
     got, read = _read_ranges(store, m, [(r.blob, r.offset, r.length) for r in refs], workers)
     tables.set_cells(
         m,
         cut,
         [None if r is None else bytes(got[(r.blob, r.offset)]) for r in cut.tables],
-        keep,
         {place: bytes(got[(r.blob, r.offset)]) for place, r in wanted.items()},
     )
     return read
@@ -364,21 +362,10 @@ def plan(m: Manifest, selection: Selection | None) -> Plan:
         parts_rec.append(arr[at])
     rows_, cells_, rec = np.concatenate(parts_rows), np.concatenate(parts_cells), np.concatenate(parts_rec)
     if selection is not None:  # cut tensors' cells not selected left out, per distinct cell set (shared sets)
-        sets: dict[int, tuple[int, frozenset]] = {}
-        code = np.array(
-            [
-                -1 if (w := selection[c.names[i]]) is None else sets.setdefault(id(w), (len(sets), w))[0]
-                for i in cut_rows.tolist()
-            ],
-            np.int64,
-        )
+        sets, code = tables.set_codes([selection[c.names[i]] for i in cut_rows.tolist()])
         of_row = np.full(len(c), -1, np.int64)
         of_row[cut_rows] = code
-        per_part = np.where(cells_ >= 0, of_row[rows_], -1)
-        keep = per_part < 0
-        for k, w in sets.values():
-            mine = per_part == k
-            keep[mine] = np.isin(cells_[mine], np.fromiter(w, np.int64, len(w)))
+        keep = tables.in_sets(sets, np.where(cells_ >= 0, of_row[rows_], -1), cells_)
         rows_, cells_, rec = rows_[keep], cells_[keep], rec[keep]
     order = np.lexsort((cells_, rows_))
     return Plan(rows_[order], cells_[order], rec[order])
@@ -708,7 +695,7 @@ def decode_manifest(
 
     cut = tables.CutTensors.of(m)
     sections = {place: table(r) for place, r in tables.sections_wanted(cut).items()}
-    tables.set_cells(m, cut, [None if r is None else table(r) for r in cut.tables], None, sections)
+    tables.set_cells(m, cut, [None if r is None else table(r) for r in cut.tables], sections)
     parts = plan(m, None)
     digests = parts.digests()
 
