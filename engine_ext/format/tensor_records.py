@@ -432,8 +432,8 @@ def read_tensor_tables(
         names, keys = known
     else:
         names, keys = _decode_names(names_raw, rec["name_length"], keep, lambda i: numbers[int(table[keep[i]])]), None
-    if only is not None:  # a rank's: the index placed its names on these rows (another name may share a key)
-        mine = [j for j, name in enumerate(names) if name in only]
+    if only is not None and not only.issuperset(names):  # a rank's: the index placed its names on these rows
+        mine = [j for j, name in enumerate(names) if name in only]  # (another name may share a key)
         keep, names = keep[mine], [names[j] for j in mine]
     if rows is not None or only is not None:
         rec, shape, grid = rec[keep], shape[keep], grid[keep]
@@ -448,7 +448,7 @@ def _sections_read(parts: list[_Parts], numbers: list[int], in_sections: np.ndar
     no record is all zero and a table's sections hold ``in_sections`` records (its kind-3 records' counts) in
     all, each table at once."""
     shares = np.array([len(p.sections) for p in parts], np.int64)
-    raw = np.concatenate([p.sections for p in parts]) if len(parts) else np.zeros(0, SECTION_REF)
+    raw = np.frombuffer(b"".join([p.sections.tobytes() for p in parts]), SECTION_REF)  # not a structured concatenate
     table = np.repeat(np.arange(len(parts)), shares)
     count = raw["count"].astype(np.int64)
     empty = count == 0
