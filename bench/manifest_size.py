@@ -24,7 +24,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine_ext import settings  # noqa: E402
-from engine_ext.format import chunks  # noqa: E402
+from engine_ext.format import cell_reads, chunks  # noqa: E402
 from engine_ext.format import fingerprint as fpr  # noqa: E402
 from engine_ext.format import tables as tables_mod  # noqa: E402
 from engine_ext.format.context.blocks import shard_dim  # noqa: E402
@@ -140,11 +140,11 @@ def rank_read(raw: bytes, bytes_of, want: dict) -> dict:
     tables_mod.select(m, places, got, want, found)
     read = len(raw) + m.index.length + sum(len(b) for b in got.values())
     selection, _ = select_cells(m, {n: tuple(b) for n, b in want.items()})  # the cells it fetches
-    cut = tables_mod.CutTensors.of(m, selection, keep=True)
+    cut = cell_reads.CutTensors.of(m, selection, keep=True)
     own = [None if r is None else bytes_of(r) for r in cut.tables]
-    sections = {k: bytes_of(r) for k, r in tables_mod.sections_wanted(cut).items()}
+    sections = {k: bytes_of(r) for k, r in cell_reads.sections_wanted(cut).items()}
     read += sum(len(b) for b in own if b is not None) + sum(map(len, sections.values()))
-    tables_mod.set_cells(m, cut, own, sections)
+    cell_reads.set_cells(m, cut, own, sections)
     seconds = time.perf_counter() - t0
     data = sum(t.length for t in m.tensors if t.nnz and t.grid is None)
     data += sum(c.length for i in cut.rows.tolist() for c in m.tensors[i].chunks)  # the chunks of the cells it fetches

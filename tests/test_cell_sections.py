@@ -29,7 +29,7 @@ from test_chunks import noisy_versions
 
 from engine_ext import settings
 from engine_ext.errors import IntegrityError, ManifestError
-from engine_ext.format import chunks, tables, tensor_records
+from engine_ext.format import cell_reads, chunks, tables, tensor_records
 from engine_ext.format.manifest import CellSections, Manifest, TableRef
 from engine_ext.format.tensor_records import SECTION_RECORD, SECTION_REF, TENSOR_RECORD
 from engine_ext.server.controller import Controller
@@ -210,9 +210,9 @@ def _with(small, sections: dict[int, bytes], table_edit=None):
 
 def _set(m, sections):
     """set_cells over the tensors in cell sections (the manifest's other cut tensor keeps its cell table)."""
-    cut = tables.CutTensors.of(m, {t.name for t in _in_sections(m)})
+    cut = cell_reads.CutTensors.of(m, {t.name for t in _in_sections(m)})
     assert len(cut) and (cut.table >= 0).all()
-    tables.set_cells(m, cut, [None] * len(cut), sections)
+    cell_reads.set_cells(m, cut, [None] * len(cut), sections)
 
 
 def _in_sections(m) -> list:

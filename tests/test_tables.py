@@ -25,7 +25,7 @@ from engine_ext import settings
 from engine_ext.errors import IntegrityError, ManifestError, ModelMismatchError
 from engine_ext.format import manifest as manifest_mod
 from engine_ext.format.manifest import Manifest
-from engine_ext.format import entries, tables, tensor_records
+from engine_ext.format import cell_reads, entries, tables, tensor_records
 from engine_ext.format.fingerprint import name_key
 from engine_ext.format.tables import CELL_RECORD
 from engine_ext.server.controller import Controller
@@ -211,7 +211,7 @@ def test_a_table_that_lies_about_its_contents_is_refused(tmp_path):
     tables.resolve(fresh, [raw])  # a cell table is checked when it is read
     w, blob = fresh.tensors[0], (tmp_path / m.blobs[-1].key).read_bytes()
     with pytest.raises(ManifestError, match="another count of changes"):
-        tables.set_cells(fresh, tables.CutTensors.of(fresh, {"w"}), [blob[w.cells.offset:w.cells.offset + w.cells.length]])
+        cell_reads.set_cells(fresh, cell_reads.CutTensors.of(fresh, {"w"}), [blob[w.cells.offset:w.cells.offset + w.cells.length]])
     assert w.chunks is None and w.cells is not None  # nothing taken
     fresh, raw = table(rows)
     with pytest.raises(ManifestError, match="1 tensor tables|tables given"):
@@ -328,7 +328,7 @@ def test_any_table_bytes_give_a_manifest_error_or_a_valid_manifest(small, data):
     if w.cells is None:
         return
     try:
-        tables.set_cells(m, tables.CutTensors.of(m, {w.name}), [with_table(m, w.cells, cells)])
+        cell_reads.set_cells(m, cell_reads.CutTensors.of(m, {w.name}), [with_table(m, w.cells, cells)])
     except ManifestError:
         assert w.chunks is None
         return
@@ -369,7 +369,7 @@ def test_a_rank_reads_the_index_and_only_the_tables_of_its_tensors(small_tables)
     load_cells(store, whole)
     assert [c.cell for c in mw.tensors[0].chunks] == [0, 1] and mw.tensors[0].chunks == w.chunks[:2]
     with pytest.raises(ManifestError, match="only a rank's own manifest"):
-        tables.CutTensors.of(whole, {"w": {0}}, keep=True)
+        cell_reads.CutTensors.of(whole, {"w": {0}}, keep=True)
     states = _states(steps=1)
     part, _ = fetch_selected(store, m, {"experts.1.w": None}, bases=TensorBases(states[0]))
     full = load_delta(str(root / "v00000001.json"), names={"experts.1.w"}, bases=TensorBases(states[0]))

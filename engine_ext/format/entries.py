@@ -404,7 +404,7 @@ def _cell_tables(m, c: Columns, rows, cells):
 def _cell_sections(m, c: Columns, rows, cells) -> None:
     """A cut tensor whose chunks lie in its table's cell sections (format 12): a grid over two dimensions,
     between 1 and min(its grid's cells, its changes) records. The sections' places are its table's (checked
-    once per table: Manifest.validate), their records the reader's (:func:`engine_ext.format.tables.read_cells`)."""
+    once per table: Manifest.validate), their records the reader's (:func:`engine_ext.format.cell_reads.read_cells`)."""
     if not len(rows):
         return
     named = lambda j: c.where(int(rows[j])) + ": cell sections"

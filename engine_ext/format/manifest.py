@@ -365,7 +365,7 @@ class Manifest:
 
     def check_coders(self, where: str, p: Segment, v: Segment, dtype: str) -> None:
         """The rules on a part's coders and value mode alone, the same for every part that shares them
-        (a cell table's records are checked once per distinct triple: engine_ext.format.tables.read_cells)."""
+        (a cell table's records are checked once per distinct triple: engine_ext.format.cell_reads.read_cells)."""
 
         def bad(msg):
             raise ManifestError(_cut(msg))

@@ -256,7 +256,7 @@ class TableEntries(entries.ColumnEntries):
         self.read_chunks: dict[int, CellChunks] = {}  # row -> its chunks, read from its cell table or sections
 
     def take_chunks(self, rows: list[int], chunks: list[CellChunks]) -> None:
-        """The chunks read for the cut tensors at ``rows`` (:func:`engine_ext.format.tables.set_cells`): kept
+        """The chunks read for the cut tensors at ``rows`` (:func:`engine_ext.format.cell_reads.set_cells`): kept
         here, and given to the entry objects when they are made (or now, where they are)."""
         self.read_chunks.update(zip(rows, chunks))
         if self._made is not None:

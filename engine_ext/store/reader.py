@@ -31,7 +31,7 @@ import torch
 
 from .. import settings
 from ..errors import BaseMismatchError, IntegrityError, ManifestError, ModelMismatchError, NotFoundError
-from ..format import cells, chunks, codec, kernel_module, tables
+from ..format import cell_reads, cells, chunks, codec, kernel_module, tables
 from ..format import fingerprint as fpr
 from ..format.bulk import collector_paused
 from ..format.cells import CELL_CODERS, CELL_MODES, CELL_RECORD, CODER_INDEX, MODE_INDEX
@@ -137,16 +137,16 @@ def load_cells(store: Store, m: Manifest, names=None, workers: int = 8) -> int:
     """Read the cell tables (format 7) of the cut tensors in ``names`` (None: all) whose chunks are not
     read yet, and (format 12) the cell sections that hold the cells wanted of those in cell sections (a
     rank of tensor parallelism: its own share's), close ones together
-    (:func:`engine_ext.format.tables.set_cells` checks them all). Returns the bytes read. On a rank's own
+    (:func:`engine_ext.format.cell_reads.set_cells` checks them all). Returns the bytes read. On a rank's own
     manifest (``m.held``), a :data:`Selection` keeps only the chunks of the cells it selects (every record
     read is still checked)."""
-    cut = tables.CutTensors.of(m, names, keep=m.held is not None and isinstance(names, dict))
+    cut = cell_reads.CutTensors.of(m, names, keep=m.held is not None and isinstance(names, dict))
     if not len(cut):
         return 0
-    wanted = tables.sections_wanted(cut)
+    wanted = cell_reads.sections_wanted(cut)
     refs = [r for r in cut.tables if r is not None] + list(wanted.values())
     got, read = _read_ranges(store, m, [(r.blob, r.offset, r.length) for r in refs], workers)
-    tables.set_cells(
+    cell_reads.set_cells(
         m,
         cut,
         [None if r is None else bytes(got[(r.blob, r.offset)]) for r in cut.tables],
@@ -362,10 +362,10 @@ def plan(m: Manifest, selection: Selection | None) -> Plan:
         parts_rec.append(arr[at])
     rows_, cells_, rec = np.concatenate(parts_rows), np.concatenate(parts_cells), np.concatenate(parts_rec)
     if selection is not None:  # cut tensors' cells not selected left out, per distinct cell set (shared sets)
-        sets, code = tables.set_codes([selection[c.names[i]] for i in cut_rows.tolist()])
+        sets, code = cell_reads.set_codes([selection[c.names[i]] for i in cut_rows.tolist()])
         of_row = np.full(len(c), -1, np.int64)
         of_row[cut_rows] = code
-        keep = tables.in_sets(sets, np.where(cells_ >= 0, of_row[rows_], -1), cells_)
+        keep = cell_reads.in_sets(sets, np.where(cells_ >= 0, of_row[rows_], -1), cells_)
         rows_, cells_, rec = rows_[keep], cells_[keep], rec[keep]
     order = np.lexsort((cells_, rows_))
     return Plan(rows_[order], cells_[order], rec[order])
@@ -693,9 +693,9 @@ def decode_manifest(
     def table(r: TableRef) -> bytes:
         return bytes(memoryview(blobs[r.blob])[r.offset : r.offset + r.length])
 
-    cut = tables.CutTensors.of(m)
-    sections = {place: table(r) for place, r in tables.sections_wanted(cut).items()}
-    tables.set_cells(m, cut, [None if r is None else table(r) for r in cut.tables], sections)
+    cut = cell_reads.CutTensors.of(m)
+    sections = {place: table(r) for place, r in cell_reads.sections_wanted(cut).items()}
+    cell_reads.set_cells(m, cut, [None if r is None else table(r) for r in cut.tables], sections)
     parts = plan(m, None)
     digests = parts.digests()
 
