@@ -220,6 +220,9 @@ def full_size(layers: int, experts: int, root: Path, key: str, moto: bool, joine
     by_name = {n: s for n, _, s in shapes}
     wants = {"ep16": {n: (((0,) * len(by_name[n]), tuple(by_name[n])),) for n in ms.ep_names(names, experts, ep)},
              "tp8": {n: tuple(ms.tp_boxes(n, s)) for n, s in by_name.items()}}
+    for want in wants.values():  # equal box lists as one object each, as RankUpdater.boxes() keeps them
+        same: dict = {}
+        want.update({n: same.setdefault(b, b) for n, b in want.items()})
 
     def manifest_and_signature(st):
         raw = st.read("v00000002.json")

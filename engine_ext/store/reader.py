@@ -248,12 +248,14 @@ def select_cells(m: Manifest, held: Mapping[str, Boxes | None]) -> tuple[Selecti
     holds the tensor but none of its changes), or None for every cell (not cut, held whole, or a box of
     every element)}, a tensor held none of (``()``) left out; and the changed tensors ``held`` does not name.
     Over the manifest's columns, with no entry object made: a TP rank of K2 selects from 140 k tensors per
-    version, whose cells are found once per distinct (grid, shape, boxes)."""
+    version, whose cells are found once per distinct (grid, shape, boxes object: ``held``'s values are alive
+    meanwhile, and a reader's equal box lists are best one object)."""
     c = m.columns()
     grid, shape = c.grid.tolist(), c.shape.tolist()
     out: Selection = {}
     unknown: list[str] = []
     memo: dict = {}
+    by_content: dict = {}
     for i in np.flatnonzero(c.nnz).tolist():
         name = c.names[i]
         if name not in held:
@@ -263,16 +265,26 @@ def select_cells(m: Manifest, held: Mapping[str, Boxes | None]) -> tuple[Selecti
         if boxes is None or (boxes and grid[i] == NONE):
             out[name] = None
         elif boxes:
-            key = (grid[i], shape[i], boxes)
+            key = (grid[i], shape[i], id(boxes))  # a rank's box lists are shared objects (RankUpdater.boxes)
             got = memo.get(key, _UNKNOWN)
             if got is _UNKNOWN:
-                size, cuts = tuple(c.shapes[shape[i]]), c.grids[grid[i]]
-                every = any(tuple(a) == (0,) * len(size) and tuple(z) == size for a, z in boxes)
-                got = memo[key] = (
-                    None if every else frozenset().union(*(chunks.cells_meeting(cuts, size, a, z) for a, z in boxes))
-                )
+                got = memo[key] = _meeting(c, grid[i], shape[i], boxes, by_content)
             out[name] = got
     return out, unknown
+
+
+def _meeting(c, grid: int, shape: int, boxes: Boxes, memo: dict) -> frozenset | None:
+    """The cells of grid ``grid`` over shape ``shape`` (codes in columns ``c``) that meet ``boxes``, or None for
+    every cell (a box of every element); once per distinct content."""
+    key = (grid, shape, boxes)
+    got = memo.get(key, _UNKNOWN)
+    if got is _UNKNOWN:
+        size, cuts = tuple(c.shapes[shape]), c.grids[grid]
+        every = any(tuple(a) == (0,) * len(size) and tuple(z) == size for a, z in boxes)
+        got = memo[key] = (
+            None if every else frozenset().union(*(chunks.cells_meeting(cuts, size, a, z) for a, z in boxes))
+        )
+    return got
 
 
 _UNKNOWN = object()
