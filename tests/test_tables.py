@@ -432,6 +432,9 @@ def test_a_ranks_selection_cells_and_parts_come_from_columns_with_no_entry_made(
            for i, (r, cell, (b, o, n)) in enumerate(zip(parts.rows.tolist(), parts.cells.tolist(), parts.ranges()))]
     assert got == sorted(expected, key=lambda e: ([t.name for t in whole.tensors].index(e[0]), e[1]))
     assert set(parts.digests()) == {(b, o) for _, _, b, o, _, _ in expected}
+    mw, _ = open_held(store, raw, {"w"})  # held, but none of its cells kept: no part, and no error
+    load_cells(store, mw, {"w": frozenset()})
+    assert len(plan(mw, {"w": frozenset()})) == 0 and len(mw.tensors[0].chunks) == 0
 
 
 def test_the_driver_reads_the_whole_as_columns_and_makes_no_entry(small_tables):

@@ -356,16 +356,12 @@ def plan(m: Manifest, selection: Selection | None) -> Plan:
     read = m.tensors.read_chunks if isinstance(m.tensors, TableEntries) else {}
     spans: dict[int, list] = {}  # id of a records array -> [array, rows, starts, stops]
     for i in cut_rows.tolist():
-        got = read.get(i)
-        if got is None:
-            got = c.chunk_lists[i]
-            if got is None:
-                raise ManifestError(f"tensor {c.names[i]!r}: its cell table was not read (load_cells)")
-            if not isinstance(got, CellChunks):  # inline (format 3): its own records, checked with the manifest
-                got = CellChunks(cells.records(sorted(got, key=_cell), lambda j: f"tensor {c.names[i]!r} chunk {j}"))  # noqa: B023
-        arr, start, stop = got.span
+        got = read.get(i)  # read from its table (maybe no record kept: empty), else inline or not read
+        arr, start, stop = _cell_records(c.names[i], c.chunk_lists[i] if got is None else got)
         one = spans.setdefault(id(arr), [arr, [], [], []])
-        one[1].append(i), one[2].append(start), one[3].append(stop)
+        one[1].append(i)
+        one[2].append(start)
+        one[3].append(stop)
     for arr, owners, starts, stops in spans.values():
         n = np.array(stops, np.int64) - starts
         at = np.repeat(np.array(starts, np.int64) - np.cumsum(n) + n, n) + np.arange(int(n.sum()))
@@ -381,6 +377,17 @@ def plan(m: Manifest, selection: Selection | None) -> Plan:
         rows_, cells_, rec = rows_[keep], cells_[keep], rec[keep]
     order = np.lexsort((cells_, rows_))
     return Plan(rows_[order], cells_[order], rec[order])
+
+
+def _cell_records(name: str, chunks_: CellChunks | list | None) -> tuple[np.ndarray, int, int]:
+    """A cut tensor's chunks as (a records array, its first row, the row after its last): read from a table
+    (:class:`CellChunks`), or inline (format 3: made records here, checked as the manifest's were)."""
+    if chunks_ is None:
+        raise ManifestError(f"tensor {name!r}: its cell table was not read (load_cells)")
+    if isinstance(chunks_, CellChunks):
+        return chunks_.span
+    rec = cells.records(sorted(chunks_, key=_cell), lambda j: f"tensor {name!r} chunk {j}")
+    return rec, 0, len(rec)
 
 
 _cell = attrgetter("cell")
