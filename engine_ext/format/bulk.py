@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from collections.abc import Sequence
 
 
 @contextlib.contextmanager
@@ -41,3 +42,37 @@ class LastKept:
 
     def clear(self) -> None:
         self._kept = None
+
+
+class MadeWhenAsked(Sequence):
+    """A sequence of very many small objects made all together, the collector paused, the first time one is
+    asked for (:meth:`make`): until then its holder works on the arrays they would be made from (a driver's
+    140 k tensor entries, a rank's chunks). Equal to any sequence of equal items. ``_made`` is None until
+    then."""
+
+    __slots__ = ("_made",)
+
+    def __init__(self) -> None:
+        self._made: list | None = None
+
+    def make(self) -> list:
+        """Every item as an object (a subclass knows its source)."""
+        raise NotImplementedError
+
+    def made(self) -> list:
+        """The items, made now if not yet."""
+        if self._made is None:
+            with collector_paused():  # 140 k objects at once (1 s more with the collector running)
+                self._made = self.make()
+        return self._made
+
+    def __getitem__(self, i):
+        return self.made()[i]
+
+    def __iter__(self):
+        return iter(self.made())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  # equal to a list of the same items, which has none

@@ -22,7 +22,7 @@ from .bulk import collector_paused as _collector_paused
 from .cells import CELL_RECORD
 from .chunks import cell_shares
 from .manifest import MAX_SHARES, CellChunks, CellSections, Manifest, TableRef, TensorEntry
-from .tensor_records import SECTION_PLACE, SECTION_RECORD, TableEntries, verify_table
+from .tensor_records import SECTION_PLACE, SECTION_RECORD, TableEntries, section_ref, verify_table
 
 
 class SectionTable(NamedTuple):
@@ -62,8 +62,7 @@ class SectionTable(NamedTuple):
         if at == len(self.keys) or self.keys[at] != want:
             return None
         p = self.places[at]
-        n = int(p["count"])
-        return TableRef(int(p["blob"]), int(p["offset"]), n * SECTION_RECORD.itemsize, p["sha256"].tobytes().hex(), n)
+        return section_ref(int(p["blob"]), int(p["offset"]), int(p["count"]), p["sha256"].tobytes())
 
     def read_whole(self, read) -> np.ndarray:
         """Per table (by its place), whether every section of it with records is among ``read`` {(table, share)}."""

@@ -28,7 +28,7 @@ from ..errors import ManifestError
 from . import chunks
 from . import fingerprint as fpr
 from . import manifest as mf  # its constants and rules, read at call time (manifest imports this module)
-from .bulk import collector_paused
+from .bulk import MadeWhenAsked
 from .cells import MAX_OFFSET
 
 _LOWER_HEX = re.compile(r"[0-9a-f]*")
@@ -195,36 +195,17 @@ class Columns:
         )
 
 
-class ColumnEntries(Sequence):
+class ColumnEntries(MadeWhenAsked):
     """Tensor entries held as :class:`Columns` (a binary table's, as read): the entry objects are made all
     together the first time one is asked for (:meth:`make`). A reader of the whole model (the driver) checks
     and sums over the columns and never asks; a rank that walks its entries does."""
 
     def __init__(self, columns: Columns):
+        super().__init__()
         self.columns = columns
-        self._made: list | None = None
-
-    def make(self) -> list:
-        """Every entry as an object (a subclass knows its source)."""
-        raise NotImplementedError
-
-    def _entries(self) -> list:
-        if self._made is None:
-            with collector_paused():  # 140 k objects at once (1 s more with the collector running)
-                self._made = self.make()
-        return self._made
 
     def __len__(self) -> int:
         return len(self.columns)
-
-    def __getitem__(self, i):
-        return self._entries()[i]
-
-    def __iter__(self):
-        return iter(self._entries())
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Sequence) and list(self) == list(other)
 
     def __repr__(self) -> str:
         return f"<{len(self)} tensor entries as columns>"

@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -42,6 +42,7 @@ from ..errors import IntegrityError, ManifestError
 from . import cells, chunks, entries
 from . import context as codec_v2
 from . import fingerprint as fpr
+from .bulk import MadeWhenAsked
 from .dtypes import dtype_by_name
 from .json_text import dumps_indent1
 from .pieces import PIECES, cuts
@@ -154,19 +155,19 @@ class Chunk:
         return self.positions.length + self.values.length
 
 
-class CellChunks(Sequence):
+class CellChunks(MadeWhenAsked):
     """A cut tensor's chunks as read from its cell table or cell sections: rows ``[start, stop)`` of a
     checked :data:`~engine_ext.format.cells.CELL_RECORD` array (in cell order), made :class:`Chunk` objects
     all together the first time one is asked for. A tensor-parallel rank of Kimi-K2 reads ~300 k chunks per
     version: as objects they were a fifth of its metadata time, yet its fetch plans from the records alone
     (:attr:`records`) and its decode asks for one tensor's chunks at a time."""
 
-    __slots__ = ("_all", "_made", "_start", "_stop")
+    __slots__ = ("_all", "_start", "_stop")
 
     def __init__(self, records: np.ndarray, start: int = 0, stop: int | None = None):
+        super().__init__()
         self._all, self._start = records, start
         self._stop = len(records) if stop is None else stop
-        self._made: list[Chunk] | None = None
 
     @property
     def records(self) -> np.ndarray:
@@ -178,24 +179,11 @@ class CellChunks(Sequence):
         many tensors' chunks takes each array's fields once, not a slice's per tensor."""
         return self._all, self._start, self._stop
 
-    def _chunks(self) -> list[Chunk]:
-        if self._made is None:
-            self._made = chunks_of_records(self.records)
-        return self._made
+    def make(self) -> list[Chunk]:
+        return chunks_of_records(self.records)
 
     def __len__(self) -> int:
         return self._stop - self._start
-
-    def __getitem__(self, i):
-        return self._chunks()[i]
-
-    def __iter__(self):
-        return iter(self._chunks())
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Sequence) and list(self) == list(other)
-
-    __hash__ = None  # type: ignore[assignment]  # equal to a list of the same chunks, which has none
 
     def __repr__(self) -> str:
         return f"<{len(self)} chunks as cell records>"

@@ -163,6 +163,11 @@ def table_bytes(c: entries.Columns, rec: np.ndarray, a: int, b: int, sections: b
 _NO_SECTION = TableRef(0, 0, 0, "0" * 64, 0)
 
 
+def section_ref(blob: int, offset: int, count: int, sha256: bytes) -> TableRef:
+    """A cell section of ``count`` records as a table reference (its place in a :data:`SECTION_PLACE`)."""
+    return TableRef(blob, offset, count * SECTION_RECORD.itemsize, sha256.hex(), count)
+
+
 def sections_trailer(refs: list[TableRef]) -> bytes:
     """A format-12 tensor table's last bytes: u16 shares, then where each share's cell section lies (a share
     with no record: all zero); ``refs`` empty: no cell sections (u16 0)."""
@@ -277,7 +282,7 @@ class TableEntries(entries.ColumnEntries):
             self.sections["sha256"].tolist(),
         ):
             refs = out.setdefault(number, [_NO_SECTION] * n)
-            refs[share - 1] = TableRef(blob, offset, count * SECTION_RECORD.itemsize, sha.hex(), count)
+            refs[share - 1] = section_ref(blob, offset, count, sha)
         return {k: tuple(v) for k, v in out.items()}
 
     def name_keys(self) -> np.ndarray:

@@ -717,16 +717,16 @@ def decode_manifest(
     cell_reads.set_cells(m, cut, [None if r is None else table(r) for r in cut.tables], sections)
     parts = plan(m, None)
     digests = parts.digests()
+    lengths = {(b, o): n for b, o, n in parts.ranges()}
 
     def data_of(key):
         b, offset = key
-        piece = memoryview(blobs[b])[offset : offset + parts_length[key]]
+        piece = memoryview(blobs[b])[offset : offset + lengths[key]]
         sha, row = digests[key]
         if hashlib.sha256(piece).digest() != sha:
             raise IntegrityError(f"tensor {m.columns().names[row]!r}: SHA-256 mismatch")
         return piece
 
-    parts_length = {(b, o): n for b, o, n in parts.ranges()}
     return _decode_parts(m, parts, data_of, workers, bases)
 
 
