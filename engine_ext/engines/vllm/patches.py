@@ -147,9 +147,11 @@ def _dispatch_keeping_weight(orig: Callable) -> Callable:
         if "_cpu_unpacked_conv_weight" in layer.__dict__:
             keep_conv_weight(layer, loaded)
             return
-        if layer.weight.ndim == 2:
-            layer._engine_ext_packed = True  # marks layers whose served copy is derived
         layer._engine_ext_gemm = gemm_path(layer)
+        if layer.weight.ndim == 2 and layer._engine_ext_gemm != "torch":
+            # marks layers whose served copy is derived (the torch path, an AVX2 host's, reads the weight itself:
+            # nothing to re-pack after an apply or to audit)
+            layer._engine_ext_packed = True
 
     return dispatch_keeping_weight
 
