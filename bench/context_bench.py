@@ -286,7 +286,7 @@ def read_costs(layers: int = 4, vocab: int = 151936, density: float = 0.042, rep
     from support.synthetic import llm_shapes
     from engine_ext import settings
     from engine_ext.store import reader as _reader
-    from engine_ext.store.reader import TensorBases
+    from engine_ext.store.decoding import TensorBases
     load_delta = _reader.load_delta
     from engine_ext.store.signing import Trust, generate_key
     from engine_ext.trainer.publisher import DeltaPublisher

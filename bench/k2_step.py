@@ -71,7 +71,8 @@ import manifest_size as ms  # noqa: E402
 from engine_ext import settings  # noqa: E402
 from engine_ext.format.bulk import collector_paused  # noqa: E402
 from engine_ext.store import Store, open_store  # noqa: E402
-from engine_ext.store.reader import TensorBases, _decode_parts, _read_ranges, plan  # noqa: E402
+from engine_ext.store.decoding import TensorBases, decode_parts  # noqa: E402
+from engine_ext.store.reader import _read_ranges, plan  # noqa: E402
 from engine_ext.store.reader import load_cells, open_held, open_manifest, select_cells  # noqa: E402
 from engine_ext.store.signing import Signer, Trust, generate_key  # noqa: E402
 from engine_ext.format import fingerprint as fpr  # noqa: E402
@@ -320,7 +321,7 @@ def one_layer(experts: int, density: float, root: Path) -> dict:
         load_cells(store, mm, sel)
         parts = plan(mm, sel)
         data, _ = _read_ranges(store, mm, parts.ranges(), 8)
-        deltas, out[f"{rank}_decode_s"] = timed(lambda: _decode_parts(mm, parts, data.__getitem__, 8, TensorBases(base)))
+        deltas, out[f"{rank}_decode_s"] = timed(lambda: decode_parts(mm, parts, data.__getitem__, 8, TensorBases(base)))
         out[f"{rank}_changes"] = sum(d.nnz for d in deltas)
         _, out[f"{rank}_apply_s"] = timed(lambda: up.apply(deltas))
         up.commit(1)

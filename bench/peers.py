@@ -537,7 +537,8 @@ class Ours(Format):
     def decode(self, old, root):
         from engine_ext.format.delta import REL
         from engine_ext.format.dtypes import apply_step, as_bits
-        from engine_ext.store.reader import TensorBases, load_delta
+        from engine_ext.store.decoding import TensorBases
+        from engine_ext.store.reader import load_delta
 
         d = load_delta(str(root / "v00000001.json"), bases=TensorBases(old), workers=1, trust=self.trust)
         out = {}

@@ -27,7 +27,8 @@ from .format.dtypes import as_bits, dtype_by_name, served_as, served_dtype, to_s
 from .format.manifest import ANCHOR, DELTA
 from .store import open_store, split_uri
 from .store.checkpoint import INDEX_NAME, CheckpointDir, SafetensorsWriter
-from .store.reader import TensorBases, load_cells, load_delta, read_link
+from .store.decoding import TensorBases
+from .store.reader import load_cells, load_delta, read_link
 from .store.signing import Signer, Trust, generate_key
 from .trainer.builder import VersionBuilder
 from .trainer.delta_pipeline import ContextBase, DeltaEncoder, TensorChange

@@ -38,7 +38,8 @@ from .fleet import Fleet
 from .format.dtypes import as_bits, dtype_by_name, step_between
 from .format.manifest import ANCHOR, Chunk, TensorEntry
 from .store.base import Store
-from .store.reader import TensorBases, decode_manifest, fetch_blobs, load_cells, read_link
+from .store.decoding import TensorBases
+from .store.reader import decode_manifest, fetch_blobs, load_cells, read_link
 from .store.signing import Trust
 
 

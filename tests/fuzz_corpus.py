@@ -22,7 +22,7 @@ from engine_ext import settings
 from engine_ext.format.context import blocks as cb, codec as cc, models as cm
 from engine_ext.format.dtypes import as_bits, step_between
 from engine_ext.format.manifest import Manifest
-from engine_ext.store import reader
+from engine_ext.store import decoding, reader
 from engine_ext.store.local import LocalStore
 from engine_ext.store.signing import Signer, Trust, generate_key
 
@@ -152,7 +152,7 @@ def _warm_up(c: Corpus) -> None:
     store = LocalStore(str(c.scratch))
     for raw in c.manifests.values():
         m = Manifest.from_json(raw)
-        reader.fetch_selected(store, m, None, workers=2, bases=reader.TensorBases(c.a))
+        reader.fetch_selected(store, m, None, workers=2, bases=decoding.TensorBases(c.a))
     for p in v2_pool():
         cc.decode(cc.StoredPart(p["dtype"], p["shape"], p["box"], p["e"].pos, p["e"].val, p["pos"].size, p["tables"]),
                   lambda sub, p=p: cb.box_of(p["base"], p["shape"] if p["box"] is None else

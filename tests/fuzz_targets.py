@@ -46,7 +46,7 @@ from engine_ext.format.manifest import ANCHOR, DELTA, MAX_MANIFEST_BYTES, Manife
 from engine_ext.server.controller import Auth
 from engine_ext.server.http import post_answer
 from engine_ext.server.protocol import MAX_BODY_BYTES, PAUSE_MODES, RequestError, UpdateRequest
-from engine_ext.store import reader
+from engine_ext.store import decoding, reader
 from engine_ext.store.checkpoint import CheckpointDir, read_header
 from engine_ext.store.local import LocalStore
 from engine_ext.store.signing import MAX_SIGNATURE_BYTES, SignatureError, Trust, key_id
@@ -265,7 +265,7 @@ def check_manifest(case: ManifestCase) -> None:
     _kernels_loaded()
     raw, tampered = _materialize(case, c)
     store = LocalStore(str(c.scratch))
-    bases = {"right": reader.TensorBases(c.a), "wrong": reader.TensorBases(c.b), "none": None}[case.bases]
+    bases = {"right": decoding.TensorBases(c.a), "wrong": decoding.TensorBases(c.b), "none": None}[case.bases]
     model_bytes = sum(t.numel() * t.element_size() for t in c.a.values())
     state = {}
 

@@ -35,7 +35,8 @@ from engine_ext.format.tensor_records import SECTION_RECORD, SECTION_REF, TENSOR
 from engine_ext.server.controller import Controller
 from engine_ext.server.protocol import UpdateRequest
 from engine_ext.store import open_store
-from engine_ext.store.reader import TensorBases, fetch_selected, load_cells, load_delta, open_held, read_manifest
+from engine_ext.store.decoding import TensorBases
+from engine_ext.store.reader import fetch_selected, load_cells, load_delta, open_held, read_manifest
 from engine_ext.store.sources import Sources
 from engine_ext.trainer.publisher import DeltaPublisher
 

@@ -21,7 +21,8 @@ from engine_ext.errors import ManifestError
 from engine_ext.format.manifest import Manifest
 from engine_ext.server.protocol import UpdateRequest
 from engine_ext.trainer.publisher import DeltaPublisher
-from engine_ext.store.reader import TensorBases, fetch_selected, read_manifest
+from engine_ext.store.decoding import TensorBases
+from engine_ext.store.reader import fetch_selected, read_manifest
 from engine_ext import settings
 from engine_ext.store.local import LocalStore
 from engine_ext.store.sources import Sources

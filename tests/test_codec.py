@@ -140,6 +140,103 @@ def test_hostile_positions():
     _fast(codec.decode_positions, "lz4", data, 3, 1000)
 
 
+def _plain_tensor(name, shape, cuts, pos, bits, keep, raw_values):
+    """A tensor's kept cells coded as the publisher codes them (positions box-local, as gaps), as
+    :func:`codec.decode_cells` takes them, and the reference: each cell decoded alone, then placed."""
+    from engine_ext.format import cell_kernels, chunks
+
+    boxes = chunks.boxes(cuts, shape) if cuts else [((0,) * len(shape), tuple(shape))]
+    split = chunks.split(pos, shape, cuts) if cuts else [(0, np.arange(len(pos)))]
+    kept = [(c, idx) for c, idx in split if keep(c)] or split[:1]
+    cells, locals_, values = [], [], []
+    for c, idx in kept:
+        local = chunks.to_local(pos[idx], shape, boxes[c]) if cuts else pos[idx]
+        pc, pb = codec.encode_positions(local, chunks.box_numel(boxes[c]))
+        vc, vb = ("raw", bits[idx].tobytes()) if raw_values else codec.encode_values(bits[idx])
+        cells.append(codec.PlainCell(boxes[c], len(idx), pc, pb, vc, vb))
+        locals_.append(local)
+        values.append(bits[idx])
+    want = cell_kernels.place(shape, [boxes[c] for c, _ in kept], locals_, values)
+    return codec.PlainTensor(name, tuple(shape), cells), want
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(["bfloat16", "float8_e4m3fn", "float32"]), st.integers(1, 4), st.data())
+def test_a_batch_of_plain_tensors_decodes_as_each_cell_alone(dtype_name, n_tensors, data):
+    """codec.decode_cells (every cell's streams into one buffer, one kernel call for many tensors: what a rank
+    decodes codec v1 with) gives each tensor exactly what decoding its cells one by one and placing them gave:
+    any grid or none, any subset of cells a rank keeps, 1 to 3 dimensions, pco, zstd and raw segments."""
+    from engine_ext.format import chunks
+
+    dt = BY_NAME[dtype_name]
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    batch, wants = [], []
+    for k in range(n_tensors):
+        shape = data.draw(st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple))
+        numel = int(np.prod(shape))
+        cuts = None
+        if data.draw(st.booleans()):
+            along = data.draw(st.sampled_from([None, 0, 1])) if len(shape) > 1 else None
+            cuts = chunks.grid(shape, min_cell=1, parts=data.draw(st.sampled_from([2, 4, 8])), along=along)
+        n = data.draw(st.integers(1, min(numel, 400)))
+        pos = np.sort(rng.choice(numel, n, replace=False)).astype(np.int64)
+        bits = random_bits(dt, n, rng).numpy()
+        keep = lambda c: data.draw(st.booleans())  # noqa: E731
+        t, want = _plain_tensor(f"t{k}", shape, cuts, pos, bits, keep, data.draw(st.booleans()))
+        if not codec.plain(shape, [(c.box, c.positions_coder, c.values_coder) for c in t.cells]):
+            continue  # a cell every element of which changed: "all" positions, decoded cell by cell
+        batch.append(t)
+        wants.append(want)
+    got = codec.decode_cells(batch, dt) if batch else []
+    for (pos, vals), (want_pos, want_vals) in zip(got, wants):
+        assert pos.tolist() == want_pos.tolist()
+        assert vals.numpy().tolist() == want_vals.tolist()
+
+
+def test_the_row_by_reciprocal_is_the_division_at_every_edge():
+    """cell_kernels._row_skip finds a change's row by a multiplication (rounded, then corrected by one): the
+    floor division's row at each row's first and last element, for widths and rows up to a cell of 2^32
+    elements, where float64 rounding first misses."""
+    from engine_ext.format import cell_kernels
+
+    for width in (1, 3, 7, 4096, 7168, 2**31 - 1, 2**32 - 5):
+        for row in (0, 1, 2, 3, 1000, 2**32 // width - 1, 2**40 // width):
+            for q in (row * width - 1, row * width, row * width + width - 1):
+                if q >= 0:
+                    assert cell_kernels._row_skip(q, width, 1.0 / width, 5) == q // width * 5, (width, q)
+
+
+def test_a_batch_refuses_a_hostile_cell_and_names_its_tensor():
+    """A repeated position, one past its cell, an 8-bit value outside 8 bits or a corrupt stream in one cell of
+    one tensor of a batch: IntegrityError naming the tensor (and the cell), fast."""
+    from engine_ext.format import chunks
+
+    dt = BY_NAME["float8_e4m3fn"]
+    shape, cuts = (16, 16), chunks.grid((16, 16), min_cell=1, parts=4, along=1)
+    pos = np.array([1, 5, 17, 40, 200, 255], np.int64)
+    bits = np.array([1, -1, 2, -2, 3, -3], np.int8)
+    good, _ = _plain_tensor("good", shape, cuts, pos, bits, lambda c: True, False)
+    bad, _ = _plain_tensor("bad", shape, cuts, pos, bits, lambda c: True, False)
+    numel = chunks.box_numel(bad.cells[1].box)
+
+    def with_cell(cell: codec.PlainCell) -> list:
+        return [good, bad._replace(cells=[bad.cells[0], cell, *bad.cells[2:]])]
+
+    c = bad.cells[1]._replace(positions_coder="pco", values_coder="pco")
+    hostile = {
+        "repeated position": c._replace(nnz=2, positions=codec._pco(np.array([3, 0], np.uint32)), values=codec._pco(np.array([1, 1], np.int16))),
+        "lies at or beyond": c._replace(nnz=1, positions=codec._pco(np.array([numel], np.uint32)), values=codec._pco(np.array([1], np.int16))),
+        "8-bit values out of range": c._replace(nnz=1, positions=codec._pco(np.array([0], np.uint32)), values=codec._pco(np.array([300], np.int16))),
+        "corrupt pco stream": c._replace(positions=b"\x00" * 7),
+        "is not coded as gaps": c._replace(positions_coder="all"),
+    }
+    for what, cell in hostile.items():
+        t = time.perf_counter()
+        with pytest.raises(IntegrityError, match=f"tensor 'bad': .*{what}"):
+            codec.decode_cells(with_cell(cell), dt)
+        assert time.perf_counter() - t < 1.0
+
+
 @pytest.mark.parametrize("gap_dtype", [np.uint32, np.uint64])
 def test_gap_kernel_accepts_and_refuses_as_the_numpy_reference(gap_dtype):
     """codec_kernels.positions (one pass) against the three numpy passes it replaced, on good gaps and on

@@ -13,7 +13,7 @@ import torch
 
 from engine_ext.format import codec
 from engine_ext.format.context import blocks as cb, codec as cc, models as cm, scan_kernels as ck
-from engine_ext.store import open_store, reader
+from engine_ext.store import decoding, open_store, reader
 from engine_ext import settings
 from engine_ext.format.delta import apply_tensor
 from engine_ext.format.dtypes import BY_NAME, as_bits, step_between
@@ -315,10 +315,10 @@ def test_bytes_first_codes_v2_and_the_base_fingerprint_is_checked_first(tmp_path
     _publish(tmp_path, [{"w": old}, {"w": new}])
     m = reader.read_manifest(open_store(str(tmp_path)), "v00000001.json")
     assert m.tensors[0].positions.coder == "ctx-rans" and m.format_version == 9 and m.step_tables["bfloat16"]
-    d = reader.load_delta(str(tmp_path / "v00000001.json"), bases=reader.TensorBases({"w": old}))
+    d = reader.load_delta(str(tmp_path / "v00000001.json"), bases=decoding.TensorBases({"w": old}))
     assert torch.equal(as_bits(apply_tensor(old, d.tensors[0])), as_bits(new))
     with pytest.raises(BaseMismatchError, match="wrong base"):
-        reader.load_delta(str(tmp_path / "v00000001.json"), bases=reader.TensorBases({"w": new}))
+        reader.load_delta(str(tmp_path / "v00000001.json"), bases=decoding.TensorBases({"w": new}))
     with pytest.raises(IntegrityError, match="needs the base weights"):
         reader.load_delta(str(tmp_path / "v00000001.json"))
 
@@ -395,7 +395,7 @@ def test_the_publisher_chooses_v2_where_it_pays_on_its_readers(tmp_path, monkeyp
         m = reader.read_manifest(open_store(str(tmp_path / str(mbps))), "v00000001.json")
         assert (m.tensors[0].positions.coder == "ctx-rans") == want and bool(m.step_tables) == want
     assert [len(c) for c in seen] == [0, 1]  # the fast link: the sample is never asked, no tables from any change
-    d = reader.load_delta(str(tmp_path / "0.05" / "v00000001.json"), bases=reader.TensorBases({"w": old}))
+    d = reader.load_delta(str(tmp_path / "0.05" / "v00000001.json"), bases=decoding.TensorBases({"w": old}))
     assert torch.equal(as_bits(apply_tensor(old, d.tensors[0])), as_bits(new))
 
 
@@ -427,7 +427,7 @@ def test_uniform_changes_build_no_step_tables(tmp_path, monkeypatch):
     coders = {t.name: t.positions.coder for t in m.tensors}
     assert coders["a"] != "ctx-rans" and coders["b"] == "ctx-rans"
     assert [len(c) for c in seen] == [1]  # the tables were built from tensor b's changes alone
-    d = reader.load_delta(str(tmp_path / "v00000001.json"), bases=reader.TensorBases({"a": old, "b": follows}))
+    d = reader.load_delta(str(tmp_path / "v00000001.json"), bases=decoding.TensorBases({"a": old, "b": follows}))
     got = {t.name: t for t in d.tensors}
     assert torch.equal(as_bits(apply_tensor(old, got["a"])).reshape(-1), uniform)
     assert torch.equal(as_bits(apply_tensor(follows, got["b"])), as_bits(follows_new))
@@ -442,7 +442,7 @@ def test_the_publisher_never_copies_the_model_for_the_context(tmp_path):
     _publish(tmp_path, states)
     w = states[0]["w"]
     for v in range(1, 5):
-        d = reader.load_delta(str(tmp_path / f"v{v:08d}.json"), bases=reader.TensorBases({"w": w}))
+        d = reader.load_delta(str(tmp_path / f"v{v:08d}.json"), bases=decoding.TensorBases({"w": w}))
         w = apply_tensor(w, d.tensors[0])
         assert torch.equal(as_bits(w), as_bits(states[v]["w"]))
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine_ext.format import fingerprint as fpr
-from engine_ext.store import reader, route
+from engine_ext.store import decoding, reader, route
 from engine_ext.format.delta import apply_tensor
 from engine_ext.format.dtypes import as_bits
 from engine_ext.errors import BaseMismatchError, IntegrityError
@@ -54,9 +54,9 @@ def check_reads(root, states):
     last = len(states) - 1
     for have in range(last):
         d = route.resolve(root, have_version=have, have_fingerprint=fpr.model_fingerprint(
-            {n: fpr.tensor_fingerprint(t) for n, t in states[have].items()}), bases=reader.TensorBases(states[have]))
+            {n: fpr.tensor_fingerprint(t) for n, t in states[have].items()}), bases=decoding.TensorBases(states[have]))
         equal(materialise(states[have], d), states[last])
-    fresh = route.resolve(root, bases=reader.TensorBases({}))  # the anchor is the base of the deltas after it
+    fresh = route.resolve(root, bases=decoding.TensorBases({}))  # the anchor is the base of the deltas after it
     assert fresh.kind == "anchor" and fresh.manifests[0].endswith(".anchor.json")
     equal(materialise({}, fresh), states[last])
 
@@ -66,7 +66,7 @@ def test_local_chain_anchor_and_composition(tmp_path, states):
     assert uris[0].endswith("v00000000.anchor.json") and uris[-1].endswith("v00000006.json")
     check_reads(str(tmp_path), states)
     # reader at 1 wanting 6: the chain (5 deltas) is smaller than anchor 6 -> chain
-    d = route.resolve(str(tmp_path), have_version=1, bases=reader.TensorBases(states[1]))
+    d = route.resolve(str(tmp_path), have_version=1, bases=decoding.TensorBases(states[1]))
     assert [Path(u).name for u in d.manifests] == [f"v{k:08d}.json" for k in range(2, 7)]
 
 
@@ -118,7 +118,7 @@ def test_module_with_wrapper_prefix_and_keep_on_cpu(tmp_path):
             pub.publish(m)
             with torch.no_grad():
                 m._orig_mod.lin.weight[0, :3] += 1
-    d = route.resolve(str(tmp_path), have_version=0, bases=reader.TensorBases(snaps[0]))
+    d = route.resolve(str(tmp_path), have_version=0, bases=decoding.TensorBases(snaps[0]))
     equal(materialise(snaps[0], d), snaps[2])
 
 
@@ -223,10 +223,10 @@ def test_partial_fetch_by_range(http_server, states):
     http_server.reset()
     publish_all(str(http_server.root / "part"), states[:2])
     uri = f"{http_server.url}/part/v00000001.json"
-    full = reader.load_delta(uri, bases=reader.TensorBases(states[0]))
+    full = reader.load_delta(uri, bases=decoding.TensorBases(states[0]))
     names = {t.name for t in full.tensors[:2]}
     http_server.requests.clear()
-    part = reader.load_delta(uri, names=names, bases=reader.TensorBases(states[0]))
+    part = reader.load_delta(uri, names=names, bases=decoding.TensorBases(states[0]))
     assert {t.name for t in part.tensors} == names
     for t in part.tensors:
         ref = next(x for x in full.tensors if x.name == t.name)

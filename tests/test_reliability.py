@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from engine_ext.format import fingerprint as fpr
-from engine_ext.store import reader, route
+from engine_ext.store import decoding, reader, route
 from engine_ext.errors import ConflictError, IntegrityError
 from engine_ext.format.latest import LATEST_KEY
 from engine_ext.trainer.publisher import DeltaPublisher
@@ -58,7 +58,7 @@ def assert_unchanged(before: dict, store) -> None:
 
 def rebuilt(root: str) -> dict:
     """What a fresh reader gets from the store's LATEST (anchor + chain, all verified)."""
-    d = route.resolve(root, bases=reader.TensorBases({}))
+    d = route.resolve(root, bases=decoding.TensorBases({}))
     assert d.kind == "anchor"
     out = {}
     for t in d.tensors:
@@ -97,7 +97,7 @@ def test_a_restarted_trainer_resumes_after_latest_with_a_delta(root, states):
     pub.close()
     assert_unchanged(published, store)
     assert not store.exists("v00000003.anchor.json")  # a delta, not a second full copy
-    d = route.resolve(root, have_version=2, have_fingerprint=model_fp(states[2]), bases=reader.TensorBases(states[2]))
+    d = route.resolve(root, have_version=2, have_fingerprint=model_fp(states[2]), bases=decoding.TensorBases(states[2]))
     assert [m.rsplit("/", 1)[-1] for m in d.manifests] == ["v00000003.json", "v00000004.json"]  # a follower at v2 takes the chain
     equal(rebuilt(root), states[4])
 
@@ -134,7 +134,7 @@ def test_an_anchor_with_other_weights_at_latest_s_version_is_refused(tmp_path, s
     for key in other.list("v00000002.anchor"):
         store.write(key, other.read(key))
     with pytest.raises(IntegrityError, match="does not hold the weights of v00000002.json"):
-        route.resolve(root, bases=reader.TensorBases({}))
+        route.resolve(root, bases=decoding.TensorBases({}))
     with pytest.raises(IntegrityError, match="does not hold the weights of v00000002.json"):
         lineage.rebuild(store, reader.read_latest(store), Trust.from_settings())
 
@@ -277,7 +277,7 @@ def test_two_racing_publishers_never_overwrite_each_other(root, tmp_path, s3_ser
     assert len(won) == len(set(won)), results  # no version published twice
     latest = reader.read_latest(store)
     assert latest.version == max(won)
-    route.resolve(root, bases=reader.TensorBases({}))  # the chain LATEST names verifies link by link
+    route.resolve(root, bases=decoding.TensorBases({}))  # the chain LATEST names verifies link by link
 
 
 def test_latest_is_re_signed_while_the_publisher_lives(tmp_path, states):

@@ -27,7 +27,7 @@ from engine_ext.format import manifest as manifest_mod
 from engine_ext.format.delta import apply_tensor
 from engine_ext.format.dtypes import as_bits
 from engine_ext.format.manifest import CellSections, Manifest, manifest_key
-from engine_ext.store import open_store, reader, route
+from engine_ext.store import decoding, open_store, reader, route
 from engine_ext.trainer.publisher import DeltaPublisher
 from engine_ext.trainer.shards import agree
 
@@ -48,7 +48,7 @@ def reassemble(out: Path, world: int, version: int) -> dict[str, torch.Tensor]:
 def served(root: str, version: int) -> dict[str, torch.Tensor]:
     """What a reader starting from nothing gets at ``version`` (anchor + chain, every byte verified)."""
     d = route.resolve(f"{root}/v{version:08d}.json" if Path(root, f"v{version:08d}.json").exists()
-                      else f"{root}/v{version:08d}.anchor.json", bases=reader.TensorBases({}))
+                      else f"{root}/v{version:08d}.anchor.json", bases=decoding.TensorBases({}))
     out = {}
     for td in d.tensors:  # a route from nothing starts at an anchor: every tensor absolute, then steps
         out[td.name] = apply_tensor(out.get(td.name), td, check=False)

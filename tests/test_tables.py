@@ -31,7 +31,8 @@ from engine_ext.format.tables import CELL_RECORD
 from engine_ext.server.controller import Controller
 from engine_ext.server.protocol import UpdateRequest
 from engine_ext.store import open_store
-from engine_ext.store.reader import TensorBases, check_decode_budget, check_expected, fetch_selected, load_cells, load_delta
+from engine_ext.store.decoding import TensorBases
+from engine_ext.store.reader import check_decode_budget, check_expected, fetch_selected, load_cells, load_delta
 from engine_ext.store.reader import open_held, open_manifest, read_manifest
 from engine_ext.store.sources import Sources
 from engine_ext.trainer.publisher import DeltaPublisher

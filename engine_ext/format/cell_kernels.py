@@ -21,6 +21,8 @@ per (row, cell), 2 x 8 cells under one).
 
 from __future__ import annotations
 
+import math
+
 import numba
 import numpy as np
 
@@ -164,13 +166,26 @@ def _count_rows(local, values, bounds, boxes, i, j, row_len, inner, o, out_pos, 
 
 
 @numba.njit(nogil=True, cache=True)
-def _place(local, values, bounds, boxes, row_len, inner, out_pos, out_values):
-    n_cells = bounds.size - 1
-    o = 0
-    i = 0
-    while i < n_cells:
+def _row_skip(q, width, inv_width, skip):
+    """The elements of the tensor's rows left of and right of a cell, times the cell's rows above box-local
+    index ``q``: the row by a multiplication by the width's reciprocal, corrected by one where rounding
+    missed (a division per change cost twice the loop around it)."""
+    r = np.int64(q * inv_width)
+    if r * width > q:
+        r -= 1
+    elif (r + 1) * width <= q:
+        r += 1
+    return r * skip
+
+
+@numba.njit(nogil=True, cache=True)
+def _place(local, values, bounds, boxes, first, last, row_len, inner, out_pos, out_values):
+    """Cells ``[first, last)`` (one tensor's) placed from ``out_pos[bounds[first]]`` on."""
+    o = bounds[first]
+    i = first
+    while i < last:
         j = i + 1
-        while j < n_cells and boxes[j, 0] == boxes[i, 0]:  # a band: the cells of one row range
+        while j < last and boxes[j, 0] == boxes[i, 0]:  # a band: the cells of one row range
             j += 1
         if j - i == 1:  # one cell in the band (a rank's column share, or cut along rows only): in order already
             width = (boxes[i, 3] - boxes[i, 2]) * inner
@@ -181,8 +196,10 @@ def _place(local, values, bounds, boxes, row_len, inner, out_pos, out_values):
                     out_values[o] = values[h]
                     o += 1
             else:
+                inv_width, skip = 1.0 / width, row_len - width
                 for h in range(bounds[i], bounds[i + 1]):
-                    out_pos[o] = start + local[h] // width * (row_len - width) + local[h]
+                    q = local[h]
+                    out_pos[o] = start + _row_skip(q, width, inv_width, skip) + q
                     out_values[o] = values[h]
                     o += 1
         elif bounds[j] - bounds[i] >= 2 * (j - i) * (boxes[i, 1] - boxes[i, 0]):  # two or more per (row, cell)
@@ -193,23 +210,86 @@ def _place(local, values, bounds, boxes, row_len, inner, out_pos, out_values):
     return o
 
 
+def _box_array(shape, boxes: list) -> np.ndarray:
+    """``boxes`` as rows (row0, row1, col0, col1); a 1-D tensor's as one column."""
+    if len(shape) > 1:
+        return np.array([(lo[0], hi[0], lo[1], hi[1]) for lo, hi in boxes], np.int64).reshape(-1, 4)
+    return np.array([(lo[0], hi[0], 0, 1) for lo, hi in boxes], np.int64).reshape(-1, 4)
+
+
+def _row_len_inner(shape) -> tuple[int, int]:
+    """(elements per row of dimension 0, elements per column of dimension 1) of a tensor of ``shape``."""
+    inner = math.prod(int(s) for s in shape[2:])
+    return (int(shape[1]) if len(shape) > 1 else 1) * inner, inner
+
+
 def place(shape, boxes: list, locals_: list[np.ndarray], values: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """(global positions, values): the cells ``boxes`` of a tensor of ``shape`` (in cell order, each
     ``((row0, col0, ...), (row1, col1, ...))``) with their changes at ``locals_`` (sorted, unique
     box-local row-major indices, as :func:`engine_ext.format.codec.decode_positions` checks them) and
     ``values`` (one integer dtype), as one run in ascending global order: what concatenating
     :func:`chunks.to_global` of each cell and sorting gives, without the sort."""
-    shape = tuple(int(s) for s in shape)
-    cols = shape[1] if len(shape) > 1 else 1
-    inner = int(np.prod(shape[2:], dtype=np.int64)) if len(shape) > 1 else 1
-    box_array = np.empty((len(boxes), 4), np.int64)
-    for k, (lo, hi) in enumerate(boxes):
-        box_array[k] = (lo[0], hi[0], lo[1], hi[1]) if len(shape) > 1 else (lo[0], hi[0], 0, 1)
+    row_len, inner = _row_len_inner(shape)
     bounds = np.zeros(len(boxes) + 1, np.int64)
     np.cumsum([len(x) for x in locals_], out=bounds[1:])
     local = np.concatenate(locals_) if len(locals_) > 1 else locals_[0]
     vals = np.concatenate(values) if len(values) > 1 else values[0]
     out_pos = np.empty(int(bounds[-1]), np.int64)
     out_values = np.empty(int(bounds[-1]), vals.dtype)
-    _place(local, vals, bounds, box_array, cols * inner, inner, out_pos, out_values)
+    _place(local, vals, bounds, _box_array(shape, boxes), 0, len(boxes), row_len, inner, out_pos, out_values)
     return out_pos, out_values
+
+
+OK, REPEATED, BEYOND, WIDE = 0, 1, 2, 3  # :func:`decode_place`'s statuses
+
+
+@numba.njit(nogil=True, cache=True)
+def _decode_place(gaps, wide, bounds, boxes, firsts, row_lens, inners, narrow, out_pos, out_values):
+    """Per tensor ``t`` (cells ``firsts[t]:firsts[t + 1]``): each cell's gaps summed into box-local positions
+    and checked (no gap of 0 after a cell's first, none at or past the cell's elements), its values narrowed
+    and checked, then :func:`_place`. (status, tensor, cell, index in the cell of the first bad number)."""
+    local = np.empty(gaps.size, np.int64)
+    values = np.empty(gaps.size, out_values.dtype)
+    for t in range(firsts.size - 1):
+        inner = inners[t]
+        for c in range(firsts[t], firsts[t + 1]):
+            numel = (boxes[c, 1] - boxes[c, 0]) * (boxes[c, 3] - boxes[c, 2]) * inner
+            acc = np.int64(0)
+            a = bounds[c]
+            for h in range(a, bounds[c + 1]):
+                g = np.int64(gaps[h])  # uint32: exact in int64
+                if h > a and g == 0:
+                    return REPEATED, t, c - firsts[t], h - a
+                acc += g
+                if acc >= numel:
+                    return BEYOND, t, c - firsts[t], h - a
+                local[h] = acc
+                v = wide[h]
+                if narrow and (v < -128 or v > 127):
+                    return WIDE, t, c - firsts[t], h - a
+                values[h] = v
+        _place(local, values, bounds, boxes, firsts[t], firsts[t + 1], row_lens[t], inner, out_pos, out_values)
+    return OK, 0, 0, 0
+
+
+def decode_place(
+    tensors: list[tuple[tuple, list]], gaps: np.ndarray, wide: np.ndarray, bounds: np.ndarray, value_dtype
+) -> tuple[tuple[int, int, int, int], np.ndarray, np.ndarray]:
+    """((status, tensor, cell, index), global positions, values) of ``tensors`` ((shape, the boxes of its cells
+    in cell order) each), from their cells' decoded gaps (uint32; cell ``c``'s run ``bounds[c]:bounds[c + 1]``,
+    the tensors' cells one after another) and values (``wide``: int16 for 8-bit values, narrowed to
+    ``value_dtype`` here): what :func:`engine_ext.format.codec.decode_positions` and ``decode_values`` per cell,
+    then :func:`place` per tensor give, in one call, each tensor's run where its cells' lie. Status :data:`OK`,
+    else the first bad number's tensor, cell and place in it (:data:`REPEATED`, :data:`BEYOND` or
+    :data:`WIDE`: a value outside 8 bits)."""
+    firsts = np.zeros(len(tensors) + 1, np.int64)
+    np.cumsum([len(boxes) for _, boxes in tensors], out=firsts[1:])
+    dims = np.array([_row_len_inner(shape) for shape, _ in tensors], np.int64).reshape(-1, 2)
+    box_array = np.concatenate([_box_array(shape, boxes) for shape, boxes in tensors])
+    out_pos = np.empty(gaps.size, np.int64)
+    out_values = np.empty(gaps.size, value_dtype)
+    narrow = wide.dtype != out_values.dtype
+    status = _decode_place(
+        gaps, wide, bounds, box_array, firsts, dims[:, 0].copy(), dims[:, 1].copy(), narrow, out_pos, out_values
+    )
+    return status, out_pos, out_values

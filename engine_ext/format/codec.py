@@ -17,6 +17,7 @@ manifest-declared count, which the caller bounds before fetching.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import pcodec
@@ -502,15 +503,120 @@ def decode_values(coder: str, data: bytes, nnz: int, dtype: DType) -> torch.Tens
     return torch.from_numpy(vals)
 
 
+class PlainCell(NamedTuple):
+    """One cell of a tensor as :func:`decode_cells` takes it: its box and its two coded segments."""
+
+    box: tuple
+    nnz: int
+    positions_coder: str
+    positions: bytes
+    values_coder: str
+    values: bytes
+
+
+class PlainTensor(NamedTuple):
+    """A tensor's plainly coded cells (in cell order), as :func:`decode_cells` takes them; ``name`` for errors."""
+
+    name: str
+    shape: tuple
+    cells: list[PlainCell]
+
+
+PLAIN_POSITIONS, PLAIN_VALUES = frozenset({"pco", "zstd"}), frozenset({"pco", "raw", "zstd"})
+
+
+def plain(shape, cells) -> bool:
+    """Whether :func:`decode_cells` decodes a tensor of ``shape`` from cells given as (box, positions coder,
+    values coder): positions as gaps, values plain, and no cell of more than 2^32 elements (their gaps are
+    32-bit)."""
+    return bool(shape) and all(
+        pc in PLAIN_POSITIONS and vc in PLAIN_VALUES and chunks.box_numel(box) <= 1 << 32 for box, pc, vc in cells
+    )
+
+
+def decode_cells(tensors: list[PlainTensor], dtype: DType) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(global positions in ascending order, values) of each of ``tensors`` (of one dtype, each :func:`plain`):
+    every cell's streams decoded into its run of one buffer, then one kernel call sums, checks, narrows and
+    places them all (:func:`engine_ext.format.cell_kernels.decode_place`); each tensor's result is a view of
+    one array. A K2 rank's cells hold ~2,700 changes each: decoded one by one (a positions pass, a narrowing
+    pass, two concatenations and a placing pass per tensor, four calls per cell), the steps around pcodec cost
+    more than pcodec itself, and the Python per tensor more again. Needs numba (without it a reader decodes
+    cell by cell). Raises IntegrityError."""
+    kernels = _cell_kernels()
+    sizes = [c.nnz for t in tensors for c in t.cells]
+    bounds = np.zeros(len(sizes) + 1, np.int64)
+    np.cumsum(sizes, out=bounds[1:])
+    at = bounds.tolist()
+    np_int = _NP_INT[dtype.bits]
+    gaps = np.empty(at[-1], np.uint32)
+    wide = np.empty(at[-1], np.int16 if dtype.bits == 8 else np_int)
+    k = 0
+    for t in tensors:
+        try:
+            for c in t.cells:
+                _gaps_into(c.positions_coder, c.positions, gaps[at[k] : at[k + 1]])
+                _values_into(c.values_coder, c.values, wide[at[k] : at[k + 1]], np_int)
+                k += 1
+        except IntegrityError as err:
+            raise IntegrityError(f"tensor {t.name!r}: {err}") from None
+    (status, i, cell, index), pos, vals = kernels.decode_place(
+        [(t.shape, [c.box for c in t.cells]) for t in tensors], gaps, wide, bounds, np_int
+    )
+    if status != kernels.OK:
+        t = tensors[i]
+        what = {kernels.REPEATED: "repeated position", kernels.WIDE: "8-bit values out of range"}.get(
+            status,
+            f"position number {index} (from 0) lies at or beyond the part's {chunks.box_numel(t.cells[cell].box)} "
+            "elements",
+        )
+        raise IntegrityError(f"tensor {t.name!r}: " + (f"cell {cell}: {what}" if len(t.cells) > 1 else what))
+    pos_t, vals_t = torch.from_numpy(pos), torch.from_numpy(vals)
+    out, k = [], 0
+    for t in tensors:
+        a, b = at[k], at[k + len(t.cells)]
+        out.append((pos_t[a:b], vals_t[a:b]))
+        k += len(t.cells)
+    return out
+
+
+def _gaps_into(coder: str, data: bytes, out: np.ndarray) -> None:
+    if coder == "pco":
+        _pco_decode_into(data, out, "positions")
+    elif coder == "zstd":
+        out[:] = np.frombuffer(_zstd_decode(data, out.nbytes, "positions"), out.dtype)
+    else:
+        raise IntegrityError(f"positions coder {coder!r} is not coded as gaps")
+
+
+def _values_into(coder: str, data: bytes, out: np.ndarray, np_int) -> None:
+    """A cell's values into ``out`` (its run of the tensor's buffer: int16 for 8-bit values, which pcodec
+    codes widened)."""
+    n = len(out)
+    if coder == "pco":
+        _pco_decode_into(data, out, "values")
+    elif coder == "raw":
+        if len(data) != n * np.dtype(np_int).itemsize:
+            raise IntegrityError("raw values of the wrong length")
+        out[:] = np.frombuffer(data, np_int)
+    elif coder == "zstd":
+        out[:] = _unplanes(_zstd_decode(data, n * np.dtype(np_int).itemsize, "values"), np_int, n)
+    else:
+        raise IntegrityError(f"unknown values coder {coder!r}")
+
+
 def _pco_decode(data: bytes, dtype, n: int, what: str) -> np.ndarray:
     out = np.empty(n, dtype=dtype)
+    _pco_decode_into(data, out, what)
+    return out
+
+
+def _pco_decode_into(data: bytes, out: np.ndarray, what: str) -> None:
     try:
         progress = pcodec.standalone.simple_decompress_into(data, out)
     except (RuntimeError, TypeError, ValueError) as e:
         raise IntegrityError(f"{what}: corrupt pco stream ({e})") from None
-    if progress.n_processed != n or not progress.finished:
-        raise IntegrityError(f"{what}: pco stream holds a different count than the manifest's {n}")
-    return out
+    if progress.n_processed != len(out) or not progress.finished:
+        raise IntegrityError(f"{what}: pco stream holds a different count than the manifest's {len(out)}")
 
 
 def _zstd_decode(data: bytes, expected: int, what: str) -> bytes:

@@ -606,7 +606,7 @@ class RankUpdater:
 
 
 class _LiveBases:
-    """The base of context-coded parts on a rank (:class:`engine_ext.store.reader.Bases`): the live
+    """The base of context-coded parts on a rank (:class:`engine_ext.store.decoding.Bases`): the live
     weights read through the maps (or the host copy of a dense-fallback tensor), with the
     earlier links of the route laid over them."""
 

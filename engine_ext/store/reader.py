@@ -18,7 +18,6 @@ Corrupt, truncated or hostile input fails fast with an :mod:`engine_ext.errors` 
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -27,23 +26,21 @@ from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
-import torch
 
 from .. import settings
-from ..errors import BaseMismatchError, IntegrityError, ManifestError, ModelMismatchError, NotFoundError
-from ..format import cell_reads, cells, chunks, codec, kernel_module, tables
+from ..errors import IntegrityError, ManifestError, ModelMismatchError, NotFoundError
+from ..format import cell_reads, cells, chunks, tables
 from ..format import fingerprint as fpr
 from ..format.bulk import collector_paused
-from ..format.cells import CELL_CODERS, CELL_MODES, CELL_RECORD, CODER_INDEX, MODE_INDEX
-from ..format.context import codec as ctx_codec
-from ..format.delta import TensorDelta, apply_tensor
-from ..format.dtypes import as_bits, dtype_by_name
+from ..format.cells import CELL_RECORD, CODER_INDEX, MODE_INDEX
+from ..format.delta import TensorDelta
 from ..format.entries import NONE
 from ..format.latest import LATEST_KEY, MAX_LATEST_BYTES, Latest
-from ..format.manifest import CONTEXT_CODERS, MAX_MANIFEST_BYTES, CellChunks, Manifest, TableRef, TensorEntry
+from ..format.manifest import MAX_MANIFEST_BYTES, CellChunks, Manifest, TableRef
 from ..format.pieces import PIECES, pieces_sha256
 from ..format.tensor_records import TableEntries
 from . import Store, split_uri
+from .decoding import Bases, decode_parts
 from .signing import MAX_SIGNATURE_BYTES, SIG_SUFFIX, SignatureError, Trust, sha256_hex
 
 FETCH_CHUNK = 16 << 20  # blobs above this are fetched as parallel ranges
@@ -315,21 +312,6 @@ class Plan(NamedTuple):
         return dict(zip(zip(r["blob"].tolist(), r["offset"].tolist()), zip(r["sha256"].tolist(), self.rows.tolist())))
 
 
-class _Part(NamedTuple):
-    """One part of :class:`Plan` as its tensor's decode reads it: the bytes of a changed tensor (``box`` None)
-    or of one cell of it (``box`` the cell)."""
-
-    box: tuple | None
-    tables: tuple  # the version's step tables for the tensor's dtype (context-coded parts)
-    blob: int
-    offset: int
-    nnz: int
-    positions_coder: str
-    positions_length: int  # the positions segment first, the values right after
-    values_coder: str
-    mode: str | None  # the values': "abs" or "rel"
-
-
 @collector_paused()
 def plan(m: Manifest, selection: Selection | None) -> Plan:
     """The parts of the changed tensors in ``selection`` (None: all; a cut tensor's cells: those selected),
@@ -409,7 +391,7 @@ def fetch_selected(
             raise IntegrityError(f"tensor {m.columns().names[row]!r}: SHA-256 mismatch")
 
     data, read = _read_ranges(store, m, parts.ranges(), workers, check)
-    return _decode_parts(m, parts, data.__getitem__, workers, bases), read + cell_bytes
+    return decode_parts(m, parts, data.__getitem__, workers, bases), read + cell_bytes
 
 
 @collector_paused()  # a part is a few objects; a collector's pass over a rank's manifest took 0.2 s at 8 K2 layers
@@ -455,238 +437,6 @@ def _read_ranges(
     return data, sum(end - start for _, start, end, _ in spans)
 
 
-class Bases:
-    """The base weights context-coded parts (:mod:`engine_ext.format.context`) are decoded
-    against: a decoder reads the base of each part it decodes, after checking the tensor's
-    base fingerprint where it can (a wrong base decodes to garbage)."""
-
-    def bits(self, name: str, start: tuple, stop: tuple) -> np.ndarray | None:
-        """Flat row-major raw bits of box [start, stop) of tensor ``name``; None when none of it is held."""
-        raise NotImplementedError
-
-    def context_device(self, name: str) -> torch.device | None:
-        """Where the context pass over ``name``'s base runs: None on the host (numba, from
-        :meth:`bits`); a torch device: there (:mod:`engine_ext.triton_kernels.context_decode`, Triton),
-        from :meth:`tensor_bits`, with no copy of the base to the host. The decoded positions
-        and values of such a tensor are on that device."""
-        return None
-
-    def tensor_bits(self, name: str, start: tuple, stop: tuple) -> torch.Tensor | None:
-        """:meth:`bits` as a flat torch tensor on :meth:`context_device` (PartlyHeldError as :meth:`bits`)."""
-        bits = self.bits(name, start, stop)
-        return None if bits is None else torch.from_numpy(bits)
-
-    def verify(self, name: str, fingerprint: int) -> None:
-        """Raise BaseMismatchError unless the held base of ``name`` has ``fingerprint`` (where checkable)."""
-
-    def advance(self, tensors: list[TensorDelta]) -> None:
-        """The next link of a route is decoded against this base with ``tensors`` applied."""
-        raise NotImplementedError
-
-
-class TensorBases(Bases):
-    """Bases from whole tensors held in memory (a checkpoint, a trainer's copy)."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor]):
-        self.source = tensors  # read lazily, once per tensor (a checkpoint need not be loaded whole)
-        self.tensors: dict[str, torch.Tensor] = {}
-        self._fps: dict[str, int] = {}
-
-    def _get(self, name: str) -> torch.Tensor | None:
-        if name not in self.tensors:
-            if name not in self.source:
-                return None
-            self.tensors[name] = self.source[name].detach().cpu()
-        return self.tensors[name]
-
-    def bits(self, name, start, stop):
-        t = self._get(name)
-        if t is None:
-            return None
-        box = as_bits(t.contiguous())[tuple(slice(a, b) for a, b in zip(start, stop))]
-        return box.contiguous().reshape(-1).numpy()
-
-    def verify(self, name, fingerprint):
-        if name not in self._fps and self._get(name) is not None:
-            self._fps[name] = fpr.tensor_fingerprint(self.tensors[name])
-        if self._fps.get(name, fingerprint) != fingerprint:
-            raise BaseMismatchError(
-                f"tensor {name!r}: the held base has fingerprint {fpr.fmt(self._fps[name])}, "
-                f"the delta's is {fpr.fmt(fingerprint)} (wrong base)"
-            )
-
-    def advance(self, tensors):
-        for td in tensors:
-            base = self._get(td.name)
-            if base is not None or (td.positions is None and td.mode == "abs"):  # an anchor's tensor: its own base
-                self.tensors[td.name] = apply_tensor(base, td, check=False)
-                self._fps.pop(td.name, None)
-
-
-def _decode_context(
-    t: TensorEntry, p: _Part, data: memoryview, bases: Bases | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    box = p.box
-    if bases is None:
-        raise IntegrityError(f"tensor {t.name!r} is context-coded: decoding needs the base weights")
-    start = (0,) * len(t.shape) if box is None else box[0]
-    device = bases.context_device(t.name)  # where the base lives: the pass runs there
-    read = bases.bits if device is None else bases.tensor_bits
-
-    def base_of(sub):
-        return read(t.name, tuple(a + s for a, s in zip(start, sub[0])), tuple(a + s for a, s in zip(start, sub[1])))
-
-    n = p.positions_length
-    part = ctx_codec.StoredPart(t.dtype, tuple(t.shape), box, bytes(data[:n]), bytes(data[n:]), p.nnz, list(p.tables))
-    if device is None:
-        pos, vals = (torch.from_numpy(a) for a in ctx_codec.decode(part, base_of))
-    else:
-        from ..triton_kernels import context_decode  # Triton: loaded only where a base lives on a device
-
-        pos, vals = context_decode.decode(part, base_of)
-    return pos, vals
-
-
-def _decode_part(
-    t: TensorEntry, p: _Part, data: memoryview, bases: Bases | None = None
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(positions, local to the part's box if it has one, or None for every element; values) of one part of
-    tensor ``t``."""
-    box = p.box
-    dt = dtype_by_name(t.dtype)
-    numel = t.numel if box is None else chunks.box_numel(box)
-    n = p.positions_length
-    try:
-        if p.positions_coder in CONTEXT_CODERS:
-            return _decode_context(t, p, data, bases)
-        pos = codec.decode_positions(p.positions_coder, bytes(data[:n]), p.nnz, numel)
-        vals = codec.decode_values(p.values_coder, bytes(data[n:]), p.nnz, dt)
-    except IntegrityError as err:
-        raise IntegrityError(f"tensor {t.name!r}: {err}") from None
-    return pos, vals
-
-
-def _join(t: TensorEntry, ps: list[_Part], pieces: list) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(global positions in ascending order, or None for every element; values) of a tensor from its
-    decoded parts ``ps`` (in cell order) and their ``pieces`` (box-local positions, values). On the host,
-    the cells are placed in one pass (:func:`engine_ext.format.cell_kernels.place`); parts decoded on a
-    device (context-coded, where the base lives) are mapped there and sorted."""
-    if ps[0].box is None:
-        return pieces[0]
-    local = [
-        torch.arange(chunks.box_numel(p.box), dtype=torch.int64) if q is None else q for p, (q, _) in zip(ps, pieces)
-    ]
-    kernels = kernel_module("cell_kernels")
-    if kernels is not None and all(v.device.type == "cpu" for _, v in pieces):
-        pos, vals = kernels.place(
-            t.shape, [p.box for p in ps], [q.numpy() for q in local], [v.numpy() for _, v in pieces]
-        )
-        return torch.from_numpy(pos), torch.from_numpy(vals)
-    pieces = _on_one_device([(chunks.to_global(q, t.shape, p.box), v) for p, q, (_, v) in zip(ps, local, pieces)])
-    pos = torch.cat([q for q, _ in pieces])
-    vals = torch.cat([v for _, v in pieces])
-    if len(t.grid) > 1:  # cells side by side along dimension 1 interleave by row
-        pos, order = torch.sort(pos)
-        vals = vals[order]
-    return pos, vals
-
-
-def _decode_values(t: TensorEntry, p: _Part, data: memoryview) -> torch.Tensor:
-    """The values of a part whose positions are every element of it (no bytes)."""
-    try:
-        return codec.decode_values(p.values_coder, bytes(data[p.positions_length :]), p.nnz, dtype_by_name(t.dtype))
-    except IntegrityError as err:
-        raise IntegrityError(f"tensor {t.name!r}: {err}") from None
-
-
-def _on_one_device(pieces: list) -> list:
-    """Parts of one tensor decoded on its base's device (context-coded) and on the host (the others),
-    all on the base's device, where the apply reads them."""
-    devices = {v.device for _, v in pieces}
-    if len(devices) == 1:
-        return pieces
-    dev = next(d for d in devices if d.type != "cpu")
-    return [(None if q is None else q.to(dev), v.to(dev)) for q, v in pieces]
-
-
-def _decode_parts(m: Manifest, parts: Plan, data_of, workers: int, bases: Bases | None = None) -> list[TensorDelta]:
-    """One TensorDelta per tensor of ``m`` from its decoded parts (``parts``: a :class:`Plan`; cells merged into
-    sorted positions); one task per tensor, so that small cells do not pay a thread hand-off each."""
-    tensors = list(m.tensors)  # the entry objects, made here (once, before the threads) if not yet
-    step_tables = {dt: tuple(m.tables_for(dt)) for dt in (m.step_tables or {})}
-    r = parts.records
-    cols = list(
-        zip(
-            parts.cells.tolist(),
-            r["blob"].tolist(),
-            r["offset"].tolist(),
-            r["nnz"].tolist(),
-            [CELL_CODERS[x] for x in r["positions_coder"].tolist()],
-            r["positions_length"].tolist(),
-            [CELL_CODERS[x] for x in r["values_coder"].tolist()],
-            [CELL_MODES[x] for x in r["mode"].tolist()],
-        )
-    )
-    rows = parts.rows
-    starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]]).tolist() if len(rows) else []
-    groups = [(int(rows[a]), a, b) for a, b in zip(starts, [*starts[1:], len(rows)])]
-
-    def of(group: tuple[int, int, int]) -> tuple[TensorEntry, list[_Part]]:
-        t, a, b = tensors[group[0]], group[1], group[2]
-        tab, boxes = step_tables.get(t.dtype, ()), t.boxes() if t.grid is not None else ()
-        return t, [_Part(None if cell < 0 else boxes[cell], tab, *rest) for cell, *rest in cols[a:b]]
-
-    def one(group: tuple[int, int, int]) -> list[TensorDelta]:  # per value mode: each cell picks its own
-        t, ps = of(group)
-        out = []
-        base = fpr.parse(t.base_fingerprint) if t.base_fingerprint else None
-        if _whole_in_rows(t, ps):  # every cell of a row-cut anchor: its values in order, no positions
-            vals = torch.cat([_decode_values(t, p, data_of((p.blob, p.offset))) for p in ps])
-            return [
-                TensorDelta(
-                    t.name, dtype_by_name(t.dtype), tuple(t.shape), "abs", None, vals, base, fpr.parse(t.fingerprint)
-                )
-            ]
-        by_mode: dict[str | None, list] = {}
-        if bases is not None and any(p.positions_coder in CONTEXT_CODERS for p in ps):
-            bases.verify(t.name, base)  # before any context decoding: a wrong base decodes to garbage
-        for p in ps:
-            by_mode.setdefault(p.mode, []).append((p, _decode_part(t, p, data_of((p.blob, p.offset)), bases)))
-        for mode, decoded in by_mode.items():
-            pos, vals = _join(t, [p for p, _ in decoded], [piece for _, piece in decoded])
-            if pos is not None and pos.numel() == t.numel:  # sorted, unique: every element, in order
-                pos = None
-            out.append(
-                TensorDelta(
-                    t.name, dtype_by_name(t.dtype), tuple(t.shape), mode, pos, vals, base, fpr.parse(t.fingerprint)
-                )
-            )
-        return out
-
-    # decoding is CPU work (pcodec and the placing kernel release the GIL): more threads than cores only
-    # hand the GIL around (a K2 EP rank's layer: 77 ns per change on 8 threads, 43 on 2, on 2 cores)
-    threads = min(workers, len(groups), _cores())
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        return [td for tds in pool.map(one, groups) for td in tds]
-
-
-def _cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def _whole_in_rows(t: TensorEntry, ps: list[_Part]) -> bool:
-    """Whether ``ps`` (in cell order) are every cell of tensor ``t``, cut along dimension 0 only, each
-    holding all its elements: their values, concatenated, are the whole tensor's (a chunked
-    anchor: the one path that materialises no positions)."""
-    return (
-        t.chunks is not None
-        and len(t.grid or ()) == 1
-        and len(ps) == len((t.grid or [[]])[0]) - 1
-        and all(p.positions_coder == "all" and p.mode == "abs" for p in ps)
-    )
-
-
 def check_decode_budget(m: Manifest, limit: int | None = None) -> None:
     """Refuse, from the manifest alone, a decode that would take more than ``limit`` bytes (default
     ``ENGINE_EXT_MAX_DECODED_BYTES``) or far more than the payload could honestly expand to."""
@@ -727,7 +477,7 @@ def decode_manifest(
             raise IntegrityError(f"tensor {m.columns().names[row]!r}: SHA-256 mismatch")
         return piece
 
-    return _decode_parts(m, parts, data_of, workers, bases)
+    return decode_parts(m, parts, data_of, workers, bases)
 
 
 def _decoded(store: Store, m: Manifest, key: str, tensors: list[TensorDelta]) -> DecodedDelta:

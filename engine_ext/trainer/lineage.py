@@ -30,7 +30,7 @@ from ..format.delta import ABS
 from ..format.dtypes import DType, apply_step, dtype_by_name
 from ..format.latest import Latest
 from ..format.manifest import ANCHOR, manifest_key
-from ..store import Store, reader, route
+from ..store import Store, decoding, reader, route
 from ..store.signing import Trust
 
 _VERSION_KEY = re.compile(r"v(\d{8,})\.")
@@ -100,7 +100,7 @@ def rebuild(store: Store, latest: Latest, trust: Trust) -> Rebuilt:
     Raises a :class:`~engine_ext.errors.DeltaError` when no such route exists or a check fails.
     """
     target, chain = _route(store, latest, trust)
-    bases = reader.TensorBases({})
+    bases = decoding.TensorBases({})
     for link in chain:
         bases.advance(reader.decode_manifest(link.manifest, reader.fetch_blobs(store, link.manifest), bases=bases))
     tm, out = target.manifest, {}
@@ -172,7 +172,7 @@ class Span:
         return self.start * row, self.stop * row
 
 
-class RowBases(reader.Bases):
+class RowBases(decoding.Bases):
     """LATEST's weights restricted to some rows of each tensor, rebuilt link by link: the base that
     context-coded parts decode against, and what :meth:`advance` applies each link to."""
 
