@@ -194,7 +194,7 @@ def test_a_batch_of_plain_tensors_decodes_as_each_cell_alone(dtype_name, n_tenso
 
 
 def test_the_row_by_reciprocal_is_the_division_at_every_edge():
-    """cell_kernels._row_skip finds a change's row by a multiplication (rounded, then corrected by one): the
+    """cell_kernels._row finds a change's row by a multiplication (rounded, then corrected by one): the
     floor division's row at each row's first and last element, for widths and rows up to a cell of 2^32
     elements, where float64 rounding first misses."""
     from engine_ext.format import cell_kernels
@@ -203,7 +203,7 @@ def test_the_row_by_reciprocal_is_the_division_at_every_edge():
         for row in (0, 1, 2, 3, 1000, 2**32 // width - 1, 2**40 // width):
             for q in (row * width - 1, row * width, row * width + width - 1):
                 if q >= 0:
-                    assert cell_kernels._row_skip(q, width, 1.0 / width, 5) == q // width * 5, (width, q)
+                    assert cell_kernels._row(q, width, 1.0 / width) == q // width, (width, q)
 
 
 def test_a_batch_refuses_a_hostile_cell_and_names_its_tensor():

@@ -146,8 +146,9 @@ def _count_rows(local, values, bounds, boxes, i, j, row_len, inner, o, out_pos, 
     row_of = np.empty(bounds[j] - bounds[i], np.int64)
     for c in range(i, j):
         width = (boxes[c, 3] - boxes[c, 2]) * inner
+        inv_width = 1.0 / width
         for h in range(bounds[c], bounds[c + 1]):
-            row = local[h] // width
+            row = _row(local[h], width, inv_width)
             row_of[h - bounds[i]] = row
             at[row + 1] += 1
     at[0] = o
@@ -166,16 +167,15 @@ def _count_rows(local, values, bounds, boxes, i, j, row_len, inner, o, out_pos, 
 
 
 @numba.njit(nogil=True, cache=True)
-def _row_skip(q, width, inv_width, skip):
-    """The elements of the tensor's rows left of and right of a cell, times the cell's rows above box-local
-    index ``q``: the row by a multiplication by the width's reciprocal, corrected by one where rounding
-    missed (a division per change cost twice the loop around it)."""
+def _row(q, width, inv_width):
+    """``q // width`` for box-local index ``q`` >= 0: by a multiplication by the width's reciprocal, corrected by
+    one where rounding missed (a division per change cost twice the loop around it)."""
     r = np.int64(q * inv_width)
     if r * width > q:
         r -= 1
     elif (r + 1) * width <= q:
         r += 1
-    return r * skip
+    return r
 
 
 @numba.njit(nogil=True, cache=True)
@@ -199,7 +199,7 @@ def _place(local, values, bounds, boxes, first, last, row_len, inner, out_pos, o
                 inv_width, skip = 1.0 / width, row_len - width
                 for h in range(bounds[i], bounds[i + 1]):
                     q = local[h]
-                    out_pos[o] = start + _row_skip(q, width, inv_width, skip) + q
+                    out_pos[o] = start + _row(q, width, inv_width) * skip + q
                     out_values[o] = values[h]
                     o += 1
         elif bounds[j] - bounds[i] >= 2 * (j - i) * (boxes[i, 1] - boxes[i, 0]):  # two or more per (row, cell)
