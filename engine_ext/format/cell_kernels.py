@@ -247,13 +247,21 @@ OK, REPEATED, BEYOND, WIDE = 0, 1, 2, 3  # :func:`decode_place`'s statuses
 def _decode_place(gaps, wide, bounds, boxes, firsts, row_lens, inners, narrow, out_pos, out_values):
     """Per tensor ``t`` (cells ``firsts[t]:firsts[t + 1]``): each cell's gaps summed into box-local positions
     and checked (no gap of 0 after a cell's first, none at or past the cell's elements), its values narrowed
-    and checked, then :func:`_place`. (status, tensor, cell, index in the cell of the first bad number)."""
-    local = np.empty(gaps.size, np.int64)
+    and checked, then :func:`_place`; a tensor whose cells are whole rows (most: not cut, or cut along rows) is
+    written in place at once, with no second pass. (status, tensor, cell, index in the cell of the first bad
+    number)."""
+    local = np.empty(gaps.size, np.int64)  # pages touched only by tensors whose cells need placing
     values = np.empty(gaps.size, out_values.dtype)
     for t in range(firsts.size - 1):
-        inner = inners[t]
+        inner, row_len = inners[t], row_lens[t]
+        rows_whole = True  # every cell whole rows (not cut, or cut along rows only): in cell order, in order already
+        for c in range(firsts[t], firsts[t + 1]):
+            rows_whole = rows_whole and (boxes[c, 3] - boxes[c, 2]) * inner == row_len
         for c in range(firsts[t], firsts[t + 1]):
             numel = (boxes[c, 1] - boxes[c, 0]) * (boxes[c, 3] - boxes[c, 2]) * inner
+            start = boxes[c, 0] * row_len if rows_whole else np.int64(0)
+            to_pos = out_pos if rows_whole else local
+            to_values = out_values if rows_whole else values
             acc = np.int64(0)
             a = bounds[c]
             for h in range(a, bounds[c + 1]):
@@ -263,12 +271,13 @@ def _decode_place(gaps, wide, bounds, boxes, firsts, row_lens, inners, narrow, o
                 acc += g
                 if acc >= numel:
                     return BEYOND, t, c - firsts[t], h - a
-                local[h] = acc
+                to_pos[h] = start + acc
                 v = wide[h]
                 if narrow and (v < -128 or v > 127):
                     return WIDE, t, c - firsts[t], h - a
-                values[h] = v
-        _place(local, values, bounds, boxes, firsts[t], firsts[t + 1], row_lens[t], inner, out_pos, out_values)
+                to_values[h] = v
+        if not rows_whole:
+            _place(local, values, bounds, boxes, firsts[t], firsts[t + 1], row_len, inner, out_pos, out_values)
     return OK, 0, 0, 0
 
 
