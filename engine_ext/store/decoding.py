@@ -4,8 +4,8 @@
 decode's size bounded from the manifest alone); this module turns them into each tensor's changes, in global
 positions sorted ascending, as the apply reads them:
 
-- plainly coded tensors (positions as gaps, values plain: codec v1) in a few batches, one per thread and dtype,
-  each one kernel call into one buffer (:func:`_decode_plain`);
+- plainly coded tensors (positions as gaps, values plain: codec v1) in batches of many tensors of one dtype,
+  each one kernel call into one buffer (:func:`_decode_plain`, :func:`_batches`);
 - context-coded cells (codec v2, decoded against the base weights a :class:`Bases` holds), a row-cut anchor's
   whole cells and every tensor where numba is missing part by part, one task per tensor
   (:func:`_decode_tensor`).
@@ -207,7 +207,7 @@ def _on_one_device(pieces: list) -> list:
 def decode_parts(m: Manifest, parts: Plan, data_of, workers: int, bases: Bases | None = None) -> list[TensorDelta]:
     """The TensorDeltas of ``m``'s tensors (one per tensor and value mode, in the manifest's order) from their
     decoded parts (``parts``: a :class:`Plan`; cells merged into sorted positions). Plainly coded tensors are
-    decoded in a few batches, one per thread and dtype (:func:`_decode_plain`); the others (context-coded
+    decoded in batches of many tensors of one dtype (:func:`_decode_plain`); the others (context-coded
     cells, whole anchors, tensors without numba) one task per tensor (:func:`_decode_tensor`)."""
     tensors = list(m.tensors)  # the entry objects, made here (once, before the threads) if not yet
     step_tables = {dt: tuple(m.tables_for(dt)) for dt in (m.step_tables or {})}
