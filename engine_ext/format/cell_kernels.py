@@ -257,11 +257,11 @@ def _decode_place(gaps, wide, bounds, boxes, firsts, row_lens, inners, narrow, o
         rows_whole = True  # every cell whole rows (not cut, or cut along rows only): in cell order, in order already
         for c in range(firsts[t], firsts[t + 1]):
             rows_whole = rows_whole and (boxes[c, 3] - boxes[c, 2]) * inner == row_len
+        to_pos = out_pos if rows_whole else local
+        to_values = out_values if rows_whole else values
         for c in range(firsts[t], firsts[t + 1]):
             numel = (boxes[c, 1] - boxes[c, 0]) * (boxes[c, 3] - boxes[c, 2]) * inner
             start = boxes[c, 0] * row_len if rows_whole else np.int64(0)
-            to_pos = out_pos if rows_whole else local
-            to_values = out_values if rows_whole else values
             acc = np.int64(0)
             a = bounds[c]
             for h in range(a, bounds[c + 1]):

@@ -450,13 +450,10 @@ def decode_positions(coder: str, data: bytes, nnz: int, numel: int) -> torch.Ten
         if nnz != numel or data:
             raise IntegrityError("'all' positions with a count other than numel")
         return None
-    gdt = _gap_dtype(numel)
-    if coder == "pco":
-        gaps = _pco_decode(data, gdt, nnz, "positions")
-    elif coder == "zstd":
-        gaps = np.frombuffer(_zstd_decode(data, nnz * np.dtype(gdt).itemsize, "positions"), gdt)
-    else:
+    if coder not in PLAIN_POSITIONS:
         raise IntegrityError(f"unknown positions coder {coder!r}")
+    gaps = np.empty(nnz, _gap_dtype(numel))
+    _gaps_into(coder, data, gaps)
     if nnz == 0:
         return torch.empty(0, dtype=torch.int64)
     kernels = kernel_module("codec_kernels")
@@ -467,7 +464,7 @@ def decode_positions(coder: str, data: bytes, nnz: int, numel: int) -> torch.Ten
         if status == kernels.BEYOND:
             raise IntegrityError(f"position number {at} (from 0) lies at or beyond the tensor's {numel} elements")
         return torch.from_numpy(pos)
-    if gdt == np.uint64 and int(gaps.max()) >= numel:  # the int64 sum below could wrap
+    if gaps.dtype == np.uint64 and int(gaps.max()) >= numel:  # the int64 sum below could wrap
         raise IntegrityError("position gap beyond the tensor")
     if nnz > 1 and gaps[1:].min() == 0:
         raise IntegrityError("repeated position")
@@ -479,28 +476,18 @@ def decode_positions(coder: str, data: bytes, nnz: int, numel: int) -> torch.Ten
 
 def decode_values(coder: str, data: bytes, nnz: int, dtype: DType) -> torch.Tensor:
     np_int = _NP_INT[dtype.bits]
-    if coder == "raw":
-        if len(data) != nnz * dtype.itemsize:
-            raise IntegrityError("raw values of the wrong length")
-        vals = np.frombuffer(data, np_int).copy()
-    elif coder == "pco":
-        wide = _pco_decode(data, np.int16 if dtype.bits == 8 else np_int, nnz, "values")
-        if dtype.bits == 8:
-            kernels = kernel_module("codec_kernels")
-            if kernels is not None:  # checked and narrowed in one pass
-                narrow = kernels.narrow8(wide)
-            else:
-                narrow = wide.astype(np.int8) if not nnz or -128 <= wide.min() <= wide.max() <= 127 else None
-            if narrow is None:
-                raise IntegrityError("8-bit values out of range")
-            wide = narrow
-        vals = wide
-    elif coder == "zstd":
-        raw = _zstd_decode(data, nnz * dtype.itemsize, "values")
-        vals = _unplanes(raw, np_int, nnz)
+    wide = np.empty(nnz, np.int16 if dtype.bits == 8 and coder == "pco" else np_int)  # pco codes 8 bits widened
+    _values_into(coder, data, wide, np_int)
+    if wide.dtype == np_int:
+        return torch.from_numpy(wide)
+    kernels = kernel_module("codec_kernels")
+    if kernels is not None:  # checked and narrowed in one pass
+        narrow = kernels.narrow8(wide)
     else:
-        raise IntegrityError(f"unknown values coder {coder!r}")
-    return torch.from_numpy(vals)
+        narrow = wide.astype(np.int8) if not nnz or -128 <= wide.min() <= wide.max() <= 127 else None
+    if narrow is None:
+        raise IntegrityError("8-bit values out of range")
+    return torch.from_numpy(narrow)
 
 
 class PlainCell(NamedTuple):
@@ -589,8 +576,8 @@ def _gaps_into(coder: str, data: bytes, out: np.ndarray) -> None:
 
 
 def _values_into(coder: str, data: bytes, out: np.ndarray, np_int) -> None:
-    """A cell's values into ``out`` (its run of the tensor's buffer: int16 for 8-bit values, which pcodec
-    codes widened)."""
+    """A part's values (of integer view ``np_int``) into ``out``: int16 for 8-bit pco values (pcodec codes them
+    widened), else ``np_int`` or wider (a batch's buffer)."""
     n = len(out)
     if coder == "pco":
         _pco_decode_into(data, out, "values")
@@ -602,12 +589,6 @@ def _values_into(coder: str, data: bytes, out: np.ndarray, np_int) -> None:
         out[:] = _unplanes(_zstd_decode(data, n * np.dtype(np_int).itemsize, "values"), np_int, n)
     else:
         raise IntegrityError(f"unknown values coder {coder!r}")
-
-
-def _pco_decode(data: bytes, dtype, n: int, what: str) -> np.ndarray:
-    out = np.empty(n, dtype=dtype)
-    _pco_decode_into(data, out, what)
-    return out
 
 
 def _pco_decode_into(data: bytes, out: np.ndarray, what: str) -> None:
