@@ -91,6 +91,17 @@ def _quiet_vllm_queues_for_the_whole_run():
 _quiet_vllm_queues_for_the_whole_run()
 
 
+def _stacks_on_request_for_the_whole_run():
+    """Every process the suite starts writes its threads' Python stacks to its stderr on SIGUSR2
+    (``ENGINE_EXT_TEST_STACKS=1``, tests/server_hooks): a server start that hangs is sent it before it
+    is stopped, so its log names where each of its processes waited (tests/vllm_helpers.py)."""
+    os.environ["ENGINE_EXT_TEST_STACKS"] = "1"
+    _hooks_on_every_path()
+
+
+_stacks_on_request_for_the_whole_run()
+
+
 def _import_kernels_for_the_interpreter():
     """Decorate our Triton kernels in interpreter mode before any test module imports vLLM.
 
@@ -269,9 +280,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Which CPU kernels the engine servers of this run used (the suite must pass on AVX2-only and AMX hosts)."""
+    """Which CPU kernels the engine servers of this run used (the suite must pass on AVX2-only and AMX hosts),
+    and which server starts hung and were started again."""
     engines = server_report.engines()
     if engines:
         terminalreporter.section("engine CPU paths in this run")
         for desc, servers in engines.items():
             terminalreporter.write_line(f"{desc}  <- {len(servers)} server(s): {', '.join(sorted(set(servers)))}")
+    hung = server_report.hangs()
+    if hung:
+        terminalreporter.section("server starts that hung and were started again (their stacks in these logs)")
+        for log in hung:
+            terminalreporter.write_line(log)

@@ -13,7 +13,9 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -30,8 +32,36 @@ _SERVERS = itertools.count()  # default log names
 WARMUP_PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]  # > 4 tokens: oneDNN asks for AMX permission on the way
 
 
+def process_group_stacks(pgid: int, log: Path, settle_s: float = 3.0, most_lines: int = 400) -> str:
+    """The Python stacks of every thread of a process group whose processes write to ``log``: SIGUSR2
+    to the group (each process's ``faulthandler``, tests/server_hooks: ``ENGINE_EXT_TEST_STACKS=1``),
+    then what they appended to the log."""
+    before = log.stat().st_size if log.exists() else 0
+    try:
+        os.killpg(pgid, signal.SIGUSR2)
+    except ProcessLookupError:
+        return "(no process of the group is left to ask for its stacks)"
+    time.sleep(settle_s)
+    with open(log, "rb") as f:
+        f.seek(before)
+        lines = f.read().decode(errors="replace").splitlines()
+    more = f"\n[... {len(lines) - most_lines} more lines in {log}]" if len(lines) > most_lines else ""
+    return "stacks of the server's processes (SIGUSR2):\n" + "\n".join(lines[:most_lines]) + more
+
+
+class StartHung(TimeoutError):
+    """A server that neither answered ``/health`` in time nor died; the stacks of its processes follow."""
+
+
 class Server(VllmServer):
-    """A test server: logs noted for failure reports, CPU paths noted for the run summary."""
+    """A test server: logs noted for failure reports, CPU paths noted for the run summary.
+
+    A start that hangs (no ``/health`` within the launcher's 300 s, no process death in the log) is
+    started once more, as an orchestrator's readiness probe would restart it: before the hung one is
+    stopped, its processes write their threads' stacks into its log (SIGUSR2, tests/server_hooks), the
+    log is kept as ``<log>.hung`` and the run's summary names it (conftest.py). A second hang fails the
+    test with those stacks. On a loaded 2-core CI host a TP 2 server once stopped after its load
+    (both ranks' census logged, nothing more for 280 s) where it starts in ~35 s alone."""
 
     def __init__(self, model, *, warmup: bool = True, log=None, fallback: tuple[str, ...] = (),
                  worker_process: bool = False, **kw):
@@ -47,7 +77,13 @@ class Server(VllmServer):
             kw["env"] = {**env, **(kw.get("env") or {})}
         log = log or f"/tmp/engine_ext_vllm_{os.getpid()}_{next(_SERVERS)}.log"
         server_report.note_log(log)  # before the start: a server that fails to start shows its log too
-        super().__init__(model, log=log, **kw)
+        try:
+            super().__init__(model, log=log, **kw)
+        except StartHung:
+            hung = Path(f"{log}.hung")
+            os.replace(log, hung)
+            server_report.note_hang(hung)
+            super().__init__(model, log=log, **kw)
         try:
             layout = self.status().get("layout") or {}
             engine = (layout.get("engine") or [{}])[0]
@@ -70,6 +106,15 @@ class Server(VllmServer):
         except BaseException:
             self.stop()  # a server that started but cannot be used is not left running
             raise
+
+    def _wait(self, timeout: float) -> None:
+        try:
+            super()._wait(timeout)
+        except TimeoutError as e:
+            raise StartHung(f"{e}\n{self.stacks()}") from None
+
+    def stacks(self) -> str:
+        return process_group_stacks(self.proc.pid, self.log_path)
 
     def outputs(self) -> list:
         """Greedy token ids, logprobs and top-k alternatives per prompt: compared bit for bit."""

@@ -19,6 +19,10 @@ A test puts this directory on a server's ``PYTHONPATH`` and sets, in the server'
   requests come less than a second apart (``python bench/queue_spin.py``, figures in
   docs/vllm.md): on a 2-core CI host the readers take the cores from the processes they wait
   for. What is computed is unchanged; each message may wait up to 0.5 ms longer.
+- ``ENGINE_EXT_TEST_STACKS=1``: SIGUSR2 makes the process write every thread's Python stack to its
+  stderr (``faulthandler``), which is the server's log. A test whose server does not answer
+  ``/health`` in time and shows no death sends it to the server's process group before stopping it
+  (tests/vllm_helpers.py), so a start-up that hangs names the line each process waits on.
 """
 
 import importlib.abc
@@ -68,6 +72,12 @@ def _quiet_spin(module) -> None:
 
     cls.wait = quiet_wait
 
+
+if os.environ.get("ENGINE_EXT_TEST_STACKS") == "1":
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 PATCHES = {}  # module name -> what to do once it is imported
 if FLAG:
