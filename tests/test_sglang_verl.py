@@ -46,7 +46,7 @@ def start_sglang(model, sources: str, log: Path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--device", "cpu",
          "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--context-length", "256",
-         "--max-total-tokens", "4096", "--skip-server-warmup", "--random-seed", "0"],
+         "--max-total-tokens", "4096", "--skip-server-warmup", "--random-seed", "0", "--sleep-on-idle"],
         env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
