@@ -562,5 +562,10 @@ def _bounded(values: np.ndarray, where, what: str) -> np.ndarray:
 
 def verify_table(ref: TableRef, raw: bytes, where: str) -> None:
     """A table's bytes are what its reference names (length and SHA-256), before any is parsed."""
-    if len(raw) != ref.length or hashlib.sha256(raw).hexdigest() != ref.sha256:
+    verify_bytes(raw, ref.length, ref.sha256, where)
+
+
+def verify_bytes(raw: bytes, length: int, sha256: str, where: str) -> None:
+    """Bytes are ``length`` long with SHA-256 ``sha256`` (hex), before any is parsed."""
+    if len(raw) != length or hashlib.sha256(raw).hexdigest() != sha256:
         raise IntegrityError(f"{where}: SHA-256 mismatch (corrupt table)")
