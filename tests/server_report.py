@@ -2,11 +2,12 @@
 
 ``note_log``: a server's log file; when a test fails, the tails of the logs of servers
 started since its module began are attached to the failure, so a red CI explains
-itself. ``note_hang``: a server start that hung and was started again. ``note_engine``: which CPU kernels a server ran on (GEMM path, attention ISA,
-AMX permission), printed once per distinct set at the end of the run, whichever host
-CI got. Under pytest-xdist the servers run in worker processes, so each note is also a
-line in the file ``ENGINE_EXT_TEST_REPORT`` names (set by conftest.py in the controlling
-process before the workers start), which the run's summary reads.
+itself. ``note_hang``: a server start that hung and was started again. ``note_engine``:
+which CPU kernels a server ran on (GEMM path, attention ISA, AMX permission), printed
+once per distinct set at the end of the run, whichever host CI got. Under pytest-xdist the
+servers run in worker processes, so each note is also a line in the file
+``ENGINE_EXT_TEST_REPORT`` names (set by conftest.py in the controlling process before the
+workers start), which the run's summary reads.
 """
 from __future__ import annotations
 

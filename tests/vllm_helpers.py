@@ -111,10 +111,7 @@ class Server(VllmServer):
         try:
             super()._wait(timeout)
         except TimeoutError as e:
-            raise StartHung(f"{e}\n{self.stacks()}") from None
-
-    def stacks(self) -> str:
-        return process_group_stacks(self.proc.pid, self.log_path)
+            raise StartHung(f"{e}\n{process_group_stacks(self.proc.pid, self.log_path)}") from None
 
     def outputs(self) -> list:
         """Greedy token ids, logprobs and top-k alternatives per prompt: compared bit for bit."""
