@@ -40,7 +40,7 @@ def test_a_hung_process_group_names_the_line_each_thread_waits_on(tmp_path):
         deadline = time.time() + 30
         while "up" not in log.read_text() and time.time() < deadline:
             time.sleep(0.05)
-        stacks = vllm_helpers.process_group_stacks(proc.pid, log, settle_s=1.0)
+        stacks = vllm_helpers.process_group_stacks(proc.pid, log)  # its 3 s to answer, as a server gets: a loaded host
         assert proc.poll() is None, "SIGUSR2 must not stop a process that registered the hook"
         assert stacks.count("the_line_a_hung_start_waits_on") >= 2, stacks  # both threads, each at its line
         assert "Thread 0x" in stacks, stacks
